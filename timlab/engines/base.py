@@ -1,0 +1,197 @@
+"""The rollout-engine interface and the sampling step every engine shares.
+
+An engine turns prompts into a ``Rollout``: the (B, S) token grid in timlab's layout (prompts
+left-padded to width P, responses from column P, see ``timlab.model.forward``), the log-prob of
+each sampled token under the model's distribution (temperature 1, no truncation; this is the
+``log mu`` that mismatch metrics compare with the trainer's ``log pi``), the log-prob under
+the distribution actually sampled from (after temperature, top-k, top-p), and EOS-terminated
+lengths. Truncation is a separate, non-numerical source of mismatch, so both are reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from timlab.model.forward import buffer_length
+from timlab.model.llama import CausalLM
+from timlab.registry import Registry
+
+ENGINES: Registry[type["Engine"]] = Registry("engine")
+
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``processor(logits (B, V) fp32, column_index (B,) long) -> logits``: a rollout-side change
+of the model's distribution (an injected mismatch). It defines the engine's log mu."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn. temperature 0 means greedy; top_k 0 and top_p 1 disable truncation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled responses in timlab's (B, S) layout."""
+
+    tokens: torch.Tensor  # (B, S) long: left-padded prompt | response | pad
+    key_valid: torch.Tensor  # (B, S) bool: False on left padding only
+    response_mask: torch.Tensor  # (B, S) bool: response tokens up to and including EOS
+    logprobs: torch.Tensor  # (B, S) fp32: log mu(token) under the model's distribution; 0 off-mask
+    sampling_logprobs: torch.Tensor  # (B, S) fp32: log-prob under the sampling distribution
+    lengths: torch.Tensor  # (B,) long: response length including EOS
+    finished: torch.Tensor  # (B,) bool: ended with EOS within max_new_tokens
+    prompt_width: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def responses(self) -> list[list[int]]:
+        """Response token ids per sequence, EOS included when present."""
+        return [row[m].tolist() for row, m in zip(self.tokens, self.response_mask)]
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits: (B, V) fp32.
+
+    Returns token (B,), its log-prob under the model's distribution log_softmax(logits) (B,),
+    and its log-prob under the sampling distribution (B,). Order: temperature, top-k, top-p
+    (the order HF applies them in).
+    """
+    logp_model = torch.log_softmax(logits, dim=-1)  # (B, V)
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        lp = logp_model.gather(-1, token[:, None]).squeeze(-1)
+        return token, lp, torch.zeros_like(lp)
+    z = logits / params.temperature if params.temperature != 1.0 else logits
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_z, idx = torch.sort(z, dim=-1, descending=True)
+        cum = torch.softmax(sorted_z, dim=-1).cumsum(-1)
+        drop_sorted = cum - torch.softmax(sorted_z, dim=-1) >= params.top_p  # keep the first token always
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    logp_sample = torch.log_softmax(z, dim=-1)  # (B, V)
+    token = torch.multinomial(logp_sample.exp(), 1, generator=generator).squeeze(-1)
+    return (
+        token,
+        logp_model.gather(-1, token[:, None]).squeeze(-1),
+        logp_sample.gather(-1, token[:, None]).squeeze(-1),
+    )
+
+
+class Engine:
+    """Base class: prompt packing, the decode loop's bookkeeping, and the Rollout assembly.
+
+    Subclasses implement ``_prefill`` and ``_decode``; each returns fp32 logits (B, V) for the
+    next token. Engines hold a reference to the model, so weight updates are seen at once.
+    """
+
+    name = "base"
+
+    def __init__(self, model: CausalLM, *, eos_token_id: int, pad_token_id: int | None = None):
+        self.model = model
+        self.eos_token_id = int(eos_token_id)
+        self.pad_token_id = int(self.eos_token_id if pad_token_id is None else pad_token_id)
+
+    def sync_weights(self) -> None:
+        """Called after each optimizer step; engines that keep their own copy refresh it."""
+
+    # -- layout ---------------------------------------------------------------------------
+    def pack(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Left-pad prompts into a (B, S) grid. Returns tokens, key_valid, prompt width P."""
+        if not prompts:
+            raise ValueError("no prompts given")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        P = max(len(p) for p in prompts)
+        S = buffer_length(P, max_new_tokens)
+        limit = self.model.config.max_position_embeddings
+        if P + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context "
+                f"(max_position_embeddings={limit})"
+            )
+        vocab = self.model.config.vocab_size
+        dev = self.model.device
+        tokens = torch.full((len(prompts), S), self.pad_token_id, dtype=torch.long, device=dev)
+        key_valid = torch.ones(len(prompts), S, dtype=torch.bool, device=dev)
+        for b, p in enumerate(prompts):
+            if max(p) >= vocab or min(p) < 0:
+                raise ValueError(f"prompt {b} has token id {max(p)} outside the model's vocabulary (size {vocab})")
+            tokens[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long, device=dev)
+            key_valid[b, : P - len(p)] = False
+        return tokens, key_valid, P
+
+    # -- subclass hooks -------------------------------------------------------------------
+    def _prefill(self, tokens: torch.Tensor, key_valid: torch.Tensor, P: int):  # -> (logits, state)
+        raise NotImplementedError
+
+    def _decode(self, state, tokens: torch.Tensor, key_valid: torch.Tensor, col: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- the loop -------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        generator: torch.Generator | None = None,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> Rollout:
+        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        tokens, key_valid, P = self.pack(prompts, max_new_tokens)
+        B, S = tokens.shape
+        dev = tokens.device
+        logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
+        logp_s = torch.zeros(B, S, dtype=torch.float32, device=dev)
+        mask = torch.zeros(B, S, dtype=torch.bool, device=dev)
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        logits, state = self._prefill(tokens, key_valid, P)
+        for i in range(max_new_tokens):
+            col = P + i
+            if logits_processor is not None:
+                logits = logits_processor(logits, torch.full((B,), col, device=dev))
+            tok, lp, lps = sample_next(logits, sampling, generator)
+            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
+            tokens[:, col] = tok
+            logp[:, col] = torch.where(alive, lp, 0.0)
+            logp_s[:, col] = torch.where(alive, lps, 0.0)
+            mask[:, col] = alive
+            alive = alive & (tok != self.eos_token_id)
+            if not alive.any() or i == max_new_tokens - 1:
+                break
+            logits = self._decode(state, tokens, key_valid, col)
+        lengths = mask.sum(-1)
+        return Rollout(
+            tokens=tokens,
+            key_valid=key_valid,
+            response_mask=mask,
+            logprobs=logp,
+            sampling_logprobs=logp_s,
+            lengths=lengths,
+            finished=~alive,
+            prompt_width=P,
+        )

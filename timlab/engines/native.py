@@ -1,0 +1,50 @@
+"""timlab's own KV-cached engines: ``exact`` (bitwise equal to the trainer) and ``fast``.
+
+Both run the same model code and the same decode loop; they differ only in the numeric path
+(``timlab.model.llama``): ``exact`` uses batch-invariant linears and fixed-length attention over
+the S-long KV buffer, exactly what the trainer's forward uses; ``fast`` uses stock linears on
+the rows at hand and SDPA over the keys written so far, like a production engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from timlab.engines.base import ENGINES, Engine
+from timlab.model.forward import attention_mask, positions_from_valid
+from timlab.model.llama import KVCache, Step
+
+
+class _KVCachedEngine(Engine):
+    mode = "exact"
+
+    def _step(self, key_valid: torch.Tensor, start: int, num: int) -> Step:
+        width = key_valid.shape[1] if self.mode == "exact" else start + num
+        positions = positions_from_valid(key_valid)[:, start : start + num]
+        return Step(positions=positions, start=start, allowed=attention_mask(key_valid, start, num, width))
+
+    def _prefill(self, tokens, key_valid, P):
+        B, S = tokens.shape
+        cache = KVCache.empty(self.model.config, B, S, self.model.dtype, self.model.device)
+        h = self.model.hidden_states(tokens[:, :P], self._step(key_valid, 0, P), cache, self.mode)
+        return self.model.logits_from_hidden(h[:, -1], self.mode), cache  # (B, V)
+
+    def _decode(self, cache, tokens, key_valid, col):
+        h = self.model.hidden_states(tokens[:, col : col + 1], self._step(key_valid, col, 1), cache, self.mode)
+        return self.model.logits_from_hidden(h[:, -1], self.mode)  # (B, V)
+
+
+@ENGINES.register("exact")
+class ExactEngine(_KVCachedEngine):
+    """KV-cached decoding whose log-probs are bitwise equal to the trainer's forward."""
+
+    name = "exact"
+    mode = "exact"
+
+
+@ENGINES.register("fast")
+class FastEngine(_KVCachedEngine):
+    """The ordinary production path: SDPA, stock matmuls, a growing KV cache. Small real TIM."""
+
+    name = "fast"
+    mode = "fast"

@@ -1,0 +1,75 @@
+"""Teacher-forced scoring and the mask/position bookkeeping shared by trainer and engines.
+
+Layout convention used everywhere in timlab: a batch is a (B, S) token grid. Prompts are
+left-padded to a common width P, responses start at column P, and S is a fixed buffer length
+(prompt width + max new tokens, rounded up to a multiple of 16). ``key_valid`` (B, S) is False
+only on left padding; positions are counted over valid columns, so padding never shifts RoPE.
+A query may attend to valid keys at or before its own column, and always to itself (so padded
+rows stay finite and their gradients stay zero).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from timlab.model.llama import CausalLM, Step
+
+BUFFER_MULTIPLE = 16
+
+
+def buffer_length(prompt_width: int, max_new_tokens: int) -> int:
+    """S for a batch: prompt width + new tokens, rounded up to a multiple of 16."""
+    n = prompt_width + max_new_tokens
+    return -(-n // BUFFER_MULTIPLE) * BUFFER_MULTIPLE
+
+
+def positions_from_valid(key_valid: torch.Tensor) -> torch.Tensor:
+    """RoPE positions (B, S): index among valid columns; 0 on left padding."""
+    return (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def attention_mask(key_valid: torch.Tensor, start: int, num_queries: int, width: int | None = None) -> torch.Tensor:
+    """(B, 1, M, W) bool: query at column start+i may see valid key j <= start+i, and itself.
+
+    W is the number of key columns (the buffer length S by default).
+    """
+    B, S = key_valid.shape
+    W = S if width is None else width
+    dev = key_valid.device
+    q_col = torch.arange(start, start + num_queries, device=dev)[:, None]  # (M, 1)
+    k_col = torch.arange(W, device=dev)[None, :]  # (1, W)
+    causal = k_col <= q_col  # (M, W)
+    allowed = causal[None] & key_valid[:, None, :W]  # (B, M, W)
+    allowed = allowed | (k_col == q_col)[None]
+    return allowed[:, None]  # (B, 1, M, W)
+
+
+def full_step(key_valid: torch.Tensor) -> Step:
+    """The Step for a teacher-forced forward over the whole (B, S) grid."""
+    S = key_valid.shape[1]
+    return Step(positions=positions_from_valid(key_valid), start=0, allowed=attention_mask(key_valid, 0, S))
+
+
+def token_logprobs(
+    model: CausalLM,
+    tokens: torch.Tensor,
+    key_valid: torch.Tensor,
+    *,
+    mode: str = "exact",
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Trainer-side log pi(token_t | tokens_<t) for every column, differentiable.
+
+    tokens, key_valid: (B, S). Returns logp (B, S) with column 0 set to 0 (it has no prefix)
+    and, if asked, the entropy (B, S) of each next-token distribution (detached).
+    """
+    logits = model(tokens, full_step(key_valid), mode=mode)  # (B, S, V)
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, S-1, V)
+    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, S-1)
+    logp = torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1)  # (B, S)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)  # (B, S-1)
+            entropy = torch.cat([ent.new_zeros(tokens.shape[0], 1), ent], dim=1)
+    return logp, entropy

@@ -1,0 +1,197 @@
+"""Read and write ordinary Hugging Face model folders (config.json + safetensors + tokenizer).
+
+A folder written by ``transformers`` for LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM
+loads here, and a folder written here loads in ``transformers``. transformers itself is not
+needed: the config is read as JSON and the weights with safetensors. Sharded checkpoints
+(``model.safetensors.index.json``) are read; ``pytorch_model.bin`` is read with
+``weights_only=True`` as a fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from timlab.model.llama import ARCHITECTURES, CausalLM, ModelConfig
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be loaded; the message names the file, key or field."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; valid choices: {', '.join(DTYPES)}") from None
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """Map an HF config.json dict onto ModelConfig, refusing what the model does not implement."""
+    mtype = d.get("model_type")
+    if mtype not in ARCHITECTURES:
+        archs = d.get("architectures")
+        raise ModelLoadError(
+            f"unsupported architecture model_type={mtype!r} (architectures={archs}); "
+            f"valid choices: {', '.join(ARCHITECTURES)}"
+        )
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"unsupported hidden_act={act!r}; valid choices: silu")
+    if d.get("use_sliding_window"):
+        raise ModelLoadError("unsupported use_sliding_window=true; only full attention is implemented")
+    rope = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ModelLoadError(f"unsupported rope_type={rope_type!r}; valid choices: default")
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    eos = d.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    try:
+        return ModelConfig(
+            model_type=mtype,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id"),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json is missing the field {e.args[0]!r}") from None
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """An HF config.json dict that transformers reads back as the same architecture."""
+    d = {
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.dim_per_head,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if cfg.model_type == "llama":
+        d["mlp_bias"] = cfg.mlp_bias
+    else:
+        d["use_sliding_window"] = False
+    return d
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(str(single))
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            out.update(load_file(str(path / shard)))
+        return out
+    binfile = path / "pytorch_model.bin"
+    if binfile.exists():
+        return torch.load(binfile, map_location="cpu", weights_only=True)
+    raise ModelLoadError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> CausalLM:
+    """Load an HF-format folder into a timlab CausalLM (eval mode, requested dtype/device)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path}: not a model folder (no config.json)")
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: invalid JSON ({e})") from None
+    cfg = config_from_hf(hf)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    weights = _read_weights(path)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        raise ModelLoadError(f"{path}: missing weight {missing[0]!r} ({len(missing)} missing in all)")
+    for k, t in expected.items():
+        if tuple(weights[k].shape) != tuple(t.shape):
+            raise ModelLoadError(
+                f"{path}: weight {k!r} has shape {tuple(weights[k].shape)}, expected {tuple(t.shape)}"
+            )
+    unexpected = sorted(k for k in weights if k not in expected and "rotary_emb" not in k)
+    if unexpected:
+        raise ModelLoadError(f"{path}: unexpected weight {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
+    model = model.to_empty(device=device)
+    model.load_state_dict(weights, strict=False, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.refresh_rope()
+    return model.to(dtype=parse_dtype(dtype)).eval()
+
+
+def save_model(model: CausalLM, path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write config.json, generation_config.json, model.safetensors (+ tokenizer files)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, model.dtype), indent=2))
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.exists() and src.resolve() != (path / name).resolve():
+                shutil.copy(src, path / name)
+    return path

@@ -1,0 +1,335 @@
+"""A Llama-family decoder (Llama, Qwen2, Qwen3) in plain PyTorch, readable in one sitting.
+
+Parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...) so a
+state dict moves between timlab and ``transformers`` without renaming. The model knows nothing
+about RL. It has two numeric paths selected per call:
+
+- ``exact``: batch-invariant ops (``timlab.model.ops``) over a fixed-length KV buffer. The
+  trainer's teacher-forced forward and the exact engine's KV-cached decode both use it, so they
+  produce bitwise-equal logits for the same token.
+- ``fast``: the ordinary production path: stock ``F.linear`` on whatever rows there are and
+  ``scaled_dot_product_attention`` over the keys written so far. Numerically close, not equal.
+
+Departures from HF: RoPE cos/sin come from one table built at load time and indexed by
+position (HF recomputes them per call; the values agree to ~1e-7). Only the default RoPE type,
+SiLU activations and full attention are supported; other configs are refused at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from timlab.model.ops import fixed_length_attention, invariant_linear
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""Supported ``model_type`` values and the HF class each one is saved as."""
+
+MODES = ("exact", "fast")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (the subset of HF's config that timlab uses)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    model_type: str = "llama"
+    """One of ARCHITECTURES: llama, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm)."""
+    head_dim: int | None = None
+    """Defaults to hidden_size // num_attention_heads."""
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Llama/Qwen3: bias on q, k, v and o. Qwen2 always has q/k/v bias and no o bias."""
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture model_type={self.model_type!r}; "
+                f"valid choices: {', '.join(ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.model_type != "qwen2" and self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+
+def _linear(mode: str, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    if mode == "exact":
+        return invariant_linear(x, layer.weight, layer.bias)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalize in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_table(cfg: ModelConfig, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (length, head_dim), fp32, HF's default RoPE (values do not depend on length)."""
+    d = cfg.dim_per_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+    pos = torch.arange(length, dtype=torch.float, device=device)
+    freqs = pos[:, None] * inv_freq[None, :]  # (P, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (P, d)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, M, D); cos, sin: (B, 1, M, D) already gathered at the tokens' positions."""
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value buffers of one fixed length S, shape (B, H_kv, S, D) each."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None) -> "KVCache":
+        shape = (batch, cfg.num_key_value_heads, length, cfg.dim_per_head)
+        zeros = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        n = cfg.num_hidden_layers
+        return cls([zeros() for _ in range(n)], [zeros() for _ in range(n)])
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+@dataclass
+class Step:
+    """What one forward call computes: which columns, where, and what each query may see.
+
+    positions: (B, M) RoPE positions of the M input tokens.
+    start: column of the first input token in the S-long buffer (tokens fill start..start+M-1).
+    allowed: (B, 1, M, S) bool attention mask over the whole buffer (exact mode), or over the
+      first start+M columns (fast mode).
+    """
+
+    positions: torch.Tensor
+    start: int
+    allowed: torch.Tensor
+    extras: dict = field(default_factory=dict)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, hk = cfg.dim_per_head, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.n_heads, self.n_kv, self.head_dim = h, hk, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hk * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hk * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.scale = d**-0.5
+
+    def forward(self, x, cos, sin, step: Step, cache_k, cache_v, mode: str) -> torch.Tensor:
+        B, M, _ = x.shape
+        q = _linear(mode, x, self.q_proj).view(B, M, self.n_heads, self.head_dim)
+        k = _linear(mode, x, self.k_proj).view(B, M, self.n_kv, self.head_dim)
+        v = _linear(mode, x, self.v_proj).view(B, M, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, M, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache_k is None:  # teacher-forced: the inputs are the whole buffer
+            keys, values = k, v
+        else:  # write this call's columns into the fixed buffer
+            end = step.start + M
+            cache_k[:, :, step.start : end] = k
+            cache_v[:, :, step.start : end] = v
+            keys, values = (cache_k, cache_v) if mode == "exact" else (cache_k[:, :, :end], cache_v[:, :, :end])
+        rep = self.n_heads // self.n_kv
+        if rep > 1:  # grouped-query attention: (B, H_kv, S, D) -> (B, H, S, D)
+            keys = keys.repeat_interleave(rep, dim=1)
+            values = values.repeat_interleave(rep, dim=1)
+
+        if mode == "exact":
+            out = fixed_length_attention(q, keys, values, step.allowed, self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.allowed, scale=self.scale)
+        out = out.transpose(1, 2).reshape(B, M, self.n_heads * self.head_dim)  # (B, M, H*D)
+        return _linear(mode, out, self.o_proj)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        gate = F.silu(_linear(mode, x, self.gate_proj))
+        return _linear(mode, gate * _linear(mode, x, self.up_proj), self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, step, cache_k, cache_v, mode):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, cache_k, cache_v, mode)
+        return x + self.mlp(self.post_attention_layernorm(x), mode)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its LM head; ``state_dict()`` keys are HF's."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        """fp32 RoPE tables per device; not buffers, so casting the model never rounds them."""
+        self.lm_head_fp32 = False
+        """Compute the LM head in fp32 whatever the body's dtype (a precision remedy)."""
+        self.hooks: list = []
+        """Callables ``hook(name, tensor)`` called at each op boundary (attribution probe)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def rope(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables covering at least ``length`` positions (grown by doubling, cached)."""
+        cached = self._rope.get(device)
+        if cached is None or cached[0].shape[0] < length:
+            n = min(max(256, 2 ** (length - 1).bit_length()), max(length, self.config.max_position_embeddings))
+            self._rope[device] = rope_table(self.config, n, device)
+        return self._rope[device]
+
+    def refresh_rope(self) -> None:
+        self._rope.clear()
+
+    def _emit(self, name: str, t: torch.Tensor) -> None:
+        for hook in self.hooks:
+            hook(name, t)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, step: Step, cache: KVCache | None = None, mode: str = "exact"
+    ) -> torch.Tensor:
+        """Final-norm hidden states (B, M, hidden) for input_ids (B, M)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; valid choices: {', '.join(MODES)}")
+        x = self.model.embed_tokens(input_ids)  # (B, M, hidden)
+        self._emit("embed", x)
+        dtype = x.dtype
+        cos_t, sin_t = self.rope(x.device, int(step.positions.max()) + 1)
+        cos = cos_t[step.positions].to(dtype).unsqueeze(1)  # (B, 1, M, D)
+        sin = sin_t[step.positions].to(dtype).unsqueeze(1)
+        for i, layer in enumerate(self.model.layers):
+            ck = cache.keys[i] if cache is not None else None
+            cv = cache.values[i] if cache is not None else None
+            if self.hooks:
+                h = layer.input_layernorm(x)
+                self._emit(f"layers.{i}.attn_norm", h)
+                a = layer.self_attn(h, cos, sin, step, ck, cv, mode)
+                self._emit(f"layers.{i}.attn_out", a)
+                x = x + a
+                h = layer.post_attention_layernorm(x)
+                self._emit(f"layers.{i}.mlp_norm", h)
+                m = layer.mlp(h, mode)
+                self._emit(f"layers.{i}.mlp_out", m)
+                x = x + m
+                self._emit(f"layers.{i}.output", x)
+            else:
+                x = layer(x, cos, sin, step, ck, cv, mode)
+        x = self.model.norm(x)
+        self._emit("final_norm", x)
+        return x
+
+    def logits_from_hidden(self, h: torch.Tensor, mode: str = "exact") -> torch.Tensor:
+        """LM head: (..., hidden) -> (..., V) fp32 logits."""
+        w = self.lm_head.weight
+        if self.lm_head_fp32:
+            h, w = h.float(), w.float()
+        if mode == "exact":
+            logits = invariant_linear(h, w)
+        else:
+            logits = F.linear(h, w)
+        logits = logits.float()
+        self._emit("logits", logits)
+        return logits
+
+    def forward(
+        self, input_ids: torch.Tensor, step: Step, cache: KVCache | None = None, mode: str = "exact"
+    ) -> torch.Tensor:
+        """Logits (B, M, V) in fp32 for input_ids (B, M)."""
+        return self.logits_from_hidden(self.hidden_states(input_ids, step, cache, mode), mode)
