@@ -1,13 +1,16 @@
-"""Rollout engines behind one interface, chosen by name: exact, fast, hf (and vllm when installed)."""
+"""Rollout engines behind one interface, chosen by name: exact, fast, hf (and vllm when installed).
+
+``hf`` is always registered; it imports transformers only when an engine is built and says
+how to install it when missing.
+"""
 
 from timlab.engines.base import ENGINES, Engine, Rollout, SamplingParams, sample_next
 from timlab.engines import native  # noqa: F401  (registers exact, fast)
+from timlab.engines import hf  # noqa: F401  (registers hf; transformers is imported lazily)
 
 __all__ = ["ENGINES", "Engine", "Rollout", "SamplingParams", "sample_next", "build_engine"]
 
 
 def build_engine(name: str, model, *, eos_token_id: int, pad_token_id: int | None = None) -> Engine:
     """Build an engine by name; unknown names list the valid choices."""
-    if name == "hf" and "hf" not in ENGINES:
-        from timlab.engines import hf  # noqa: F401  (optional: needs transformers)
     return ENGINES.get(name)(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -1,0 +1,250 @@
+"""Rollout engines: the exact engine is bitwise equal to the trainer, the fast one only close.
+
+The central claim of timlab's zero-mismatch setting: for every sampled token the exact engine's
+KV-cached log-prob is the *same float* as the trainer's teacher-forced log-prob computed with
+autograd enabled (``torch.equal``, not allclose), whatever the batch size, the padding, the
+dtype, the architecture or when each sequence hits EOS.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from timlab.engines import ENGINES, SamplingParams, build_engine
+from timlab.model.forward import full_step, token_logprobs
+from timlab.model.llama import CausalLM, ModelConfig
+
+EOS, PAD, V = 2, 0, 24
+ARCHS = ("llama", "qwen2", "qwen3")
+DTYPES = (torch.float32, torch.bfloat16)
+BATCH_SIZES = (1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 33)
+
+
+def tiny_model(arch: str = "llama", dtype=torch.float32, *, seed: int = 0, eos_prob: float | None = 0.08) -> CausalLM:
+    """A 2-layer random model with non-trivial weights (std 0.3), GQA, untied head.
+
+    With ``eos_prob`` the LM head's EOS row is shifted along the mean final hidden state so the
+    average EOS probability is about that value: sequences end at different steps.
+    """
+    cfg = ModelConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, model_type=arch,
+        attention_bias=arch == "llama", eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=256,
+    )
+    g = torch.Generator().manual_seed(seed)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+        if eos_prob is not None:
+            _make_eos_likely(model, eos_prob, g)
+    model.refresh_rope()
+    return model.to(dtype)
+
+
+def _make_eos_likely(model: CausalLM, target: float, g: torch.Generator) -> None:
+    """Bisect a shift of the EOS row along the mean final hidden state to hit ``target`` mean p(EOS)."""
+    tokens = torch.randint(4, V, (16, 32), generator=g)  # (B, S)
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    h = model.hidden_states(tokens, full_step(valid)).reshape(-1, model.config.hidden_size)  # (N, hidden)
+    u = h.mean(0) / h.mean(0).norm()
+    base = model.lm_head.weight[EOS].clone()
+    lo, hi = -20.0, 20.0
+    for _ in range(40):
+        beta = (lo + hi) / 2
+        model.lm_head.weight[EOS] = base + beta * u
+        p_eos = torch.softmax(model.logits_from_hidden(h), -1)[:, EOS].mean()
+        lo, hi = (beta, hi) if p_eos < target else (lo, beta)
+
+
+def ragged_prompts(n: int, *, offset: int = 0) -> list[list[int]]:
+    """n prompts of lengths 1..6 over the ordinary tokens 4..V-1."""
+    return [[4 + (7 * (i + offset) + 3 * j) % (V - 4) for j in range(1 + (i + offset) % 6)] for i in range(n)]
+
+
+def trainer_logprobs(model: CausalLM, r) -> torch.Tensor:
+    """The trainer's forward, autograd enabled, as in the RL step."""
+    with torch.enable_grad():
+        logp, _ = token_logprobs(model, r.tokens, r.key_valid, mode="exact")
+    assert logp.requires_grad
+    return logp.detach()
+
+
+# ------------------------------------------------------------------------------ bitwise equality
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
+def test_exact_engine_bitwise_equals_trainer(arch, dtype):
+    model = tiny_model(arch, dtype)
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    all_lengths = []
+    for B in BATCH_SIZES:
+        r = engine.generate(ragged_prompts(B), max_new_tokens=12, generator=torch.Generator().manual_seed(B))
+        logp = trainer_logprobs(model, r)
+        m = r.response_mask
+        assert torch.equal(logp[m], r.logprobs[m]), f"B={B}: max |r| {float((logp - r.logprobs)[m].abs().max())}"
+        assert torch.equal(r.logprobs[~m], torch.zeros_like(r.logprobs[~m]))
+        assert torch.equal(r.lengths, m.sum(-1))
+        all_lengths += r.lengths.tolist()
+        # the mask ends at EOS exactly: EOS is the last masked token of every finished row
+        for b in range(B):
+            resp = r.tokens[b][m[b]]
+            assert (resp[:-1] != EOS).all()
+            assert bool(resp[-1] == EOS) == bool(r.finished[b])
+    # early EOS happened: sequences stopped at many different steps, some ran to the limit
+    assert len(set(all_lengths)) >= 5, all_lengths
+    assert 12 in all_lengths and min(all_lengths) < 12
+
+
+_MODELS: dict = {}
+
+
+def _cached_model(arch, dtype):
+    if (arch, dtype) not in _MODELS:
+        _MODELS[arch, dtype] = tiny_model(arch, dtype)
+    return _MODELS[arch, dtype]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=20),
+    arch=st.sampled_from(ARCHS),
+    dtype=st.sampled_from(DTYPES),
+    max_new_tokens=st.integers(1, 10),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_exact_engine_bitwise_property(lengths, arch, dtype, max_new_tokens, seed):
+    """Any batch of prompt lengths, any budget: exact rollout log-probs == trainer log-probs."""
+    model = _cached_model(arch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in lengths]  # 3 = <unk> included
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    r = engine.generate(prompts, max_new_tokens=max_new_tokens, generator=g)
+    logp = trainer_logprobs(model, r)
+    assert torch.equal(logp[r.response_mask], r.logprobs[r.response_mask])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
+def test_batch_composition_invariance(dtype):
+    """Greedy: a prompt's tokens and log-probs are the same alone or inside a bigger ragged batch."""
+    model = tiny_model("llama", dtype)
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    greedy = SamplingParams(temperature=0)
+    prompts = ragged_prompts(17)
+    big = engine.generate(prompts, max_new_tokens=12, sampling=greedy)
+    assert len(set(big.lengths.tolist())) > 1  # rows finish at different steps
+    for i in (0, 5, 16):  # widths differ from the batch's, so padding and P differ too
+        alone = engine.generate([prompts[i]], max_new_tokens=12, sampling=greedy)
+        a, b = alone.response_mask[0], big.response_mask[i]
+        assert torch.equal(alone.tokens[0][a], big.tokens[i][b])
+        assert torch.equal(alone.logprobs[0][a], big.logprobs[i][b])
+
+
+def test_seed_reproducibility():
+    model = tiny_model()
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    prompts = ragged_prompts(8)
+
+    def run(seed):
+        return engine.generate(prompts, max_new_tokens=12, generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = run(1), run(1), run(2)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+def test_fast_engine_close_but_not_bitwise():
+    model = tiny_model("llama", torch.float32)
+    engine = build_engine("fast", model, eos_token_id=EOS, pad_token_id=PAD)
+    r = engine.generate(ragged_prompts(16), max_new_tokens=12, generator=torch.Generator().manual_seed(0))
+    logp = trainer_logprobs(model, r)
+    m = r.response_mask
+    diff = (logp - r.logprobs)[m].abs()
+    assert not torch.equal(logp[m], r.logprobs[m])
+    assert 0 < float(diff.max()) < 1e-4
+
+
+# ------------------------------------------------------------------------------ sampling
+def _logits_before(model: CausalLM, r) -> torch.Tensor:
+    """logits (B, S, V) whose column c-1 produced token c (exact path = what the engine used)."""
+    with torch.no_grad():
+        return model(r.tokens, full_step(r.key_valid))
+
+
+def test_untruncated_sampling_logprobs_equal_model_logprobs():
+    model = tiny_model()
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    r = engine.generate(ragged_prompts(8), max_new_tokens=12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(r.sampling_logprobs, r.logprobs)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (4, 0.7)])
+def test_truncation_raises_sampling_logprobs_and_keeps_tokens_in_top_k(top_k, top_p):
+    model = tiny_model()
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    r = engine.generate(ragged_prompts(16), max_new_tokens=12, sampling=params,
+                        generator=torch.Generator().manual_seed(3))
+    m = r.response_mask
+    # renormalizing over a subset can only raise the probability of a kept token
+    assert (r.sampling_logprobs[m] >= r.logprobs[m]).all()
+    assert (r.sampling_logprobs[m] > r.logprobs[m]).any()
+    logits = _logits_before(model, r)  # (B, S, V)
+    b, c = m.nonzero(as_tuple=True)
+    prev = logits[b, c - 1]  # (N, V)
+    chosen = r.tokens[b, c]  # (N,)
+    if top_k:
+        topk = prev.topk(top_k, dim=-1).indices  # (N, k)
+        assert (topk == chosen[:, None]).any(-1).all()
+    # sampling log-probs are the log-prob under the truncated, renormalized distribution: <= 0
+    assert (r.sampling_logprobs[m] <= 0).all()
+
+
+def test_temperature_sampling_logprobs():
+    model = tiny_model()
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    r = engine.generate(ragged_prompts(8), max_new_tokens=12, sampling=SamplingParams(temperature=0.5),
+                        generator=torch.Generator().manual_seed(0))
+    m = r.response_mask
+    logits = _logits_before(model, r)
+    b, c = m.nonzero(as_tuple=True)
+    expected = torch.log_softmax(logits[b, c - 1] / 0.5, -1).gather(-1, r.tokens[b, c][:, None]).squeeze(-1)
+    torch.testing.assert_close(r.sampling_logprobs[b, c], expected, rtol=0, atol=1e-5)
+    model_lp = torch.log_softmax(logits[b, c - 1], -1).gather(-1, r.tokens[b, c][:, None]).squeeze(-1)
+    assert torch.equal(r.logprobs[b, c], model_lp)  # log mu stays the temperature-1 distribution
+
+
+def test_greedy_picks_argmax():
+    model = tiny_model()
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    r = engine.generate(ragged_prompts(8), max_new_tokens=12, sampling=SamplingParams(temperature=0))
+    m = r.response_mask
+    logits = _logits_before(model, r)
+    b, c = m.nonzero(as_tuple=True)
+    assert torch.equal(r.tokens[b, c], logits[b, c - 1].argmax(-1))
+    assert torch.equal(r.sampling_logprobs, torch.zeros_like(r.sampling_logprobs))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+    ],
+)
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert message in str(e.value)
+
+
+def test_registry_lists_engines():
+    assert {"exact", "fast", "hf"} <= set(ENGINES.names())
+    with pytest.raises(KeyError) as e:
+        build_engine("nope", tiny_model(), eos_token_id=EOS)
+    assert "valid choices:" in str(e.value) and "exact, fast, hf" in str(e.value)

@@ -1,0 +1,226 @@
+"""The ``timlab probe`` command end to end: zero mismatch for exact vs trainer, a real one for fast,
+op-level attribution, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from timlab.cli import main
+from timlab.model.hf_io import save_model
+from timlab.model.llama import CausalLM, ModelConfig
+from timlab.tokenizer import save_char_tokenizer
+
+CHARS = "0123456789+-= abcdef"
+VOCAB = 4 + len(CHARS)  # <pad> <bos> <eos> <unk>, then one id per character
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(vocab_size: int = VOCAB, context: int = 64) -> CausalLM:
+    cfg = ModelConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    g = torch.Generator().manual_seed(0)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    save_char_tokenizer(CHARS, path)
+    save_model(_model(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("12+34=\nabc\n\n9-3=\n a b \n7\n")  # the blank line is skipped
+    return path
+
+
+def probe(tmp_path, folder, prompts, *args) -> dict:
+    out = tmp_path / "probe.json"
+    argv = ["probe", "--model", str(folder), "--prompts", str(prompts), "--max-new-tokens", "16",
+            "--samples-per-prompt", "3", "--json", str(out), *args]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_vs_trainer_is_bitwise_zero(tmp_path, folder, prompts, capsys, dtype):
+    res = probe(tmp_path, folder, prompts, "--rollout", "exact", "--score", "trainer", "--dtype", dtype)
+    assert res["max_abs_diff"] == 0.0 and res["mean_abs_diff"] == 0.0
+    assert res["frac_bitwise_equal"] == 1.0 and res["k3_kl"] == 0.0
+    assert res["num_sequences"] == 15 and res["num_prompts"] == 5
+    assert res["num_tokens"] > 0 and res["tokens_per_s"] > 0
+    assert (res["rollout"], res["score"], res["dtype"], res["seed"]) == ("exact", "trainer", dtype, 0)
+    assert 0 < res["mean_response_length"] <= 16
+    assert sum(res["abs_diff_by_position"]["counts"]) == res["num_tokens"]
+    assert sum(res["abs_diff_by_prob"]["counts"]) == res["num_tokens"]
+    assert "max |r| 0" in capsys.readouterr().out
+
+
+def test_fast_vs_trainer_is_a_small_real_mismatch(tmp_path, folder, prompts):
+    res = probe(tmp_path, folder, prompts, "--rollout", "fast", "--score", "trainer")
+    assert 0 < res["max_abs_diff"] < 1e-4
+    assert res["frac_bitwise_equal"] < 1.0
+    assert res["k3_kl"] >= 0
+
+
+def test_same_seed_same_rollout(tmp_path, folder, prompts):
+    a = probe(tmp_path, folder, prompts, "--rollout", "fast", "--seed", "3")
+    b = probe(tmp_path, folder, prompts, "--rollout", "fast", "--seed", "3")
+    for key in ("num_tokens", "max_abs_diff", "mean_abs_diff", "k3_kl", "mean_response_length"):
+        assert a[key] == b[key]
+
+
+def test_hf_rollout_and_score(tmp_path, folder, prompts):
+    pytest.importorskip("transformers")
+    res = probe(tmp_path, folder, prompts, "--rollout", "hf", "--score", "trainer")
+    assert res["num_tokens"] > 0 and res["max_abs_diff"] < 1e-4
+    res = probe(tmp_path, folder, prompts, "--rollout", "exact", "--score", "hf")
+    assert res["max_abs_diff"] < 1e-4
+
+
+def test_task_prompts(tmp_path, folder):
+    out = tmp_path / "task.json"
+    argv = ["probe", "--model", str(folder), "--task", "addition", "--num-prompts", "4",
+            "--max-new-tokens", "8", "--json", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["num_sequences"] == 4 and res["max_abs_diff"] == 0.0
+
+
+# ------------------------------------------------------------------------------ attribution
+def _expected_ops(num_layers: int = 2) -> list[str]:
+    names = ["embed"]
+    for i in range(num_layers):
+        names += [f"layers.{i}.{op}" for op in ("attn_norm", "attn_out", "mlp_norm", "mlp_out", "output")]
+    return names + ["final_norm", "logits"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attribution_exact_vs_trainer_all_equal(tmp_path, folder, prompts, dtype):
+    res = probe(tmp_path, folder, prompts, "--rollout", "exact", "--score", "trainer", "--dtype", dtype, "--attribute")
+    assert [op["name"] for op in res["ops"]] == _expected_ops()
+    assert res["first_divergent_op"] is None
+    assert res["replay_bitwise_equal"] is True
+    assert all(op["bitwise_equal"] and op["max_abs_diff"] == 0.0 for op in res["ops"])
+
+
+def test_attribution_fast_vs_trainer_finds_the_first_divergent_op(tmp_path, folder, prompts, capsys):
+    res = probe(tmp_path, folder, prompts, "--rollout", "fast", "--score", "trainer", "--attribute")
+    names = [op["name"] for op in res["ops"]]
+    assert names == _expected_ops()
+    first = res["first_divergent_op"]
+    assert first is not None
+    k = names.index(first)
+    assert all(op["bitwise_equal"] for op in res["ops"][:k])
+    assert res["ops"][k]["max_abs_diff"] > 0 and res["ops"][k]["rel_diff"] > 0
+    # embedding and the first norm are lookups/row-wise: equal; the first matmul-based op is not
+    assert first == "layers.0.attn_out"
+    assert res["ops"][-1]["name"] == "logits" and not res["ops"][-1]["bitwise_equal"]
+    assert res["replay_bitwise_equal"] is True  # the replay reproduces the fast engine's own log-probs
+    assert "first divergent op: layers.0.attn_out" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ bad input
+def _error(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def bad_folders(tmp_path_factory, folder) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad")
+    big_tok = root / "big_tokenizer"  # a tokenizer with more ids than the model's vocab
+    save_char_tokenizer(CHARS + "ghijklmnopqrstuvwxyz", big_tok)
+    save_model(_model(), big_tok)
+    no_weights = root / "no_weights"
+    save_char_tokenizer(CHARS, no_weights)
+    (no_weights / "config.json").write_text((folder / "config.json").read_text())
+    gpt2 = root / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    return {"big_tokenizer": big_tok, "no_weights": no_weights, "gpt2": gpt2, "empty": root / "empty"}
+
+
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("unknown_engine", "unknown engine 'vllm'; valid choices: exact, fast, hf"),
+        ("trainer_rollout", "'trainer' is not a rollout engine"),
+        ("unknown_score", "unknown score path 'nope'; valid choices: trainer, exact, fast, hf"),
+        ("missing_prompts", "does not exist"),
+        ("empty_prompts", "is empty"),
+        ("long_prompt", "more than the model's context (max_position_embeddings=64)"),
+        ("big_tokenizer", "tokenizer has 44 tokens but the model's vocab_size is 24"),
+        ("no_config", "no config.json"),
+        ("no_weights", "no model.safetensors"),
+        ("gpt2", "unsupported architecture model_type='gpt2'"),
+        ("attribute_hf", "attribution needs op hooks"),
+        ("bad_top_p", "top_p must be in (0, 1]"),
+        ("unknown_task", "unknown task 'nope'; valid choices:"),
+    ],
+)
+def test_bad_input_gives_one_line_error(tmp_path, folder, prompts, bad_folders, capsys, case, expected):
+    model, prompt_file, extra = str(folder), str(prompts), []
+    if case == "unknown_engine":
+        extra = ["--rollout", "vllm"]
+    elif case == "trainer_rollout":
+        extra = ["--rollout", "trainer"]
+    elif case == "unknown_score":
+        extra = ["--score", "nope"]
+    elif case == "missing_prompts":
+        prompt_file = str(tmp_path / "missing.txt")
+    elif case == "empty_prompts":
+        (tmp_path / "empty.txt").write_text("\n\n")
+        prompt_file = str(tmp_path / "empty.txt")
+    elif case == "long_prompt":
+        (tmp_path / "long.txt").write_text("12\n" + "1" * 60 + "\n")
+        prompt_file = str(tmp_path / "long.txt")
+    elif case in ("big_tokenizer", "no_weights", "gpt2"):
+        model = str(bad_folders[case])
+    elif case == "no_config":
+        model = str(bad_folders["empty"])
+    elif case == "attribute_hf":
+        extra = ["--rollout", "hf", "--attribute"]
+    elif case == "bad_top_p":
+        extra = ["--top-p", "1.5"]
+    argv = ["probe", "--model", model, "--max-new-tokens", "16", *extra]
+    argv += ["--task", "nope"] if case == "unknown_task" else ["--prompts", prompt_file]
+    line = _error(capsys, argv)
+    assert line.startswith("timlab: error: ")
+    assert expected in line
+    if case == "long_prompt":
+        assert "prompt 2 of prompts file" in line and "60 tokens" in line
+
+
+def test_bad_input_through_python_m_timlab(tmp_path, folder):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "timlab", "probe", "--model", str(folder), "--prompts", str(tmp_path / "none.txt")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"timlab: error: prompts file {str(tmp_path / 'none.txt')!r} does not exist"]
+    assert proc.stdout == ""

@@ -1,0 +1,253 @@
+"""Tests for timlab.tasks: seeding, splits, rewards (exact, dense, countdown verifier), lengths."""
+
+import random
+
+import pytest
+
+from timlab.tasks import (
+    TASKS,
+    Example,
+    evaluate_expression,
+    get_task,
+    make_splits,
+    parse_prompt,
+    positional_match,
+)
+from timlab.registry import UnknownNameError
+
+ALL_TASKS = ["addition", "copy", "countdown", "reverse", "sort"]
+STRING_TASKS = ["addition", "copy", "reverse", "sort"]  # a single correct answer
+
+
+def test_registry_names_and_unknown_name():
+    assert TASKS.names() == ALL_TASKS
+    with pytest.raises(UnknownNameError, match="valid choices: addition, copy, countdown"):
+        get_task("revers")
+
+
+def test_bad_option_names_key_and_valid_keys():
+    expected = r"no option 'foo'; valid options: min_len, max_len, charset"
+    with pytest.raises(TypeError, match=expected):
+        get_task("reverse", foo=1)
+    with pytest.raises(TypeError, match="valid options: min_numbers, max_numbers, max_value"):
+        get_task("countdown", min_len=3)
+    with pytest.raises(ValueError, match="min_len <= max_len"):
+        get_task("sort", min_len=9, max_len=3)
+    with pytest.raises(ValueError, match="max_digits <= 39"):
+        get_task("addition", max_digits=40)
+
+
+@pytest.mark.parametrize("name", ALL_TASKS)
+def test_same_seed_same_examples_different_seed_different(name):
+    task = get_task(name)
+    a = task.sample(random.Random(123), 50)
+    b = task.sample(random.Random(123), 50)
+    c = task.sample(random.Random(124), 50)
+    assert a == b
+    assert len(a) == 50 and all(isinstance(e, Example) for e in a)
+    assert sum(x != y for x, y in zip(a, c)) >= 45
+
+
+@pytest.mark.parametrize("name", ALL_TASKS)
+def test_splits_sized_disjoint_and_seeded(name):
+    task = get_task(name)
+    train, val = make_splits(task, seed=7, n_train=300, n_val=100)
+    assert (len(train), len(val)) == (300, 100)
+    train_prompts, val_prompts = {e.prompt for e in train}, {e.prompt for e in val}
+    assert len(train_prompts) == 300 and len(val_prompts) == 100  # no repeats inside a split
+    assert not train_prompts & val_prompts
+    assert make_splits(task, seed=7, n_train=300, n_val=100) == (train, val)
+    assert make_splits(task, seed=8, n_train=300, n_val=100)[1] != val
+    assert make_splits(task, seed=7, n_train=10, n_val=100)[1] == val  # val ignores n_train
+
+
+def test_splits_raise_when_the_task_is_too_small():
+    tiny = get_task("copy", min_len=1, max_len=1, charset="ab")  # only 2 distinct prompts
+    assert len(make_splits(tiny, seed=0, n_train=1, n_val=1)[0]) == 1
+    with pytest.raises(ValueError, match="gave only 1 distinct new prompts"):
+        make_splits(tiny, seed=0, n_train=2, n_val=1)
+
+
+@pytest.mark.parametrize("name", ALL_TASKS)
+def test_examples_fit_alphabet_and_bounds(name):
+    task = get_task(name)
+    exs = task.sample(random.Random(0), 500)
+    alphabet = set(task.alphabet)
+    assert task.alphabet == "".join(sorted(alphabet))
+    assert "<" not in alphabet  # keeps "<eos>" & co. out of task text
+    for e in exs:
+        assert set(e.prompt) <= alphabet and set(e.answer) <= alphabet
+        assert len(e.prompt) <= task.max_prompt_chars and len(e.answer) <= task.max_answer_chars
+        assert e.prompt.endswith("=")
+
+
+# task -> (min, max) answer length over 2000 samples at seed 0; documented ranges in brackets
+MEASURED_ANSWER_LENGTHS = {
+    "addition": (2, 15),  # [min_digits, max_digits + 1] = [2, 15]
+    "copy": (4, 24),  # [min_len, max_len]
+    "reverse": (4, 24),
+    "sort": (4, 24),
+    "countdown": (3, 20),  # [3, max_answer_chars = 20]
+}
+
+
+@pytest.mark.parametrize("name", ALL_TASKS)
+def test_answer_length_distribution(name):
+    task = get_task(name)
+    lengths = [len(e.answer) for e in task.sample(random.Random(0), 2000)]
+    assert (min(lengths), max(lengths)) == MEASURED_ANSWER_LENGTHS[name]
+    assert max(lengths) <= task.max_answer_chars
+    assert len(set(lengths)) >= 12  # spread out, not a few lengths
+    assert max(lengths.count(n) for n in set(lengths)) < 0.4 * len(lengths)
+
+
+def test_answer_lengths_configurable_up_to_40():
+    rev = get_task("reverse", min_len=30, max_len=40)
+    add = get_task("addition", min_digits=38, max_digits=39)
+    assert {len(e.answer) for e in rev.sample(random.Random(0), 400)} == set(range(30, 41))
+    add_lengths = {len(e.answer) for e in add.sample(random.Random(0), 400)}
+    assert min(add_lengths) == 38 and max(add_lengths) == 40
+    assert (rev.max_answer_chars, add.max_answer_chars) == (40, 40)
+
+
+def test_string_task_answers_by_hand():
+    rev, srt, cpy, add = (get_task(n) for n in ("reverse", "sort", "copy", "addition"))
+    e = rev.sample_one(random.Random(0))
+    assert e.prompt[:4] == "rev:" and e.answer == e.prompt[4:-1][::-1]
+    e = srt.sample_one(random.Random(0))
+    assert e.answer == "".join(sorted(e.prompt[5:-1]))
+    e = cpy.sample_one(random.Random(0))
+    assert e.answer == e.prompt[5:-1]
+    for e in add.sample(random.Random(0), 200):
+        a, b = e.prompt[4:-1].split("+")
+        assert int(e.answer) == int(a) + int(b)
+        assert a[0] != "0" and b[0] != "0"
+
+
+@pytest.mark.parametrize("name", STRING_TASKS)
+def test_exact_match_reward(name):
+    task = get_task(name)
+    for e in task.sample(random.Random(1), 100):
+        assert task.reward(e, e.answer) == 1.0
+        last = e.answer[-1]
+        other = "0" if last != "0" else "1"
+        assert task.reward(e, e.answer[:-1] + other) == 0.0
+        assert task.reward(e, e.answer + last) == 0.0  # too long
+        assert task.reward(e, e.answer[:-1]) == 0.0  # too short
+        assert task.reward(e, e.answer, dense=True) == 1.0
+
+
+def test_positional_match_by_hand():
+    assert positional_match("abcd", "abcd") == 1.0
+    assert positional_match("abxd", "abcd") == 0.75
+    assert positional_match("abc", "abcd") == 0.75
+    assert positional_match("abcde", "abcd") == 0.8
+    assert positional_match("", "abcd") == 0.0
+    assert positional_match("bcd", "abcd") == 0.0  # left-aligned: a shift scores nothing
+    assert positional_match("", "") == 1.0
+
+
+def test_dense_reward_by_hand():
+    rev = get_task("reverse")
+    e = Example("rev:abcd=", "dcba")
+    assert [rev.reward(e, c, dense=True) for c in ("dcba", "dcbx", "dcb", "dcbaa", "")] == [
+        1.0, 0.75, 0.75, 0.8, 0.0]
+    assert rev.reward(e, "dcbx") == 0.0
+    add = get_task("addition")
+    e = Example("add:12+34=", "46")
+    assert [add.reward(e, c, dense=True) for c in ("46", "47", "4", "460", "64")] == [
+        1.0, 0.5, 0.5, pytest.approx(2 / 3), 0.0]
+
+
+# ---- countdown ----
+
+
+def test_countdown_reference_answers_verify():
+    for division in (False, True):
+        task = get_task("countdown", division=division)
+        exs = task.sample(random.Random(3), 1000)
+        assert sum("/" in e.answer for e in exs) == (0 if not division else 34)
+        for e in exs:
+            numbers, target = parse_prompt(e.prompt)
+            assert 3 <= len(numbers) <= 5 and all(1 <= n <= 99 for n in numbers)
+            assert 1 <= target <= 999
+            assert evaluate_expression(e.answer, numbers, division=division) == target
+            assert task.reward(e, e.answer) == 1.0
+
+
+def test_countdown_prompt_format():
+    e = get_task("countdown").sample_one(random.Random(0))
+    assert e == Example("cd:98,54,6,34>324=", "54*6")
+    assert parse_prompt("cd:3,7,25,50>75=") == ([3, 7, 25, 50], 75)
+    with pytest.raises(ValueError, match="not a countdown prompt"):
+        parse_prompt("rev:abc=")
+
+
+CD = Example("cd:3,7,25,50>75=", "50+25")
+
+
+@pytest.mark.parametrize("completion", [
+    "50+25", "25+50", "3*25", "25*3", "(50+25)", " 25 + 50 ", "((50))+25", "(50-25)*3",
+    "3*(50-25)",
+])
+def test_countdown_accepts_correct_expressions(completion):
+    task = get_task("countdown")
+    assert task.reward(CD, completion) == 1.0
+    assert task.reward(CD, completion, dense=True) == 1.0
+
+
+def test_countdown_counts_numbers_as_a_multiset():
+    task = get_task("countdown")
+    assert evaluate_expression("(7-3)*25-50+25", [3, 7, 25, 50]) is None  # 25 used twice
+    assert evaluate_expression("(7-3)*25-50", [3, 7, 25, 50]) == 50
+    e = Example("cd:2,2,5>9=", "2*2+5")
+    assert task.reward(e, "2*2+5") == 1.0 and task.reward(e, "5+2+2") == 1.0  # 2 given twice
+    assert task.reward(e, "5+2+2+2") == 0.0
+    assert task.reward(e, "9") == 0.0  # not a given number
+
+
+@pytest.mark.parametrize("completion", [
+    "50+7",  # wrong value
+    "25+25+25",  # reuse of a number
+    "70+5",  # unknown numbers
+    "050+25",  # leading zero
+    "50-(-25)", "-3+78",  # unary minus
+    "50+25+", "(50+25", "50+25)", "()", "", "+", "50 25", "5 0+25",
+    "__import__('os')", "__import__('os').system('ls')", "eval('50+25')", "50+25;import os",
+    "50+25\n", "1e2-25", "0x32+25", "50+25 # x", "3**3", "50.0+25", "75=75", "（50+25）",
+    "٥0+25",  # a non-ASCII digit
+])
+def test_countdown_rejects(completion):
+    task = get_task("countdown")
+    assert task.reward(CD, completion) == 0.0
+    if completion != "50+7":
+        assert task.reward(CD, completion, dense=True) == 0.0
+
+
+def test_countdown_dense_by_hand():
+    task = get_task("countdown")
+    assert task.reward(CD, "50+25", dense=True) == 1.0
+    assert task.reward(CD, "50+7", dense=True) == pytest.approx(0.5 * (1 - 18 / 75))  # 0.38
+    assert task.reward(CD, "50*3", dense=True) == 0.0  # 150 is 75 away: no credit
+    assert task.reward(CD, "3-7", dense=True) == 0.0  # negative value
+    assert task.reward(CD, "50+7+", dense=True) == 0.0  # invalid
+
+
+def test_countdown_division_exact_only():
+    assert evaluate_expression("6*12/4", [6, 4, 12], division=True) == 18
+    assert evaluate_expression("6*12/4", [6, 4, 12], division=False) is None
+    assert evaluate_expression("7/2", [7, 2], division=True) is None  # not exact
+    assert evaluate_expression("6/(4-4)", [6, 4, 4], division=True) is None  # by zero
+    task = get_task("countdown", division=True)
+    assert task.reward(Example("cd:6,4,12>18=", "6*12/4"), "12/4*6") == 1.0
+    assert "/" in task.alphabet and "/" not in get_task("countdown").alphabet
+
+
+def test_countdown_rejects_long_and_deep_inputs():
+    nums = [3, 7, 25, 50]
+    assert evaluate_expression("(" * 16 + "3" + ")" * 16, nums) == 3
+    assert evaluate_expression("(" * 17 + "3" + ")" * 17, nums) is None  # deeper than 16
+    assert evaluate_expression("(" * 100_000 + "3" + ")" * 100_000, nums) is None
+    assert evaluate_expression("3+" * 5000 + "7", nums) is None
+    assert evaluate_expression("9" * 300, [int("9" * 300)]) is None  # over 256 characters
+    assert get_task("countdown").reward(CD, "50+25" + " " * 300) == 0.0

@@ -1,0 +1,186 @@
+"""The RL loop: smoke runs of the real entry point, determinism, kill/resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from timlab.cli import main
+from timlab.config import resolve
+from timlab.trainer.advantages import grpo, informative_groups, reinforce, rloo
+from timlab.trainer.logging import TIMING_KEYS
+from timlab.trainer.losses import aggregate, ppo_clip_loss
+from timlab.trainer.run import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def smoke(**sets):
+    return resolve(preset="smoke", overrides=[f"{k}={v}" for k, v in sets.items()])
+
+
+def _weights(run_dir: Path) -> dict:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+
+
+def _metrics(run_dir: Path) -> pd.DataFrame:
+    df = pd.read_parquet(run_dir / "metrics.parquet")
+    return df.drop(columns=[c for c in df.columns if c in TIMING_KEYS or c.startswith("time/")])
+
+
+# ------------------------------------------------------------------------------ pure pieces
+def test_advantages_hand_computed():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    assert torch.allclose(reinforce(r)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    # rloo: r_i - mean(others): 1 - 1/3, 0 - 2/3
+    assert torch.allclose(rloo(r)[0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    std = torch.tensor([1.0, 0, 0, 1]).std()
+    assert torch.allclose(grpo(r)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.equal(grpo(r)[1], torch.zeros(4))
+    assert informative_groups(r).tolist() == [True, False]
+
+
+def test_ppo_loss_clipping_and_aggregation():
+    logp = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    old = torch.log(torch.tensor([[0.25, 0.5], [0.9, 0.2]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # ratios: [2, 1], [1, 0.5]; A=+1 clips 2 -> 1.28; A=-1 row: ratio 1 -> 1 (masked 0.5 ignored)
+    expected = (-1.28 + -1.0 + 1.0) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert m["train/clip_frac_high"] == pytest.approx(1 / 3)
+    per = torch.tensor([[1.0, 3.0], [5.0, 100.0]])
+    assert aggregate(per, mask, "seq_mean").item() == pytest.approx((2.0 + 5.0) / 2)
+    assert aggregate(per, mask, "token_mean").item() == pytest.approx(9.0 / 3)
+    with pytest.raises(ValueError, match="valid choices"):
+        aggregate(per, mask, "sum")
+
+
+# ------------------------------------------------------------------------------ runs
+def test_smoke_run_cli(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run), "--quiet"]) == 0
+    df = pd.read_parquet(run / "metrics.parquet")
+    assert df["step"].tolist() == [0, 1, 2, 3, 4]
+    required = ["train/reward_mean", "train/reward_std", "train/response_length_mean", "train/response_length_max",
+                "train/response_length_p90", "train/entropy", "train/grad_norm", "train/grad_norm_ema", "train/lr",
+                "train/clip_frac", "train/step_time_s", "train/tokens_per_s", "val/accuracy",
+                "mismatch/max_abs_diff", "rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff"]
+    for k in required:
+        assert k in df.columns, k
+    assert (df["mismatch/max_abs_diff"].iloc[1:] == 0).all()
+    assert (df["mismatch/frac_bitwise_equal"].iloc[1:] == 1).all()
+    assert df["val/accuracy"].notna().sum() == 3  # steps 0, 2, 4
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    assert (run / "config.yaml").exists() and (run / "distributions.jsonl").exists()
+    # the checkpoint is an ordinary HF folder
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "config.json").exists() and (latest / "tokenizer.json").exists()
+
+
+def test_same_seed_same_bits_and_updates_happen(tmp_path):
+    cfg = smoke(**{"run.steps": 3, "rollout.samples_per_prompt": 8, "rollout.prompts_per_step": 6})
+    train(cfg, tmp_path / "a")
+    train(cfg, tmp_path / "b")
+    ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    pd.testing.assert_frame_equal(ma, mb, check_exact=True)
+    assert ma["train/updated"].iloc[1:].sum() >= 1, "no step updated the weights: the test would be vacuous"
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    other = smoke(**{"run.steps": 3, "rollout.samples_per_prompt": 8, "rollout.prompts_per_step": 6, "run.seed": 1})
+    train(other, tmp_path / "c")
+    assert not _metrics(tmp_path / "c").equals(ma)
+
+
+def test_kill_and_resume_matches_uninterrupted(tmp_path):
+    sets = ["run.steps=8", "run.checkpoint_every=2", "run.eval_every=4", "rollout.samples_per_prompt=8"]
+    ref = tmp_path / "ref"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(ref), "--quiet", *sum([["--set", s] for s in sets], [])]) == 0
+
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "timlab", "train", "--preset", "smoke", "--run-dir", str(killed), "--quiet"]
+    cmd += sum([["--set", s] for s in sets], [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill once step 5 is logged (between checkpoints 4 and 6)
+        try:
+            if (killed / "metrics.parquet").exists() and pd.read_parquet(killed / "metrics.parquet")["step"].max() >= 5:
+                break
+        except Exception:
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert json.loads((killed / "status.json").read_text())["state"] == "running"  # killed, not finished
+    assert pd.read_parquet(killed / "metrics.parquet")["step"].max() < 8
+
+    assert main(["train", "--run-dir", str(killed), "--resume", "--quiet"]) == 0
+    pd.testing.assert_frame_equal(_metrics(ref), _metrics(killed), check_exact=True)
+    wr, wk = _weights(ref), _weights(killed)
+    assert all(torch.equal(wr[k], wk[k]) for k in wr)
+
+
+def test_nonfinite_stops_and_keeps_metrics_and_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    cfg = smoke(**{"optim.lr": 1e30, "optim.grad_clip": 0, "run.steps": 6, "run.checkpoint_every": 1,
+                   "rollout.samples_per_prompt": 8, "rollout.prompts_per_step": 8, "algorithm.reject_equal_groups": False,
+                   "task.dense_reward": True})
+    with pytest.raises(RuntimeError, match=r"step \d+: non-finite values in"):
+        train(cfg, run)
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "diverged" and "non-finite" in status["message"]
+    assert len(pd.read_parquet(run / "metrics.parquet")) >= 2
+    assert (run / "checkpoints" / "latest").exists()
+
+
+# ------------------------------------------------------------------------------ bad input
+def _cli_err(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["optim.lrr=1"], "unknown key optim.lrr; valid choices: lr,"),
+    (["algo.name=grpo"], "unknown section 'algo'; valid choices: model,"),
+    (["algorithm.name=ppo2"], "unknown algorithm.name 'ppo2'; valid choices: grpo, reinforce, rloo"),
+    (["rollout.engine=vllmx"], "unknown rollout.engine 'vllmx'; valid choices:"),
+    (["scheduler.name=step"], "valid choices: constant, cosine, length_decay"),
+    (["correction.mode=clip"], "valid choices: mask, none, truncate, two_sided"),
+    (["mismatch.injector=magic"], "unknown injector 'magic'; valid choices:"),
+    (["run.steps=abc"], "run.steps: expected an integer"),
+    (["task.kwargs={max_len: 3, bogus: 1}"], "task.kwargs"),
+])
+def test_bad_config_one_line(tmp_path, capsys, sets, needle):
+    err = _cli_err(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "r"), *sum([["--set", s] for s in sets], [])], capsys)
+    assert needle in err
+
+
+def test_resume_errors(tmp_path, capsys):
+    err = _cli_err(["train", "--run-dir", str(tmp_path / "nothing"), "--resume"], capsys)
+    assert "not a timlab run directory" in err
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run), "--quiet", "--set", "run.steps=2"]) == 0
+    err = _cli_err(["train", "--preset", "smoke", "--run-dir", str(run)], capsys)
+    assert "already holds a run" in err
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    (ckpt / "trainer_state.pt").write_bytes(b"garbage")
+    before = (run / "metrics.parquet").read_bytes()
+    err = _cli_err(["train", "--run-dir", str(run), "--resume"], capsys)
+    assert "unreadable" in err and str(ckpt) in err
+    assert (run / "metrics.parquet").read_bytes() == before  # nothing overwritten

@@ -1,0 +1,233 @@
+"""The ``timlab`` command line. The only module that parses arguments or prints results.
+
+Each subcommand is a thin wrapper: parse, call one library function, print what it returns.
+Bad input (unknown names, missing files, malformed configs) ends with one line on stderr and
+exit code 2; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ENGINE_CHOICES = ("exact", "fast", "hf", "trainer", "vllm")
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def _set_threads() -> None:
+    # Tiny models: one thread is 3-50x faster than two on a shared 2-core machine.
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def _write_json(path: str | None, obj) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2))
+
+
+# ---------------------------------------------------------------------------------- probe
+def cmd_probe(args: argparse.Namespace) -> int:
+    from timlab.experiments.probe import format_probe, run_probe
+
+    if (args.prompts is None) == (args.task is None):
+        raise CLIError("probe needs exactly one of --prompts FILE or --task NAME")
+    result = run_probe(
+        model_dir=args.model,
+        prompts_file=args.prompts,
+        task=args.task,
+        num_prompts=args.num_prompts,
+        samples_per_prompt=args.samples_per_prompt,
+        rollout=args.rollout,
+        score=args.score,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        attribute=getattr(args, "attribute", False),
+        device=args.device,
+    )
+    print(format_probe(result))
+    _write_json(args.json, result)
+    return 0
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser("probe", help="roll out with one engine, score the same tokens with another, report the mismatch")
+    p.add_argument("--model", required=True, help="HF-format model folder")
+    p.add_argument("--prompts", help="text file with one prompt per line")
+    p.add_argument("--task", help="built-in task to draw prompts from")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    # no argparse choices: run_probe checks the names and lists the valid ones in one line
+    p.add_argument("--rollout", default="exact", help="rollout engine: exact, fast, hf")
+    p.add_argument("--score", default="trainer", help="score path: trainer, exact, fast, hf")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--attribute", action="store_true", help="also locate the first op where the two paths diverge")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.set_defaults(func=cmd_probe)
+
+
+# ---------------------------------------------------------------------------------- progress
+class Progress:
+    """tqdm bars for the phases a library call reports through ``progress(phase, i, n, metrics)``."""
+
+    KEYS = {"train/reward_mean": "reward", "val/accuracy": "val_acc", "rollout_corr/k3_kl": "k3",
+            "train/response_length_mean": "len", "train/lr": "lr", "loss": "loss"}
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.bars: dict = {}
+        self.last: dict = {}
+
+    def __call__(self, phase: str, i: int, n: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self.bars.get(phase)
+        if bar is None:
+            bar = self.bars[phase] = tqdm(total=n, desc=phase, initial=i - 1, dynamic_ncols=True, file=sys.stderr)
+        for k, short in self.KEYS.items():
+            if k in metrics and metrics[k] == metrics[k]:
+                self.last[short] = metrics[k]
+        bar.set_postfix({k: f"{v:.3g}" for k, v in self.last.items()}, refresh=False)
+        bar.update(i - bar.n)
+        if i >= n:
+            bar.close()
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+def _config_from_args(args: argparse.Namespace):
+    from timlab.config import resolve
+
+    return resolve(getattr(args, "config", None), getattr(args, "preset", None), args.set or [])
+
+
+def _add_config_args(p) -> None:
+    p.add_argument("--preset", help="named preset: smoke, default, beyond-precision")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+
+
+# ---------------------------------------------------------------------------------- pretrain
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from timlab.trainer.pretrain import pretrain
+
+    overrides = list(args.set or [])
+    if args.task:
+        overrides.append(f"task.name={args.task}")
+    from timlab.config import resolve
+
+    cfg = resolve(args.config, args.preset, overrides)
+    prog = Progress(not args.quiet)
+    res = pretrain(cfg, args.out, force=args.force, progress=lambda s, n, m: prog("pretrain", s, n, m))
+    prog.close()
+    print(f"{'reused' if res.cached else 'pretrained'} {res.path}: {res.num_params / 1e6:.2f}M params, "
+          f"greedy val accuracy {res.val_accuracy:.3f}, {res.steps} steps in {res.seconds:.1f}s")
+    return 0
+
+
+def _add_pretrain(sub) -> None:
+    p = sub.add_parser("pretrain", help="SFT warm start of a tiny model on a task (cached by config hash)")
+    p.add_argument("config", nargs="?", help="YAML config (model and task sections are used)")
+    p.add_argument("--task", help="task name (same as --set task.name=NAME)")
+    p.add_argument("--out", help="output folder (default: the cache, keyed by the config hash)")
+    p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
+    p.add_argument("--quiet", action="store_true")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_pretrain)
+
+
+# ---------------------------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace) -> int:
+    from timlab.config import ConfigError, load_run_config, parse_set
+    from timlab.trainer.run import train
+
+    if args.resume:
+        if args.config or args.preset:
+            raise CLIError("--resume continues with the run's own config.yaml; drop CONFIG and --preset")
+        over = parse_set(args.set or [])
+        if set(over) - {"run"} or set(over.get("run", {})) - {"steps", "progress", "tensorboard"}:
+            raise CLIError("--resume accepts only --set run.steps / run.progress / run.tensorboard")
+        from timlab.config import _merge, from_dict
+
+        cfg = from_dict(_merge(load_run_config(args.run_dir).to_dict(), over, "--set"))
+    else:
+        cfg = _config_from_args(args)
+    prog = Progress(cfg.run.progress and not args.quiet)
+    try:
+        last = train(cfg, args.run_dir, resume=args.resume, progress=prog)
+    finally:
+        prog.close()
+    keys = ["step", "train/reward_mean", "val/accuracy", "rollout_corr/k3_kl", "mismatch/max_abs_diff", "train/lr"]
+    print("done: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last) + f"  ({args.run_dir})")
+    return 0
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="on-policy RL (GRPO/RLOO/REINFORCE) with the exact engine and optional injected mismatch")
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("--run-dir", required=True, help="where config.yaml, metrics.parquet and checkpoints/ go")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    p.add_argument("--quiet", action="store_true")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+
+# ---------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="timlab", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_probe(sub)
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list = [_add_pretrain, _add_train]
+"""Subcommand registrars added below (pretrain, train, ...), kept in one list for the parser."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _set_threads()
+    if args.debug:
+        return args.func(args)
+    from timlab.registry import UnknownNameError
+
+    try:
+        return args.func(args)
+    except (CLIError, ValueError, FileNotFoundError, UnknownNameError, NotImplementedError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not type(e).__module__.startswith("timlab"):
+            raise  # a bug, not bad input: keep the traceback
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"timlab: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("timlab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Run configuration: frozen dataclasses, one section per concern.
+
+Each field's default and its help text live here and nowhere else. YAML files, presets and
+``--set section.key=value`` overrides are validated against these dataclasses: an unknown
+section or key, or a value of the wrong type, is a one-line error naming the key and the valid
+choices. ``resolve(...)`` merges, in order: defaults < preset < YAML file < ``--set``.
+Names that pick a registered component (task, engine, injector, IS mode, scheduler, advantage
+estimator) are checked against their registries by the trainer when it builds the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = ""
+    """HF model folder to start RL from. Empty: the SFT warm-start model for the task (built by
+    `timlab pretrain` with the settings below, cached by their hash)."""
+    dtype: str = "float32"
+    """Trainer precision (and the exact engine's): float32, bfloat16 or float16."""
+    lm_head_fp32: bool = False
+    """Compute the LM head in fp32 even when the body runs in bf16/fp16 (a precision remedy)."""
+    model_type: str = "llama"
+    """Architecture of the warm-start model: llama, qwen2 or qwen3."""
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 256
+    pretrain_steps: int = 400
+    """SFT steps for the warm start (tuned so validation accuracy leaves room for RL)."""
+    pretrain_batch: int = 64
+    pretrain_lr: float = 3e-3
+    pretrain_seed: int = 0
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    name: str = "reverse"
+    """A registered task: reverse, sort, addition, countdown, copy."""
+    kwargs: dict = field(default_factory=dict)
+    """Task options, e.g. {min_len: 4, max_len: 24} (each task lists its own)."""
+    dense_reward: bool = False
+    """Partial-credit reward in [0, 1] instead of 0/1 exact match."""
+    n_train: int = 20000
+    n_val: int = 128
+    split_seed: int = 1234
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    engine: str = "exact"
+    """Rollout engine: exact (bitwise equal to the trainer), fast, hf."""
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 40
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    name: str = "grpo"
+    """Advantage estimator: grpo (group mean/std), rloo (leave-one-out), reinforce (group-mean baseline)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: str = "token_mean"
+    """token_mean (all valid tokens of the batch weigh the same) or seq_mean (mean per sequence, then over sequences)."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to the rollout policy's log-probs (0 = off, the seed papers' setting)."""
+    reject_equal_groups: bool = True
+    """Drop groups whose rewards are all equal (they carry no advantage signal)."""
+    epochs: int = 1
+    """Passes over each rollout batch; 1 with mini_batches 1 is fully on-policy."""
+    mini_batches: int = 1
+    """Optimizer updates per epoch (the batch is split into this many mini-batches)."""
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = no clipping)."""
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    name: str = "constant"
+    """LR schedule: constant, cosine (with a floor), length_decay (Beyond-Precision Algorithm 1)."""
+    decay_period: int = 0
+    """length_decay: halve the LR every P updates; 0 = automatic (P = surge_factor x surge step)."""
+    min_lr_ratio: float = 0.1
+    surge_factor: float = 1.8
+    surge_ratio: float = 2.0
+    """Automatic mode: mean response length must grow this many times over its recent minimum."""
+    surge_window: int = 10
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class MismatchSection:
+    injector: str = "none"
+    """Rollout-side TIM: none, precision, engine, logit_noise, temperature, head_perturb,
+    weight_rounding; combine with '+', e.g. 'precision+logit_noise'."""
+    magnitude: float = 0.0
+    """Size of the injected mismatch (std for logit_noise, T-1 for temperature, relative size for head_perturb)."""
+    dtype: str = "bfloat16"
+    """precision / weight_rounding: the rollout's dtype (bfloat16, float16; weight_rounding also int8)."""
+    engine: str = "fast"
+    """engine injector: the rollout engine used instead of exact (fast or hf)."""
+    prob_below: float = 1.0
+    """Scope: inject only on tokens whose trainer probability is below this (1.0 = everywhere)."""
+    seed: int = 0
+    """Seed of the injector's own randomness (noise draws, the fixed head perturbation)."""
+
+
+@dataclass(frozen=True)
+class CorrectionSection:
+    level: str = "token"
+    """IS ratio level: token, sequence, geometric."""
+    mode: str = "none"
+    """none, truncate (TIS), mask (MIS), two_sided (IcePop)."""
+    threshold: float = 2.0
+    threshold_low: float = 0.5
+    """two_sided: lower bound of the kept ratio band."""
+    veto_threshold: float = 0.0
+    """Drop a sequence if any token ratio is below this (0 = off; the field's default is 1e-4)."""
+
+
+@dataclass(frozen=True)
+class RunSection:
+    steps: int = 200
+    seed: int = 0
+    eval_every: int = 10
+    """Validation (greedy decoding of the trainer's policy, no injector) every this many steps."""
+    checkpoint_every: int = 25
+    keep_checkpoints: int = 2
+    device: str = "cpu"
+    guard: bool = True
+    """Zero-mismatch guard: in exact mode stop on any bit of difference between rollout and trainer."""
+    grad_norm_ema: float = 0.9
+    """Smoothing of train/grad_norm_ema."""
+    tensorboard: bool = False
+    progress: bool = True
+    distributions_every: int = 1
+    """Write the per-step histogram of r and mismatch by position/probability bucket every N steps."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    mismatch: MismatchSection = field(default_factory=MismatchSection)
+    correction: CorrectionSection = field(default_factory=CorrectionSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def hash(self, *sections: str) -> str:
+        """Short stable hash of the given sections (all when none given)."""
+        d = self.to_dict()
+        if sections:
+            d = {s: d[s] for s in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+PRESETS: dict[str, dict] = {
+    "smoke": {
+        "model": {"hidden_size": 48, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "intermediate_size": 96, "pretrain_steps": 400, "pretrain_batch": 32},
+        "task": {"kwargs": {"min_len": 2, "max_len": 6}, "n_train": 500, "n_val": 16},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 10},
+        "run": {"steps": 4, "eval_every": 2, "checkpoint_every": 2, "progress": False},
+    },
+    "default": {},
+    # Beyond-Precision Table 1 (REFERENCE.md section 4), scaled to the tiny model: RLOO,
+    # clip 0.2/0.28, wd 0.01, grad clip 1, fully on-policy, reject all-0/all-1 groups,
+    # 16 rollouts per prompt, temperature 1, KL 0. LR and batch are scaled down for the tiny model.
+    "beyond-precision": {
+        "algorithm": {"name": "rloo", "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0,
+                      "reject_equal_groups": True, "epochs": 1, "mini_batches": 1},
+        "optim": {"weight_decay": 0.01, "grad_clip": 1.0},
+        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 16, "temperature": 1.0},
+        "scheduler": {"name": "length_decay", "decay_period": 0, "min_lr_ratio": 0.1},
+        "correction": {"level": "token", "mode": "truncate", "threshold": 2.0},
+    },
+}
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message is one line naming the key and the valid choices."""
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Convert a YAML/CLI value to the field's type or raise ConfigError naming the key."""
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if f != int(f):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(f)
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if typ is str:
+        return str(value)
+    if typ is dict or origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip() else {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def _merge(base: dict, over: dict, where: str) -> dict:
+    """Validate ``over`` against the sections/keys present in ``base`` and merge it in."""
+    out = {k: dict(v) for k, v in base.items()}
+    if not isinstance(over, dict):
+        raise ConfigError(f"{where}: expected a mapping of sections, got {type(over).__name__}")
+    for section, values in over.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section {section!r}; valid choices: {', '.join(SECTIONS)}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: section {section!r} must be a mapping")
+        types = _field_types(SECTIONS[section])
+        for key, value in values.items():
+            if key not in types:
+                raise ConfigError(
+                    f"{where}: unknown key {section}.{key}; valid choices: {', '.join(types)}"
+                )
+            value = _coerce(f"{section}.{key}", value, types[key])
+            if isinstance(value, dict) and isinstance(out[section].get(key), dict):
+                value = {**out[section][key], **value}
+            out[section][key] = value
+    return out
+
+
+def parse_set(items: list[str]) -> dict:
+    """``["optim.lr=1e-4", "task.kwargs.max_len=30"]`` -> nested override dict (values YAML-parsed)."""
+    over: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) < 2:
+            raise ConfigError(f"--set {item!r}: expected section.key=value (e.g. optim.lr=1e-4)")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = over
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return over
+
+
+def from_dict(d: dict) -> Config:
+    sections = {name: SECTIONS[name](**values) for name, values in d.items()}
+    return Config(**sections)
+
+
+def resolve(
+    yaml_path: str | Path | None = None,
+    preset: str | None = None,
+    overrides: list[str] | dict | None = None,
+) -> Config:
+    """defaults < preset < YAML file < overrides; every layer validated."""
+    d = Config().to_dict()
+    if preset:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; valid choices: {', '.join(PRESETS)}")
+        d = _merge(d, PRESETS[preset], f"preset {preset}")
+    if yaml_path:
+        p = Path(yaml_path)
+        if not p.exists():
+            raise FileNotFoundError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
+        d = _merge(d, data, str(p))
+    if overrides:
+        over = parse_set(overrides) if isinstance(overrides, list) else overrides
+        d = _merge(d, over, "--set")
+    return from_dict(d)
+
+
+def load_run_config(run_dir: str | Path) -> Config:
+    """The fully resolved config.yaml a run directory was started with."""
+    p = Path(run_dir) / "config.yaml"
+    if not p.exists():
+        raise FileNotFoundError(f"{run_dir}: no config.yaml (not a timlab run directory)")
+    return from_dict(_merge(Config().to_dict(), yaml.safe_load(p.read_text()) or {}, str(p)))

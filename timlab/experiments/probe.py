@@ -1,0 +1,357 @@
+"""The mismatch probe: roll out with one engine, score the same tokens with another numeric path.
+
+``run_probe`` loads an HF-format model folder (weights + tokenizer), samples responses with a
+rollout engine (``exact``, ``fast``, ``hf``), recomputes the log-prob of every sampled token
+with a score path and reports r = log pi (score) - log mu (rollout) over response tokens:
+
+- ``trainer``: ``token_logprobs(mode="exact")`` with autograd enabled, i.e. the real training
+  forward (the pi of the RL loss). ``--rollout exact --score trainer`` is the zero-mismatch
+  setting and must report max |r| = 0 in every dtype.
+- ``exact`` / ``fast``: the teacher-forced forward on that engine's numeric path, no autograd.
+- ``hf``: a ``transformers`` forward on the same grid (attention_mask from key_valid,
+  position_ids from ``positions_from_valid``).
+
+With ``attribute=True`` the probe also locates where the two paths part: it records the
+activation at every op boundary (``CausalLM.hooks``) while replaying the rollout engine's own
+KV-cached prefill/decode calls teacher-forced on the sampled tokens, and while running the score
+path's forward, then compares them op by op at the columns that predict response tokens.
+The replay re-runs the rollout engine's exact call sequence (same batch, same steps), so its
+log-probs must equal the rollout's; ``replay_bitwise_equal`` reports that check.
+
+Not from a paper: a diagnostic in the spirit of VeXact's bitwise check (REFERENCE.md section 1).
+Metric definitions are those of ``timlab.metrics`` (REFERENCE.md section 2).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from timlab.engines import ENGINES, Engine, Rollout, SamplingParams, build_engine
+from timlab.metrics import mismatch_by_position, mismatch_by_prob_bucket, mismatch_metrics, offpolicy_metrics
+from timlab.model.forward import full_step, token_logprobs
+from timlab.model.hf_io import load_model
+from timlab.model.llama import CausalLM
+
+SCORERS = ("trainer", "exact", "fast", "hf")
+"""Score paths: the trainer's forward, or the teacher-forced forward of an engine's numeric path."""
+
+HOOKED_ENGINES = ("exact", "fast")
+"""Engines that run timlab's own model code, whose op boundaries the attribution can observe."""
+
+POSITION_BUCKETS = 8
+
+
+# ------------------------------------------------------------------------------ input checks
+def _check_names(rollout: str, score: str, attribute: bool) -> None:
+    if rollout == "trainer":
+        raise ValueError(
+            f"'trainer' is not a rollout engine (it only scores); valid rollout engines: {', '.join(ENGINES.names())}"
+        )
+    if rollout not in ENGINES:
+        ENGINES.get(rollout)  # raises: unknown engine, lists the valid names
+    if score not in SCORERS:
+        raise ValueError(f"unknown score path {score!r}; valid choices: {', '.join(SCORERS)}")
+    if attribute:
+        for role, name in (("rollout", rollout), ("score", score)):
+            if name == "hf":
+                raise ValueError(
+                    f"attribution needs op hooks, which only timlab's model code has; {role} 'hf' runs "
+                    f"transformers' own model (use {' or '.join(HOOKED_ENGINES)}, or 'trainer' to score)"
+                )
+
+
+def _read_prompts(prompts_file: str | Path) -> list[str]:
+    """One prompt per line; blank lines are skipped (spaces are kept: they are characters)."""
+    path = Path(prompts_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
+    lines = [line.rstrip("\r\n") for line in path.read_text().splitlines()]
+    prompts = [line for line in lines if line.strip("\r\n")]
+    if not prompts:
+        raise ValueError(f"prompts file {str(path)!r} is empty (expected one prompt per line)")
+    return prompts
+
+
+def _task_prompts(task: str, num_prompts: int, seed: int) -> list[str]:
+    from timlab.tasks import get_task
+
+    return [ex.prompt for ex in get_task(task).sample(random.Random(seed), num_prompts)]
+
+
+def _check_vocab(tokenizer, model: CausalLM) -> None:
+    n_tok, n_model = tokenizer.vocab_size, model.config.vocab_size
+    if n_tok > n_model:
+        raise ValueError(
+            f"tokenizer has {n_tok} tokens but the model's vocab_size is {n_model}: "
+            "token ids would fall outside the embedding; use the tokenizer the model was trained with"
+        )
+
+
+def _encode(tokenizer, texts: list[str], model: CausalLM, max_new_tokens: int, source: str) -> list[list[int]]:
+    context = model.config.max_position_embeddings
+    out = []
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise ValueError(f"prompt {i + 1} of {source} encodes to no tokens")
+        if len(ids) + max_new_tokens > context:
+            raise ValueError(
+                f"prompt {i + 1} of {source} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
+                f"needs {len(ids) + max_new_tokens} positions, more than the model's context "
+                f"(max_position_embeddings={context})"
+            )
+        out.append(ids)
+    return out
+
+
+# ------------------------------------------------------------------------------ scoring
+def score_logprobs(score: str, model: CausalLM, tokens: torch.Tensor, key_valid: torch.Tensor,
+                   *, hf_engine: Engine | None = None) -> torch.Tensor:
+    """log-prob (B, S) of every token of the grid under a score path (column 0 = 0), detached."""
+    if score == "trainer":
+        with torch.enable_grad():  # the real training forward: autograd on, as in the RL step
+            logp, _ = token_logprobs(model, tokens, key_valid, mode="exact")
+        return logp.detach()
+    if score in ("exact", "fast"):
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, tokens, key_valid, mode=score)
+        return logp
+    if score == "hf":
+        return hf_engine.score(tokens, key_valid)
+    raise ValueError(f"unknown score path {score!r}; valid choices: {', '.join(SCORERS)}")
+
+
+def _mismatch(score_logp: torch.Tensor, rollout: Rollout, max_new_tokens: int) -> dict:
+    mask = rollout.response_mask
+    mm = mismatch_metrics(score_logp, rollout.logprobs, mask)
+    off = offpolicy_metrics(score_logp, rollout.logprobs, mask)
+    P = rollout.prompt_width
+    cols = slice(P, P + max_new_tokens)  # response columns only, so position buckets span responses
+    resp = (score_logp[:, cols], rollout.logprobs[:, cols], mask[:, cols])
+    return {
+        "num_tokens": int(mm["num_tokens"]),
+        "max_abs_diff": mm["max_abs_diff"],
+        "mean_abs_diff": mm["abs_diff_mean"],
+        "frac_bitwise_equal": mm["frac_bitwise_equal"],
+        "k3_kl": off["k3_kl"],
+        "kl": off["kl"],
+        "log_ppl_abs_diff": off["log_ppl_abs_diff"],
+        "log_ppl_abs_diff_sum": mm["log_ppl_abs_diff_sum"],
+        "probs_diff_mean": mm["probs_diff_mean"],
+        "frac_tokens_different": mm["frac_tokens_different"],
+        "abs_diff_by_position": mismatch_by_position(*resp, num_buckets=min(POSITION_BUCKETS, max_new_tokens)),
+        "abs_diff_by_prob": mismatch_by_prob_bucket(*resp),
+    }
+
+
+# ------------------------------------------------------------------------------ attribution
+class _Recorder:
+    """A ``model.hooks`` entry that writes each op's output into a (B, S, X) grid per op name.
+
+    Before each model call, ``window(start, num)`` says which grid columns the call computes.
+    A 3-D tensor (B, M, X) fills columns start..start+M-1; a 2-D tensor (B, V) is the engine's
+    next-token logits of the call's last column.
+    """
+
+    def __init__(self, B: int, S: int):
+        self.B, self.S = B, S
+        self.acts: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []
+        self.start, self.num = 0, S
+
+    def window(self, start: int, num: int) -> None:
+        self.start, self.num = start, num
+
+    def __call__(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach()
+        if name not in self.acts:
+            self.acts[name] = torch.zeros(self.B, self.S, t.shape[-1], dtype=t.dtype, device=t.device)
+            self.order.append(name)
+        if t.dim() == 2:
+            self.acts[name][:, self.start + self.num - 1] = t
+        else:
+            self.acts[name][:, self.start : self.start + t.shape[1]] = t
+
+
+def _record(model: CausalLM, recorder: _Recorder, fn) -> None:
+    model.hooks.append(recorder)
+    try:
+        fn()
+    finally:
+        model.hooks.remove(recorder)
+
+
+def _replay_engine(engine: Engine, rollout: Rollout, recorder: _Recorder) -> None:
+    """Re-run the engine's prefill and decode calls, feeding the sampled tokens (teacher-forced)."""
+    tokens, key_valid, P = rollout.tokens, rollout.key_valid, rollout.prompt_width
+    last = int(rollout.response_mask.nonzero()[:, 1].max())  # last response column
+    with torch.no_grad():
+        recorder.window(0, P)
+        _, state = engine._prefill(tokens.clone(), key_valid, P)
+        for col in range(P, last):  # logits at col predict token col + 1
+            recorder.window(col, 1)
+            engine._decode(state, tokens, key_valid, col)
+
+
+def _score_forward(score: str, model: CausalLM, rollout: Rollout) -> None:
+    step = full_step(rollout.key_valid)
+    mode = "exact" if score == "trainer" else score
+    with torch.set_grad_enabled(score == "trainer"):
+        model(rollout.tokens, step, mode=mode)
+
+
+def _op_stats(name: str, a: torch.Tensor, b: torch.Tensor) -> dict:
+    """a: rollout path, b: score path, both (N, X) at the compared positions."""
+    diff = (a.float() - b.float()).abs()
+    norm_b = float(b.float().norm())
+    return {
+        "name": name,
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
+        "rel_diff": float(diff.norm()) / norm_b if norm_b > 0 else float(diff.norm()),
+        "bitwise_equal": bool(torch.equal(a, b)),
+    }
+
+
+def attribute_ops(engine: Engine, score: str, model: CausalLM, rollout: Rollout) -> dict:
+    """Op-by-op comparison of the rollout engine's replayed path and the score path.
+
+    Compared positions: (b, c) such that token c + 1 is a response token, i.e. the activations
+    that produce every response log-prob. Returns ``ops`` (forward order), ``first_divergent_op``
+    (None when all equal) and ``replay_bitwise_equal``.
+    """
+    if engine.name not in HOOKED_ENGINES:
+        raise ValueError(f"attribution needs op hooks; engine {engine.name!r} has none (use {', '.join(HOOKED_ENGINES)})")
+    B, S = rollout.tokens.shape
+    pred = torch.zeros_like(rollout.response_mask)  # (B, S): column c predicts a response token
+    pred[:, :-1] = rollout.response_mask[:, 1:]
+    rec_roll, rec_score = _Recorder(B, S), _Recorder(B, S)
+    _record(model, rec_roll, lambda: _replay_engine(engine, rollout, rec_roll))
+    _record(model, rec_score, lambda: _score_forward(score, model, rollout))
+
+    # the replay must reproduce the rollout's own log-probs, or the comparison means nothing
+    logits = rec_roll.acts["logits"][:, :-1].float()  # (B, S-1, V)
+    logp = torch.log_softmax(logits, -1).gather(-1, rollout.tokens[:, 1:, None]).squeeze(-1)  # (B, S-1)
+    replay_equal = bool(torch.equal(logp[pred[:, :-1]], rollout.logprobs[:, 1:][pred[:, :-1]]))
+
+    ops = [_op_stats(n, rec_roll.acts[n][pred], rec_score.acts[n][pred]) for n in rec_score.order]
+    first = next((op["name"] for op in ops if not op["bitwise_equal"]), None)
+    return {"ops": ops, "first_divergent_op": first, "replay_bitwise_equal": replay_equal}
+
+
+# ------------------------------------------------------------------------------ the probe
+def run_probe(
+    *,
+    model_dir: str | Path,
+    prompts_file: str | Path | None = None,
+    task: str | None = None,
+    num_prompts: int = 16,
+    samples_per_prompt: int = 1,
+    rollout: str = "exact",
+    score: str = "trainer",
+    dtype: str = "float32",
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    attribute: bool = False,
+    device: str = "cpu",
+) -> dict:
+    """Roll out, rescore, return the mismatch as a JSON-ready dict.
+
+    Prompts come from ``prompts_file`` (every non-blank line) or from ``task`` (``num_prompts``
+    drawn with ``random.Random(seed)``); each is sampled ``samples_per_prompt`` times.
+    """
+    _check_names(rollout, score, attribute)
+    if (prompts_file is None) == (task is None):
+        raise ValueError("probe needs exactly one of prompts_file or task")
+    for name, value in (("num_prompts", num_prompts), ("samples_per_prompt", samples_per_prompt),
+                        ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+
+    from timlab.tokenizer import load_tokenizer
+
+    model = load_model(model_dir, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(model_dir)
+    _check_vocab(tokenizer, model)
+    if prompts_file is not None:
+        texts, source = _read_prompts(prompts_file), f"prompts file {str(prompts_file)!r}"
+    else:
+        texts, source = _task_prompts(task, num_prompts, seed), f"task {task!r}"
+    prompt_ids = _encode(tokenizer, texts, model, max_new_tokens, source)
+    prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
+
+    engine = build_engine(rollout, model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    t0 = time.perf_counter()
+    r = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator)
+    elapsed = time.perf_counter() - t0
+
+    hf_engine = None
+    if score == "hf":
+        hf_engine = engine if rollout == "hf" else build_engine(
+            "hf", model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    score_logp = score_logprobs(score, model, r.tokens, r.key_valid, hf_engine=hf_engine)
+
+    result = {
+        "rollout": rollout,
+        "score": score,
+        "dtype": dtype,
+        "seed": seed,
+        "model_dir": str(model_dir),
+        "num_prompts": len(prompt_ids),
+        "samples_per_prompt": samples_per_prompt,
+        "num_sequences": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "mean_response_length": float(r.lengths.float().mean()),
+        "frac_finished": float(r.finished.float().mean()),
+        "rollout_seconds": elapsed,
+        "tokens_per_s": r.num_tokens / elapsed if elapsed > 0 else float("inf"),
+    }
+    result.update(_mismatch(score_logp, r, max_new_tokens))
+    if attribute:
+        result.update(attribute_ops(engine, score, model, r))
+    return result
+
+
+# ------------------------------------------------------------------------------ text report
+def _fmt(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def _buckets(b: dict, label) -> str:
+    cells = [f"{label(lo, hi)}: {_fmt(m)} (n={n})"
+             for lo, hi, m, n in zip(b["edges"], b["edges"][1:], b["mean_abs_diff"], b["counts"]) if n]
+    return ", ".join(cells) or "(no tokens)"
+
+
+def format_probe(result: dict) -> str:
+    """A short human-readable report of ``run_probe``'s result."""
+    lines = [
+        f"probe: rollout={result['rollout']} score={result['score']} dtype={result['dtype']} seed={result['seed']}",
+        f"  {result['num_sequences']} sequences, {result['num_tokens']} response tokens, "
+        f"mean length {result['mean_response_length']:.1f}, rollout {result['tokens_per_s']:.0f} tok/s",
+        f"  max |r| {_fmt(result['max_abs_diff'])}  mean |r| {_fmt(result['mean_abs_diff'])}  "
+        f"bitwise equal {100 * result['frac_bitwise_equal']:.2f}%  k3 {_fmt(result['k3_kl'])}",
+        "  mean |r| by response position: " + _buckets(result["abs_diff_by_position"], lambda lo, hi: f"[{lo},{hi})"),
+        "  mean |r| by score prob: " + _buckets(result["abs_diff_by_prob"], lambda lo, hi: f"[{lo:g},{hi:g}]"),
+    ]
+    if "ops" in result:
+        lines.append(f"  attribution (rollout path vs score path; replay reproduces rollout: "
+                     f"{result['replay_bitwise_equal']}):")
+        lines.append(f"    {'op':<24} {'equal':>5} {'max|d|':>10} {'mean|d|':>10} {'rel':>10}")
+        for op in result["ops"]:
+            lines.append(f"    {op['name']:<24} {'yes' if op['bitwise_equal'] else 'no':>5} "
+                         f"{op['max_abs_diff']:>10.3g} {op['mean_abs_diff']:>10.3g} {op['rel_diff']:>10.3g}")
+        lines.append(f"  first divergent op: {result['first_divergent_op'] or 'none (bitwise equal throughout)'}")
+    return "\n".join(lines)

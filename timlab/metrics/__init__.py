@@ -1,0 +1,46 @@
+"""Training-inference mismatch metrics (pure torch; imports nothing else from timlab).
+
+Inputs everywhere are (B, T) tensors: ``train_logp`` = log pi (trainer), ``rollout_logp`` = log mu
+(rollout engine), ``mask`` 1/True on response tokens.
+
+- ``offpolicy_metrics``: verl's ``compute_offpolicy_metrics`` keys, same definitions.
+- ``mismatch_metrics``: timlab extras (|r| stats, probs diff, bitwise equality, ESS, ...).
+- ``all_metrics``: both, as ``rollout_corr/*`` and ``mismatch/*``; this is what trainers log.
+- ``ratio_histogram``, ``mismatch_by_position``, ``mismatch_by_prob_bucket``: JSON-ready
+  breakdowns for reports.
+
+Departures from verl are listed in ``timlab.metrics.offpolicy``'s docstring.
+"""
+
+from timlab.metrics._inputs import PPL_LOG_BOUND, SAFETY_BOUND
+from timlab.metrics.distribution import (
+    DEFAULT_PROB_EDGES,
+    DEFAULT_RATIO_EDGES,
+    mismatch_by_position,
+    mismatch_by_prob_bucket,
+    ratio_histogram,
+)
+from timlab.metrics.offpolicy import (
+    DIFFERENT_TOKEN_TOL,
+    MISMATCH_KEYS,
+    VERL_KEYS,
+    all_metrics,
+    mismatch_metrics,
+    offpolicy_metrics,
+)
+
+__all__ = [
+    "SAFETY_BOUND",
+    "PPL_LOG_BOUND",
+    "DIFFERENT_TOKEN_TOL",
+    "VERL_KEYS",
+    "MISMATCH_KEYS",
+    "DEFAULT_RATIO_EDGES",
+    "DEFAULT_PROB_EDGES",
+    "offpolicy_metrics",
+    "mismatch_metrics",
+    "all_metrics",
+    "ratio_histogram",
+    "mismatch_by_position",
+    "mismatch_by_prob_bucket",
+]

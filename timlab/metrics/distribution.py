@@ -1,0 +1,120 @@
+"""Where the mismatch lives: histograms of the log-ratio and |r| broken down by token position and
+by trainer probability. Outputs are plain JSON-serializable dicts (lists of floats/ints) for
+reports and plots.
+
+Conventions (shared by every function here):
+- r = log pi - log mu over valid tokens; inputs (B, T) as in ``timlab.metrics.offpolicy``.
+- A bucket with no tokens reports ``count`` 0 and ``mean_abs_diff`` 0.0 (never None/NaN), so the
+  lists are always numeric; read the count before trusting a 0.0.
+- Buckets are half-open ``[lo, hi)`` except the last, which is closed.
+
+Not from a paper: these are timlab's diagnostics (the TIM literature plots |r| against position
+and probability informally; there is no reference definition to match).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from timlab.metrics._inputs import SAFETY_BOUND, check_inputs
+
+DEFAULT_RATIO_EDGES: tuple[float, ...] = (
+    -SAFETY_BOUND, -1.0, -1e-1, -1e-2, -1e-3, -1e-4, -1e-5, -1e-6,
+    1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, SAFETY_BOUND,
+)  # fmt: skip
+"""Symmetric log-spaced edges on r; the middle bin [-1e-6, 1e-6) holds the (near-)equal tokens."""
+
+DEFAULT_PROB_EDGES: tuple[float, ...] = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
+
+
+def _check_edges(edges: Sequence[float], name: str) -> torch.Tensor:
+    e = torch.as_tensor([float(x) for x in edges], dtype=torch.float64)
+    if e.numel() < 2 or not torch.isfinite(e).all() or not (e[1:] > e[:-1]).all():
+        raise ValueError(f"{name} must be >= 2 finite, strictly increasing values, got {list(edges)}")
+    return e
+
+
+def _bucket_stats(idx: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, n: int) -> tuple[list, list]:
+    """Per-bucket count and mean of ``values`` over valid entries; idx (B, T) in [0, n)."""
+    idx = idx[valid]  # (N,)
+    vals = values[valid]  # (N,)
+    counts = torch.bincount(idx, minlength=n)[:n]  # (n,)
+    sums = torch.zeros(n, dtype=torch.float64, device=vals.device).index_add(0, idx, vals)
+    means = sums / counts.clamp(min=1)
+    return [int(c) for c in counts.tolist()], [float(m) for m in means.tolist()]
+
+
+def ratio_histogram(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    bins: Sequence[float] = DEFAULT_RATIO_EDGES,
+) -> dict:
+    """Histogram of r over valid tokens: ``{"edges": [...], "counts": [...], "num_tokens": N}``.
+
+    ``bins`` are the edges (len(counts) == len(edges) - 1); values outside [edges[0], edges[-1]]
+    are counted in the first/last bin, so counts always sum to the number of valid tokens.
+    """
+    e = _check_edges(bins, "bins")
+    with torch.no_grad():
+        p = check_inputs(train_logp, rollout_logp, mask)
+        n = e.numel() - 1
+        r = p.train - p.rollout  # (B, T)
+        idx = (torch.bucketize(r, e.to(r.device), right=True) - 1).clamp(0, n - 1)  # (B, T)
+        counts = torch.bincount(idx[p.valid], minlength=n)[:n]
+        return {
+            "edges": e.tolist(),
+            "counts": [int(c) for c in counts.tolist()],
+            "num_tokens": int(p.valid.sum()),
+        }
+
+
+def mismatch_by_position(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    num_buckets: int = 8,
+) -> dict:
+    """Mean |r| and token count per response-position bucket.
+
+    Position = index of the token among its sequence's valid tokens (0 for the first response
+    token, whatever the padding side). Positions 0..T-1 are split into ``num_buckets``
+    equal-width buckets; bucket i covers positions ``[edges[i], edges[i+1])``.
+    Returns ``{"edges": [...], "mean_abs_diff": [...], "counts": [...]}``.
+    """
+    if not isinstance(num_buckets, int) or num_buckets < 1:
+        raise ValueError(f"num_buckets must be an int >= 1, got {num_buckets!r}")
+    with torch.no_grad():
+        p = check_inputs(train_logp, rollout_logp, mask)
+        T = p.valid.shape[1]
+        pos = p.valid.to(torch.int64).cumsum(-1) - 1  # (B, T) rank among valid tokens
+        idx = (pos.clamp(min=0) * num_buckets) // max(T, 1)  # (B, T) in [0, num_buckets)
+        counts, means = _bucket_stats(idx, (p.train - p.rollout).abs(), p.valid, num_buckets)
+        edges = [-(-i * T // num_buckets) for i in range(num_buckets + 1)]  # ceil(i T / n)
+        return {"edges": edges, "mean_abs_diff": means, "counts": counts}
+
+
+def mismatch_by_prob_bucket(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    edges: Sequence[float] = DEFAULT_PROB_EDGES,
+) -> dict:
+    """Mean |r| and token count per bucket of the trainer's probability exp(log pi).
+
+    Probabilities outside [edges[0], edges[-1]] fall in the first/last bucket.
+    Returns ``{"edges": [...], "mean_abs_diff": [...], "counts": [...]}``.
+    """
+    e = _check_edges(edges, "edges")
+    with torch.no_grad():
+        p = check_inputs(train_logp, rollout_logp, mask)
+        n = e.numel() - 1
+        prob = torch.exp(p.train.clamp(max=0.0))  # (B, T)
+        idx = (torch.bucketize(prob, e.to(prob.device), right=True) - 1).clamp(0, n - 1)  # (B, T)
+        counts, means = _bucket_stats(idx, (p.train - p.rollout).abs(), p.valid, n)
+        return {"edges": e.tolist(), "mean_abs_diff": means, "counts": counts}

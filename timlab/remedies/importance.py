@@ -1,0 +1,200 @@
+"""Importance-sampling corrections for training-inference mismatch: TIS, MIS, IcePop, veto.
+
+``is_weights`` returns per-token weights (B, T) that multiply the policy-gradient loss of tokens
+sampled from mu (rollout) but trained under pi (trainer), plus ``is/*`` metrics.
+
+    level (IS_LEVELS)   rho per token
+      token             exp(r_t)
+      sequence          exp(sum_t r_t), broadcast to the sequence's tokens
+      geometric         exp(mean_t r_t), broadcast
+    mode (IS_MODES)     weight
+      none              1 (stats only)
+      truncate (TIS)    min(rho, C)
+      mask (MIS)        rho * 1[rho <= C]
+      two_sided (IcePop) rho * 1[C_low <= rho <= C_high], C_low defaults to 1 / C_high
+    veto                whole sequence -> 0 if any token has exp(r_t) < veto_threshold
+
+with r_t = log pi - log mu. Defaults follow the seed paper (Table 1: C = 2 for TIS and MIS).
+Veto is opt-in (``veto_threshold=None``, as in verl); ``DEFAULT_VETO_THRESHOLD`` = 1e-4 is the
+value seen in the field.
+
+Departures / choices:
+- The log-rho is clamped to [-SAFETY_BOUND, SAFETY_BOUND] before exp at every level (verl does
+  the same for sequence level). For ``mask``/``two_sided`` a clamped rho is compared with C, so a
+  true rho of 1e12 is still rejected (exp(20) > any sane C).
+- The veto tests the *token* ratio exp(r_t) whatever the level (verl's rollout_token_veto).
+- Weights are computed in float64, detached, and returned in the promotion of train_logp's
+  dtype with float32 (bf16 input -> float32 weights); masked-out positions are 0.
+- This module is standalone (torch + ``timlab.registry``), so it repeats the small input check
+  of ``timlab.metrics``; SAFETY_BOUND is the same value (a test asserts it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from timlab.registry import Registry
+
+SAFETY_BOUND = 20.0
+"""Clamp for log-ratios before exp (verl's SAFETY_BOUND); equal to timlab.metrics.SAFETY_BOUND."""
+
+DEFAULT_THRESHOLD = 2.0
+"""C for TIS/MIS (Beyond-Precision Table 1)."""
+
+DEFAULT_VETO_THRESHOLD = 1e-4
+"""Token-ratio veto commonly used in the field (verl docs); pass it as ``veto_threshold``."""
+
+METRIC_KEYS = (
+    "is/ratio_mean_before",
+    "is/ratio_max_before",
+    "is/ratio_mean_after",
+    "is/frac_truncated",
+    "is/frac_masked",
+    "is/frac_vetoed_seqs",
+    "is/ess",
+)
+
+# A level maps (r (B, T) with 0 off-mask, validf (B, T) float 0/1) -> log rho (B, T).
+IS_LEVELS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry("IS level")
+# A mode maps (rho (B, T), c_low, c_high) -> (weight (B, T), truncated (B, T) bool, masked (B, T) bool).
+IS_MODES: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = Registry("IS mode")
+
+
+@IS_LEVELS.register("token")
+def _token_level(r: torch.Tensor, validf: torch.Tensor) -> torch.Tensor:
+    return r  # (B, T)
+
+
+@IS_LEVELS.register("sequence")
+def _sequence_level(r: torch.Tensor, validf: torch.Tensor) -> torch.Tensor:
+    return r.sum(-1, keepdim=True).expand_as(r)  # (B, 1) -> (B, T)
+
+
+@IS_LEVELS.register("geometric")
+def _geometric_level(r: torch.Tensor, validf: torch.Tensor) -> torch.Tensor:
+    n = validf.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    return (r.sum(-1, keepdim=True) / n).expand_as(r)  # (B, T)
+
+
+@IS_MODES.register("none")
+def _mode_none(rho: torch.Tensor, c_low: float, c_high: float):
+    no = torch.zeros_like(rho, dtype=torch.bool)
+    return torch.ones_like(rho), no, no
+
+
+@IS_MODES.register("truncate")
+def _mode_truncate(rho: torch.Tensor, c_low: float, c_high: float):
+    over = rho > c_high
+    return rho.clamp(max=c_high), over, torch.zeros_like(over)
+
+
+@IS_MODES.register("mask")
+def _mode_mask(rho: torch.Tensor, c_low: float, c_high: float):
+    over = rho > c_high
+    return torch.where(over, torch.zeros_like(rho), rho), torch.zeros_like(over), over
+
+
+@IS_MODES.register("two_sided")
+def _mode_two_sided(rho: torch.Tensor, c_low: float, c_high: float):
+    out = (rho < c_low) | (rho > c_high)
+    return torch.where(out, torch.zeros_like(rho), rho), torch.zeros_like(out), out
+
+
+def _check_positive(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_inputs(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor):
+    if train_logp.dim() != 2:
+        raise ValueError(f"train_logp must be 2-D (B, T), got shape {tuple(train_logp.shape)}")
+    if train_logp.shape != rollout_logp.shape or train_logp.shape != mask.shape:
+        raise ValueError(
+            "shape mismatch: train_logp "
+            f"{tuple(train_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)}, mask {tuple(mask.shape)}"
+        )
+    valid = mask.detach() != 0  # (B, T)
+    lp = train_logp.detach().to(torch.float64)
+    lq = rollout_logp.detach().to(torch.float64)
+    bad = torch.stack([(~torch.isfinite(lp) & valid).sum(), (~torch.isfinite(lq) & valid).sum()]).tolist()
+    for name, count in zip(("train_logp", "rollout_logp"), bad):
+        if count:
+            raise ValueError(
+                f"{name} has {count} non-finite value(s) (-inf/+inf/NaN) at valid (mask=1) positions"
+            )
+    r = torch.where(valid, lp - lq, torch.zeros((), dtype=torch.float64, device=lp.device))  # (B, T)
+    return r, valid
+
+
+def is_weights(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    threshold: float = DEFAULT_THRESHOLD,
+    threshold_low: float | None = None,
+    veto_threshold: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """IS weights (B, T), detached, 0 off-mask, and ``is/*`` metrics (keys in ``METRIC_KEYS``).
+
+    ``threshold`` is C (C_high for two_sided); ``threshold_low`` only applies to ``two_sided``
+    and defaults to 1 / threshold. Metrics, all over valid tokens unless said otherwise:
+    ``ratio_mean_before`` / ``ratio_max_before``: rho (at the chosen level) before the mode;
+    ``ratio_mean_after``: mean final weight; ``frac_truncated``: share capped by ``truncate``;
+    ``frac_masked``: share zeroed by ``mask``/``two_sided``; ``frac_vetoed_seqs``: share of
+    non-empty sequences vetoed; ``ess``: 1 / mean((w / mean w)^2) of the final weights (0 if all
+    are 0). With no valid token every metric is 0.0.
+    """
+    level_fn = IS_LEVELS.get(level)
+    mode_fn = IS_MODES.get(mode)
+    _check_positive("threshold", threshold)
+    _check_positive("threshold_low", threshold_low)
+    _check_positive("veto_threshold", veto_threshold)
+    if threshold_low is not None and mode != "two_sided":
+        raise ValueError(f"threshold_low only applies to mode='two_sided', got mode={mode!r}")
+    c_high = float(threshold)
+    c_low = float(threshold_low) if threshold_low is not None else 1.0 / c_high
+    if mode == "two_sided" and not c_low < c_high:
+        raise ValueError(f"threshold_low must be < threshold, got threshold_low={c_low} threshold={c_high}")
+
+    with torch.no_grad():
+        r, valid = _check_inputs(train_logp, rollout_logp, mask)
+        validf = valid.to(torch.float64)  # (B, T)
+        log_rho = level_fn(r, validf).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
+        rho = torch.exp(log_rho) * validf  # (B, T), 0 off-mask
+        weights, truncated, masked = mode_fn(rho, c_low, c_high)
+        weights = weights * validf
+        truncated = truncated & valid
+        masked = masked & valid
+
+        has = valid.any(-1)  # (B,)
+        if veto_threshold is not None:
+            vetoed = ((r < math.log(veto_threshold)) & valid).any(-1)  # (B,)
+            weights = weights * (~vetoed).to(torch.float64).unsqueeze(-1)  # (B, T)
+        else:
+            vetoed = torch.zeros_like(has)
+
+        n_tok = validf.sum().clamp(min=1)
+        w_mean = weights.sum() / n_tok
+        w2_mean = (weights * weights).sum() / n_tok
+        zero = torch.zeros_like(w2_mean)
+        ess = torch.where(w2_mean > 0, w_mean * w_mean / w2_mean.clamp(min=1e-300), zero)  # 0 if all w = 0
+        stats = torch.stack(
+            [
+                rho.sum() / n_tok,
+                rho.max() if rho.numel() else zero,
+                w_mean,
+                truncated.sum() / n_tok,
+                masked.sum() / n_tok,
+                (vetoed & has).sum() / has.sum().clamp(min=1),
+                ess,
+            ]
+        ).tolist()  # one host sync
+        metrics = dict(zip(METRIC_KEYS, (float(x) for x in stats)))
+        out_dtype = torch.promote_types(train_logp.dtype, torch.float32)
+        return weights.to(out_dtype).detach(), metrics

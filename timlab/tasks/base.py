@@ -1,0 +1,114 @@
+"""The task interface, the ``TASKS`` registry, seeded train/val splits and the shared dense reward.
+
+A task samples ``Example(prompt, answer)`` pairs from an explicit ``random.Random`` and scores a
+completion (the decoded response, EOS not included) against an example. Rewards are
+deterministic: exact match (or verification, for countdown) gives 0/1; ``dense=True`` gives
+partial credit in [0, 1], defined per task.
+
+Every task's answers have variable length, so response length means something; a task reports
+``alphabet`` (every character of its prompts and answers, for the char tokenizer),
+``max_prompt_chars`` and ``max_answer_chars`` (bounds, for sizing generation).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from timlab.registry import Registry
+
+TASKS: Registry[type["Task"]] = Registry("task")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str  # one reference answer (countdown accepts others)
+
+
+class Task(abc.ABC):
+    """Base class; concrete tasks are frozen dataclasses whose fields are their options."""
+
+    name: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def alphabet(self) -> str:
+        """Every character that can appear in a prompt or an answer (sorted, unique)."""
+
+    @property
+    @abc.abstractmethod
+    def max_prompt_chars(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_answer_chars(self) -> int: ...
+
+    @abc.abstractmethod
+    def sample_one(self, rng: random.Random) -> Example: ...
+
+    @abc.abstractmethod
+    def reward(self, example: Example, completion: str, *, dense: bool = False) -> float: ...
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        """``n`` examples drawn from ``rng`` only: the same seed gives the same examples."""
+        return [self.sample_one(rng) for _ in range(n)]
+
+
+def positional_match(completion: str, answer: str) -> float:
+    """Fraction of aligned positions that agree, over the longer of the two strings.
+
+    Characters are compared left-aligned, position by position; a missing or an extra character
+    counts as a miss, so a wrong length is penalized. E.g. answer ``abcd``: ``abxd`` -> 3/4,
+    ``abc`` -> 3/4, ``abcde`` -> 4/5, ``""`` -> 0.
+    """
+    longest = max(len(completion), len(answer))
+    if longest == 0:
+        return 1.0
+    return sum(c == a for c, a in zip(completion, answer)) / longest
+
+
+def unique_chars(*parts: str) -> str:
+    return "".join(sorted(set("".join(parts))))
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """Build a registered task, e.g. ``get_task("reverse", min_len=4, max_len=30)``."""
+    cls = TASKS.get(name)
+    valid = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    for key in kwargs:
+        if key not in valid:
+            raise TypeError(f"task {name!r} has no option {key!r}; valid options: "
+                            f"{', '.join(valid) or '(none)'}")
+    return cls(**kwargs)
+
+
+def make_splits(task: Task, *, seed: int, n_train: int, n_val: int
+                ) -> tuple[list[Example], list[Example]]:
+    """Seeded train/val examples with no prompt repeated inside or across the two lists.
+
+    Validation is drawn first, so it does not change with ``n_train``.
+    """
+    rng = random.Random(seed)
+    val = _draw_unique(task, rng, n_val, taken=set())
+    train = _draw_unique(task, rng, n_train, taken={ex.prompt for ex in val})
+    return train, val
+
+
+def _draw_unique(task: Task, rng: random.Random, n: int, *, taken: set[str]) -> list[Example]:
+    out: list[Example] = []
+    max_draws = 20 * n + 1000
+    for _ in range(max_draws):
+        if len(out) == n:
+            break
+        ex = task.sample_one(rng)
+        if ex.prompt not in taken:
+            taken.add(ex.prompt)
+            out.append(ex)
+    if len(out) < n:
+        raise ValueError(f"task {task.name!r} gave only {len(out)} distinct new prompts in "
+                         f"{max_draws} draws (wanted {n}); widen its options or ask for fewer")
+    return out

@@ -1,0 +1,210 @@
+"""Tokenizers: a character-level tokenizer for the synthetic tasks, and one loader for any folder.
+
+The tiny models in timlab read one token per character, so a response of N characters is N
+tokens and response length is a clean signal. ``build_char_tokenizer`` makes that tokenizer with
+the HF ``tokenizers`` library and ``save_char_tokenizer`` writes it as an ordinary HF tokenizer
+folder (loadable by ``transformers.AutoTokenizer``), so models trained here can be served by
+HF / vLLM unchanged.
+
+``load_tokenizer`` returns a small ``Tokenizer`` wrapper around a ``tokenizers.Tokenizer``. It
+always prefers a folder's ``tokenizer.json``: for a Qwen2 model folder ``AutoTokenizer`` builds a
+``Qwen2Tokenizer`` from vocab/merges and silently drops the spaces of a char-level vocab. Only
+when there is no ``tokenizer.json`` does it fall back to ``transformers.AutoTokenizer`` (an
+optional dependency, imported only there) and wrap that tokenizer's fast backend.
+
+Special token ids of the char tokenizer: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3,
+then the sorted unique characters from 4 on. Text containing the literal string ``<eos>`` (etc.)
+is encoded as that special token, as in every HF tokenizer; the task alphabets contain no ``<``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in the char tokenizer
+
+
+def build_char_tokenizer(chars: str) -> tokenizers.Tokenizer:
+    """One token per character of ``chars`` (duplicates ignored, spaces kept), after 4 specials."""
+    if not chars:
+        raise ValueError("build_char_tokenizer needs at least one character")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(set(chars)):
+        vocab[ch] = len(vocab)
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # every single character (whitespace and newlines included) is its own pre-token
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # concatenate tokens: no spaces inserted on decode
+    tok.add_special_tokens(list(SPECIAL_TOKENS))  # already in the vocab: keeps ids 0..3
+    return tok
+
+
+def save_char_tokenizer(chars: str, out_dir: str | Path, *, model_max_length: int = 1024) -> Path:
+    """Write the char tokenizer as an HF tokenizer folder; returns the folder.
+
+    Files: ``tokenizer.json``, ``tokenizer_config.json`` (``PreTrainedTokenizerFast``) and
+    ``special_tokens_map.json``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer(chars)
+    tok.save(str(out / "tokenizer.json"))
+    special = {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": {
+            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                     "normalized": False, "single_word": False}
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return out
+
+
+class Tokenizer:
+    """The interface the rest of timlab uses, over a ``tokenizers.Tokenizer``.
+
+    ``encode`` adds no special tokens; ``pad_token_id`` falls back to ``eos_token_id``.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        eos_token_id: int,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        name_or_path: str = "",
+    ):
+        self.backend = backend
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
+        self.bos_token_id = bos_token_id
+        self.name_or_path = name_or_path
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, specials and added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def batch_encode(self, texts: Iterable[str]) -> list[list[int]]:
+        encs = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
+                f"eos={self.eos_token_id}, pad={self.pad_token_id}, bos={self.bos_token_id})")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer folder (or a ``tokenizer.json`` file) into a timlab ``Tokenizer``."""
+    p = Path(path)
+    if p.is_file() and p.name.endswith(".json"):
+        folder, tok_file = p.parent, p
+    elif p.is_dir():
+        folder, tok_file = p, p / "tokenizer.json"
+    else:
+        raise FileNotFoundError(
+            f"tokenizer path {str(p)!r} does not exist; expected a folder with tokenizer.json")
+    if tok_file.is_file():
+        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        return _wrap(backend, _special_tokens(folder), folder, str(path))
+    return _load_with_transformers(folder, str(path))
+
+
+def _load_with_transformers(folder: Path, name: str) -> Tokenizer:
+    """Fallback for folders without tokenizer.json (e.g. only vocab.json + merges.txt)."""
+    expected = "expected tokenizer.json (or files transformers.AutoTokenizer can load)"
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(f"no tokenizer.json in {str(folder)!r}; {expected}, "
+                         "and transformers is not installed") from None
+    try:
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises many types; keep the message one line
+        raise ValueError(f"no tokenizer found in {str(folder)!r}; {expected} "
+                         f"(AutoTokenizer: {type(e).__name__})") from None
+    backend = getattr(hf, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        raise ValueError(f"{str(folder)!r} holds a slow tokenizer ({type(hf).__name__}); "
+                         "timlab needs a fast one (tokenizer.json)")
+    special = _special_tokens(folder)
+    for key in ("eos", "pad", "bos"):  # what transformers resolved wins over the raw files
+        if getattr(hf, f"{key}_token", None) is not None:
+            special[key] = getattr(hf, f"{key}_token")
+    return _wrap(backend, special, folder, name)
+
+
+def _wrap(backend: tokenizers.Tokenizer, special: dict[str, Any], folder: Path,
+          name: str) -> Tokenizer:
+    ids = {key: _to_id(backend, value, key, folder) for key, value in special.items()}
+    if ids.get("eos") is None:
+        raise ValueError(
+            f"no EOS token found in {str(folder)!r}; expected eos_token in tokenizer_config.json "
+            "/ special_tokens_map.json or eos_token_id in generation_config.json / config.json")
+    return Tokenizer(backend, eos_token_id=ids["eos"], pad_token_id=ids.get("pad"),
+                     bos_token_id=ids.get("bos"), name_or_path=name)
+
+
+def _to_id(backend: tokenizers.Tokenizer, value: Any, key: str, folder: Path) -> int | None:
+    """A special token given as a string, an AddedToken dict, an id or a list of ids -> an id."""
+    if value is None:
+        return None
+    if isinstance(value, list):  # generation_config may list several EOS ids; the first is primary
+        return _to_id(backend, value[0], key, folder) if value else None
+    if isinstance(value, dict):
+        value = value.get("content")
+    if isinstance(value, int):
+        return value
+    tid = backend.token_to_id(str(value))
+    if tid is None:
+        raise ValueError(f"{key} token {value!r} from {str(folder)!r} is not in the vocabulary")
+    return tid
+
+
+def _special_tokens(folder: Path) -> dict[str, Any]:
+    """eos/pad/bos as tokens or ids, first found in: tokenizer_config.json, special_tokens_map.json,
+    generation_config.json, config.json."""
+    sources = [
+        ("tokenizer_config.json", "{}_token"),
+        ("special_tokens_map.json", "{}_token"),
+        ("generation_config.json", "{}_token_id"),
+        ("config.json", "{}_token_id"),
+    ]
+    found: dict[str, Any] = {}
+    for filename, pattern in sources:
+        f = folder / filename
+        if not f.is_file():
+            continue
+        data = json.loads(f.read_text())
+        for key in ("eos", "pad", "bos"):
+            value = data.get(pattern.format(key))
+            if found.get(key) is None and value is not None:
+                found[key] = value
+    return found

@@ -1,0 +1,82 @@
+"""The policy loss: PPO's clipped surrogate with asymmetric clipping (DAPO's clip-higher).
+
+ratio = pi_theta / pi_old, where pi_old is the TRAINER's log-prob under the rollout weights
+(computed by the same forward, not taken from the engine). So with no IS correction the
+rollout's log mu never enters the loss: a training-inference mismatch acts only through which
+tokens were sampled, exactly as in verl's default (recomputed old_log_prob). IS weights, when a
+remedy is on, multiply the per-token loss and are detached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, *, denom: float | None = None) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss over valid tokens.
+
+    token_mean: sum / number of valid tokens (``denom`` overrides that count, e.g. the global
+    count across data-parallel ranks or the whole batch when splitting into mini-batches).
+    seq_mean: mean over each sequence's tokens, then mean over sequences with any token.
+    """
+    if how == "token_mean":
+        n = mask.sum() if denom is None else denom
+        return (per_token * mask).sum() / max(float(n), 1.0)
+    if how == "seq_mean":
+        tok = mask.sum(-1)  # (B,)
+        has = tok > 0
+        seq = (per_token * mask).sum(-1) / tok.clamp(min=1)
+        n = has.sum() if denom is None else denom
+        return seq[has].sum() / max(float(n), 1.0)
+    raise ValueError(f"unknown algorithm.loss_agg {how!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    loss_agg: str = "token_mean",
+    is_weights: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    denom: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped policy loss.
+
+    logp: (B, T) differentiable log pi_theta; old_logp: (B, T) detached log pi_old;
+    advantages: (B,) per sequence; mask: (B, T) float 0/1; is_weights: (B, T) detached or None;
+    ref_logp: (B, T) for the optional k3 KL penalty. Returns (loss, metrics).
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages[:, None].to(logp.dtype)  # (B, 1)
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)  # (B, T)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    if kl_coef > 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp")
+        d = (ref_logp.detach() - logp).clamp(-20.0, 20.0)
+        per_token = per_token + kl_coef * (torch.exp(d) - d - 1.0)
+    loss = aggregate(per_token, mask, loss_agg, denom=denom)
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        low = ((ratio < 1.0 - clip_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1.0 + clip_high) & (adv > 0)).to(mask.dtype)
+        metrics = {
+            "train/clip_frac_low": float((low * mask).sum() / n),
+            "train/clip_frac_high": float((high * mask).sum() / n),
+            "train/clip_frac": float(((low + high) * mask).sum() / n),
+            "train/approx_kl": float((0.5 * log_ratio.pow(2) * mask).sum() / n),
+            "train/ratio_max": float(torch.where(mask > 0, ratio, torch.zeros_like(ratio)).max()),
+        }
+    return loss, metrics

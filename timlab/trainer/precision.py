@@ -1,0 +1,90 @@
+"""Trainer precision: fp32 master weights, a compute copy in fp32 / bf16 / fp16.
+
+The compute model is what both the trainer's forward and the exact engine run, so the
+zero-mismatch property holds in every precision. Gradients flow into the compute copy, are
+copied to the fp32 master, clipped, and AdamW steps the master; the compute copy is then
+re-cast. fp16 adds a dynamic loss scaler (scale 2^16, halve on overflow and skip the step,
+double after ``growth_interval`` clean steps, as torch.amp.GradScaler and Qi et al.'s verl patch).
+With fp32 the compute model IS the master (no copies).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+import torch
+
+from timlab.model.hf_io import parse_dtype
+from timlab.model.llama import CausalLM
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+class Precision:
+    def __init__(self, master: CausalLM, dtype: str, *, lm_head_fp32: bool = False,
+                 init_scale: float = 2.0**16, growth_interval: int = 400):
+        self.master = master
+        self.dtype = parse_dtype(dtype)
+        if self.dtype == torch.float32:
+            self.compute = master
+        else:
+            self.compute = copy.deepcopy(master).to(self.dtype)
+        self.compute.lm_head_fp32 = lm_head_fp32
+        self.compute.train()
+        self.scale = init_scale if self.dtype == torch.float16 else 1.0
+        self.growth_interval = growth_interval
+        self._clean_steps = 0
+        self.skipped_steps = 0
+
+    def load_master(self, state: dict) -> None:
+        self.master.load_state_dict(state, strict=False)
+        self._sync_compute()
+
+    @torch.no_grad()
+    def _sync_compute(self) -> None:
+        if self.compute is not self.master:
+            for pc, pm in zip(self.compute.parameters(), self.master.parameters()):
+                pc.copy_(pm.to(pc.dtype))
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, grad_clip: float,
+                          world, on_nonfinite: Callable[[str], None]) -> float:
+        """Backward, all-reduce, unscale, clip, step. Returns the global grad norm (pre-clip)."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.compute is not self.master:
+            self.compute.zero_grad(set_to_none=True)
+        (loss * self.scale).backward()
+        if self.compute is not self.master:
+            for pc, pm in zip(self.compute.parameters(), self.master.parameters()):
+                pm.grad = None if pc.grad is None else pc.grad.float()
+        params = [p for p in self.master.parameters() if p.grad is not None]
+        world.all_reduce_grads(params)
+        if self.scale != 1.0:
+            for p in params:
+                p.grad.div_(self.scale)
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        norm_f = float(norm)
+        if not math.isfinite(norm_f):
+            if self.dtype == torch.float16:  # loss-scale overflow: skip, shrink the scale
+                self.scale /= 2.0
+                self._clean_steps = 0
+                self.skipped_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                return norm_f
+            on_nonfinite("gradients")
+        optimizer.step()
+        if self.dtype == torch.float16:
+            self._clean_steps += 1
+            if self._clean_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+        self._sync_compute()
+        return norm_f
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state.get("scale", self.scale)
+        self._clean_steps = state.get("clean_steps", 0)
+        self.skipped_steps = state.get("skipped_steps", 0)

@@ -1,0 +1,207 @@
+"""SFT warm start: a tiny decoder trained on a task's (prompt, answer, EOS) pairs.
+
+RL from scratch with a sparse 0/1 reward never sees a success on these tasks (REFERENCE.md
+section 6), so every run starts from a supervised model whose validation accuracy leaves room
+for RL. The result is an ordinary HF folder (config.json, model.safetensors, char tokenizer)
+cached under ``$TIMLAB_CACHE`` (default ``~/.cache/timlab``) by the hash of the model and task
+settings, so later commands reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from timlab.config import Config
+from timlab.engines import SamplingParams, build_engine
+from timlab.model.forward import token_logprobs
+from timlab.model.hf_io import load_model, save_model
+from timlab.model.llama import CausalLM, ModelConfig
+from timlab.tasks import Example, Task, get_task, make_splits
+from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TIMLAB_CACHE", Path.home() / ".cache" / "timlab"))
+
+
+def build_task(cfg: Config) -> Task:
+    """The configured task; bad options become one-line errors naming task.kwargs."""
+    try:
+        return get_task(cfg.task.name, **cfg.task.kwargs)
+    except TypeError as e:
+        raise ValueError(f"task.kwargs: {e}") from None
+
+
+def warm_start_key(cfg: Config) -> str:
+    """Hash of everything that determines the warm-start model."""
+    m = dataclasses.asdict(cfg.model)
+    for k in ("path", "dtype", "lm_head_fp32"):
+        m.pop(k)
+    t = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k in ("name", "kwargs", "n_train", "n_val", "split_seed")}
+    blob = json.dumps({"model": m, "task": t, "version": 1}, sort_keys=True)
+    import hashlib
+
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def warm_start_dir(cfg: Config) -> Path:
+    return cache_root() / "pretrained" / f"{cfg.task.name}-{warm_start_key(cfg)}"
+
+
+def sft_batch(tok: Tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, key_valid, loss_mask), each (B, S): left-padded prompt, answer + EOS, right pad."""
+    prompts = [tok.encode(e.prompt) for e in examples]
+    answers = [tok.encode(e.answer) + [tok.eos_token_id] for e in examples]
+    P = max(len(p) for p in prompts)
+    S = P + max(len(a) for a in answers)
+    B = len(examples)
+    tokens = torch.full((B, S), tok.pad_token_id, dtype=torch.long)
+    key_valid = torch.ones(B, S, dtype=torch.bool)
+    loss_mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[b, P - len(p) : P] = torch.tensor(p)
+        key_valid[b, : P - len(p)] = False
+        tokens[b, P : P + len(a)] = torch.tensor(a)
+        loss_mask[b, P : P + len(a)] = True
+    return tokens, key_valid, loss_mask
+
+
+@torch.no_grad()
+def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Example], *,
+                    max_new_tokens: int, batch_size: int = 128) -> tuple[float, float]:
+    """Exact-match accuracy and mean response length of greedy decoding (exact engine)."""
+    engine = build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    correct, lengths = 0.0, 0.0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        r = engine.generate([tok.encode(e.prompt) for e in chunk], max_new_tokens=max_new_tokens,
+                            sampling=SamplingParams(temperature=0.0))
+        for e, ids, done in zip(chunk, r.responses(), r.finished.tolist()):
+            text = tok.decode(ids)
+            correct += task.reward(e, text) if done else 0.0
+        lengths += float(r.lengths.sum())
+    return correct / len(examples), lengths / len(examples)
+
+
+@dataclass
+class PretrainResult:
+    path: Path
+    val_accuracy: float
+    steps: int
+    seconds: float
+    num_params: int
+    cached: bool
+
+
+def model_config_for(cfg: Config, vocab_size: int, tok: Tokenizer, max_len: int) -> ModelConfig:
+    m = cfg.model
+    return ModelConfig(
+        model_type=m.model_type,
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=max(m.max_position_embeddings, max_len),
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+
+
+def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = False,
+             progress: Callable[[int, int, dict], None] | None = None) -> PretrainResult:
+    """Train (or reuse) the SFT warm start for cfg.task with the cfg.model architecture."""
+    out = Path(out_dir) if out_dir else warm_start_dir(cfg)
+    done_file = out / "pretrain.json"
+    if done_file.exists() and not force:
+        info = json.loads(done_file.read_text())
+        if info.get("key") == warm_start_key(cfg):
+            return PretrainResult(out, info["val_accuracy"], info["steps"], info["seconds"], info["num_params"], True)
+
+    task = build_task(cfg)
+    train, val = make_splits(task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_char_tokenizer(task.alphabet, tmp)
+    tok = load_tokenizer(tmp)
+    max_len = task.max_prompt_chars + cfg.rollout.max_new_tokens + 16
+    mcfg = model_config_for(cfg, tok.vocab_size, tok, max_len)
+
+    torch.manual_seed(cfg.model.pretrain_seed)
+    model = CausalLM(mcfg)
+    _init_weights(model)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.model.pretrain_lr, weight_decay=0.01, betas=(0.9, 0.98))
+    steps = cfg.model.pretrain_steps
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 0.5 * (1 + __import__("math").cos(__import__("math").pi * min(s, steps) / steps)))
+    )
+    rng = random.Random(cfg.model.pretrain_seed)
+    start = time.time()
+    loss_val = float("nan")
+    for step in range(1, steps + 1):
+        batch = rng.sample(train, min(cfg.model.pretrain_batch, len(train)))
+        tokens, key_valid, loss_mask = sft_batch(tok, batch)
+        logp, _ = token_logprobs(model, tokens, key_valid, mode="fast")
+        loss = -(logp * loss_mask).sum() / loss_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_val = loss.item()
+        if progress is not None:
+            progress(step, steps, {"loss": loss_val})
+    model.eval()
+    acc, mean_len = greedy_accuracy(model, tok, task, val, max_new_tokens=cfg.rollout.max_new_tokens)
+    seconds = time.time() - start
+    save_model(model, tmp, tokenizer_dir=tmp)
+    n_params = sum(p.numel() for p in model.parameters())
+    info = {"key": warm_start_key(cfg), "task": cfg.task.name, "val_accuracy": acc, "val_response_length": mean_len,
+            "final_loss": loss_val, "steps": steps, "seconds": seconds, "num_params": n_params,
+            "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs}
+    (tmp / "pretrain.json").write_text(json.dumps(info, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return PretrainResult(out, acc, steps, seconds, n_params, False)
+
+
+def _init_weights(model: CausalLM, std: float = 0.02) -> None:
+    """GPT-2 style init: N(0, 0.02) for matrices, output projections scaled by depth."""
+    n_layers = model.config.num_hidden_layers
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            s = std / (2 * n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            torch.nn.init.normal_(p, std=s)
+        elif name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+
+
+def ensure_warm_start(cfg: Config, progress=None) -> PretrainResult:
+    """The model RL starts from: cfg.model.path if set, else the cached SFT warm start."""
+    if cfg.model.path:
+        p = Path(cfg.model.path)
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"model.path {p}: not a model folder (no config.json)")
+        return PretrainResult(p, float("nan"), 0, 0.0, 0, True)
+    return pretrain(cfg, progress=progress)
+
+
+__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "build_task", "greedy_accuracy", "sft_batch", "load_model"]

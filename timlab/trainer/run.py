@@ -1,0 +1,444 @@
+"""The zero-mismatch RL loop: one ``RLRun`` per run directory.
+
+A step reads top to bottom as rollout -> score -> metrics -> correction -> loss -> update:
+
+1. rollout: prompts x samples_per_prompt through the rollout engine (exact by default), with the
+   configured mismatch injector applied on the rollout side only;
+2. score: the trainer's forward (autograd on) gives log pi on the same tokens; in exact mode with
+   no injector the zero-mismatch guard requires it to equal the rollout's log mu bit for bit;
+3. metrics: verl's rollout_corr/* plus timlab's mismatch/* on (log pi_old, log mu);
+4. correction: optional IS weights (token / sequence / geometric x truncate / mask / two-sided);
+5. loss: PPO clipped surrogate with pi_old = the trainer's own log-probs under the rollout weights
+   (so mu only enters through the sampled tokens and the IS weights);
+6. update: AdamW with gradient clipping, then the LR scheduler, fed the mean response length.
+
+Departures from GRPO as published: clip-higher (0.2 / 0.28) and token-mean aggregation (DAPO),
+no KL term by default, groups whose rewards are all equal are dropped from the loss.
+
+Determinism: every random draw comes from a generator whose state is checkpointed, so the
+same config and seed give bitwise-identical weights and (non-timing) metrics, and a run killed
+at any point and resumed ends exactly like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from timlab.config import Config, ConfigError, load_run_config
+from timlab.engines import ENGINES, SamplingParams, build_engine
+from timlab.injectors import build_injector
+from timlab.metrics import all_metrics, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
+from timlab.model.forward import token_logprobs
+from timlab.model.hf_io import load_model, parse_dtype
+from timlab.remedies import IS_LEVELS, IS_MODES, is_weights
+from timlab.schedulers import SCHEDULERS, build_scheduler
+from timlab.tasks import TASKS, make_splits
+from timlab.tokenizer import load_tokenizer
+from timlab.trainer import distributed as dist_utils
+from timlab.trainer.advantages import ADVANTAGES, informative_groups
+from timlab.trainer.checkpoint import CheckpointError, latest_checkpoint, load_state, save_checkpoint
+from timlab.trainer.logging import MetricsLog, atomic_write_text
+from timlab.trainer.losses import LOSS_AGGREGATIONS, ppo_clip_loss
+from timlab.trainer.pretrain import build_task, ensure_warm_start, greedy_accuracy
+from timlab.trainer.precision import PRECISIONS, Precision
+
+
+class ZeroMismatchViolation(RuntimeError):
+    """The exact engine and the trainer disagreed on some bit: the zero-mismatch setting is broken."""
+
+
+class NonFiniteError(RuntimeError):
+    """NaN/Inf in logits, loss or gradients; the message names the step and the tensor."""
+
+
+def validate(cfg: Config) -> None:
+    """Check every registry-backed name and numeric range before anything runs."""
+    checks = [
+        ("task.name", cfg.task.name, TASKS),
+        ("rollout.engine", cfg.rollout.engine, ENGINES),
+        ("algorithm.name", cfg.algorithm.name, ADVANTAGES),
+        ("scheduler.name", cfg.scheduler.name, SCHEDULERS),
+        ("correction.level", cfg.correction.level, IS_LEVELS),
+        ("correction.mode", cfg.correction.mode, IS_MODES),
+    ]
+    for key, value, reg in checks:
+        if value not in reg:
+            raise ConfigError(f"unknown {key} {value!r}; valid choices: {', '.join(reg.names())}")
+    if cfg.algorithm.loss_agg not in LOSS_AGGREGATIONS:
+        raise ConfigError(f"unknown algorithm.loss_agg {cfg.algorithm.loss_agg!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
+    if cfg.model.dtype not in PRECISIONS:
+        raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
+    positive = {
+        "run.steps": cfg.run.steps, "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
+        "rollout.samples_per_prompt": cfg.rollout.samples_per_prompt, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+        "run.eval_every": cfg.run.eval_every, "run.checkpoint_every": cfg.run.checkpoint_every,
+        "algorithm.epochs": cfg.algorithm.epochs, "algorithm.mini_batches": cfg.algorithm.mini_batches,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
+    n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    if n % cfg.algorithm.mini_batches:
+        raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
+
+
+def scheduler_kwargs(cfg: Config) -> dict:
+    """The scheduler section's keys that the chosen schedule takes."""
+    s = cfg.scheduler
+    if s.name == "cosine":
+        return {"total_steps": cfg.run.steps, "min_lr_ratio": s.min_lr_ratio, "warmup_steps": s.warmup_steps}
+    if s.name == "length_decay":
+        return {"decay_period": s.decay_period or None, "min_lr_ratio": s.min_lr_ratio, "surge_factor": s.surge_factor,
+                "surge_ratio": s.surge_ratio, "surge_window": s.surge_window}
+    return {}
+
+
+@dataclass
+class StepOutput:
+    metrics: dict
+    distributions: dict | None
+
+
+class RLRun:
+    """State that lives across steps: model, optimizer, scheduler, injector, RNGs, counters."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
+                 progress: Callable[[str, int, int, dict], None] | None = None):
+        validate(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.world = dist_utils.World.from_env(cfg.run.device)
+        self.device = self.world.device
+        self._prepare_dir(resume)
+
+        self.task = build_task(cfg)
+        self.train_set, self.val_set = make_splits(
+            self.task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val
+        )
+        warm = ensure_warm_start(cfg, progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None)
+        self.model_dir = Path(warm.path)
+        self.tok = load_tokenizer(self.model_dir)
+        master = load_model(self.model_dir, dtype="float32", device=self.device)
+        if self.tok.vocab_size > master.config.vocab_size:
+            raise ValueError(f"tokenizer vocabulary ({self.tok.vocab_size}) does not fit the model (vocab_size {master.config.vocab_size})")
+        self.precision = Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
+        self.model = self.precision.compute  # the trainer's forward, shared with the exact engine
+        c = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.precision.master.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay
+        )
+        self.scheduler = build_scheduler(cfg.scheduler.name, self.optimizer, **scheduler_kwargs(cfg))
+        self.injector = build_injector(cfg.mismatch, self.model, default_engine=cfg.rollout.engine,
+                                       eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+        self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+        self.sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.exact_rollout = self.injector.is_identity and cfg.rollout.engine == "exact"
+
+        seed = cfg.run.seed
+        self.prompt_rng = random.Random(seed)
+        self.rollout_gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + 17 + self.world.rank)
+        torch.manual_seed(seed)
+        self.step = 0
+        self.grad_norm_ema: float | None = None
+        self.peak_val = float("-inf")
+        self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard and self.world.is_main) if self.world.is_main else None
+        if resume:
+            self._resume()
+
+    # ---------------------------------------------------------------------------- setup
+    def _prepare_dir(self, resume: bool) -> None:
+        d = self.run_dir
+        if resume:
+            if not (d / "config.yaml").exists():
+                raise FileNotFoundError(f"--resume: {d} is not a run directory (no config.yaml)")
+            return
+        if (d / "metrics.parquet").exists() or (d / "checkpoints").exists():
+            raise ValueError(f"run directory {d} already holds a run; pass --resume to continue it or choose a new --run-dir")
+        if self.world.is_main:
+            d.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(d / "config.yaml", self.cfg.to_yaml())
+        self.world.barrier()
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+        state = load_state(ckpt)
+        resumed = load_model(ckpt, dtype="float32", device=self.device)
+        self.precision.load_master(resumed.state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.injector.load_state_dict(state["injector"])
+        self.precision.load_state_dict(state.get("precision", {}))
+        self.prompt_rng.setstate(state["prompt_rng"])
+        self.rollout_gen.set_state(state["rollout_gen"][self.world.rank])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
+        self.grad_norm_ema = state["grad_norm_ema"]
+        self.peak_val = state["peak_val"]
+        self.injector.refresh(self.model)
+        if self.log is not None:
+            self.log.load(self.step)
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "injector": self.injector.state_dict(),
+            "precision": self.precision.state_dict(),
+            "prompt_rng": self.prompt_rng.getstate(),
+            "rollout_gen": self.world.gather_objects(self.rollout_gen.get_state()),
+            "torch_rng": torch.get_rng_state(),
+            "grad_norm_ema": self.grad_norm_ema,
+            "peak_val": self.peak_val,
+        }
+
+    def checkpoint(self) -> Path | None:
+        state = self._trainer_state()  # collective: every rank takes part
+        if not self.world.is_main:
+            return None
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.precision.master, str(self.model_dir),
+                               state, keep=self.cfg.run.keep_checkpoints)
+
+    # ---------------------------------------------------------------------------- one step
+    def _draw_prompts(self):
+        k = self.cfg.rollout.prompts_per_step
+        examples = [self.train_set[self.prompt_rng.randrange(len(self.train_set))] for _ in range(k)]
+        mine = examples[self.world.rank :: self.world.size]  # data parallel: this rank's shard
+        return mine
+
+    def train_step(self) -> StepOutput:
+        cfg = self.cfg
+        self.step += 1
+        t0 = time.perf_counter()
+        G = cfg.rollout.samples_per_prompt
+
+        # 1. rollout --------------------------------------------------------------------
+        examples = self._draw_prompts()
+        prompts = [self.tok.encode(e.prompt) for e in examples for _ in range(G)]
+        rollout = self.injector.rollout(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+                                        sampling=self.sampling, generator=self.rollout_gen)
+        t_rollout = time.perf_counter() - t0
+        texts = [self.tok.decode(ids) for ids in rollout.responses()]
+        finished = rollout.finished.tolist()
+        rewards = torch.tensor(
+            [self.task.reward(examples[i // G], texts[i], dense=cfg.task.dense_reward) if finished[i] else 0.0
+             for i in range(len(texts))], dtype=torch.float32
+        ).view(-1, G)  # (N, G)
+
+        # 2. score: the trainer's forward, autograd on -----------------------------------
+        t1 = time.perf_counter()
+        mask = rollout.response_mask.to(self.device)  # (B, S)
+        tokens, key_valid = rollout.tokens.to(self.device), rollout.key_valid.to(self.device)
+        single_update = cfg.algorithm.epochs == 1 and cfg.algorithm.mini_batches == 1
+        if single_update:
+            logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True)
+            old_logp = logp.detach()
+        else:
+            with torch.no_grad():
+                old_logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True)
+        self._check_finite("trainer log-probs", old_logp[mask])
+        rollout_logp = rollout.logprobs.to(self.device)
+        if self.exact_rollout and cfg.run.guard:
+            self._guard(old_logp, rollout_logp, mask)
+
+        # 3. metrics ------------------------------------------------------------------------
+        t_m = time.perf_counter()
+        maskf = mask.float()
+        metrics = all_metrics(old_logp, rollout_logp, maskf, num_micro_batches=max(1, cfg.algorithm.mini_batches))
+        dists = None
+        if cfg.run.distributions_every and self.step % cfg.run.distributions_every == 0:
+            dists = {
+                "histogram": ratio_histogram(old_logp, rollout_logp, maskf),
+                "by_position": mismatch_by_position(old_logp, rollout_logp, maskf),
+                "by_prob": mismatch_by_prob_bucket(old_logp, rollout_logp, maskf),
+            }
+        t_metrics = time.perf_counter() - t_m
+
+        # 4. correction -----------------------------------------------------------------
+        c = cfg.correction
+        weights, is_metrics = is_weights(
+            old_logp, rollout_logp, maskf, level=c.level, mode=c.mode, threshold=c.threshold,
+            threshold_low=c.threshold_low if c.mode == "two_sided" else None,
+            veto_threshold=c.veto_threshold or None,
+        )
+        metrics.update(is_metrics)
+
+        # 5. loss + 6. update -------------------------------------------------------------
+        adv = ADVANTAGES.get(cfg.algorithm.name)(rewards)  # (N, G)
+        keep = informative_groups(rewards) if cfg.algorithm.reject_equal_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
+        seq_keep = keep[:, None].expand_as(rewards).reshape(-1).to(self.device)  # (B,)
+        adv = adv.reshape(-1).to(self.device)
+        loss_mask = maskf * seq_keep[:, None].float()
+        use_weights = None if c.mode == "none" and not c.veto_threshold else weights
+        loss_metrics, grad_norm, updated = self._update(
+            tokens, key_valid, logp if single_update else None, old_logp, adv, loss_mask, use_weights, rollout_logp
+        )
+        metrics.update(loss_metrics)
+        lengths = rollout.lengths.float()
+        mean_len = self.world.mean(float(lengths.mean()))
+        lr_used = self.optimizer.param_groups[0]["lr"]
+        with warnings.catch_warnings():  # a step whose groups were all rejected made no optimizer.step()
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step(response_length=mean_len)
+        self.injector.refresh(self.model)
+        t_train = time.perf_counter() - t1 - t_metrics
+
+        # logging ---------------------------------------------------------------------------
+        ema = cfg.run.grad_norm_ema
+        if math.isfinite(grad_norm):
+            self.grad_norm_ema = grad_norm if self.grad_norm_ema is None else ema * self.grad_norm_ema + (1 - ema) * grad_norm
+        ent = float((entropy * maskf).sum() / maskf.sum().clamp(min=1))
+        step_time = time.perf_counter() - t0
+        metrics.update({
+            "step": self.step,
+            "train/reward_mean": self.world.mean(float(rewards.mean())),
+            "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "train/response_length_mean": mean_len,
+            "train/response_length_max": float(lengths.max()),
+            "train/response_length_p90": float(torch.quantile(lengths, 0.9)),
+            "train/finished_frac": float(rollout.finished.float().mean()),
+            "train/entropy": ent,
+            "train/grad_norm": grad_norm,
+            "train/grad_norm_ema": self.grad_norm_ema if self.grad_norm_ema is not None else float("nan"),
+            "train/lr": lr_used,
+            "train/groups_kept_frac": float(keep.float().mean()),
+            "train/updated": float(updated),
+            "mismatch/max_abs_diff": metrics["mismatch/max_abs_diff"],
+            "train/step_time_s": step_time,
+            "train/tokens_per_s": rollout.num_tokens / max(step_time, 1e-9),
+            "time/rollout_s": t_rollout,
+            "time/train_s": t_train,
+            "time/metrics_s": t_metrics,
+        })
+        if self.cfg.scheduler.name == "length_decay":
+            sp = getattr(self.scheduler, "surge_step", None)
+            metrics["scheduler/surge_step"] = float(sp) if sp is not None else float("nan")
+            dp = getattr(self.scheduler, "decay_period", None)
+            metrics["scheduler/decay_period"] = float(dp) if dp is not None else float("nan")
+        return StepOutput(metrics, dists)
+
+    def _guard(self, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> None:
+        diff = (trainer_logp != rollout_logp) & mask
+        if diff.any():
+            b, t = (int(i) for i in diff.nonzero()[0])
+            n = int(diff.sum())
+            raise ZeroMismatchViolation(
+                f"zero-mismatch guard: step {self.step}, rank {self.world.rank}, sequence {b}, position {t - 0}: "
+                f"trainer log-prob {trainer_logp[b, t].item()!r} != rollout {rollout_logp[b, t].item()!r} "
+                f"({n} token(s) differ)"
+            )
+
+    def _check_finite(self, name: str, t: torch.Tensor) -> None:
+        if not torch.isfinite(t).all():
+            raise NonFiniteError(f"step {self.step}: non-finite values in {name}")
+
+    def _update(self, tokens, key_valid, logp, old_logp, adv, loss_mask, is_w, rollout_logp):
+        """Epochs x mini-batches of PPO updates. Returns (metrics, last grad norm, whether any update ran)."""
+        a = self.cfg.algorithm
+        B = tokens.shape[0]
+        total_tokens = self.world.sum(float(loss_mask.sum()))
+        if total_tokens == 0:
+            return {"train/loss": 0.0}, 0.0, False
+        per = B // a.mini_batches
+        out: dict = {}
+        grad_norm = 0.0
+        for _ in range(a.epochs):
+            for mb in range(a.mini_batches):
+                rows = slice(mb * per, (mb + 1) * per)
+                if logp is not None:
+                    lp = logp[rows]
+                else:
+                    lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact")
+                mb_tokens = self.world.sum(float(loss_mask[rows].sum()))
+                denom = mb_tokens if a.loss_agg == "token_mean" else self.world.sum(float((loss_mask[rows].sum(-1) > 0).sum()))
+                loss, m = ppo_clip_loss(
+                    lp, old_logp[rows], adv[rows], loss_mask[rows], clip_low=a.clip_low, clip_high=a.clip_high,
+                    loss_agg=a.loss_agg, is_weights=None if is_w is None else is_w[rows],
+                    kl_coef=a.kl_coef, ref_logp=rollout_logp[rows], denom=max(denom, 1.0),
+                )
+                self._check_finite("loss", loss.detach())
+                grad_norm = self.precision.backward_and_step(
+                    loss, self.optimizer, grad_clip=self.cfg.optim.grad_clip, world=self.world,
+                    on_nonfinite=lambda what: self._raise_nonfinite(what),
+                )
+                out = {**m, "train/loss": loss.item()}
+        return out, grad_norm, True
+
+    def _raise_nonfinite(self, what: str):
+        raise NonFiniteError(f"step {self.step}: non-finite values in {what}")
+
+    # ---------------------------------------------------------------------------- eval + loop
+    def evaluate(self) -> dict:
+        t = time.perf_counter()
+        shard = self.val_set[self.world.rank :: self.world.size]
+        acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        acc = self.world.mean(acc)
+        self.peak_val = max(self.peak_val, acc)
+        return {"val/accuracy": acc, "val/response_length_mean": self.world.mean(mean_len),
+                "val/peak_accuracy": self.peak_val, "time/eval_s": time.perf_counter() - t}
+
+    def write_status(self, state: str, message: str = "") -> None:
+        if self.world.is_main:
+            atomic_write_text(self.run_dir / "status.json", json.dumps(
+                {"state": state, "step": self.step, "total_steps": self.cfg.run.steps, "message": message}))
+
+    def run(self) -> dict:
+        """Train until run.steps; metrics every step, eval and checkpoints on schedule."""
+        cfg = self.cfg.run
+        self.write_status("running")
+        last: dict = {}
+        try:
+            if self.step == 0:
+                row = {"step": 0, **self.evaluate()}
+                if self.log is not None:
+                    self.log.append(row)
+            while self.step < cfg.steps:
+                out = self.train_step()
+                row = out.metrics
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    row.update(self.evaluate())
+                if self.log is not None:
+                    self.log.append(row)
+                    if out.distributions is not None:
+                        self.log.append_distribution(self.step, out.distributions)
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                    self.checkpoint()
+                last = row
+                if self.progress is not None:
+                    self.progress("train", self.step, cfg.steps, row)
+        except (NonFiniteError, ZeroMismatchViolation) as e:
+            self.write_status("diverged" if isinstance(e, NonFiniteError) else "guard_failed", str(e))
+            raise
+        except BaseException as e:
+            self.write_status("failed", f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            if self.log is not None:
+                self.log.close()
+        self.write_status("finished")
+        return last
+
+
+def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress=None) -> dict:
+    """Build and run an RLRun (the library entry point behind ``timlab train``)."""
+    with dist_utils.maybe_init_process_group(cfg.run.device):
+        run = RLRun(cfg, run_dir, resume=resume, progress=progress)
+        return run.run()
+
+
+def resume_config(run_dir: str | Path) -> Config:
+    return load_run_config(run_dir)
