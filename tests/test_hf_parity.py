@@ -225,8 +225,8 @@ def test_hf_engine_greedy_matches_exact_engine(tmp_path):
     model = timlab_model(tmp_path, CASES[0])
     _eos_likely_(model)
     greedy = SamplingParams(temperature=0)
-    a = build_engine("hf", model, eos_token_id=EOS, pad_token_id=PAD).generate(prompts(), max_new_tokens=12, sampling=greedy)
-    b = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD).generate(prompts(), max_new_tokens=12, sampling=greedy)
+    a, b = (build_engine(name, model, eos_token_id=EOS, pad_token_id=PAD).generate(
+        prompts(), max_new_tokens=12, sampling=greedy) for name in ("hf", "exact"))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.response_mask, b.response_mask)
     assert torch.equal(a.finished, b.finished)
     assert float((a.logprobs - b.logprobs).abs().max()) < 1e-4

@@ -329,3 +329,15 @@ def test_pure_layer_imports_nothing_else_from_timlab():
     allowed = ("timlab.metrics", "timlab.remedies", "timlab.schedulers")
     extra = [m for m in out.split() if m not in ("timlab", "timlab.registry") and not m.startswith(allowed)]
     assert extra == []
+
+
+def test_mismatch_by_length_hand_computed():
+    from timlab.metrics import mismatch_by_length
+
+    train = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    roll = torch.tensor([[0.1, 0.1, 0.0, 0.0], [0.1, -0.1, 0.2, 0.2], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    out = mismatch_by_length(train, roll, mask, edges=(1, 3, 5))
+    assert out["counts"] == [1, 1]  # the empty row is left out
+    assert out["mean_abs_sum_diff"] == pytest.approx([0.2, 0.4])  # |-0.2|, |-(0.1-0.1+0.2+0.2)|
+    assert out["mean_abs_diff"] == pytest.approx([0.1, 0.15])

@@ -138,6 +138,24 @@ def test_attribution_fast_vs_trainer_finds_the_first_divergent_op(tmp_path, fold
     assert "first divergent op: layers.0.attn_out" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_hooks_do_not_change_the_numbers(mode):
+    """Attribution runs the hooked forward; it must compute the same bits as the plain one."""
+    from timlab.model.forward import full_step
+
+    model = _model()
+    tokens = torch.randint(4, VOCAB, (5, 32), generator=torch.Generator().manual_seed(0))
+    key_valid = torch.ones_like(tokens, dtype=torch.bool)
+    key_valid[1, :7] = False
+    seen = []
+    with torch.no_grad():
+        plain = model(tokens, full_step(key_valid), mode=mode)
+        model.hooks.append(lambda name, t: seen.append(name))
+        hooked = model(tokens, full_step(key_valid), mode=mode)
+    assert torch.equal(plain, hooked)
+    assert seen == _expected_ops()
+
+
 # ------------------------------------------------------------------------------ bad input
 def _error(capsys, argv) -> str:
     code = main(argv)
@@ -222,5 +240,6 @@ def test_bad_input_through_python_m_timlab(tmp_path, folder):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"timlab: error: prompts file {str(tmp_path / 'none.txt')!r} does not exist"]
+    missing = str(tmp_path / "none.txt")
+    assert proc.stderr.strip().splitlines() == [f"timlab: error: prompts file {missing!r} does not exist"]
     assert proc.stdout == ""

@@ -193,6 +193,34 @@ def _add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+# ---------------------------------------------------------------------------------- demo
+def cmd_demo(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from timlab.experiments.demo import run_demo
+
+    prog = Progress(not args.quiet)
+    try:
+        res = run_demo(args.out, quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, progress=prog)
+    finally:
+        prog.close()
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
+        print(res.table.to_string())
+    print(f"\nreport: {res.report}\nruns:   {res.out_dir / 'runs'} (index.parquet; `timlab runs {res.out_dir / 'runs'}`)")
+    return 0
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report")
+    p.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
+    p.add_argument("--quick", action="store_true", help="fewer conditions, 2 seeds, 60 steps (about 3 minutes)")
+    p.add_argument("--seeds", type=int, help="seeds per condition (default 3, quick 2)")
+    p.add_argument("--steps", type=int, help="RL steps per run (default 150, quick 60)")
+    p.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+
 # ---------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timlab", description=__doc__.splitlines()[0])
@@ -204,8 +232,120 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_EXTRA_COMMANDS: list = [_add_pretrain, _add_train]
+_EXTRA_COMMANDS: list = [_add_pretrain, _add_train, _add_demo]
 """Subcommand registrars added below (pretrain, train, ...), kept in one list for the parser."""
+
+
+# ---------------------------------------------------------------------------------- sweep
+class SweepProgress:
+    """A tqdm bar of runs done / total, the active runs' steps as its postfix, a line per finished run."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        self.active: dict[str, str] = {}
+
+    def __call__(self, phase: str, i: int, n: int, info: dict) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if phase == "sweep":
+            if self.bar is None:
+                self.bar = tqdm(total=n, initial=i, desc="runs", unit="run", dynamic_ncols=True, file=sys.stderr)
+            run_id = info.get("run_id")
+            if run_id:
+                self.active.pop(run_id, None)
+                msg = f": {info['message']}" if info.get("message") else ""
+                tqdm.write(f"{run_id}: {info.get('state')} ({info.get('mode')}){msg}", file=sys.stderr)
+            self.bar.update(i - self.bar.n)
+        else:
+            kind, _, key = phase.partition(":")
+            self.active[key] = f"{kind} {i}/{n}"
+        if self.bar is not None:
+            self.bar.set_postfix_str("  ".join(f"{k} {v}" for k, v in list(self.active.items())[-3:]), refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from timlab.experiments.sweep import INDEX_FILE, run_sweep
+
+    prog = SweepProgress(not args.quiet)
+    try:
+        df = run_sweep(args.spec, args.out, workers=args.workers, executor=args.executor, progress=prog)
+    finally:
+        prog.close()
+    counts = ", ".join(f"{n} {s}" for s, n in df["state"].value_counts().items())
+    executed = len(df.attrs.get("executed", []))
+    print(f"sweep {args.out}: {len(df)} runs ({counts}); ran {executed}, skipped {len(df) - executed}; "
+          f"index {Path(args.out) / INDEX_FILE}")
+    failed = df.attrs.get("failed", {})
+    for run_id, msg in failed.items():
+        print(f"  failed {run_id}: {msg}")
+    return 1 if failed else 0
+
+
+def _add_sweep(sub) -> None:
+    p = sub.add_parser("sweep", help="run a sweep spec (conditions x grid) in parallel, resumably; see docs/sweeps.md")
+    p.add_argument("spec", help="sweep spec YAML")
+    p.add_argument("--out", required=True, help="sweep directory: one run directory per run + index.parquet")
+    p.add_argument("--workers", type=int, help="parallel runs (default: spec's workers, else the number of cores)")
+    p.add_argument("--executor", choices=("local", "ray"), help="local process pool (default) or ray")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from timlab.experiments.sweep import query_index, read_index
+
+    columns = [c.strip() for item in (args.columns or []) for c in item.split(",") if c.strip()]
+    sort, desc = args.sort, args.desc
+    if sort and sort.startswith("-"):  # --sort=-COL
+        sort, desc = sort[1:], True
+    df = query_index(args.dir, where=args.where, columns=columns or None, sort=sort, descending=desc)
+    total = len(read_index(args.dir))
+    if df.empty:
+        print(f"no runs match (of {total})")
+        return 0
+    with __import__("pandas").option_context("display.width", 250, "display.max_columns", None,
+                                             "display.max_colwidth", 60):
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
+    print(f"({len(df)} of {total} runs)")
+    return 0
+
+
+def _add_runs(sub) -> None:
+    p = sub.add_parser("runs", help="list the runs of a sweep directory (filter with SQL over index.parquet)")
+    p.add_argument("dir", help="sweep directory (holds index.parquet)")
+    p.add_argument("--where", help='SQL condition, e.g. "mismatch.magnitude > 0.5 AND collapsed" (dotted names may be bare)')
+    p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
+    p.add_argument("--sort", metavar="COL", help="sort by this column (--sort=-COL or --desc: descending)")
+    p.add_argument("--desc", action="store_true", help="sort descending")
+    p.set_defaults(func=cmd_runs)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from timlab.experiments.report import build_report
+
+    res = build_report(args.inputs, args.out, group_by=args.group_by)
+    print(f"wrote {res.path}: {res.n_runs} runs" + (
+        f"; {len(res.missing)} with missing metrics ({', '.join(name for name, _ in res.missing)})" if res.missing else ""))
+    return 0
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="one self-contained HTML report of a sweep directory or of run directories")
+    p.add_argument("inputs", nargs="+", metavar="RUN_DIR|SWEEP_DIR", help="one sweep directory, or run directories")
+    p.add_argument("--out", required=True, help="HTML file to write")
+    p.add_argument("--group-by", default="condition",
+                   help="index column or config key to group runs by (default: condition)")
+    p.set_defaults(func=cmd_report)
+
+
+_EXTRA_COMMANDS.extend([_add_sweep, _add_runs, _add_report])
 
 
 def main(argv: list[str] | None = None) -> int:

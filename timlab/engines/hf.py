@@ -18,8 +18,9 @@ Where it departs from calling ``generate`` directly:
   that runs before temperature/top-k/top-p, as in the native engines); ``sampling_logprobs``
   come from the processed scores HF actually sampled from (``output_scores``).
 - Weights are a copy. ``sync_weights()`` re-copies them; ``generate`` also re-syncs by itself
-  when a timlab parameter changed since the last copy (tensor version counters), so a forgotten
-  sync cannot turn TIM into silent off-policy drift.
+  when a timlab parameter changed since the last copy (tensor version counters, which optimizer
+  steps and ``load_state_dict`` bump; writes through ``param.data`` do not), so a forgotten sync
+  cannot turn TIM into silent off-policy drift.
 """
 
 from __future__ import annotations
@@ -53,10 +54,8 @@ def build_hf_model(model: CausalLM, *, attn_implementation: str = "sdpa"):
     d.pop("torch_dtype", None)
     d.pop("dtype", None)
     hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
-    hf = transformers.AutoModelForCausalLM.from_config(
-        hf_config, attn_implementation=attn_implementation, dtype=model.dtype
-    )
-    hf = hf.to(device=model.device).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+    hf = hf.to(device=model.device, dtype=model.dtype).eval()  # (``dtype=`` above needs transformers >= 4.56)
     hf.requires_grad_(False)
     copy_weights(model, hf)
     return hf

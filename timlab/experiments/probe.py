@@ -225,7 +225,9 @@ def attribute_ops(engine: Engine, score: str, model: CausalLM, rollout: Rollout)
     (None when all equal) and ``replay_bitwise_equal``.
     """
     if engine.name not in HOOKED_ENGINES:
-        raise ValueError(f"attribution needs op hooks; engine {engine.name!r} has none (use {', '.join(HOOKED_ENGINES)})")
+        raise ValueError(
+            f"attribution needs op hooks; engine {engine.name!r} has none (use {', '.join(HOOKED_ENGINES)})"
+        )
     B, S = rollout.tokens.shape
     pred = torch.zeros_like(rollout.response_mask)  # (B, S): column c predicts a response token
     pred[:, :-1] = rollout.response_mask[:, 1:]

@@ -16,6 +16,7 @@ from timlab.metrics._inputs import PPL_LOG_BOUND, SAFETY_BOUND
 from timlab.metrics.distribution import (
     DEFAULT_PROB_EDGES,
     DEFAULT_RATIO_EDGES,
+    mismatch_by_length,
     mismatch_by_position,
     mismatch_by_prob_bucket,
     ratio_histogram,
@@ -30,6 +31,7 @@ from timlab.metrics.offpolicy import (
 )
 
 __all__ = [
+    "mismatch_by_length",
     "SAFETY_BOUND",
     "PPL_LOG_BOUND",
     "DIFFERENT_TOKEN_TOL",

@@ -118,3 +118,34 @@ def mismatch_by_prob_bucket(
         idx = (torch.bucketize(prob, e.to(prob.device), right=True) - 1).clamp(0, n - 1)  # (B, T)
         counts, means = _bucket_stats(idx, (p.train - p.rollout).abs(), p.valid, n)
         return {"edges": e.tolist(), "mean_abs_diff": means, "counts": counts}
+
+
+DEFAULT_LENGTH_EDGES: tuple[float, ...] = (1, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256, 1024, 8192, 65536)
+
+
+def mismatch_by_length(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    edges: Sequence[float] = DEFAULT_LENGTH_EDGES,
+) -> dict:
+    """Per response-length bucket: sequence count, mean |sum_t r| (the Eq. 8 sum form, which the
+    seed paper's T^2 bound says grows with length) and mean per-token |r|.
+
+    Length = number of valid tokens of a sequence; buckets ``[edges[i], edges[i+1])``, the last
+    closed. Returns ``{"edges", "counts", "mean_abs_sum_diff", "mean_abs_diff"}``.
+    """
+    e = _check_edges(edges, "edges")
+    with torch.no_grad():
+        p = check_inputs(train_logp, rollout_logp, mask)
+        n = e.numel() - 1
+        r = torch.where(p.valid, p.train - p.rollout, torch.zeros_like(p.train))  # (B, T)
+        lengths = p.valid.sum(-1).to(torch.float64)  # (B,)
+        has = lengths > 0
+        abs_sum = r.sum(-1).abs()  # (B,)
+        abs_mean = r.abs().sum(-1) / lengths.clamp(min=1)  # (B,)
+        idx = (torch.bucketize(lengths, e.to(lengths.device), right=True) - 1).clamp(0, n - 1)  # (B,)
+        counts, sums = _bucket_stats(idx[:, None], abs_sum[:, None], has[:, None], n)
+        _, means = _bucket_stats(idx[:, None], abs_mean[:, None], has[:, None], n)
+        return {"edges": e.tolist(), "counts": counts, "mean_abs_sum_diff": sums, "mean_abs_diff": means}

@@ -197,13 +197,12 @@ class Attention(nn.Module):
             cache_v[:, :, step.start : end] = v
             keys, values = (cache_k, cache_v) if mode == "exact" else (cache_k[:, :, :end], cache_v[:, :, :end])
         rep = self.n_heads // self.n_kv
-        if rep > 1:  # grouped-query attention: (B, H_kv, S, D) -> (B, H, S, D)
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-
-        if mode == "exact":
+        if mode == "exact":  # handles grouped-query attention itself, without copying the KV buffer
             out = fixed_length_attention(q, keys, values, step.allowed, self.scale)
         else:
+            if rep > 1:  # grouped-query attention: (B, H_kv, S, D) -> (B, H, S, D)
+                keys = keys.repeat_interleave(rep, dim=1)
+                values = values.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.allowed, scale=self.scale)
         out = out.transpose(1, 2).reshape(B, M, self.n_heads * self.head_dim)  # (B, M, H*D)
         return _linear(mode, out, self.o_proj)

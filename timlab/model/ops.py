@@ -6,7 +6,8 @@ rules hold (measured in tests/test_ops.py; REFERENCE.md section 1):
 
 1. Every matmul runs on a 2-D input with at least ``MIN_ROWS`` rows. The fp32 GEMM gives each
    output row the same bits whatever the row count once that count is past the small-M kernels
-   (M = 1-3 take a different path). Decode steps have few rows, so they are padded.
+   (M = 1-3 take a different path). Decode steps have few rows, so they are padded. The
+   batched attention GEMMs use the same rule per batch item with ``ATTN_MIN_ROWS`` rows.
 2. Attention is ``softmax(mask(q @ k^T)) @ v`` over a KV buffer of one fixed length ``S`` in both
    the decode step and the trainer's forward, so every reduction over keys has the same length
    and the same order. Future and padded keys are masked with -inf and contribute exact zeros.
@@ -23,6 +24,12 @@ import torch.nn.functional as F
 
 MIN_ROWS = 16
 """Matmuls in the exact path never run on fewer rows than this (decode rows are zero-padded)."""
+
+ATTN_MIN_ROWS = 8
+"""Row minimum for the two batched attention GEMMs (rows = query heads per KV head x queries).
+Measured on this CPU (torch 2.13, 1 thread): batched fp32 matmul rows are invariant for M >= 4
+(M = 1-3 differ; bf16/fp16 never differ), for head dims 8-128 and 16-2064 keys; 8 keeps a 2x
+margin. Padding decode queries to MIN_ROWS instead made the exact engine ~12% slower."""
 
 
 def pad_rows(x: torch.Tensor, min_rows: int = MIN_ROWS, dim: int = 0) -> torch.Tensor:
@@ -54,17 +61,25 @@ def fixed_length_attention(
 ) -> torch.Tensor:
     """Masked softmax attention over a fixed-length key buffer.
 
-    q: (B, H, M, D) queries; k, v: (B, H, S, D) the whole buffer (unwritten slots may hold
-    anything finite); allowed: (B, 1, M, S) bool, True where query m may attend to key s.
-    Returns (B, H, M, D). The query rows are padded to MIN_ROWS so a single decode query takes
-    the same GEMM path as the trainer's many rows. Softmax runs in fp32 like HF's eager kernel.
+    q: (B, H, M, D) queries; k, v: (B, H_kv, S, D) the whole buffer (unwritten slots may hold
+    anything finite), H a multiple of H_kv (grouped-query attention); allowed: (B, 1, M, S)
+    bool, True where query m may attend to key s. Returns (B, H, M, D).
+
+    The rep = H / H_kv query heads that share a KV head are stacked as rows of one GEMM against
+    that head's keys (no repeat_interleave copy of the KV buffer). Both GEMMs run on at least
+    ATTN_MIN_ROWS rows, so a single decode query takes the same GEMM path as the trainer's many rows;
+    the padding rows are sliced off before the mask and the softmax (row-wise, so invariant)
+    and enter the second GEMM as zero probabilities. Softmax runs in fp32 like HF's eager kernel.
     """
-    m = q.shape[2]
-    q = pad_rows(q, dim=2)  # (B, H, M', D)
-    allowed = pad_rows(allowed, dim=2)  # padded query rows see nothing ...
-    allowed[..., m:, 0] = True  # ... but one key, so their softmax stays finite
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, M', S)
+    B, H, M, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    rep = H // H_kv
+    n = rep * M
+    q = q.reshape(B, H_kv, n, D)  # (B, H_kv, rep*M, D): head g*rep + r -> KV group g, row r*M + m
+    allowed = allowed.unsqueeze(2).expand(B, 1, rep, M, S).reshape(B, 1, n, S)  # same rows
+    scores = torch.matmul(pad_rows(q, ATTN_MIN_ROWS, dim=2), k.transpose(-1, -2))  # (B, H_kv, n', S)
+    scores = scores[:, :, :n] * scale  # (B, H_kv, n, S): padding rows dropped
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # (B, H, M', S)
-    out = torch.matmul(probs, v)  # (B, H, M', D)
-    return out[:, :, :m]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # (B, H_kv, n, S)
+    out = torch.matmul(pad_rows(probs, ATTN_MIN_ROWS, dim=2), v)  # (B, H_kv, max(n, ATTN_MIN_ROWS), D)
+    return out[:, :, :n].reshape(B, H, M, D)

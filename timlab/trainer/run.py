@@ -36,7 +36,7 @@ import torch
 from timlab.config import Config, ConfigError, load_run_config
 from timlab.engines import ENGINES, SamplingParams, build_engine
 from timlab.injectors import build_injector
-from timlab.metrics import all_metrics, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
+from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model, parse_dtype
 from timlab.remedies import IS_LEVELS, IS_MODES, is_weights
@@ -265,6 +265,7 @@ class RLRun:
                 "histogram": ratio_histogram(old_logp, rollout_logp, maskf),
                 "by_position": mismatch_by_position(old_logp, rollout_logp, maskf),
                 "by_prob": mismatch_by_prob_bucket(old_logp, rollout_logp, maskf),
+                "by_length": mismatch_by_length(old_logp, rollout_logp, maskf),
             }
         t_metrics = time.perf_counter() - t_m
 

@@ -1,0 +1,26 @@
+# Two commands on a fresh machine (see README):
+#   make demo   installs into .venv and runs the main job (timlab demo) on the CPU
+#   make test   installs into .venv (with test extras) and runs the test suite
+.PHONY: demo quick test bench venv clean
+
+venv:
+	bash scripts/setup_venv.sh test
+
+demo:
+	bash scripts/setup_venv.sh test
+	OMP_NUM_THREADS=1 .venv/bin/timlab demo --out demo_out
+
+quick:
+	bash scripts/setup_venv.sh test
+	OMP_NUM_THREADS=1 .venv/bin/timlab demo --quick --out demo_out_quick
+
+test:
+	bash scripts/setup_venv.sh test
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q
+
+bench:
+	OMP_NUM_THREADS=1 .venv/bin/python bench/engines.py --json bench/engines.json
+	OMP_NUM_THREADS=1 .venv/bin/python bench/vs_trl.py --json bench/vs_trl.json
+
+clean:
+	rm -rf .venv demo_out demo_out_quick

@@ -1,0 +1,154 @@
+"""The collapse rule, run summaries and condition tables on hand-computed synthetic data."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from timlab.experiments.collapse import (
+    SUMMARY_KEYS, accuracy_auc, collapse_step, condition_table, describe_rule, run_summary,
+)
+
+NAN = float("nan")
+
+
+def evals(accs, every=2, train_rows=True):
+    """A metrics frame: val/accuracy every `every` steps (NaN on the steps between)."""
+    rows = []
+    for i, a in enumerate(accs):
+        rows.append({"step": i * every, "val/accuracy": a, "train/loss": 0.1})
+        if train_rows and i < len(accs) - 1:
+            rows += [{"step": i * every + k, "val/accuracy": NAN, "train/loss": 0.1} for k in range(1, every)]
+    return pd.DataFrame(rows).sort_values("step").reset_index(drop=True)
+
+
+def test_collapse_at_first_eval_of_a_full_window():
+    # peak 0.6 at step 2, line 0.3: steps 4, 6, 8 below -> collapse at 4
+    df = evals([0.2, 0.6, 0.25, 0.2, 0.1, 0.5])
+    assert collapse_step(df) == 4
+    # window 4 needs 4 consecutive evals below: 4, 6, 8 then 10 (0.5) is above -> none
+    assert collapse_step(df, window=4) is None
+    # frac 0.3: line 0.18 -> only step 8 (0.1) below, then 0.5 recovers -> none
+    assert collapse_step(df, frac=0.3) is None
+
+
+def test_recovery_resets_and_truncated_window_at_the_end():
+    # below at 4, 6 then recovers at 8; below again at 10, 12 and the run ends (2 < window evals left)
+    df = evals([0.2, 0.6, 0.25, 0.2, 0.5, 0.1, 0.1])
+    assert collapse_step(df) == 10
+    assert collapse_step(df, allow_truncated=False) is None
+    assert collapse_step(df, window=2, allow_truncated=False) == 4
+
+
+def test_threshold_is_strict_and_needs_min_peak():
+    assert collapse_step(evals([0.6, 0.3, 0.3, 0.3])) is None  # exactly half of the peak is not below
+    flat = evals([0.04, 0.01, 0.0, 0.0])  # peak 0.04 < min_peak 0.05: an untrained model cannot collapse
+    assert collapse_step(flat) is None
+    assert collapse_step(flat, min_peak=0.01) == 2
+
+
+def test_divergence_counts_as_collapse():
+    df = evals([0.2, 0.4, 0.5])  # steps 0..4, no accuracy drop
+    assert collapse_step(df) is None
+    assert collapse_step(df, diverged=True) == 5  # last logged step + 1
+    assert collapse_step(df, diverged=True, diverged_step=3) == 3
+    early = evals([0.2, 0.6, 0.1, 0.1, 0.1])  # accuracy collapse at 4 comes before a divergence at 9
+    assert collapse_step(early, diverged=True, diverged_step=9) == 4
+    inf_loss = df.copy()
+    inf_loss.loc[inf_loss["step"] == 3, "train/loss"] = math.inf
+    assert collapse_step(inf_loss) == 3
+
+
+def test_bad_rule_parameters():
+    with pytest.raises(ValueError, match="window"):
+        collapse_step(evals([0.1]), window=0)
+    with pytest.raises(ValueError, match="frac"):
+        collapse_step(evals([0.1]), frac=1.5)
+
+
+def test_accuracy_auc_trapezoid_normalized_by_steps():
+    df = pd.DataFrame({"step": [0, 1, 2, 6], "val/accuracy": [0.0, NAN, 1.0, 1.0]})
+    # (0 + 1) / 2 * 2 + (1 + 1) / 2 * 4 = 5, over 6 steps
+    assert accuracy_auc(df) == pytest.approx(5 / 6)
+    assert accuracy_auc(pd.DataFrame({"step": [0], "val/accuracy": [0.4]})) == pytest.approx(0.4)
+
+
+def write_run(d, rows, status):
+    d.mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(d / "metrics.parquet", index=False)
+    (d / "status.json").write_text(json.dumps(status))
+    return d
+
+
+def test_run_summary_hand_computed(tmp_path):
+    rows = [{"step": 0, "val/accuracy": 0.2}]
+    k3 = [0.1, 0.2, 0.3, 0.6]
+    for s in range(1, 5):
+        rows.append({
+            "step": s, "val/accuracy": [NAN, 0.8, NAN, 0.3][s - 1], "train/loss": 0.1,
+            "rollout_corr/k3_kl": k3[s - 1], "rollout_corr/log_ppl_abs_diff": 0.5 * s,
+            "mismatch/abs_diff_mean": 0.01, "train/grad_norm": [1.0, 5.0, 2.0, 3.0][s - 1],
+            "train/response_length_mean": [4.0, 9.0, 6.0, 5.0][s - 1],
+            "scheduler/surge_step": [NAN, NAN, 3.0, 3.0][s - 1],
+            "scheduler/decay_period": [NAN, NAN, 5.0, 5.0][s - 1],
+        })
+    d = write_run(tmp_path / "r", rows, {"state": "finished", "step": 4, "total_steps": 4, "message": ""})
+    s = run_summary(d)
+    assert set(s) == set(SUMMARY_KEYS)
+    assert s["state"] == "finished" and s["last_step"] == 4 and s["total_steps"] == 4
+    assert s["peak_accuracy"] == 0.8 and s["final_accuracy"] == 0.3
+    # evals (0, .2), (2, .8), (4, .3): (1.0 * 2 + 1.1 * 2) / 2 / 4
+    assert s["auc_accuracy"] == pytest.approx((0.2 + 0.8 + 0.8 + 0.3) / 4)
+    assert s["collapsed"] and s["steps_to_collapse"] == 4  # 0.3 < 0.4, the run ends (truncated window)
+    assert s["k3_kl_mean"] == pytest.approx(0.3)
+    assert s["log_ppl_abs_diff_mean"] == pytest.approx(1.25)
+    assert s["abs_diff_mean"] == pytest.approx(0.01)
+    assert s["grad_norm_max"] == 5.0
+    assert s["response_length_final"] == 5.0 and s["response_length_peak"] == 9.0
+    assert s["surge_step"] == 3.0 and s["decay_period"] == 5.0
+
+
+def test_run_summary_diverged_and_pending(tmp_path):
+    rows = [{"step": 0, "val/accuracy": 0.3}, {"step": 1, "train/loss": 0.2, "rollout_corr/k3_kl": 0.0}]
+    d = write_run(tmp_path / "div", rows, {"state": "diverged", "step": 2, "total_steps": 9, "message": "nan"})
+    s = run_summary(d)
+    assert s["collapsed"] and s["steps_to_collapse"] == 2 and s["message"] == "nan"
+    assert math.isnan(s["surge_step"]) and math.isnan(s["grad_norm_max"])
+    (tmp_path / "empty").mkdir()
+    p = run_summary(tmp_path / "empty")
+    assert p["state"] == "pending" and not p["collapsed"] and math.isnan(p["peak_accuracy"])
+
+
+def test_condition_table_hand_computed():
+    idx = pd.DataFrame([
+        {"condition": "a", "state": "finished", "collapsed": True, "steps_to_collapse": 10.0,
+         "peak_accuracy": 0.6, "final_accuracy": 0.1, "auc_accuracy": 0.3, "k3_kl_mean": 0.1, "log_ppl_abs_diff_mean": 1.0},
+        {"condition": "a", "state": "diverged", "collapsed": True, "steps_to_collapse": 20.0,
+         "peak_accuracy": 0.5, "final_accuracy": 0.2, "auc_accuracy": 0.3, "k3_kl_mean": 0.2, "log_ppl_abs_diff_mean": 1.0},
+        {"condition": "a", "state": "finished", "collapsed": False, "steps_to_collapse": NAN,
+         "peak_accuracy": 0.4, "final_accuracy": 0.4, "auc_accuracy": 0.3, "k3_kl_mean": 0.3, "log_ppl_abs_diff_mean": 1.0},
+        {"condition": "a", "state": "failed", "collapsed": True, "steps_to_collapse": 1.0,  # not an outcome
+         "peak_accuracy": 0.9, "final_accuracy": 0.9, "auc_accuracy": 0.9, "k3_kl_mean": 9.0, "log_ppl_abs_diff_mean": 9.0},
+        {"condition": "b", "state": "finished", "collapsed": False, "steps_to_collapse": NAN,
+         "peak_accuracy": 0.7, "final_accuracy": 0.7, "auc_accuracy": 0.6, "k3_kl_mean": 0.0, "log_ppl_abs_diff_mean": 0.0},
+    ])
+    t = condition_table(idx).set_index("condition")
+    a, b = t.loc["a"], t.loc["b"]
+    assert a["n"] == 3 and a["n_incomplete"] == 1 and a["n_collapsed"] == 2
+    assert a["collapse_frac"] == pytest.approx(2 / 3)
+    assert a["median_steps_to_collapse"] == 15.0
+    assert a["peak_accuracy_mean"] == pytest.approx(0.5) and a["peak_accuracy_std"] == pytest.approx(0.1)
+    assert a["final_accuracy_mean"] == pytest.approx(0.7 / 3)
+    assert a["final_accuracy_std"] == pytest.approx(np.std([0.1, 0.2, 0.4], ddof=1))
+    assert a["k3_kl_mean"] == pytest.approx(0.2)
+    assert b["n"] == 1 and b["collapse_frac"] == 0.0
+    assert math.isnan(b["median_steps_to_collapse"]) and math.isnan(b["peak_accuracy_std"])
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        condition_table(idx, by="nope")
+
+
+def test_describe_rule_states_the_parameters():
+    text = describe_rule(frac=0.4, window=5, min_peak=0.1)
+    assert "0.4 x its running peak" in text and "5 consecutive evaluations" in text and "0.1" in text

@@ -1,0 +1,263 @@
+"""When did a run collapse? A documented rule, per-run summaries and per-condition tables.
+
+The collapse rule (REFERENCE.md section 6 and claims P1/P2 of section 5):
+
+    A run collapses at the first evaluation e where val/accuracy < frac x peak(e), with
+    peak(e) the best val/accuracy over the evaluations up to e and peak(e) >= min_peak,
+    and where every evaluation of the next ``window`` evaluations (e included) stays below
+    that line; OR the run diverged (status.json state "diverged", or a logged non-finite
+    ``train/loss``), in which case it collapsed at the step that diverged.
+
+Choices worth knowing:
+
+- Evaluations are the rows with a finite ``val/accuracy`` (step 0 holds the initial one).
+- ``min_peak`` keeps a model that never learned (peak near 0) from "collapsing" on noise.
+- Near the end of a run fewer than ``window`` evaluations may remain. With
+  ``allow_truncated=True`` (the default) a drop that stays below the line until the run
+  ends counts as a collapse, even if only one evaluation is left: a run that ends collapsed is
+  reported as collapsed rather than given the benefit of the doubt. Pass
+  ``allow_truncated=False`` to require ``window`` full evaluations.
+- The step reported is the step of the first evaluation below the line (not the end of the
+  window), so steps-to-collapse does not depend on ``window`` or ``eval_every`` beyond the
+  evaluation grid.
+- A divergence's step is status.json's ``step`` (the step whose loss/logits/gradients were
+  non-finite; its row is never logged), else the last logged step + 1.
+
+Departure from the papers: the seed papers call a collapse by eye from training curves (reward,
+K3 KL, gradient norm); this rule uses the deployed policy's own greedy accuracy so that a
+sampler that learns to pre-compensate for its bias (REFERENCE.md section 6) is not mistaken for
+a healthy run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+DEFAULT_FRAC = 0.5
+"""A collapse is val/accuracy below this fraction of its running peak."""
+DEFAULT_WINDOW = 3
+"""... for this many consecutive evaluations."""
+DEFAULT_MIN_PEAK = 0.05
+"""... once the running peak is at least this (an untrained model cannot collapse)."""
+
+COMPLETE_STATES = ("finished", "diverged")
+"""Run states whose outcome counts in per-condition statistics (failed, guard_failed,
+running and pending runs are counted separately, never as collapsed or stable)."""
+
+
+def describe_rule(*, frac: float = DEFAULT_FRAC, window: int = DEFAULT_WINDOW, min_peak: float = DEFAULT_MIN_PEAK,
+                  allow_truncated: bool = True) -> str:
+    """The collapse rule as one sentence (the report and the docs state it)."""
+    tail = (" (or until the run ends, if fewer evaluations remain)" if allow_truncated else "")
+    return (f"A run collapses at the first evaluation where val/accuracy falls below {frac:g} x its running peak "
+            f"(the best val/accuracy so far, required to be at least {min_peak:g}) and stays below it for "
+            f"{window} consecutive evaluations{tail}, or when the run diverges (non-finite loss, logits or "
+            f"gradients); steps-to-collapse is the step of the first evaluation below the line.")
+
+
+def _diverged_at(df: pd.DataFrame) -> int | None:
+    """First logged step with a non-finite train/loss, if any."""
+    if "train/loss" not in df.columns or df.empty:
+        return None
+    loss = pd.to_numeric(df["train/loss"], errors="coerce").to_numpy(dtype=float)
+    logged = ~pd.isna(df["train/loss"]).to_numpy()  # NaN = not logged this step; +-inf = diverged
+    bad = logged & ~np.isfinite(loss)
+    return int(df["step"].to_numpy()[bad][0]) if bad.any() else None
+
+
+def collapse_step(df: pd.DataFrame, *, frac: float = DEFAULT_FRAC, window: int = DEFAULT_WINDOW,
+                  min_peak: float = DEFAULT_MIN_PEAK, diverged: bool = False, diverged_step: int | None = None,
+                  allow_truncated: bool = True) -> int | None:
+    """The step at which the run collapsed under the module's rule, or None if it did not.
+
+    ``df`` is a run's metrics table (``step`` and ``val/accuracy`` columns; ``train/loss`` is
+    checked for non-finite values). ``diverged=True`` marks a run that stopped on non-finite
+    values; it collapsed at ``diverged_step`` (default: last logged step + 1) unless the
+    accuracy rule fired earlier.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if not 0 < frac <= 1:
+        raise ValueError(f"frac must be in (0, 1], got {frac}")
+    df = df.sort_values("step") if "step" in df.columns else df
+    candidates: list[int] = []
+
+    if "val/accuracy" in df.columns:
+        ev = df.loc[df["val/accuracy"].notna(), ["step", "val/accuracy"]]
+        ev = ev[np.isfinite(ev["val/accuracy"].to_numpy(dtype=float))]
+        steps = ev["step"].to_numpy()
+        acc = ev["val/accuracy"].to_numpy(dtype=float)
+        peak = np.maximum.accumulate(acc) if len(acc) else acc
+        below = (acc < frac * peak) & (peak >= min_peak)  # (E,)
+        for i in np.flatnonzero(below):
+            run = below[i : i + window]
+            if run.all() and (len(run) == window or allow_truncated):
+                candidates.append(int(steps[i]))
+                break
+
+    nonfinite = _diverged_at(df)
+    if nonfinite is not None:
+        candidates.append(nonfinite)
+    if diverged:
+        if diverged_step is None:
+            diverged_step = int(df["step"].max()) + 1 if len(df) and "step" in df.columns else 0
+        candidates.append(int(diverged_step))
+    return min(candidates) if candidates else None
+
+
+# ------------------------------------------------------------------------------- one run
+def _read_status(run_dir: Path) -> dict:
+    p = run_dir / "status.json"
+    if not p.exists():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, OSError):
+        return {}
+
+
+def _col(df: pd.DataFrame | None, name: str) -> np.ndarray:
+    """Finite values of a column (empty if absent)."""
+    if df is None or name not in df.columns:
+        return np.array([], dtype=float)
+    x = pd.to_numeric(df[name], errors="coerce").to_numpy(dtype=float)
+    return x[np.isfinite(x)]
+
+
+def _mean(x: np.ndarray) -> float:
+    return float(x.mean()) if x.size else math.nan
+
+
+def _max(x: np.ndarray) -> float:
+    return float(x.max()) if x.size else math.nan
+
+
+def _last(x: np.ndarray) -> float:
+    return float(x[-1]) if x.size else math.nan
+
+
+def accuracy_auc(df: pd.DataFrame) -> float:
+    """Area under val/accuracy against step (trapezoid over the evaluations), divided by the
+    steps it spans: the run's average accuracy, in [0, 1]. One evaluation: that accuracy."""
+    if df is None or "val/accuracy" not in df.columns:
+        return math.nan
+    ev = df.loc[df["val/accuracy"].notna()].sort_values("step")
+    acc = ev["val/accuracy"].to_numpy(dtype=float)
+    steps = ev["step"].to_numpy(dtype=float)
+    ok = np.isfinite(acc)
+    acc, steps = acc[ok], steps[ok]
+    if acc.size == 0:
+        return math.nan
+    if acc.size == 1 or steps[-1] == steps[0]:
+        return float(acc[-1])
+    area = float(np.sum((acc[1:] + acc[:-1]) * np.diff(steps)) / 2)
+    return area / float(steps[-1] - steps[0])
+
+
+SUMMARY_KEYS = (
+    "state", "message", "last_step", "total_steps", "peak_accuracy", "final_accuracy", "auc_accuracy",
+    "collapsed", "steps_to_collapse", "k3_kl_mean", "log_ppl_abs_diff_mean", "abs_diff_mean",
+    "grad_norm_max", "response_length_final", "response_length_peak", "surge_step", "decay_period",
+)
+"""The keys of ``run_summary`` (and the summary columns of a sweep's index.parquet)."""
+
+
+def read_metrics(run_dir: str | Path) -> pd.DataFrame | None:
+    """A run's metrics.parquet sorted by step, or None when the run has none yet."""
+    p = Path(run_dir) / "metrics.parquet"
+    if not p.exists():
+        return None
+    return pd.read_parquet(p).sort_values("step").reset_index(drop=True)
+
+
+def run_summary(run_dir: str | Path, *, frac: float = DEFAULT_FRAC, window: int = DEFAULT_WINDOW,
+                min_peak: float = DEFAULT_MIN_PEAK, allow_truncated: bool = True) -> dict:
+    """Summary statistics of one run directory (keys: ``SUMMARY_KEYS``; NaN where unknown).
+
+    Realized mismatch is the mean over logged steps of ``rollout_corr/k3_kl``,
+    ``rollout_corr/log_ppl_abs_diff`` and ``mismatch/abs_diff_mean``; ``surge_step`` and
+    ``decay_period`` are the last known values of the length-decay scheduler's columns.
+    """
+    run_dir = Path(run_dir)
+    status = _read_status(run_dir)
+    df = read_metrics(run_dir)
+    state = status.get("state", "pending" if df is None else "unknown")
+    acc = _col(df, "val/accuracy")
+    length = _col(df, "train/response_length_mean")
+    steps = _col(df, "step")
+    if df is not None:
+        cstep = collapse_step(df, frac=frac, window=window, min_peak=min_peak, diverged=state == "diverged",
+                              diverged_step=status.get("step") if state == "diverged" else None,
+                              allow_truncated=allow_truncated)
+    else:
+        cstep = status.get("step", 0) if state == "diverged" else None
+    return {
+        "state": state,
+        "message": str(status.get("message", "")),
+        "last_step": _max(steps),
+        "total_steps": float(status["total_steps"]) if "total_steps" in status else math.nan,
+        "peak_accuracy": _max(acc),
+        "final_accuracy": _last(acc),
+        "auc_accuracy": accuracy_auc(df),
+        "collapsed": cstep is not None,
+        "steps_to_collapse": float(cstep) if cstep is not None else math.nan,
+        "k3_kl_mean": _mean(_col(df, "rollout_corr/k3_kl")),
+        "log_ppl_abs_diff_mean": _mean(_col(df, "rollout_corr/log_ppl_abs_diff")),
+        "abs_diff_mean": _mean(_col(df, "mismatch/abs_diff_mean")),
+        "grad_norm_max": _max(_col(df, "train/grad_norm")),
+        "response_length_final": _last(length),
+        "response_length_peak": _max(length),
+        "surge_step": _last(_col(df, "scheduler/surge_step")),
+        "decay_period": _last(_col(df, "scheduler/decay_period")),
+    }
+
+
+# ------------------------------------------------------------------------------- conditions
+def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFrame:
+    """Per-condition statistics over seeds, one row per value of ``by``.
+
+    Only runs whose state is finished or diverged count (``n``); the others (failed,
+    guard_failed, running, pending) are counted in ``n_incomplete``. Columns: n,
+    n_incomplete, collapse_frac, n_collapsed, peak_accuracy_mean/std, final_accuracy_mean/std,
+    auc_accuracy_mean, median_steps_to_collapse (over the runs that collapsed; NaN if none),
+    k3_kl_mean (mean over seeds of each run's mean realized K3 KL), log_ppl_abs_diff_mean.
+    """
+    if by not in index_df.columns:
+        raise ValueError(f"condition_table: no column {by!r}; valid choices: {', '.join(map(str, index_df.columns))}")
+    rows = []
+    for name, g in index_df.groupby(by, sort=False, dropna=False):
+        done = g[g["state"].isin(COMPLETE_STATES)]
+        collapsed = done["collapsed"].astype(bool)
+        steps = pd.to_numeric(done.loc[collapsed, "steps_to_collapse"], errors="coerce").dropna()
+
+        def stat(col: str, fn: str) -> float:
+            x = pd.to_numeric(done[col], errors="coerce").dropna() if col in done.columns else pd.Series(dtype=float)
+            if x.empty or (fn == "std" and len(x) < 2):
+                return math.nan
+            return float(getattr(x, fn)(ddof=1)) if fn == "std" else float(getattr(x, fn)())
+
+        rows.append({
+            by: name,
+            "n": len(done),
+            "n_incomplete": len(g) - len(done),
+            "n_collapsed": int(collapsed.sum()),
+            "collapse_frac": float(collapsed.mean()) if len(done) else math.nan,
+            "median_steps_to_collapse": float(steps.median()) if len(steps) else math.nan,
+            "peak_accuracy_mean": stat("peak_accuracy", "mean"),
+            "peak_accuracy_std": stat("peak_accuracy", "std"),
+            "final_accuracy_mean": stat("final_accuracy", "mean"),
+            "final_accuracy_std": stat("final_accuracy", "std"),
+            "auc_accuracy_mean": stat("auc_accuracy", "mean"),
+            "k3_kl_mean": stat("k3_kl_mean", "mean"),
+            "log_ppl_abs_diff_mean": stat("log_ppl_abs_diff_mean", "mean"),
+        })
+    return pd.DataFrame(rows)
+
+
+__all__ = ["collapse_step", "run_summary", "condition_table", "accuracy_auc", "describe_rule", "read_metrics",
+           "SUMMARY_KEYS", "COMPLETE_STATES", "DEFAULT_FRAC", "DEFAULT_WINDOW", "DEFAULT_MIN_PEAK"]

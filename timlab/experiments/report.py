@@ -1,0 +1,395 @@
+"""One self-contained HTML report of a set of runs: curves per condition, dose-response, tables.
+
+``build_report(inputs, out_html)`` takes ONE sweep directory (its index.parquet names the runs
+and their conditions) or a list of run directories (grouped by the config keys that differ
+between them, the seed excepted). The HTML holds everything: the plots are matplotlib PNGs
+embedded as base64 ``data:`` URIs, the style is inline, nothing is fetched.
+
+Sections: the collapse rule (stated by ``collapse.describe_rule``), a table of conditions,
+the dose-response plot (collapse fraction and median steps-to-collapse against the realized
+K3 KL of each condition, REFERENCE.md claim P2), one plot per metric against step with the mean
+over seeds as a line and the min-max range over seeds as a band (the length-decay scheduler's
+surge step and LR decay points drawn as vertical lines), a table of runs, and the runs that
+lack some plotted metric (they are listed by name and drawn wherever they have data).
+
+Plots are drawn with matplotlib's Agg canvas on ``Figure`` objects, never through pyplot, so
+building a report does not touch the global backend of the caller's process.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from timlab.config import ConfigError, load_run_config
+from timlab.experiments.collapse import (
+    DEFAULT_FRAC, DEFAULT_MIN_PEAK, DEFAULT_WINDOW, condition_table, describe_rule, read_metrics, run_summary,
+)
+
+PLOTS: tuple[tuple[str, str, str], ...] = (
+    ("train/reward_mean", "Training reward",
+     "Mean reward of the sampled rollouts. These come from the rollout side, so with an injected mismatch "
+     "this is the sampler's reward, not the reward of the policy being trained."),
+    ("val/accuracy", "Validation accuracy",
+     "Greedy accuracy of the trainer's own policy, decoded without the injector: what would be deployed. "
+     "The collapse rule reads this curve."),
+    ("rollout_corr/log_ppl_abs_diff", "Mismatch: |log-perplexity difference| (verl)",
+     "Per-sequence |mean-token log mu - mean-token log pi|, averaged over the batch (verl's "
+     "rollout_corr/log_ppl_abs_diff). Zero when rollout and trainer agree bit for bit."),
+    ("rollout_corr/k3_kl", "Mismatch: K3 KL (verl)",
+     "Token-mean of exp(r) - r - 1 with r = log pi - log mu: the realized training-inference mismatch."),
+    ("train/grad_norm_ema", "Gradient norm (smoothed)",
+     "Exponential moving average of the global gradient norm before clipping. A rise together with the "
+     "mismatch indicators before a collapse is claim P3."),
+    ("train/response_length_mean", "Mean response length",
+     "Mean sampled response length in tokens. A surge in length tends to precede instability (claim P7); "
+     "dashed lines mark the length-decay scheduler's detected surge."),
+    ("train/lr", "Learning rate",
+     "LR used for each update. Dashed lines mark the detected response-length surge, dotted lines the "
+     "length-decay scheduler's halvings (when the scheduler is length_decay)."),
+)
+"""(metric, title, explanation) of each per-step plot; a run lacking one of these is reported."""
+
+_MARK_SURGE = ("train/response_length_mean", "train/lr")
+_STYLE = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1100px;
+       margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
+h1 { border-bottom: 2px solid #444; padding-bottom: .2em; }
+h2 { margin-top: 2em; border-bottom: 1px solid #bbb; }
+table { border-collapse: collapse; font-size: 13px; margin: .5em 0 1em; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f0f0f0; } td.l, th.l { text-align: left; }
+img { max-width: 100%; display: block; margin: .5em 0 1.5em; }
+p.note { color: #555; font-size: 14px; }
+div.wide { overflow-x: auto; }
+.rule { background: #f7f7f0; border-left: 4px solid #c9a400; padding: .5em 1em; }
+"""
+
+
+@dataclass
+class ReportResult:
+    path: Path
+    n_runs: int
+    missing: list[tuple[str, list[str]]] = field(default_factory=list)
+    """(run name, plotted metrics it lacks) for each run that lacks any."""
+
+
+@dataclass
+class _Run:
+    name: str
+    run_dir: Path
+    group: str
+    df: pd.DataFrame | None
+    summary: dict
+
+
+# ------------------------------------------------------------------------------- inputs
+def _config_labels(dirs: list[Path], group_by: str) -> list[str]:
+    """Group label of each run directory: a config key's value, or (``condition``) the config
+    keys that differ between the runs, the seed excepted."""
+    from timlab.experiments.sweep import IGNORED_CONFIG_KEYS, SEED_KEY, _flatten
+
+    flat = []
+    for d in dirs:
+        try:
+            flat.append(_flatten(load_run_config(d).to_dict()))
+        except (FileNotFoundError, ConfigError):
+            flat.append({})
+    if group_by != "condition":
+        known = set().union(*flat)
+        if group_by not in known:
+            raise ValueError(f"--group-by {group_by!r}: not a config key of these runs (e.g. mismatch.magnitude) "
+                             "and not 'condition'")
+        return [f"{group_by}={f.get(group_by, '?')}" for f in flat]
+    keys = sorted(set().union(*flat) - {SEED_KEY, *IGNORED_CONFIG_KEYS})
+    varying = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    labels = [", ".join(f"{k}={f.get(k)}" for k in varying) for f in flat]
+    return [lab or "all runs" for lab in labels]
+
+
+def _collect(inputs: list[str | Path] | str | Path, group_by: str) -> tuple[list[_Run], str]:
+    from timlab.experiments.sweep import INDEX_FILE, read_index
+
+    paths = [Path(inputs)] if isinstance(inputs, (str, Path)) else [Path(p) for p in inputs]
+    if not paths:
+        raise ValueError("report: no inputs (give one sweep directory or run directories)")
+    for p in paths:
+        if not p.is_dir():
+            raise FileNotFoundError(f"report: {p} is not a directory")
+    sweeps = [p for p in paths if (p / INDEX_FILE).exists()]
+    if sweeps:
+        if len(paths) > 1:
+            raise ValueError(f"report: {sweeps[0]} is a sweep directory; pass it alone, or pass run directories")
+        index = read_index(paths[0])
+        if group_by not in index.columns:
+            raise ValueError(f"--group-by {group_by!r}: no such index column; e.g. condition, spec_condition, "
+                             "mismatch.magnitude")
+        dirs = [paths[0] / d for d in index["run_dir"]]
+        names = list(index["run_id"])
+        labels = [str(v) for v in index[group_by]]
+        source = f"sweep {paths[0]}"
+    else:
+        for p in paths:
+            if not any((p / f).exists() for f in ("config.yaml", "metrics.parquet", "status.json")):
+                raise FileNotFoundError(f"report: {p} is neither a run directory nor a sweep directory")
+        dirs = paths
+        names = [p.name for p in paths]
+        if len(set(names)) < len(names):
+            names = [str(p) for p in paths]
+        labels = _config_labels(paths, group_by)
+        source = f"{len(paths)} run director{'y' if len(paths) == 1 else 'ies'}"
+    runs = [_Run(n, d, g, read_metrics(d), run_summary(d)) for n, d, g in zip(names, dirs, labels)]
+    return runs, source
+
+
+def _missing(run: _Run) -> list[str]:
+    if run.df is None:
+        return [m for m, _, _ in PLOTS]
+    out = []
+    for m, _, _ in PLOTS:
+        if m not in run.df.columns or not np.isfinite(pd.to_numeric(run.df[m], errors="coerce")).any():
+            out.append(m)
+    return out
+
+
+# ------------------------------------------------------------------------------- plots
+def _new_figure(w: float = 9.0, h: float = 3.6):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png_uri(fig) -> str:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _colors(groups: list[str]) -> dict[str, tuple]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if len(groups) <= 10 else "tab20"]
+    return {g: cmap(i % cmap.N) for i, g in enumerate(groups)}
+
+
+def _series(run: _Run, metric: str) -> pd.Series | None:
+    if run.df is None or metric not in run.df.columns:
+        return None
+    s = pd.to_numeric(run.df[metric], errors="coerce")
+    s.index = run.df["step"].to_numpy()
+    s = s[np.isfinite(s.to_numpy(dtype=float))]
+    s = s[~s.index.duplicated(keep="last")]
+    return s if len(s) else None
+
+
+def _decay_steps(run: _Run) -> list[float]:
+    """Steps where the length-decay scheduler lowered the LR (known decay period only)."""
+    lr, period = _series(run, "train/lr"), _series(run, "scheduler/decay_period")
+    if lr is None or period is None:
+        return []
+    drops = lr.index[1:][np.diff(lr.to_numpy()) < 0]
+    return [float(s) for s in drops]
+
+
+def _metric_plot(runs: list[_Run], groups: list[str], colors: dict, metric: str, title: str) -> str | None:
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    drew = False
+    marks = {"surge": False, "decay": False}
+    for g in groups:
+        series = {r.name: s for r in runs if r.group == g and (s := _series(r, metric)) is not None}
+        if not series:
+            continue
+        wide = pd.concat(series, axis=1).sort_index()  # (steps, seeds)
+        steps = wide.index.to_numpy(dtype=float)
+        mean, lo, hi = wide.mean(axis=1), wide.min(axis=1), wide.max(axis=1)
+        sparse = metric.startswith("val/")
+        ax.plot(steps, mean, color=colors[g], marker="o" if sparse else None, ms=3, lw=1.6,
+                label=f"{g} (n={len(series)})")
+        if len(series) > 1:
+            ax.fill_between(steps, lo, hi, color=colors[g], alpha=0.18, lw=0)
+        drew = True
+        if metric in _MARK_SURGE:
+            for r in runs:
+                if r.group != g:
+                    continue
+                surge = r.summary.get("surge_step", math.nan)
+                if np.isfinite(surge):
+                    ax.axvline(surge, color=colors[g], ls="--", lw=1, alpha=0.7)
+                    marks["surge"] = True
+                if metric == "train/lr":
+                    for s in _decay_steps(r):
+                        ax.axvline(s, color=colors[g], ls=":", lw=1, alpha=0.7)
+                        marks["decay"] = True
+    if not drew:
+        return None
+    if metric == "train/lr" and all(r.df is None or (_series(r, metric) is None) or (_series(r, metric) > 0).all()
+                                    for r in runs):
+        ax.set_yscale("log")
+    handles, labels = ax.get_legend_handles_labels()
+    from matplotlib.lines import Line2D
+
+    if marks["surge"]:
+        handles.append(Line2D([], [], color="gray", ls="--"))
+        labels.append("response-length surge")
+    if marks["decay"]:
+        handles.append(Line2D([], [], color="gray", ls=":"))
+        labels.append("LR halving")
+    ax.legend(handles, labels, fontsize=8, loc="best")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(title + " (line: mean over seeds; band: min-max)", fontsize=10)
+    ax.grid(alpha=0.3)
+    return _png_uri(fig)
+
+
+def _dose_response_plot(table: pd.DataFrame, colors: dict) -> str | None:
+    t = table[np.isfinite(table["k3_kl_mean"].to_numpy(dtype=float))]
+    if t.empty:
+        return None
+    fig = _new_figure(11, 3.8)
+    x = t["k3_kl_mean"].to_numpy(dtype=float)
+    pos = x[x > 0]
+    axes = fig.subplots(1, 2, sharex=True)
+    for ax, (col, ylabel) in zip(axes, (("collapse_frac", "fraction of seeds collapsed"),
+                                        ("median_steps_to_collapse", "median steps to collapse"))):
+        for _, row in t.iterrows():
+            y = row[col]
+            if not np.isfinite(y):
+                continue
+            ax.scatter(row["k3_kl_mean"], y, color=colors.get(row["group"], "k"), s=40, zorder=3)
+        if pos.size:
+            ax.set_xscale("symlog", linthresh=float(pos.min()))
+        if col == "collapse_frac":
+            ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("realized K3 KL (mean over steps, then seeds)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    fig.axes[1].set_title("conditions with no collapse have no point", fontsize=8)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], marker="o", ls="", color=colors.get(g, "k")) for g in t["group"]]
+    fig.axes[1].legend(handles, [str(g) for g in t["group"]], fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    return _png_uri(fig)
+
+
+# ------------------------------------------------------------------------------- html
+def _cell(v) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (float, np.floating)):
+        return "&ndash;" if not np.isfinite(v) else (f"{int(v)}" if float(v).is_integer() and abs(v) >= 1 else f"{v:.3g}")
+    return html.escape(str(v))
+
+
+def _table(df: pd.DataFrame, left: tuple[str, ...] = ()) -> str:
+    head = "".join(f'<th class="{"l" if c in left else ""}">{html.escape(str(c))}</th>' for c in df.columns)
+    body = "".join(
+        "<tr>" + "".join(f'<td class="{"l" if c in left else ""}">{_cell(v)}</td>' for c, v in zip(df.columns, row))
+        + "</tr>" for row in df.itertuples(index=False))
+    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _pm(mean: float, std: float) -> str:
+    if not np.isfinite(mean):
+        return "-"
+    return f"{mean:.3g}" + (f" \u00b1 {std:.2g}" if np.isfinite(std) else "")
+
+
+def _condition_view(table: pd.DataFrame) -> pd.DataFrame:
+    """The condition table as shown: mean +- std (over seeds) in one cell."""
+    return pd.DataFrame({
+        "condition": table["group"],
+        "runs": table["n"],
+        "incomplete": table["n_incomplete"],
+        "collapsed": [f"{c}/{n}" for c, n in zip(table["n_collapsed"], table["n"])],
+        "collapse frac": table["collapse_frac"],
+        "median steps to collapse": table["median_steps_to_collapse"],
+        "peak accuracy": [_pm(m, s) for m, s in zip(table["peak_accuracy_mean"], table["peak_accuracy_std"])],
+        "final accuracy": [_pm(m, s) for m, s in zip(table["final_accuracy_mean"], table["final_accuracy_std"])],
+        "accuracy AUC": table["auc_accuracy_mean"],
+        "K3 KL": table["k3_kl_mean"],
+        "|log ppl diff|": table["log_ppl_abs_diff_mean"],
+    })
+
+
+def _img(uri: str | None, alt: str) -> str:
+    if uri is None:
+        return '<p class="note"><em>No run has data for this plot.</em></p>'
+    return f'<img src="{uri}" alt="{html.escape(alt)}">'
+
+
+def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *, group_by: str = "condition",
+                 title: str = "timlab report") -> ReportResult:
+    """Write one self-contained HTML report of ONE sweep directory or a list of run directories."""
+    runs, source = _collect(inputs, group_by)
+    groups = list(dict.fromkeys(r.group for r in runs))
+    colors = _colors(groups)
+    missing = [(r.name, m) for r in runs if (m := _missing(r))]
+
+    index_df = pd.DataFrame([{"run": r.name, "group": r.group, **r.summary} for r in runs])
+    table = condition_table(index_df, by="group")
+    run_cols = ["run", "group", "state", "last_step", "peak_accuracy", "final_accuracy", "auc_accuracy", "collapsed",
+                "steps_to_collapse", "k3_kl_mean", "log_ppl_abs_diff_mean", "grad_norm_max", "surge_step"]
+
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p>{len(runs)} runs in {len(groups)} condition{"s" if len(groups) != 1 else ""}, from {html.escape(source)}; '
+        f"grouped by <code>{html.escape(group_by)}</code>. Seeds of a condition are summarized as a mean line "
+        "and a min-max band.</p>",
+        "<h2>Collapse rule</h2>",
+        f'<p class="rule">{html.escape(describe_rule(frac=DEFAULT_FRAC, window=DEFAULT_WINDOW, min_peak=DEFAULT_MIN_PEAK))}</p>',
+        "<h2>Conditions</h2>",
+        '<p class="note">Per condition: runs = runs that finished or diverged (incomplete: failed, guard_failed, '
+        "running or pending runs, left out of the statistics); collapsed = how many of those collapsed; median "
+        "steps to collapse over the runs that collapsed; accuracies are greedy val/accuracy, mean \u00b1 std over "
+        "seeds (AUC: the average accuracy over the run); realized mismatch = each run's mean over steps of "
+        "rollout_corr/k3_kl and rollout_corr/log_ppl_abs_diff, averaged over seeds.</p>",
+        _table(_condition_view(table), left=("condition",)),
+        "<h2>Dose-response</h2>",
+        '<p class="note">Collapse fraction and median steps-to-collapse of each condition against its realized '
+        "K3 KL. Claim P2: the larger the mismatch, the more often and the sooner runs collapse.</p>",
+        _img(_dose_response_plot(table, colors), "dose-response"),
+        "<h2>Training curves</h2>",
+    ]
+    for metric, heading, text in PLOTS:
+        parts += [f"<h3>{html.escape(heading)} <code>{html.escape(metric)}</code></h3>",
+                  f'<p class="note">{html.escape(text)}</p>',
+                  _img(_metric_plot(runs, groups, colors, metric, heading), metric)]
+    parts += ["<h2>Runs</h2>", _table(index_df[[c for c in run_cols if c in index_df.columns]], left=("run", "group", "state"))]
+    parts.append("<h2>Runs with missing metrics</h2>")
+    if missing:
+        parts.append('<p class="note">These runs lack the metrics listed (absent or never finite); the plots '
+                     "above use every metric they do have.</p><ul>")
+        for name, ms in missing:
+            state = next(r.summary["state"] for r in runs if r.name == name)
+            why = " (no metrics.parquet)" if next(r.df is None for r in runs if r.name == name) else ""
+            parts.append(f"<li><b>{html.escape(name)}</b> [{html.escape(state)}]{why}: "
+                         + ", ".join(f"<code>{html.escape(m)}</code>" for m in ms) + "</li>")
+        parts.append("</ul>")
+    else:
+        parts.append('<p class="note">None: every run has every plotted metric.</p>')
+    parts.append("</body></html>")
+
+    out = Path(out_html)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n".join(parts), encoding="utf-8")
+    tmp.replace(out)
+    return ReportResult(out, len(runs), missing)
+
+
+__all__ = ["build_report", "ReportResult", "PLOTS"]

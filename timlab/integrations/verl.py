@@ -1,0 +1,246 @@
+"""timlab for verl: mismatch metrics on verl's batch, and the length-decay LR for verl's PPO loop.
+
+Written against verl 0.9.1 (``verl/trainer/ppo/ray_trainer.py``, ``verl/workers/engine_workers.py``);
+the patch that wires it in, and what was tested, are in docs/integrations.md. Imports only
+timlab's pure layer and torch: verl itself is never imported, so this module works on the
+driver, in a worker, or in a test with plain tensors.
+
+``compute_metrics(batch)``: verl's batch (a ``DataProto``, anything with a ``.batch`` mapping,
+or a plain dict) with ``old_log_probs`` (log pi_old, recomputed by the actor), ``rollout_log_probs``
+(log mu, from the rollout engine; verl keeps them with
+``actor_rollout_ref.rollout.calculate_log_probs=True``) and ``response_mask`` (or
+``attention_mask`` + ``responses``, from which verl derives it), all (B, T). Returns
+``timlab.metrics.all_metrics``: ``rollout_corr/*`` with the definitions and names of verl's
+``compute_offpolicy_metrics`` (departures, all in edge cases, are listed in
+``timlab.metrics.offpolicy``) plus timlab's ``mismatch/*`` extras.
+
+``LengthDecayHook``: Beyond-Precision Algorithm 1 for verl. In verl the LR scheduler lives in the
+actor workers while the mean response length (``response_length/mean``) is computed by the
+driver, so the hook runs on the driver and sends the workers a factor:
+
+- driver, per training step: pass ``hook.lr_factor`` to ``update_actor`` (a non-tensor field of
+  the batch), then, once verl has filled ``metrics``, ``metrics.update(hook.update_from_metrics(metrics))``;
+- worker, at the start of each ``train_mini_batch``: ``apply_lr_factor(engine.optimizer,
+  factor, scheduler=engine.lr_scheduler)`` sets each group's LR to verl's scheduled LR x factor,
+  so verl's own schedule (constant, or warmup + cosine) composes multiplicatively with it.
+
+Update t is verl's training step t (verl steps its own scheduler once per step too, after all
+mini-batches), so with ``ppo_mini_batch_size`` < batch every mini-batch of a step shares one LR.
+For a loop where optimizer and batch live in one process, ``make_length_decay_scheduler``
+returns the plain ``LengthDecayLR``; step it with ``response_length=response_length_mean(batch)``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Mapping
+
+import torch
+from torch.optim import Optimizer
+
+from timlab.metrics import all_metrics
+from timlab.schedulers import LengthDecayLR
+
+OLD_LOGP_KEY = "old_log_probs"
+ROLLOUT_LOGP_KEY = "rollout_log_probs"
+RESPONSE_MASK_KEY = "response_mask"
+LENGTH_KEY = "response_length/mean"
+"""verl's metric for the batch's mean response length (``compute_data_metrics``)."""
+
+SCHEDULER_KEYS = ("timlab/lr", "timlab/lr_factor", "timlab/response_length", "timlab/surge_step",
+                  "timlab/decay_period")
+"""Keys ``LengthDecayHook.update_from_metrics`` returns (``timlab/lr`` only with ``base_lr``)."""
+
+_EARLY_STEP_WARNING = "Detected call of `lr_scheduler.step\\(\\)` before"  # the shadow optimizer never steps
+
+
+def _tensors(batch: Any) -> Mapping[str, torch.Tensor]:
+    """The tensor mapping of a DataProto (``.batch``, a TensorDict) or of a plain dict."""
+    data = getattr(batch, "batch", batch)
+    if not hasattr(data, "keys") or not hasattr(data, "__getitem__"):
+        raise TypeError(f"expected a verl DataProto, an object with a .batch mapping, or a dict; got {type(batch).__name__}")
+    return data
+
+
+def _has(data: Mapping, key: str) -> bool:
+    return key in list(data.keys())
+
+
+def response_mask(batch: Any) -> torch.Tensor:
+    """(B, T) mask of response tokens: ``response_mask``, else ``attention_mask[:, -T:]`` with
+    T = ``responses.shape[1]`` (how verl's ``compute_response_mask`` builds it)."""
+    data = _tensors(batch)
+    if _has(data, RESPONSE_MASK_KEY):
+        return data[RESPONSE_MASK_KEY]
+    if _has(data, "attention_mask") and _has(data, "responses"):
+        T = data["responses"].shape[-1]
+        return data["attention_mask"][:, -T:]  # (B, T)
+    raise KeyError(f"batch has neither {RESPONSE_MASK_KEY!r} nor 'attention_mask' + 'responses'; keys: {sorted(data.keys())}")
+
+
+def response_length_mean(batch: Any) -> float:
+    """Mean response length of the batch, as verl's ``response_length/mean`` computes it
+    (``attention_mask[:, -T:]`` summed per row when present, else ``response_mask``)."""
+    data = _tensors(batch)
+    if _has(data, "attention_mask") and _has(data, "responses"):
+        mask = data["attention_mask"][:, -data["responses"].shape[-1]:]  # (B, T)
+    else:
+        mask = response_mask(batch)
+    return float(mask.sum(-1).float().mean())
+
+
+def compute_metrics(batch: Any, *, num_micro_batches: int = 1) -> dict[str, float]:
+    """``rollout_corr/*`` (verl's names and definitions) and ``mismatch/*`` on verl's batch.
+
+    Needs ``old_log_probs`` and ``rollout_log_probs`` (B, T) and a response mask (see
+    ``response_mask``). ``num_micro_batches`` feeds ``mismatch/ratio_var_across_micro_batches``.
+    """
+    data = _tensors(batch)
+    missing = [k for k in (OLD_LOGP_KEY, ROLLOUT_LOGP_KEY) if not _has(data, k)]
+    if missing:
+        hint = (" (verl keeps the rollout engine's log-probs with actor_rollout_ref.rollout.calculate_log_probs=True)"
+                if ROLLOUT_LOGP_KEY in missing else "")
+        raise KeyError(f"batch is missing {', '.join(map(repr, missing))}{hint}; keys: {sorted(data.keys())}")
+    return all_metrics(data[OLD_LOGP_KEY], data[ROLLOUT_LOGP_KEY], response_mask(batch),
+                       num_micro_batches=num_micro_batches)
+
+
+def make_length_decay_scheduler(optimizer: Optimizer, decay_period: int | None = None, min_lr_ratio: float = 0.1,
+                                surge_factor: float = 1.8, surge_ratio: float = 2.0, surge_window: int = 10,
+                                **kwargs) -> LengthDecayLR:
+    """``LengthDecayLR`` on ``optimizer``, for a loop that has both the optimizer and the batch.
+
+    After each update: ``scheduler.step(response_length=response_length_mean(batch))``.
+    """
+    return LengthDecayLR(optimizer, decay_period=decay_period, min_lr_ratio=min_lr_ratio, surge_factor=surge_factor,
+                         surge_ratio=surge_ratio, surge_window=surge_window, **kwargs)
+
+
+def apply_lr_factor(optimizer: Optimizer, factor: float, *, scheduler: Any = None) -> list[float]:
+    """Worker side: set each param group's LR to its scheduled LR x ``factor``; returns the LRs.
+
+    The scheduled LR is ``scheduler.get_last_lr()`` when the scheduler has it (torch schedulers,
+    so calling this twice does not compound), else the group's current LR.
+    """
+    factor = float(factor)
+    if not (math.isfinite(factor) and factor > 0.0):
+        raise ValueError(f"lr factor must be a finite number > 0, got {factor!r}")
+    groups = optimizer.param_groups
+    if scheduler is not None and hasattr(scheduler, "get_last_lr"):
+        base = [float(x) for x in scheduler.get_last_lr()]
+    else:
+        base = [float(g["lr"]) for g in groups]
+    lrs = [b * factor for b in base]
+    for group, lr in zip(groups, lrs):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    return lrs
+
+
+class LengthDecayHook:
+    """Driver-side length-decay LR for verl: the factor for the next actor update, fed with
+    ``response_length/mean`` once per training step.
+
+    Arguments are ``LengthDecayLR``'s (halve every ``decay_period`` steps; None: from the
+    response-length surge; floor ``min_lr_ratio``). ``base_lr`` (the actor's ``optim.lr``) only
+    adds ``timlab/lr`` = base_lr x factor to the returned metrics. Internally a ``LengthDecayLR``
+    runs on a one-parameter shadow optimizer with LR 1, so its LR is the factor.
+    """
+
+    def __init__(
+        self,
+        decay_period: int | None = None,
+        min_lr_ratio: float = 0.1,
+        surge_factor: float = 1.8,
+        surge_ratio: float = 2.0,
+        surge_window: int = 10,
+        *,
+        surge_smoothing: int = 3,
+        surge_min_history: int = 10,
+        length_key: str = LENGTH_KEY,
+        base_lr: float | None = None,
+    ):
+        shadow = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        self.schedule = LengthDecayLR(
+            shadow, decay_period=decay_period, min_lr_ratio=min_lr_ratio, surge_factor=surge_factor,
+            surge_ratio=surge_ratio, surge_window=surge_window, surge_smoothing=surge_smoothing,
+            surge_min_history=surge_min_history,
+        )
+        self.length_key = length_key
+        self.base_lr = None if base_lr is None else float(base_lr)
+
+    @property
+    def lr_factor(self) -> float:
+        """Factor of the next actor update (send this to the workers)."""
+        return float(self.schedule.get_last_lr()[0])
+
+    @property
+    def num_steps(self) -> int:
+        """Training steps fed so far."""
+        return self.schedule.last_epoch
+
+    @property
+    def surge_step(self) -> int | None:
+        return self.schedule.surge_step
+
+    @property
+    def decay_period(self) -> int | None:
+        return self.schedule.decay_period
+
+    def update_from_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Feed one training step's ``metrics[length_key]`` (missing or non-finite: no signal)
+        and advance; returns ``timlab/*`` keys describing the step just taken."""
+        used = self.lr_factor
+        value = metrics.get(self.length_key)
+        length = float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_EARLY_STEP_WARNING)
+            self.schedule.step(response_length=length)
+        out = {
+            "timlab/lr_factor": used,
+            "timlab/response_length": float("nan") if length is None else length,
+            "timlab/surge_step": float("nan") if self.surge_step is None else float(self.surge_step),
+            "timlab/decay_period": float("nan") if self.decay_period is None else float(self.decay_period),
+        }
+        if self.base_lr is not None:
+            out["timlab/lr"] = self.base_lr * used
+        return out
+
+    def state_dict(self) -> dict:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.schedule.load_state_dict(state)
+
+
+def length_decay_from_config(config: Any) -> LengthDecayHook | None:
+    """The hook for a verl config with a ``timlab.length_decay`` section (None without one).
+
+    The section's keys are ``LengthDecayHook``'s arguments, e.g. on verl's command line
+    ``+timlab.length_decay.decay_period=null +timlab.length_decay.min_lr_ratio=0.1``;
+    ``base_lr`` defaults to ``actor_rollout_ref.actor.optim.lr``.
+    """
+    section = config.get("timlab", None) if hasattr(config, "get") else None
+    section = section.get("length_decay", None) if section is not None else None
+    if section is None:
+        return None
+    kwargs = dict(section)
+    if "base_lr" not in kwargs:
+        try:
+            kwargs["base_lr"] = float(config["actor_rollout_ref"]["actor"]["optim"]["lr"])
+        except (KeyError, TypeError):
+            pass
+    try:
+        return LengthDecayHook(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"timlab.length_decay: {e}") from None
+
+
+__all__ = [
+    "OLD_LOGP_KEY", "ROLLOUT_LOGP_KEY", "RESPONSE_MASK_KEY", "LENGTH_KEY", "SCHEDULER_KEYS",
+    "response_mask", "response_length_mean", "compute_metrics",
+    "make_length_decay_scheduler", "apply_lr_factor", "LengthDecayHook", "length_decay_from_config",
+]
