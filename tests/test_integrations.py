@@ -48,6 +48,8 @@ def verl_like_batch(B=6, T=9, seed=0, scale=0.3, dtype=torch.float64):
 
 def _extract(path: Path, names: set[str]) -> ast.Module:
     """Top-level functions / assignments of ``path`` whose names are in ``names``."""
+    if not path.exists():
+        pytest.skip(f"{path} not found in the installed verl")
     tree = ast.parse(path.read_text())
     keep = []
     for node in tree.body:

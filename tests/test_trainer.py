@@ -184,3 +184,20 @@ def test_resume_errors(tmp_path, capsys):
     err = _cli_err(["train", "--run-dir", str(run), "--resume"], capsys)
     assert "unreadable" in err and str(ckpt) in err
     assert (run / "metrics.parquet").read_bytes() == before  # nothing overwritten
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_torchrun_two_processes(tmp_path):
+    run = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+           "-m", "timlab", "train", "--preset", "smoke", "--run-dir", str(run), "--quiet",
+           "--set", "run.steps=3", "--set", "rollout.samples_per_prompt=8", "--set", "rollout.prompts_per_step=6"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("done:") == 1  # only rank 0 reports
+    df = pd.read_parquet(run / "metrics.parquet")
+    assert df["step"].max() == 3
+    # every rank runs the zero-mismatch guard; rank 0's shard is logged
+    assert (df["mismatch/max_abs_diff"].iloc[1:] == 0).all()
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"

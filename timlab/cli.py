@@ -179,6 +179,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         prog.close()
     keys = ["step", "train/reward_mean", "val/accuracy", "rollout_corr/k3_kl", "mismatch/max_abs_diff", "train/lr"]
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # data parallel: rank 0 reports
     print("done: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last) + f"  ({args.run_dir})")
     return 0
 

@@ -102,7 +102,8 @@ class Engine:
     """Base class: prompt packing, the decode loop's bookkeeping, and the Rollout assembly.
 
     Subclasses implement ``_prefill`` and ``_decode``; each returns fp32 logits (B, V) for the
-    next token. Engines hold a reference to the model, so weight updates are seen at once.
+    next token. The native engines hold a reference to the model, so weight updates are seen at
+    once; engines that keep their own copy (hf) refresh it in ``sync_weights``.
     """
 
     name = "base"
@@ -137,8 +138,9 @@ class Engine:
         tokens = torch.full((len(prompts), S), self.pad_token_id, dtype=torch.long, device=dev)
         key_valid = torch.ones(len(prompts), S, dtype=torch.bool, device=dev)
         for b, p in enumerate(prompts):
-            if max(p) >= vocab or min(p) < 0:
-                raise ValueError(f"prompt {b} has token id {max(p)} outside the model's vocabulary (size {vocab})")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {b} has token id {bad[0]} outside the model's vocabulary (size {vocab})")
             tokens[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long, device=dev)
             key_valid[b, : P - len(p)] = False
         return tokens, key_valid, P

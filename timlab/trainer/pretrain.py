@@ -10,6 +10,7 @@ settings, so later commands reuse it.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import random
@@ -125,12 +126,20 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
              progress: Callable[[int, int, dict], None] | None = None) -> PretrainResult:
     """Train (or reuse) the SFT warm start for cfg.task with the cfg.model architecture."""
     out = Path(out_dir) if out_dir else warm_start_dir(cfg)
-    done_file = out / "pretrain.json"
-    if done_file.exists() and not force:
-        info = json.loads(done_file.read_text())
-        if info.get("key") == warm_start_key(cfg):
-            return PretrainResult(out, info["val_accuracy"], info["steps"], info["seconds"], info["num_params"], True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One writer at a time: data-parallel ranks and sweep workers wait here, then reuse the result.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done_file = out / "pretrain.json"
+        complete = all((out / f).exists() for f in ("pretrain.json", "model.safetensors", "tokenizer.json"))
+        if complete and not force:
+            info = json.loads(done_file.read_text())
+            if info.get("key") == warm_start_key(cfg):
+                return PretrainResult(out, info["val_accuracy"], info["steps"], info["seconds"], info["num_params"], True)
+        return _pretrain_locked(cfg, out, progress)
 
+
+def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     task = build_task(cfg)
     train, val = make_splits(task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val)
     tmp = out.with_name(out.name + ".partial")
@@ -139,7 +148,8 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
     tmp.mkdir(parents=True)
     save_char_tokenizer(task.alphabet, tmp)
     tok = load_tokenizer(tmp)
-    max_len = task.max_prompt_chars + cfg.rollout.max_new_tokens + 16
+    max_new = task.max_answer_chars + 8  # greedy validation budget: the answer, EOS and some slack
+    max_len = task.max_prompt_chars + max_new + 64
     mcfg = model_config_for(cfg, tok.vocab_size, tok, max_len)
 
     torch.manual_seed(cfg.model.pretrain_seed)
@@ -169,7 +179,7 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
         if progress is not None:
             progress(step, steps, {"loss": loss_val})
     model.eval()
-    acc, mean_len = greedy_accuracy(model, tok, task, val, max_new_tokens=cfg.rollout.max_new_tokens)
+    acc, mean_len = greedy_accuracy(model, tok, task, val, max_new_tokens=max_new)
     seconds = time.time() - start
     save_model(model, tmp, tokenizer_dir=tmp)
     n_params = sum(p.numel() for p in model.parameters())
