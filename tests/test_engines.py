@@ -248,3 +248,32 @@ def test_registry_lists_engines():
     with pytest.raises(KeyError) as e:
         build_engine("nope", tiny_model(), eos_token_id=EOS)
     assert "valid choices:" in str(e.value) and "exact, fast, hf" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trainer_scoring_only_realized_columns_is_still_bitwise(dtype):
+    """The trainer scores L = prompt width + longest response columns, padding keys to S."""
+    from timlab.model.forward import token_logprobs
+    from timlab.model.llama import CausalLM, ModelConfig
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    m = CausalLM(cfg)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():
+        m.lm_head.weight[2] += 1.5  # EOS likely: sequences end at different steps
+    m = m.to(dtype)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(13)]
+    from timlab.engines import build_engine
+
+    r = build_engine("exact", m, eos_token_id=2, pad_token_id=0).generate(prompts, max_new_tokens=40, generator=torch.Generator().manual_seed(1))
+    S = r.tokens.shape[1]
+    L = r.prompt_width + int(r.lengths.max())
+    assert L < S and len(set(r.lengths.tolist())) > 2
+    with torch.enable_grad():
+        lp, _ = token_logprobs(m, r.tokens[:, :L], r.key_valid[:, :L], kv_len=S)
+    mk = r.response_mask[:, :L]
+    assert torch.equal(lp.detach()[mk], r.logprobs[:, :L][mk])

@@ -158,7 +158,7 @@ class TimlabCallback(TrainerCallback):
             self._advance(lengths.get(t))
 
     # ------------------------------------------------------------------ Trainer events
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
         if not isinstance(lr_scheduler, LambdaLR):
             raise TypeError(
                 "TimlabCallback replaces the Trainer's LambdaLR schedule, got "

@@ -31,11 +31,14 @@ def positions_from_valid(key_valid: torch.Tensor) -> torch.Tensor:
 def attention_mask(key_valid: torch.Tensor, start: int, num_queries: int, width: int | None = None) -> torch.Tensor:
     """(B, 1, M, W) bool: query at column start+i may see valid key j <= start+i, and itself.
 
-    W is the number of key columns (the buffer length S by default).
+    W is the number of key columns (the buffer length S by default); columns beyond
+    key_valid's width count as not valid.
     """
     B, S = key_valid.shape
     W = S if width is None else width
     dev = key_valid.device
+    if W > S:
+        key_valid = torch.cat([key_valid, key_valid.new_zeros(B, W - S)], dim=1)
     q_col = torch.arange(start, start + num_queries, device=dev)[:, None]  # (M, 1)
     k_col = torch.arange(W, device=dev)[None, :]  # (1, W)
     causal = k_col <= q_col  # (M, W)
@@ -44,10 +47,16 @@ def attention_mask(key_valid: torch.Tensor, start: int, num_queries: int, width:
     return allowed[:, None]  # (B, 1, M, W)
 
 
-def full_step(key_valid: torch.Tensor) -> Step:
-    """The Step for a teacher-forced forward over the whole (B, S) grid."""
-    S = key_valid.shape[1]
-    return Step(positions=positions_from_valid(key_valid), start=0, allowed=attention_mask(key_valid, 0, S))
+def full_step(key_valid: torch.Tensor, kv_len: int | None = None) -> Step:
+    """The Step for a teacher-forced forward over the (B, L) grid.
+
+    ``kv_len`` (>= L) is the attention buffer length S the rollout decoded with. A trainer that
+    scores only the first L columns (the realized lengths) passes it, and the exact attention
+    zero-pads its keys and values to S: keys past L are masked for every query, so they add
+    exact zeros and the reduction over keys keeps the length S the decode steps used.
+    """
+    L = key_valid.shape[1]
+    return Step(positions=positions_from_valid(key_valid), start=0, allowed=attention_mask(key_valid, 0, L, kv_len))
 
 
 def token_logprobs(
@@ -57,13 +66,15 @@ def token_logprobs(
     *,
     mode: str = "exact",
     with_entropy: bool = False,
+    kv_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Trainer-side log pi(token_t | tokens_<t) for every column, differentiable.
 
-    tokens, key_valid: (B, S). Returns logp (B, S) with column 0 set to 0 (it has no prefix)
-    and, if asked, the entropy (B, S) of each next-token distribution (detached).
+    tokens, key_valid: (B, L). Returns logp (B, L) with column 0 set to 0 (it has no prefix)
+    and, if asked, the entropy (B, L) of each next-token distribution (detached). ``kv_len``:
+    see ``full_step`` (only the exact mode uses it).
     """
-    logits = model(tokens, full_step(key_valid), mode=mode)  # (B, S, V)
+    logits = model(tokens, full_step(key_valid, kv_len if mode == "exact" else None), mode=mode)  # (B, L, V)
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, S-1, V)
     logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, S-1)
     logp = torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1)  # (B, S)

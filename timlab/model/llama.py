@@ -189,8 +189,12 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, M, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if cache_k is None:  # teacher-forced: the inputs are the whole buffer
+        if cache_k is None:  # teacher-forced: the inputs are the first M columns of the buffer
             keys, values = k, v
+            width = step.allowed.shape[-1]
+            if mode == "exact" and width > M:  # zero-pad to the decode buffer's length S
+                keys = F.pad(k, (0, 0, 0, width - M))
+                values = F.pad(v, (0, 0, 0, width - M))
         else:  # write this call's columns into the fixed buffer
             end = step.start + M
             cache_k[:, :, step.start : end] = k

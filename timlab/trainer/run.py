@@ -241,17 +241,20 @@ class RLRun:
 
         # 2. score: the trainer's forward, autograd on -----------------------------------
         t1 = time.perf_counter()
-        mask = rollout.response_mask.to(self.device)  # (B, S)
-        tokens, key_valid = rollout.tokens.to(self.device), rollout.key_valid.to(self.device)
+        # Score only the realized columns L <= S; the exact attention pads its keys back to S.
+        S = rollout.tokens.shape[1]
+        L = rollout.prompt_width + max(1, int(rollout.lengths.max()))
+        mask = rollout.response_mask[:, :L].to(self.device)  # (B, L)
+        tokens, key_valid = rollout.tokens[:, :L].to(self.device), rollout.key_valid[:, :L].to(self.device)
         single_update = cfg.algorithm.epochs == 1 and cfg.algorithm.mini_batches == 1
         if single_update:
-            logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True)
+            logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True, kv_len=S)
             old_logp = logp.detach()
         else:
             with torch.no_grad():
-                old_logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True)
+                old_logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True, kv_len=S)
         self._check_finite("trainer log-probs", old_logp[mask])
-        rollout_logp = rollout.logprobs.to(self.device)
+        rollout_logp = rollout.logprobs[:, :L].to(self.device)
         if self.exact_rollout and cfg.run.guard:
             self._guard(old_logp, rollout_logp, mask)
 
@@ -286,7 +289,7 @@ class RLRun:
         loss_mask = maskf * seq_keep[:, None].float()
         use_weights = None if c.mode == "none" and not c.veto_threshold else weights
         loss_metrics, grad_norm, updated = self._update(
-            tokens, key_valid, logp if single_update else None, old_logp, adv, loss_mask, use_weights, rollout_logp
+            tokens, key_valid, logp if single_update else None, old_logp, adv, loss_mask, use_weights, rollout_logp, S
         )
         metrics.update(loss_metrics)
         lengths = rollout.lengths.float()
@@ -347,7 +350,7 @@ class RLRun:
         if not torch.isfinite(t).all():
             raise NonFiniteError(f"step {self.step}: non-finite values in {name}")
 
-    def _update(self, tokens, key_valid, logp, old_logp, adv, loss_mask, is_w, rollout_logp):
+    def _update(self, tokens, key_valid, logp, old_logp, adv, loss_mask, is_w, rollout_logp, kv_len):
         """Epochs x mini-batches of PPO updates. Returns (metrics, last grad norm, whether any update ran)."""
         a = self.cfg.algorithm
         B = tokens.shape[0]
@@ -363,7 +366,7 @@ class RLRun:
                 if logp is not None:
                     lp = logp[rows]
                 else:
-                    lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact")
+                    lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact", kv_len=kv_len)
                 mb_tokens = self.world.sum(float(loss_mask[rows].sum()))
                 denom = mb_tokens if a.loss_agg == "token_mean" else self.world.sum(float((loss_mask[rows].sum(-1) > 0).sum()))
                 loss, m = ppo_clip_loss(
