@@ -201,3 +201,25 @@ def test_torchrun_two_processes(tmp_path):
     # every rank runs the zero-mismatch guard; rank 0's shard is logged
     assert (df["mismatch/max_abs_diff"].iloc[1:] == 0).all()
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
+
+
+@pytest.mark.parametrize("sets", [
+    {"model.dtype": "bfloat16"},
+    {"model.dtype": "float16"},
+    {"model.dtype": "bfloat16", "model.lm_head_fp32": True},
+    {"algorithm.mini_batches": 2, "algorithm.epochs": 2},
+    {"algorithm.name": "rloo", "algorithm.loss_agg": "seq_mean", "correction.mode": "truncate"},
+])
+def test_zero_mismatch_holds_in_every_precision_and_update_schedule(tmp_path, sets):
+    cfg = smoke(**{"run.steps": 2, "rollout.samples_per_prompt": 8, "rollout.prompts_per_step": 4, **sets})
+    train(cfg, tmp_path / "run")  # the guard raises on any differing bit
+    df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[1:]
+    assert (df["mismatch/frac_bitwise_equal"] == 1.0).all()
+    assert (df["rollout_corr/k3_kl"] == 0.0).all()
+
+
+def test_injected_mismatch_is_measured_and_guard_is_off(tmp_path):
+    cfg = smoke(**{"run.steps": 2, "mismatch.injector": "precision", "mismatch.dtype": "bfloat16"})
+    train(cfg, tmp_path / "run")
+    df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[1:]
+    assert (df["mismatch/max_abs_diff"] > 0).all() and (df["rollout_corr/k3_kl"] > 0).all()
