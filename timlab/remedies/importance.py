@@ -25,8 +25,8 @@ Departures / choices:
 - The veto tests the *token* ratio exp(r_t) whatever the level (verl's rollout_token_veto).
 - Weights are computed in float64, detached, and returned in the promotion of train_logp's
   dtype with float32 (bf16 input -> float32 weights); masked-out positions are 0.
-- This module is standalone (torch + ``timlab.registry``), so it repeats the small input check
-  of ``timlab.metrics``; SAFETY_BOUND is the same value (a test asserts it).
+- Inputs are validated by ``timlab.metrics``' checker (the same pure layer), and SAFETY_BOUND is
+  the metrics' constant.
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ from typing import Callable
 
 import torch
 
+from timlab.metrics._inputs import SAFETY_BOUND, check_inputs
 from timlab.registry import Registry
-
-SAFETY_BOUND = 20.0
-"""Clamp for log-ratios before exp (verl's SAFETY_BOUND); equal to timlab.metrics.SAFETY_BOUND."""
 
 DEFAULT_THRESHOLD = 2.0
 """C for TIS/MIS (Beyond-Precision Table 1)."""
@@ -109,24 +107,9 @@ def _check_positive(name: str, value: float | None) -> None:
 
 
 def _check_inputs(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor):
-    if train_logp.dim() != 2:
-        raise ValueError(f"train_logp must be 2-D (B, T), got shape {tuple(train_logp.shape)}")
-    if train_logp.shape != rollout_logp.shape or train_logp.shape != mask.shape:
-        raise ValueError(
-            "shape mismatch: train_logp "
-            f"{tuple(train_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)}, mask {tuple(mask.shape)}"
-        )
-    valid = mask.detach() != 0  # (B, T)
-    lp = train_logp.detach().to(torch.float64)
-    lq = rollout_logp.detach().to(torch.float64)
-    bad = torch.stack([(~torch.isfinite(lp) & valid).sum(), (~torch.isfinite(lq) & valid).sum()]).tolist()
-    for name, count in zip(("train_logp", "rollout_logp"), bad):
-        if count:
-            raise ValueError(
-                f"{name} has {count} non-finite value(s) (-inf/+inf/NaN) at valid (mask=1) positions"
-            )
-    r = torch.where(valid, lp - lq, torch.zeros((), dtype=torch.float64, device=lp.device))  # (B, T)
-    return r, valid
+    """r = log pi - log mu (float64, 0 off-mask) and the valid mask, via the metrics' checker."""
+    p = check_inputs(train_logp, rollout_logp, mask)
+    return p.train - p.rollout, p.valid
 
 
 def is_weights(
