@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from timlab.engines import SamplingParams, build_engine
-from timlab.experiments.analyze import write_rows
-from timlab.model.forward import token_logprobs
-from timlab.model.llama import CausalLM, ModelConfig
-from timlab.tasks import get_task
-from timlab.tokenizer import build_char_tokenizer
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from timlab.engines import SamplingParams, build_engine  # noqa: E402
+from timlab.experiments.analyze import write_rows  # noqa: E402
+from timlab.model.forward import token_logprobs  # noqa: E402
+from timlab.model.llama import CausalLM, ModelConfig  # noqa: E402
+from timlab.tasks import get_task  # noqa: E402
+from timlab.tokenizer import build_char_tokenizer  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "timlab" / "data" / "sample_logprobs.jsonl"
 

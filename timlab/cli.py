@@ -350,6 +350,28 @@ def _add_report(sub) -> None:
 _EXTRA_COMMANDS.extend([_add_sweep, _add_runs, _add_report])
 
 
+# ---------------------------------------------------------------------------------- analyze
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from timlab.experiments.analyze import analyze_file, format_analysis
+
+    result = analyze_file(args.file, out_html=args.out)
+    print(format_analysis(result))
+    _write_json(args.json, result)
+    return 1 if result["num_invalid"] else 0  # analyzed, but some rows were bad and left out
+
+
+def _add_analyze(sub) -> None:
+    p = sub.add_parser("analyze", help="mismatch metrics and an HTML report from a Parquet/JSONL file of "
+                                       "per-sequence trainer and rollout log-probs; see docs/analyze.md")
+    p.add_argument("file", help="Parquet or JSONL: one row per sequence with trainer_logprobs, rollout_logprobs")
+    p.add_argument("--out", metavar="REPORT.html", help="write a self-contained HTML report here")
+    p.add_argument("--json", help="write the full result (metrics, per step, distributions, errors) as JSON here")
+    p.set_defaults(func=cmd_analyze)
+
+
+_EXTRA_COMMANDS.append(_add_analyze)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,12 +1,13 @@
-"""Rollout engines behind one interface, chosen by name: exact, fast, hf (and vllm when installed).
+"""Rollout engines behind one interface, chosen by name: exact, fast, hf, vllm.
 
-``hf`` is always registered; it imports transformers only when an engine is built and says
-how to install it when missing.
+``hf`` and ``vllm`` are always registered; they import transformers / vllm only when an engine
+is built and say how to install it when missing.
 """
 
 from timlab.engines.base import ENGINES, Engine, Rollout, SamplingParams, sample_next
 from timlab.engines import native  # noqa: F401  (registers exact, fast)
 from timlab.engines import hf  # noqa: F401  (registers hf; transformers is imported lazily)
+from timlab.engines import vllm  # noqa: F401  (registers vllm; vllm is imported lazily)
 
 __all__ = ["ENGINES", "Engine", "Rollout", "SamplingParams", "sample_next", "build_engine"]
 

@@ -1,0 +1,699 @@
+"""Offline mismatch analysis of per-sequence token log-probs dumped by any RL stack.
+
+``analyze_file(path)`` reads a Parquet or JSONL file with one row per sequence (the schema is
+``SCHEMA`` below and docs/analyze.md), checks every row, and computes on the valid ones what
+timlab's trainer logs live: ``all_metrics`` (verl's ``rollout_corr/*`` plus ``mismatch/*``), the
+same per step when rows carry ``step``, and the breakdowns of ``timlab.metrics`` (histogram of
+r = log pi - log mu, |r| by position, by trainer probability, by response length). With
+``out_html`` it writes a self-contained HTML report (PNGs as base64 data URIs).
+
+Bad input never yields silent numbers. A problem that concerns the whole file (missing file, empty
+file, a required column absent from every row, unreadable Parquet) raises ``AnalyzeError`` with a
+one-line message. A problem confined to rows (ragged arrays, NaN/inf or a non-number at a valid
+position, a positive log-prob, a bad mask, a truncated or invalid JSONL line) puts the row in
+``errors`` as ``{"row", "column", "problem"}`` and the remaining rows are analyzed; only when no
+row is valid does it raise, quoting the first problem. ``row`` is the 0-based index of the record
+(JSONL: of the non-blank line; the line number is in the problem text).
+
+Converters turn what TRL and verl hold in memory into rows: ``from_trl_inputs`` (the dict
+``GRPOTrainer._generate_and_score_completions`` returns) and ``from_verl_batch`` (verl's batch
+after the actor's ``old_log_probs`` recomputation); ``write_rows`` writes Parquet or JSONL by
+extension. docs/analyze.md has the hooks that make each framework dump them.
+
+Not from a paper: metric definitions are ``timlab.metrics`` (REFERENCE.md section 2).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from timlab.metrics import (
+    all_metrics,
+    mismatch_by_length,
+    mismatch_by_position,
+    mismatch_by_prob_bucket,
+    ratio_histogram,
+)
+
+REQUIRED = ("trainer_logprobs", "rollout_logprobs")
+OPTIONAL = ("id", "step", "prompt", "response", "tokens", "mask", "reward")
+SCHEMA = ("one row per sequence: trainer_logprobs: list[float], rollout_logprobs: list[float] (same length, "
+          "the response tokens); optional id, step: int, prompt: str, response: str, tokens: list[int], "
+          "mask: list[0/1] (default all 1), reward: float")
+"""The input schema in one line (error messages quote it)."""
+
+POSITIVE_LOGP_TOL = 1e-3
+"""A log-prob above this at a valid position is an error (log-probs are <= 0; a positive value
+usually means probabilities or negative log-probs were stored)."""
+
+POSITION_BUCKETS = 8
+STEP_COLUMNS = ("rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "mismatch/abs_diff_mean",
+                "mismatch/abs_diff_max", "mismatch/frac_bitwise_equal", "mismatch/probs_diff_mean")
+"""Metrics shown per step in the text summary and plotted against step in the report."""
+
+PARQUET_EXT = (".parquet", ".pq")
+JSONL_EXT = (".jsonl", ".ndjson", ".json")
+
+
+class AnalyzeError(ValueError):
+    """The file cannot be analyzed at all; the message is one line naming the file and the cause."""
+
+
+# ------------------------------------------------------------------------------ reading
+def _format(path: Path) -> str:
+    ext = path.suffix.lower()
+    if ext in PARQUET_EXT:
+        return "parquet"
+    if ext in JSONL_EXT:
+        return "jsonl"
+    with path.open("rb") as f:  # unknown extension: sniff the Parquet magic
+        return "parquet" if f.read(4) == b"PAR1" else "jsonl"
+
+
+def _error(row: int, column: str | None, problem: str) -> dict:
+    return {"row": row, "column": column, "problem": problem}
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict | None], list[dict]]:
+    """Records (None where a line is unusable) and the errors of unusable lines."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise AnalyzeError(f"{path}: not UTF-8 text, so not JSONL (a Parquet file needs a .parquet name)") from None
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    records: list[dict | None] = []
+    errors: list[dict] = []
+    for row, (lineno, line) in enumerate(lines):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if row == len(lines) - 1 and not text.endswith("\n"):
+                problem = f"line {lineno}: truncated JSON on the last line (file cut off while being written?): {e.msg}"
+            else:
+                problem = f"line {lineno}: invalid JSON: {e.msg} at character {e.colno}"
+            records.append(None)
+            errors.append(_error(row, None, problem))
+            continue
+        if not isinstance(obj, dict):
+            records.append(None)
+            errors.append(_error(row, None, f"line {lineno}: expected a JSON object, got {type(obj).__name__}"))
+            continue
+        records.append(obj)
+    return records, errors
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AnalyzeError(f"{path}: not a readable Parquet file ({msg})") from None
+    return table.to_pylist()
+
+
+def read_records(path: str | Path) -> tuple[list[dict | None], list[dict], str]:
+    """``(records, errors, format)``: the raw rows of a Parquet/JSONL file, unchecked.
+
+    Raises ``AnalyzeError`` for a missing, empty or unreadable file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise AnalyzeError(f"{path}: empty file (expected {SCHEMA})")
+    fmt = _format(path)
+    records, errors = _read_jsonl(path) if fmt == "jsonl" else (_read_parquet(path), [])
+    if not records:
+        raise AnalyzeError(f"{path}: no rows (expected {SCHEMA})")
+    return records, errors, fmt
+
+
+# ------------------------------------------------------------------------------ checking
+@dataclass
+class _Seq:
+    """One valid row, as floats."""
+
+    row: int
+    train: list[float]
+    rollout: list[float]
+    mask: list[bool]
+    step: int | None
+    reward: float | None
+
+
+def _numbers(value: Any, column: str) -> tuple[list[float] | None, str | None]:
+    """A list of floats (null -> NaN), or the problem with ``value``."""
+    if value is None:
+        return None, f"{column} is null"
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()  # numpy arrays from a caller's rows
+    if not isinstance(value, (list, tuple)):
+        return None, f"{column} must be a list of numbers, got {type(value).__name__}"
+    out = []
+    for j, x in enumerate(value):
+        if x is None:
+            out.append(math.nan)
+        elif isinstance(x, bool) or not isinstance(x, (int, float)):
+            return None, f"{column}[{j}] = {x!r} is not a number"
+        else:
+            out.append(float(x))
+    return out, None
+
+
+def _mask(value: Any, n: int) -> tuple[list[bool] | None, str | None]:
+    if value is None:
+        return [True] * n, None
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None, f"mask must be a list of 0/1, got {type(value).__name__}"
+    if len(value) != n:
+        return None, f"mask has {len(value)} values, trainer_logprobs {n}"
+    bad = next((j for j, x in enumerate(value) if x not in (0, 1)), None)  # True/False pass (== 1/0)
+    if bad is not None:
+        return None, f"mask[{bad}] = {value[bad]!r}; mask values must be 0 or 1"
+    return [bool(x) for x in value], None
+
+
+def _first_bad_logp(values: list[float], mask: list[bool], column: str) -> str | None:
+    for j, (v, m) in enumerate(zip(values, mask)):
+        if not m:
+            continue  # padding may hold anything
+        if not math.isfinite(v):
+            return f"{column}[{j}] = {v} at a valid position (mask=1); log-probs must be finite"
+        if v > POSITIVE_LOGP_TOL:
+            return (f"{column}[{j}] = {v:.4g} > 0; log-probs must be <= 0 "
+                    "(probabilities or negative log-probs stored?)")
+    return None
+
+
+def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list[dict]]:
+    """Validate one record; return the sequence (None if invalid) and its problems."""
+    errs: list[dict] = []
+    cols = {}
+    for col in REQUIRED:
+        if col not in rec:
+            errs.append(_error(row, col, f"missing column {col}"))
+            continue
+        vals, problem = _numbers(rec[col], col)
+        if problem:
+            errs.append(_error(row, col, problem))
+        else:
+            cols[col] = vals
+    if len(cols) < len(REQUIRED):
+        return None, errs
+    train, rollout = cols["trainer_logprobs"], cols["rollout_logprobs"]
+    if len(train) != len(rollout):
+        return None, [_error(row, "rollout_logprobs",
+                             f"ragged: trainer_logprobs has {len(train)} values, rollout_logprobs {len(rollout)}")]
+    if not train:
+        return None, [_error(row, "trainer_logprobs", "no response tokens (empty lists)")]
+    mask, problem = _mask(rec.get("mask"), len(train))
+    if problem:
+        return None, [_error(row, "mask", problem)]
+    if not any(mask):
+        errs.append(_error(row, "mask", "mask is all 0 (no valid tokens)"))
+    for col, vals in (("trainer_logprobs", train), ("rollout_logprobs", rollout)):
+        problem = _first_bad_logp(vals, mask, col)
+        if problem:
+            errs.append(_error(row, col, problem))
+    tokens = rec.get("tokens")
+    if tokens is not None:
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens
+        if not isinstance(tokens, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+            errs.append(_error(row, "tokens", "tokens must be a list of integer token ids"))
+        elif len(tokens) != len(train):
+            errs.append(_error(row, "tokens", f"tokens has {len(tokens)} values, trainer_logprobs {len(train)}"))
+    step = rec.get("step")
+    if has_step:
+        if step is None:
+            errs.append(_error(row, "step", "step is missing or null (other rows have one)"))
+        elif isinstance(step, bool) or not isinstance(step, (int, float)) or not float(step).is_integer():
+            errs.append(_error(row, "step", f"step = {step!r} is not an integer"))
+    reward = rec.get("reward")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                               or not math.isfinite(reward)):
+        errs.append(_error(row, "reward", f"reward = {reward!r} is not a finite number"))
+    if errs:
+        return None, errs
+    return _Seq(row, train, rollout, mask, int(step) if has_step else None,
+                None if reward is None else float(reward)), []
+
+
+def check_records(records: list[dict | None], *, source: str = "rows") -> tuple[list[_Seq], list[dict], list[str]]:
+    """``(valid sequences, errors, columns)``. Raises ``AnalyzeError`` when a required column is
+    absent from every record."""
+    columns = sorted({k for rec in records if rec is not None for k in rec})
+    for col in REQUIRED:
+        if col not in columns and any(rec is not None for rec in records):
+            raise AnalyzeError(f"{source}: missing column {col!r} (columns: {', '.join(columns) or 'none'}); "
+                               f"expected {SCHEMA}")
+    has_step = "step" in columns
+    valid, errors = [], []
+    for row, rec in enumerate(records):
+        if rec is None:
+            continue  # its read error is already listed
+        seq, errs = check_row(row, rec, has_step=has_step)
+        errors.extend(errs)
+        if seq is not None:
+            valid.append(seq)
+    return valid, errors, columns
+
+
+# ------------------------------------------------------------------------------ metrics
+def _pack(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) float64 log pi, log mu and bool mask; padding is 0 / False."""
+    B, T = len(seqs), max(len(s.train) for s in seqs)
+    train = torch.zeros(B, T, dtype=torch.float64)
+    rollout = torch.zeros(B, T, dtype=torch.float64)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        m = torch.tensor(s.mask)  # (L,)
+        zero = torch.zeros(len(s.mask), dtype=torch.float64)
+        train[b, : len(s.train)] = torch.where(m, torch.tensor(s.train, dtype=torch.float64), zero)
+        rollout[b, : len(s.rollout)] = torch.where(m, torch.tensor(s.rollout, dtype=torch.float64), zero)
+        mask[b, : len(s.mask)] = m
+    return train, rollout, mask
+
+
+def _summary(seqs: list[_Seq], train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict:
+    rewards = [s.reward for s in seqs if s.reward is not None]
+    return {
+        "num_sequences": len(seqs),
+        "num_tokens": int(mask.sum()),
+        "response_length_mean": sum(len(s.train) for s in seqs) / len(seqs),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "metrics": all_metrics(train, rollout, mask),
+    }
+
+
+def analyze_records(records: list[dict | None], *, read_errors: list[dict] | None = None, source: str = "rows",
+                    out_html: str | Path | None = None) -> dict:
+    """Check records, compute the metrics on the valid ones; see ``analyze_file``."""
+    valid, errors, columns = check_records(records, source=source)
+    errors = sorted((read_errors or []) + errors, key=lambda e: e["row"])
+    if not valid:
+        first = errors[0] if errors else _error(0, None, "no rows")
+        where = f"row {first['row']}" + (f", column {first['column']}" if first["column"] else "")
+        raise AnalyzeError(f"{source}: no valid rows ({len(records)} invalid); first problem: {where}: {first['problem']}")
+    train, rollout, mask = _pack(valid)  # (B, T) each
+    result = {
+        "source": source,
+        "columns": columns,
+        "num_rows": len(records),
+        "num_valid": len(valid),
+        "num_invalid": len(records) - len(valid),
+        "errors": errors,
+    }
+    result.update(_summary(valid, train, rollout, mask))
+    result["histogram"] = ratio_histogram(train, rollout, mask)
+    result["by_position"] = mismatch_by_position(train, rollout, mask, num_buckets=min(POSITION_BUCKETS, train.shape[1]))
+    result["by_prob"] = mismatch_by_prob_bucket(train, rollout, mask)
+    result["by_length"] = mismatch_by_length(train, rollout, mask)
+    result["per_step"] = []
+    if valid[0].step is not None:
+        for step in sorted({s.step for s in valid}):
+            idx = [b for b, s in enumerate(valid) if s.step == step]
+            sub = [valid[b] for b in idx]
+            result["per_step"].append({"step": step, **_summary(sub, train[idx], rollout[idx], mask[idx])})
+    result["report"] = None
+    if out_html is not None:
+        result["report"] = str(write_report(result, out_html))
+    return result
+
+
+def analyze_file(path: str | Path, *, out_html: str | Path | None = None) -> dict:
+    """Analyze a Parquet or JSONL file of per-sequence log-probs (schema: ``SCHEMA``).
+
+    Returns a JSON-ready dict: ``metrics`` (``all_metrics`` over every valid token of the file),
+    ``per_step`` (a list of ``{step, num_sequences, num_tokens, response_length_mean,
+    reward_mean, metrics}``, empty without a ``step`` column), ``histogram``, ``by_position``,
+    ``by_prob``, ``by_length`` (``timlab.metrics`` breakdowns), ``num_rows`` / ``num_valid`` /
+    ``num_invalid``, ``errors`` (``[{row, column, problem}]``), ``num_tokens``,
+    ``response_length_mean``, ``reward_mean``, ``columns``, ``format``, ``report`` (the HTML path
+    or None). Raises ``AnalyzeError`` (a ``ValueError``) when nothing can be analyzed.
+    """
+    records, read_errors, fmt = read_records(path)
+    result = analyze_records(records, read_errors=read_errors, source=str(path), out_html=out_html)
+    result["format"] = fmt
+    return result
+
+
+# ------------------------------------------------------------------------------ text summary
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def format_analysis(result: dict, *, max_errors: int = 10) -> str:
+    """A short human-readable summary of ``analyze_file``'s result."""
+    m = result["metrics"]
+    lines = [
+        f"analyze {result['source']}: {result['num_valid']} of {result['num_rows']} rows valid, "
+        f"{result['num_tokens']} tokens, mean length {result['response_length_mean']:.1f}"
+        + (f", mean reward {result['reward_mean']:.3g}" if result["reward_mean"] is not None else ""),
+        f"  max |r| {_fmt(m['mismatch/abs_diff_max'])}  mean |r| {_fmt(m['mismatch/abs_diff_mean'])}  "
+        f"bitwise equal {100 * m['mismatch/frac_bitwise_equal']:.2f}%  k3 {_fmt(m['rollout_corr/k3_kl'])}  "
+        f"kl {_fmt(m['rollout_corr/kl'])}  |log ppl diff| {_fmt(m['rollout_corr/log_ppl_abs_diff'])}  "
+        f"probs diff mean {_fmt(m['mismatch/probs_diff_mean'])}  ESS {_fmt(m['mismatch/ess'])}",
+    ]
+    if result["per_step"]:
+        short = [c.split("/")[1] for c in STEP_COLUMNS]
+        lines.append("  " + f"{'step':>6} {'seqs':>5} {'tokens':>7} " + " ".join(f"{c:>14}" for c in short))
+        for s in result["per_step"]:
+            lines.append("  " + f"{s['step']:>6} {s['num_sequences']:>5} {s['num_tokens']:>7} "
+                         + " ".join(f"{_fmt(s['metrics'][c]):>14}" for c in STEP_COLUMNS))
+    if result["errors"]:
+        lines.append(f"  {result['num_invalid']} invalid row(s) left out:")
+        for e in result["errors"][:max_errors]:
+            lines.append(f"    row {e['row']}" + (f", column {e['column']}" if e["column"] else "") + f": {e['problem']}")
+        if len(result["errors"]) > max_errors:
+            lines.append(f"    ... {len(result['errors']) - max_errors} more (all in the JSON / HTML report)")
+    if result.get("report"):
+        lines.append(f"  report: {result['report']}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ HTML report
+HEADLINE = (
+    ("mismatch/abs_diff_max", "max |r| over valid tokens"),
+    ("mismatch/abs_diff_mean", "mean |r| (dense bf16 vLLM vs FSDP ~0.005)"),
+    ("mismatch/abs_diff_p99", "99th percentile of |r|"),
+    ("mismatch/frac_bitwise_equal", "share of tokens with log pi == log mu exactly"),
+    ("mismatch/frac_tokens_different", "share of tokens with |r| > 1e-6"),
+    ("rollout_corr/k3_kl", "mean of exp(r) - r - 1 (dense bf16 ~6e-4)"),
+    ("rollout_corr/kl", "mean of log mu - log pi (verl warns at |kl| > 0.1)"),
+    ("rollout_corr/log_ppl_abs_diff", "mean over sequences of |mean-token log mu - log pi|"),
+    ("mismatch/log_ppl_abs_diff_sum", "same with sums over tokens (Beyond-Precision Eq. 8)"),
+    ("rollout_corr/chi2_token", "mean exp(2r) - 1 (verl warns at > 1)"),
+    ("mismatch/probs_diff_mean", "mean |pi - mu| in probability (verl: > 0.01 points to precision)"),
+    ("mismatch/ess", "token IS effective sample size, (0, 1] (verl warns below 0.3)"),
+)
+
+
+def _bar_plot(labels: list[str], values: list[float], counts: list[int] | None, *, title: str, ylabel: str,
+              logy: bool = False, w: float = 9.0) -> str:
+    from timlab.experiments.report import _new_figure, _png_uri
+
+    fig = _new_figure(w, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    x = list(range(len(labels)))
+    ax.bar(x, values, color="#4477aa")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=45 if len(labels) > 6 else 0, ha="right" if len(labels) > 6 else "center",
+                       fontsize=8)
+    top = max(values) if values else 0.0
+    if logy and top > 0:
+        ax.set_yscale("log")
+        ax.set_ylim(0.7, top * 3)
+    elif top > 0:
+        ax.set_ylim(0, top * 1.15)
+    if counts is not None:
+        for xi, v, n in zip(x, values, counts):
+            if n:
+                ax.annotate(f"n={n}", (xi, v), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7,
+                            color="#555")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    return _png_uri(fig)
+
+
+def _edge(x: float) -> str:
+    return f"{x:g}"
+
+
+def _histogram_uri(h: dict) -> str:
+    e = h["edges"]
+    labels = [f"[{_edge(lo)}, {_edge(hi)})" for lo, hi in zip(e, e[1:])]
+    return _bar_plot(labels, [float(c) for c in h["counts"]], h["counts"], logy=True, w=10.0,
+                     title=f"r = log pi - log mu over {h['num_tokens']} valid tokens", ylabel="tokens (log scale)")
+
+
+def _bucket_uri(b: dict, *, title: str, label, key: str = "mean_abs_diff", ylabel: str = "mean |r|") -> str | None:
+    keep = [i for i, n in enumerate(b["counts"]) if n]
+    if not keep:
+        return None
+    e = b["edges"]
+    return _bar_plot([label(e[i], e[i + 1]) for i in keep], [b[key][i] for i in keep], [b["counts"][i] for i in keep],
+                     title=title, ylabel=ylabel)
+
+
+def _steps_uri(per_step: list[dict]) -> str:
+    from matplotlib.ticker import MaxNLocator
+
+    from timlab.experiments.report import _new_figure, _png_uri
+
+    fig = _new_figure(10.0, 5.6)
+    steps = [s["step"] for s in per_step]
+    for k, key in enumerate(STEP_COLUMNS[:4]):
+        ax = fig.add_subplot(2, 2, k + 1)
+        ax.plot(steps, [s["metrics"][key] for s in per_step], marker="o", color="#cc6677")
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    return _png_uri(fig)
+
+
+def write_report(result: dict, out_html: str | Path) -> Path:
+    """Write the self-contained HTML report of an ``analyze_*`` result; returns the path."""
+    import pandas as pd
+
+    from timlab.experiments.report import _STYLE, _img, _table
+
+    out = Path(out_html)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    m = result["metrics"]
+    esc = html.escape
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>timlab analyze: {esc(Path(result['source']).name)}</title>", f"<style>{_STYLE}</style></head><body>",
+        f"<h1>Training-inference mismatch: {esc(Path(result['source']).name)}</h1>",
+        f"<p>{esc(result['source'])}: {result['num_valid']} of {result['num_rows']} rows valid, "
+        f"{result['num_tokens']} valid tokens, mean response length {result['response_length_mean']:.1f}"
+        + (f", mean reward {result['reward_mean']:.3g}" if result["reward_mean"] is not None else "") + ". "
+        "r = log pi (trainer) - log mu (rollout engine) at every valid response token.</p>",
+        "<h2>Summary</h2>",
+        _table(pd.DataFrame({"metric": [k for k, _ in HEADLINE], "value": [m[k] for k, _ in HEADLINE],
+                             "meaning": [d for _, d in HEADLINE]}), left=("metric", "meaning")),
+        "<details><summary>All metrics</summary>",
+        _table(pd.DataFrame({"metric": list(m), "value": list(m.values())}), left=("metric",)),
+        "</details>",
+        "<h2>Histogram of r</h2>",
+        '<p class="note">Symmetric log-spaced bins; the middle bin [-1e-06, 1e-06) holds the (near-)equal tokens. '
+        "Values beyond +-20 are counted in the outer bins.</p>",
+        _img(_histogram_uri(result["histogram"]), "histogram of r"),
+        "<h2>Where the mismatch lives</h2>",
+        _img(_bucket_uri(result["by_position"], title="mean |r| by response position",
+                         label=lambda lo, hi: f"[{lo}, {hi})"), "mean |r| by position"),
+        _img(_bucket_uri(result["by_prob"], title="mean |r| by trainer probability exp(log pi)",
+                         label=lambda lo, hi: f"[{lo:g}, {hi:g})"), "mean |r| by probability"),
+        _img(_bucket_uri(result["by_length"], title="mean per-token |r| by response length (valid tokens)",
+                         label=lambda lo, hi: f"[{lo:g}, {hi:g})"), "mean |r| by length"),
+        _img(_bucket_uri(result["by_length"], title="mean |sum_t r| per sequence by response length",
+                         label=lambda lo, hi: f"[{lo:g}, {hi:g})", key="mean_abs_sum_diff", ylabel="mean |sum r|"),
+             "mean |sum r| by length"),
+    ]
+    if result["per_step"]:
+        rows = [{"step": s["step"], "sequences": s["num_sequences"], "tokens": s["num_tokens"],
+                 "mean length": s["response_length_mean"],
+                 **({"mean reward": s["reward_mean"]} if result["reward_mean"] is not None else {}),
+                 **{k: s["metrics"][k] for k in STEP_COLUMNS}} for s in result["per_step"]]
+        parts += ["<h2>Per step</h2>", _img(_steps_uri(result["per_step"]), "metrics per step"),
+                  _table(pd.DataFrame(rows))]
+    if result["errors"]:
+        shown = result["errors"][:200]
+        parts += [f"<h2>Invalid rows ({result['num_invalid']}, left out)</h2>",
+                  _table(pd.DataFrame({"row": [e["row"] for e in shown],
+                                       "column": [e["column"] or "" for e in shown],
+                                       "problem": [e["problem"] for e in shown]}), left=("column", "problem"))]
+        if len(result["errors"]) > len(shown):
+            parts.append(f'<p class="note">... and {len(result["errors"]) - len(shown)} more in the JSON output.</p>')
+    parts += [f'<p class="note">Schema: {esc(SCHEMA)}. Metric definitions: timlab.metrics (verl\'s '
+              "rollout_corr/* and timlab's mismatch/*).</p>", "</body></html>"]
+    out.write_text("\n".join(parts), encoding="utf-8")
+    return out
+
+
+# ------------------------------------------------------------------------------ writing
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        return v.tolist()  # numpy
+    return v
+
+
+def write_rows(rows: list[dict], path: str | Path, *, append: bool = False) -> Path:
+    """Write rows in the analyze schema: Parquet (``.parquet``/``.pq``) or JSONL (``.jsonl``/``.ndjson``/``.json``).
+
+    ``append=True`` adds to an existing JSONL file (one file for a whole run, e.g. from a hook
+    called every step); Parquet files cannot be appended to. Tensors and numpy arrays become lists.
+    """
+    path = Path(path)
+    ext = path.suffix.lower()
+    if ext not in PARQUET_EXT + JSONL_EXT:
+        raise ValueError(f"unknown extension {ext or '(none)'!r} of {path}; valid: {', '.join(PARQUET_EXT + JSONL_EXT)}")
+    clean = [{k: _jsonable(v) for k, v in row.items()} for row in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if ext in PARQUET_EXT:
+        if append:
+            raise ValueError(f"append=True needs a JSONL file; {path} is Parquet")
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        keys = list(dict.fromkeys(k for row in clean for k in row))  # every row's keys (from_pylist reads row 0's)
+        pq.write_table(pa.Table.from_pydict({k: [row.get(k) for row in clean] for k in keys}), path)
+        return path
+    with path.open("a" if append else "w", encoding="utf-8") as f:
+        for row in clean:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------ converters
+def _mapping(batch: Any) -> Mapping[str, Any]:
+    """The tensor mapping of a verl DataProto (``.batch``) or TRL's inputs dict."""
+    data = getattr(batch, "batch", batch)
+    if not hasattr(data, "keys") or not hasattr(data, "__getitem__"):
+        raise TypeError(f"expected a dict of tensors or an object with .batch, got {type(batch).__name__}")
+    return data
+
+
+def _get(data: Mapping, key: str):
+    return data[key] if key in data.keys() else None
+
+
+def _rows_from_tensors(*, trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+                       tokens: torch.Tensor | None, prompt_ids: torch.Tensor | None, prompt_mask: torch.Tensor | None,
+                       step: int | None, tokenizer, extra: dict[str, list]) -> list[dict]:
+    """Rows from right-padded (B, T) response tensors: each row is cut after its last mask-1 token.
+
+    A non-finite rollout log-prob (vLLM could not score the token; TRL stores NaN) turns its mask
+    to 0 and is written as null. Prompt ids, when given, are left-padded (B, P) with ``prompt_mask``.
+    """
+    trainer = torch.as_tensor(trainer).detach().float().cpu()
+    rollout = torch.as_tensor(rollout).detach().float().cpu()
+    mask = torch.as_tensor(mask).detach().cpu() != 0
+    if trainer.shape != rollout.shape or trainer.shape != mask.shape or trainer.dim() != 2:
+        raise ValueError(f"shape mismatch: trainer {tuple(trainer.shape)}, rollout {tuple(rollout.shape)}, "
+                         f"mask {tuple(mask.shape)} (all must be (B, T))")
+    B, T = trainer.shape
+    cols = torch.arange(T)
+    rows = []
+    for b in range(B):
+        L = int(cols[mask[b]].max()) + 1 if mask[b].any() else 0
+        m = mask[b, :L] & torch.isfinite(rollout[b, :L])
+        roll = [float(x) if ok else None for x, ok in zip(rollout[b, :L].tolist(), torch.isfinite(rollout[b, :L]))]
+        train = [float(x) if math.isfinite(x) else None for x in trainer[b, :L].tolist()]
+        row: dict[str, Any] = {"id": f"{step}-{b}" if step is not None else str(b)}
+        if step is not None:
+            row["step"] = int(step)
+        if tokens is not None:
+            row["tokens"] = [int(t) for t in tokens[b, :L].tolist()]
+        if tokenizer is not None:
+            if prompt_ids is not None:
+                p = prompt_ids[b] if prompt_mask is None else prompt_ids[b][torch.as_tensor(prompt_mask[b]) != 0]
+                row["prompt"] = tokenizer.decode([int(t) for t in p.tolist()], skip_special_tokens=True)
+            if tokens is not None:
+                row["response"] = tokenizer.decode(row["tokens"], skip_special_tokens=True)
+        row["trainer_logprobs"] = train
+        row["rollout_logprobs"] = roll
+        row["mask"] = [int(x) for x in m.tolist()]
+        for k, v in extra.items():
+            row[k] = v[b]
+        rows.append(row)
+    return rows
+
+
+def from_verl_batch(batch: Any, *, step: int | None = None, tokenizer=None, trainer_key: str = "old_log_probs",
+                    rollout_key: str = "rollout_log_probs") -> list[dict]:
+    """Rows from verl's PPO batch (a ``DataProto``, anything with ``.batch``, or a dict of tensors).
+
+    Reads ``old_log_probs`` (log pi: the actor's recomputed log-probs; in verl's rollout-correction
+    ``bypass_mode`` verl sets them equal to the rollout's, so r = 0 by construction), ``rollout_log_probs``
+    (log mu; ``actor_rollout_ref.rollout.calculate_log_probs=True``), ``response_mask`` (else
+    ``attention_mask[:, -T:]``), ``responses`` (token ids), ``prompts`` + ``attention_mask``
+    (prompt text, with a tokenizer) and ``token_level_scores`` (reward = its sum over tokens), all
+    (B, T) or (B, P). ``step`` defaults to ``meta_info["global_steps"]`` when the batch has it;
+    ``non_tensor_batch["uid"]`` (the GRPO group) is kept as an extra ``uid`` column.
+    """
+    data = _mapping(batch)
+    missing = [k for k in (trainer_key, rollout_key) if _get(data, k) is None]
+    if missing:
+        raise ValueError(
+            f"verl batch has no {', '.join(missing)} (keys: {', '.join(sorted(data.keys()))}); "
+            "rollout_log_probs need actor_rollout_ref.rollout.calculate_log_probs=True, old_log_probs exist "
+            "after the actor's compute_log_prob")
+    trainer, rollout = data[trainer_key], data[rollout_key]
+    T = trainer.shape[1]
+    mask = _get(data, "response_mask")
+    if mask is None:
+        am = _get(data, "attention_mask")
+        mask = am[:, -T:] if am is not None else torch.ones_like(trainer)
+    prompts, prompt_mask = _get(data, "prompts"), None
+    am = _get(data, "attention_mask")
+    if prompts is not None and am is not None:
+        prompt_mask = am[:, : prompts.shape[1]]
+    if step is None:
+        step = (getattr(batch, "meta_info", None) or {}).get("global_steps")
+    extra: dict[str, list] = {}
+    scores = _get(data, "token_level_scores")
+    if scores is not None:
+        extra["reward"] = [float(x) for x in torch.as_tensor(scores).float().sum(-1).tolist()]
+    uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
+    if uid is not None:
+        extra["uid"] = [str(u) for u in list(uid)]
+    return _rows_from_tensors(trainer=trainer, rollout=rollout, mask=mask, tokens=_get(data, "responses"),
+                              prompt_ids=prompts, prompt_mask=prompt_mask, step=step, tokenizer=tokenizer, extra=extra)
+
+
+def from_trl_inputs(inputs: Mapping[str, Any], *, step: int | None = None, tokenizer=None,
+                    trainer_logps: torch.Tensor | None = None, trainer_key: str = "old_per_token_logps",
+                    rollout_key: str = "sampling_per_token_logps") -> list[dict]:
+    """Rows from the dict TRL's ``GRPOTrainer._generate_and_score_completions`` returns (TRL 1.16).
+
+    Reads ``sampling_per_token_logps`` (log mu: present with ``use_vllm=True`` or a ``rollout_func``
+    returning logprobs; NaN where vLLM had none, which become mask 0), ``old_per_token_logps``
+    (log pi: TRL computes it with ``vllm_importance_sampling_correction=True``, or when generation
+    and optimization steps are misaligned; otherwise pass ``trainer_logps`` (B, T) from your own
+    no-grad forward), ``completion_ids`` / ``completion_mask`` (times ``tool_mask`` when present),
+    ``prompt_ids`` / ``prompt_mask`` (prompt text, with a tokenizer) and ``advantages`` (kept as an
+    extra ``advantage`` column). Both log-prob tensors are under TRL's ``temperature``-scaled
+    distribution (TRL divides the logits by it, and vLLM is run with processed logprobs).
+    """
+    data = _mapping(inputs)
+    trainer = trainer_logps if trainer_logps is not None else _get(data, trainer_key)
+    if trainer is None:
+        raise ValueError(
+            f"TRL inputs have no {trainer_key!r}: TRL computes it only with use_vllm=True and "
+            "vllm_importance_sampling_correction=True (or misaligned generation/optimization steps); "
+            "pass trainer_logps= from a no-grad forward of the policy")
+    rollout = _get(data, rollout_key)
+    if rollout is None:
+        raise ValueError(
+            f"TRL inputs have no {rollout_key!r}: TRL keeps the sampler's log-probs only with use_vllm=True "
+            "or a rollout_func that returns 'logprobs' (its transformers generate path drops them)")
+    mask = torch.as_tensor(_get(data, "completion_mask") if _get(data, "completion_mask") is not None
+                           else torch.ones_like(torch.as_tensor(trainer)))
+    tool_mask = _get(data, "tool_mask")
+    if tool_mask is not None:
+        mask = mask * torch.as_tensor(tool_mask)
+    extra: dict[str, list] = {}
+    adv = _get(data, "advantages")
+    if adv is not None and torch.as_tensor(adv).dim() == 1:
+        extra["advantage"] = [float(x) for x in torch.as_tensor(adv).float().tolist()]
+    return _rows_from_tensors(trainer=trainer, rollout=rollout, mask=mask, tokens=_get(data, "completion_ids"),
+                              prompt_ids=_get(data, "prompt_ids"), prompt_mask=_get(data, "prompt_mask"), step=step,
+                              tokenizer=tokenizer, extra=extra)
