@@ -184,7 +184,7 @@ def bad_folders(tmp_path_factory, folder) -> dict[str, Path]:
 @pytest.mark.parametrize(
     "case,expected",
     [
-        ("unknown_engine", "unknown engine 'vllm'; valid choices: exact, fast, hf"),
+        ("unknown_engine", "unknown engine 'nope'; valid choices: exact, fast, hf, vllm"),
         ("trainer_rollout", "'trainer' is not a rollout engine"),
         ("unknown_score", "unknown score path 'nope'; valid choices: trainer, exact, fast, hf"),
         ("missing_prompts", "does not exist"),
@@ -202,7 +202,7 @@ def bad_folders(tmp_path_factory, folder) -> dict[str, Path]:
 def test_bad_input_gives_one_line_error(tmp_path, folder, prompts, bad_folders, capsys, case, expected):
     model, prompt_file, extra = str(folder), str(prompts), []
     if case == "unknown_engine":
-        extra = ["--rollout", "vllm"]
+        extra = ["--rollout", "nope"]
     elif case == "trainer_rollout":
         extra = ["--rollout", "trainer"]
     elif case == "unknown_score":

