@@ -152,6 +152,14 @@ class Engine:
     def _decode(self, state, tokens: torch.Tensor, key_valid: torch.Tensor, col: int) -> torch.Tensor:
         raise NotImplementedError
 
+    compact_below = 0.0
+    """Drop finished rows from the decode batch once at most this fraction of the held rows is
+    still generating (0 = never). Engines that support it implement ``_select``."""
+
+    def _select(self, state, keep: torch.Tensor):
+        """Keep only the rows ``keep`` (bool, (n,)) of the decode state."""
+        raise NotImplementedError
+
     # -- the loop -------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
@@ -170,22 +178,32 @@ class Engine:
         logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
         logp_s = torch.zeros(B, S, dtype=torch.float32, device=dev)
         mask = torch.zeros(B, S, dtype=torch.bool, device=dev)
-        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        rows = torch.arange(B, device=dev)  # the full-batch rows the decode state holds, in order
         logits, state = self._prefill(tokens, key_valid, P)
         for i in range(max_new_tokens):
             col = P + i
             if logits_processor is not None:
-                logits = logits_processor(logits, torch.full((B,), col, device=dev))
-            tok, lp, lps = sample_next(logits, sampling, generator)
-            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
-            tokens[:, col] = tok
-            logp[:, col] = torch.where(alive, lp, 0.0)
-            logp_s[:, col] = torch.where(alive, lps, 0.0)
-            mask[:, col] = alive
-            alive = alive & (tok != self.eos_token_id)
-            if not alive.any() or i == max_new_tokens - 1:
+                logits = logits_processor(logits, torch.full((len(rows),), col, device=dev))
+            tok, lp, lps = sample_next(logits, sampling, generator)  # (n,) each
+            live = ~finished[rows]  # (n,): held rows still generating
+            tok = torch.where(live, tok, torch.full_like(tok, self.pad_token_id))
+            tokens[rows, col] = tok
+            r = rows[live]
+            logp[r, col] = lp[live]
+            logp_s[r, col] = lps[live]
+            mask[r, col] = True
+            finished[r[tok[live] == self.eos_token_id]] = True
+            if bool(finished.all()) or i == max_new_tokens - 1:
                 break
-            logits = self._decode(state, tokens, key_valid, col)
+            keep = ~finished[rows]
+            if self.compact_below > 0 and int(keep.sum()) <= self.compact_below * len(rows):
+                # Drop finished rows from the decode batch. Exactness is unaffected: every op
+                # of the exact path gives a row the same bits whatever rows share its batch.
+                state = self._select(state, keep)
+                rows = rows[keep]
+            held = tokens if len(rows) == B else tokens[rows]
+            logits = self._decode(state, held, key_valid if len(rows) == B else key_valid[rows], col)
         lengths = mask.sum(-1)
         return Rollout(
             tokens=tokens,
@@ -194,6 +212,6 @@ class Engine:
             logprobs=logp,
             sampling_logprobs=logp_s,
             lengths=lengths,
-            finished=~alive,
+            finished=finished,
             prompt_width=P,
         )

@@ -17,6 +17,10 @@ from timlab.model.llama import KVCache, Step
 
 class _KVCachedEngine(Engine):
     mode = "exact"
+    compact_below = 0.75
+
+    def _select(self, cache: KVCache, keep: torch.Tensor) -> KVCache:
+        return KVCache([k[keep] for k in cache.keys], [v[keep] for v in cache.values])
 
     def _step(self, key_valid: torch.Tensor, start: int, num: int) -> Step:
         width = key_valid.shape[1] if self.mode == "exact" else start + num
