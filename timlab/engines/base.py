@@ -65,6 +65,10 @@ class Rollout:
         return [row[m].tolist() for row, m in zip(self.tokens, self.response_mask)]
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model produced NaN/Inf logits while decoding (diverged weights, overflow)."""
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,6 +78,8 @@ def sample_next(
     and its log-prob under the sampling distribution (B,). Order: temperature, top-k, top-p
     (the order HF applies them in).
     """
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogitsError("non-finite values in the rollout's logits")
     logp_model = torch.log_softmax(logits, dim=-1)  # (B, V)
     if params.temperature == 0:
         token = logits.argmax(-1)

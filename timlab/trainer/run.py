@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from timlab.config import Config, ConfigError, load_run_config
-from timlab.engines import ENGINES, SamplingParams, build_engine
+from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.injectors import build_injector
 from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
 from timlab.model.forward import token_logprobs
@@ -229,8 +229,11 @@ class RLRun:
         # 1. rollout --------------------------------------------------------------------
         examples = self._draw_prompts()
         prompts = [self.tok.encode(e.prompt) for e in examples for _ in range(G)]
-        rollout = self.injector.rollout(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
-                                        sampling=self.sampling, generator=self.rollout_gen)
+        try:
+            rollout = self.injector.rollout(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+                                            sampling=self.sampling, generator=self.rollout_gen)
+        except NonFiniteLogitsError:
+            raise NonFiniteError(f"step {self.step}: non-finite values in the rollout logits") from None
         t_rollout = time.perf_counter() - t0
         texts = [self.tok.decode(ids) for ids in rollout.responses()]
         finished = rollout.finished.tolist()
@@ -389,7 +392,10 @@ class RLRun:
     def evaluate(self) -> dict:
         t = time.perf_counter()
         shard = self.val_set[self.world.rank :: self.world.size]
-        acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        try:
+            acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        except NonFiniteLogitsError:
+            raise NonFiniteError(f"step {self.step}: non-finite values in the logits of the validation decode") from None
         acc = self.world.mean(acc)
         self.peak_val = max(self.peak_val, acc)
         return {"val/accuracy": acc, "val/response_length_mean": self.world.mean(mean_len),
