@@ -13,8 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-ENGINE_CHOICES = ("exact", "fast", "hf", "trainer", "vllm")
-
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
@@ -159,7 +157,7 @@ def _add_pretrain(sub) -> None:
 
 # ---------------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
-    from timlab.config import ConfigError, load_run_config, parse_set
+    from timlab.config import load_run_config, parse_set
     from timlab.trainer.run import train
 
     if args.resume:

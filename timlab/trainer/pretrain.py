@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -25,7 +27,7 @@ import torch
 from timlab.config import Config
 from timlab.engines import SamplingParams, build_engine
 from timlab.model.forward import token_logprobs
-from timlab.model.hf_io import load_model, save_model
+from timlab.model.hf_io import save_model
 from timlab.model.llama import CausalLM, ModelConfig
 from timlab.tasks import Example, Task, get_task, make_splits
 from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
@@ -50,8 +52,6 @@ def warm_start_key(cfg: Config) -> str:
         m.pop(k)
     t = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k in ("name", "kwargs", "n_train", "n_val", "split_seed")}
     blob = json.dumps({"model": m, "task": t, "version": 1}, sort_keys=True)
-    import hashlib
-
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -159,9 +159,10 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.model.pretrain_lr, weight_decay=0.01, betas=(0.9, 0.98))
     steps = cfg.model.pretrain_steps
     warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 0.5 * (1 + __import__("math").cos(__import__("math").pi * min(s, steps) / steps)))
-    )
+    def lr_factor(s: int) -> float:  # linear warmup, cosine decay to 5%
+        return min(1.0, (s + 1) / warmup) * max(0.05, 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     rng = random.Random(cfg.model.pretrain_seed)
     start = time.time()
     loss_val = float("nan")
@@ -214,4 +215,4 @@ def ensure_warm_start(cfg: Config, progress=None) -> PretrainResult:
     return pretrain(cfg, progress=progress)
 
 
-__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "build_task", "greedy_accuracy", "sft_batch", "load_model"]
+__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "build_task", "greedy_accuracy", "sft_batch"]

@@ -38,7 +38,7 @@ from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_
 from timlab.injectors import build_injector
 from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
 from timlab.model.forward import token_logprobs
-from timlab.model.hf_io import load_model, parse_dtype
+from timlab.model.hf_io import load_model
 from timlab.remedies import IS_LEVELS, IS_MODES, is_weights
 from timlab.schedulers import SCHEDULERS, build_scheduler
 from timlab.tasks import TASKS, make_splits
@@ -259,7 +259,7 @@ class RLRun:
         self._check_finite("trainer log-probs", old_logp[mask])
         rollout_logp = rollout.logprobs[:, :L].to(self.device)
         if self.exact_rollout and cfg.run.guard:
-            self._guard(old_logp, rollout_logp, mask)
+            self._guard(old_logp, rollout_logp, mask, rollout.prompt_width)
 
         # 3. metrics ------------------------------------------------------------------------
         t_m = time.perf_counter()
@@ -338,15 +338,16 @@ class RLRun:
             metrics["scheduler/decay_period"] = float(dp) if dp is not None else float("nan")
         return StepOutput(metrics, dists)
 
-    def _guard(self, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> None:
+    def _guard(self, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> None:
+        """Stop at the first bit of difference between the trainer's and the rollout's log-probs."""
         diff = (trainer_logp != rollout_logp) & mask
         if diff.any():
             b, t = (int(i) for i in diff.nonzero()[0])
             n = int(diff.sum())
             raise ZeroMismatchViolation(
-                f"zero-mismatch guard: step {self.step}, rank {self.world.rank}, sequence {b}, position {t - 0}: "
-                f"trainer log-prob {trainer_logp[b, t].item()!r} != rollout {rollout_logp[b, t].item()!r} "
-                f"({n} token(s) differ)"
+                f"zero-mismatch guard: step {self.step}, rank {self.world.rank}, sequence {b}, response token "
+                f"{t - prompt_width} (grid column {t}): trainer log-prob {trainer_logp[b, t].item()!r} != rollout "
+                f"{rollout_logp[b, t].item()!r} ({n} token(s) differ)"
             )
 
     def _check_finite(self, name: str, t: torch.Tensor) -> None:
