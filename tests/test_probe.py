@@ -243,3 +243,20 @@ def test_bad_input_through_python_m_timlab(tmp_path, folder):
     missing = str(tmp_path / "none.txt")
     assert proc.stderr.strip().splitlines() == [f"timlab: error: prompts file {missing!r} does not exist"]
     assert proc.stdout == ""
+
+
+def test_attribution_html_page(tmp_path, folder, prompts):
+    import base64
+    import re
+
+    page = tmp_path / "probe.html"
+    res = probe(tmp_path, folder, prompts, "--rollout", "fast", "--score", "trainer", "--attribute", "--html", str(page))
+    assert sum(res["abs_diff_by_entropy"]["counts"]) == res["num_tokens"]
+    html = page.read_text()
+    imgs = re.findall(r"src='data:image/png;base64,([^']+)'", html)
+    assert len(imgs) == 4  # divergence by op + position, probability, entropy breakdowns
+    for data in imgs:
+        assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"<b>{res['first_divergent_op']}</b>" in html
+    assert html.count("<tr><td>layers.") == sum(o["name"].startswith("layers.") for o in res["ops"])
+    assert "http" not in html.replace("https://", "")  # self-contained

@@ -57,6 +57,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
     )
     print(format_probe(result))
     _write_json(args.json, result)
+    if args.html:
+        from timlab.experiments.probe import write_probe_html
+
+        print(f"report: {write_probe_html(result, args.html)}")
     return 0
 
 
@@ -79,6 +83,7 @@ def _add_probe(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--attribute", action="store_true", help="also locate the first op where the two paths diverge")
     p.add_argument("--json", help="write the result as JSON here")
+    p.add_argument("--html", help="write a self-contained HTML page with plots here")
     p.set_defaults(func=cmd_probe)
 
 

@@ -125,6 +125,28 @@ def score_logprobs(score: str, model: CausalLM, tokens: torch.Tensor, key_valid:
     raise ValueError(f"unknown score path {score!r}; valid choices: {', '.join(SCORERS)}")
 
 
+ENTROPY_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, 1e9)
+"""Token-entropy buckets (nats) for |r| by entropy: near-deterministic tokens to flat ones."""
+
+
+def mismatch_by_entropy(score_logp: torch.Tensor, rollout: Rollout, entropy: torch.Tensor,
+                        edges: tuple[float, ...] = ENTROPY_EDGES) -> dict:
+    """Mean |r| and token count per bucket of the model's next-token entropy at that token.
+
+    entropy: (B, S), the entropy of the distribution that produced column t (nats).
+    Returns ``{"edges", "mean_abs_diff", "counts"}`` like the other breakdowns.
+    """
+    mask = rollout.response_mask
+    r = (score_logp.double() - rollout.logprobs.double()).abs()[mask]  # (N,)
+    e = torch.as_tensor(edges, dtype=torch.float64)
+    idx = (torch.bucketize(entropy.double()[mask], e, right=True) - 1).clamp(0, len(edges) - 2)  # (N,)
+    n = len(edges) - 1
+    counts = torch.bincount(idx, minlength=n)[:n]
+    sums = torch.zeros(n, dtype=torch.float64).index_add(0, idx, r)
+    means = sums / counts.clamp(min=1)
+    return {"edges": list(edges), "mean_abs_diff": [float(x) for x in means], "counts": [int(c) for c in counts]}
+
+
 def _mismatch(score_logp: torch.Tensor, rollout: Rollout, max_new_tokens: int) -> dict:
     mask = rollout.response_mask
     mm = mismatch_metrics(score_logp, rollout.logprobs, mask)
@@ -321,6 +343,9 @@ def run_probe(
         "tokens_per_s": r.num_tokens / elapsed if elapsed > 0 else float("inf"),
     }
     result.update(_mismatch(score_logp, r, max_new_tokens))
+    with torch.no_grad():  # the model's own next-token entropy at each sampled token
+        _, entropy = token_logprobs(model, r.tokens, r.key_valid, mode="exact", with_entropy=True)
+    result["abs_diff_by_entropy"] = mismatch_by_entropy(score_logp, r, entropy)
     if attribute:
         result.update(attribute_ops(engine, score, model, r))
     return result
@@ -357,3 +382,66 @@ def format_probe(result: dict) -> str:
                          f"{op['max_abs_diff']:>10.3g} {op['mean_abs_diff']:>10.3g} {op['rel_diff']:>10.3g}")
         lines.append(f"  first divergent op: {result['first_divergent_op'] or 'none (bitwise equal throughout)'}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ HTML report
+def write_probe_html(result: dict, path: str | Path) -> Path:
+    """One self-contained HTML page: summary, divergence through the layers, |r| breakdowns."""
+    import html
+
+    from timlab.experiments.report import _new_figure, _png_uri
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    title = f"timlab probe: rollout {result['rollout']} vs score {result['score']} ({result['dtype']})"
+    keys = ["num_tokens", "max_abs_diff", "mean_abs_diff", "frac_bitwise_equal", "k3_kl", "log_ppl_abs_diff",
+            "probs_diff_mean", "mean_response_length", "tokens_per_s"]
+    rows = "".join(f"<tr><td>{k}</td><td>{_fmt(result[k]) if isinstance(result[k], float) else result[k]}</td></tr>"
+                   for k in keys if k in result)
+    parts = [f"<h1>{html.escape(title)}</h1>",
+             f"<p>Model <code>{html.escape(str(result['model_dir']))}</code>, {result['num_sequences']} sequences, "
+             f"seed {result['seed']}. r = log-prob under the score path minus the rollout's, on the same tokens.</p>",
+             f"<h2>Summary</h2><table>{rows}</table>"]
+    ops = result.get("ops")
+    if ops:
+        fig = _new_figure(10, 3.8)
+        ax = fig.add_subplot(1, 1, 1)
+        x = list(range(len(ops)))
+        floor = 1e-12  # bitwise-equal ops are drawn at the floor of the log axis
+        ax.semilogy(x, [max(o["max_abs_diff"], floor) for o in ops], "o-", label="max |diff|")
+        ax.semilogy(x, [max(o["mean_abs_diff"], floor) for o in ops], "s-", label="mean |diff|")
+        first = result.get("first_divergent_op")
+        if first is not None:
+            ax.axvline([o["name"] for o in ops].index(first), color="red", ls="--", label=f"first divergent: {first}")
+        ax.set_xticks(x)
+        ax.set_xticklabels([o["name"] for o in ops], rotation=70, fontsize=7)
+        ax.set_ylabel("activation difference")
+        ax.set_title("Divergence through the network (bitwise-equal ops sit at 1e-12)")
+        ax.legend(fontsize=8)
+        parts.append("<h2>Where the two paths diverge</h2>"
+                     f"<p>First op that is not bitwise equal: <b>{html.escape(str(first))}</b>.</p>"
+                     f"<img alt='divergence by op' src='{_png_uri(fig)}'>")
+        op_rows = "".join(
+            f"<tr><td>{html.escape(o['name'])}</td><td>{_fmt(o['max_abs_diff'])}</td><td>{_fmt(o['mean_abs_diff'])}</td>"
+            f"<td>{_fmt(o.get('rel_diff', float('nan')))}</td><td>{'yes' if o['bitwise_equal'] else 'no'}</td></tr>"
+            for o in ops)
+        parts.append("<table><tr><th>op</th><th>max |diff|</th><th>mean |diff|</th><th>relative</th>"
+                     f"<th>bitwise equal</th></tr>{op_rows}</table>")
+    for key, label in (("abs_diff_by_position", "response position"), ("abs_diff_by_prob", "trainer probability"),
+                       ("abs_diff_by_entropy", "next-token entropy (nats)")):
+        b = result.get(key)
+        if not b:
+            continue
+        fig = _new_figure(7, 3.0)
+        ax = fig.add_subplot(1, 1, 1)
+        labels = [f"[{b['edges'][i]:g}, {b['edges'][i + 1]:g})" for i in range(len(b["counts"]))]
+        ax.bar(range(len(labels)), b["mean_abs_diff"])
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=30, fontsize=7)
+        ax.set_ylabel("mean |r|")
+        ax.set_title(f"|r| by {label} (token counts: {', '.join(map(str, b['counts']))})", fontsize=9)
+        parts.append(f"<h2>|r| by {html.escape(label)}</h2><img alt='|r| by {html.escape(label)}' src='{_png_uri(fig)}'>")
+    style = "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"
+    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+                    f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
+    return path
