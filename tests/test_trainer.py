@@ -223,3 +223,15 @@ def test_injected_mismatch_is_measured_and_guard_is_off(tmp_path):
     train(cfg, tmp_path / "run")
     df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[1:]
     assert (df["mismatch/max_abs_diff"] > 0).all() and (df["rollout_corr/k3_kl"] > 0).all()
+
+
+def test_kl_penalty_to_the_frozen_start(tmp_path):
+    """kl_coef > 0 adds k3(ref || pi) against the starting policy: 0 at the first step (pi = ref),
+    so the first step's loss equals the no-KL run's; afterwards pi moves away and the runs differ."""
+    base = {"run.steps": 3, "rollout.samples_per_prompt": 8, "rollout.prompts_per_step": 6}
+    train(smoke(**base), tmp_path / "nokl")
+    train(smoke(**base, **{"algorithm.kl_coef": 0.5}), tmp_path / "kl")
+    a, b = _metrics(tmp_path / "nokl"), _metrics(tmp_path / "kl")
+    assert a["train/loss"].iloc[1] == pytest.approx(b["train/loss"].iloc[1], abs=1e-7)
+    assert a["train/updated"].iloc[1:].sum() >= 1
+    assert not a["train/loss"].iloc[2:].equals(b["train/loss"].iloc[2:])

@@ -79,7 +79,7 @@ class AlgorithmSection:
     loss_agg: str = "token_mean"
     """token_mean (all valid tokens of the batch weigh the same) or seq_mean (mean per sequence, then over sequences)."""
     kl_coef: float = 0.0
-    """k3 KL penalty to the rollout policy's log-probs (0 = off, the seed papers' setting)."""
+    """k3 KL penalty to the frozen starting policy (GRPO's reference model); 0 = off, the seed papers' setting."""
     reject_equal_groups: bool = True
     """Drop groups whose rewards are all equal (they carry no advantage signal)."""
     epochs: int = 1

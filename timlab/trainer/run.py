@@ -22,6 +22,7 @@ at any point and resumed ends exactly like an uninterrupted one.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -135,6 +136,9 @@ class RLRun:
             raise ValueError(f"tokenizer vocabulary ({self.tok.vocab_size}) does not fit the model (vocab_size {master.config.vocab_size})")
         self.precision = Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
         self.model = self.precision.compute  # the trainer's forward, shared with the exact engine
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0:  # frozen copy of the starting policy for the KL penalty
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         c = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.precision.master.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay
@@ -291,8 +295,12 @@ class RLRun:
         adv = adv.reshape(-1).to(self.device)
         loss_mask = maskf * seq_keep[:, None].float()
         use_weights = None if c.mode == "none" and not c.veto_threshold else weights
+        ref_logp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(self.ref_model, tokens, key_valid, mode="exact", kv_len=S)
         loss_metrics, grad_norm, updated = self._update(
-            tokens, key_valid, logp if single_update else None, old_logp, adv, loss_mask, use_weights, rollout_logp, S
+            tokens, key_valid, logp if single_update else None, old_logp, adv, loss_mask, use_weights, ref_logp, S
         )
         metrics.update(loss_metrics)
         lengths = rollout.lengths.float()
@@ -324,7 +332,6 @@ class RLRun:
             "train/lr": lr_used,
             "train/groups_kept_frac": float(keep.float().mean()),
             "train/updated": float(updated),
-            "mismatch/max_abs_diff": metrics["mismatch/max_abs_diff"],
             "train/step_time_s": step_time,
             "train/tokens_per_s": rollout.num_tokens / max(step_time, 1e-9),
             "time/rollout_s": t_rollout,
@@ -354,7 +361,7 @@ class RLRun:
         if not torch.isfinite(t).all():
             raise NonFiniteError(f"step {self.step}: non-finite values in {name}")
 
-    def _update(self, tokens, key_valid, logp, old_logp, adv, loss_mask, is_w, rollout_logp, kv_len):
+    def _update(self, tokens, key_valid, logp, old_logp, adv, loss_mask, is_w, ref_logp, kv_len):
         """Epochs x mini-batches of PPO updates. Returns (metrics, last grad norm, whether any update ran)."""
         a = self.cfg.algorithm
         B = tokens.shape[0]
@@ -376,7 +383,7 @@ class RLRun:
                 loss, m = ppo_clip_loss(
                     lp, old_logp[rows], adv[rows], loss_mask[rows], clip_low=a.clip_low, clip_high=a.clip_high,
                     loss_agg=a.loss_agg, is_weights=None if is_w is None else is_w[rows],
-                    kl_coef=a.kl_coef, ref_logp=rollout_logp[rows], denom=max(denom, 1.0),
+                    kl_coef=a.kl_coef, ref_logp=None if ref_logp is None else ref_logp[rows], denom=max(denom, 1.0),
                 )
                 self._check_finite("loss", loss.detach())
                 grad_norm = self.precision.backward_and_step(
