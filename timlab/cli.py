@@ -107,10 +107,11 @@ class Progress:
         bar = self.bars.get(phase)
         if bar is None:
             bar = self.bars[phase] = tqdm(total=n, desc=phase, initial=i - 1, dynamic_ncols=True, file=sys.stderr)
+        last = self.last.setdefault(phase, {})  # per phase: pretraining's loss never shows on an RL bar
         for k, short in self.KEYS.items():
             if k in metrics and metrics[k] == metrics[k]:
-                self.last[short] = metrics[k]
-        bar.set_postfix({k: f"{v:.3g}" for k, v in self.last.items()}, refresh=False)
+                last[short] = metrics[k]
+        bar.set_postfix({k: f"{v:.3g}" for k, v in last.items()}, refresh=False)
         bar.update(i - bar.n)
         if i >= n:
             bar.close()
