@@ -235,3 +235,15 @@ def test_kl_penalty_to_the_frozen_start(tmp_path):
     assert a["train/loss"].iloc[1] == pytest.approx(b["train/loss"].iloc[1], abs=1e-7)
     assert a["train/updated"].iloc[1:].sum() >= 1
     assert not a["train/loss"].iloc[2:].equals(b["train/loss"].iloc[2:])
+
+
+def test_tensorboard_option(tmp_path):
+    pytest.importorskip("tensorboard")
+    train(smoke(**{"run.steps": 2, "run.tensorboard": True}), tmp_path / "run")
+    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert "train/reward_mean" in acc.Tags()["scalars"] and "rollout_corr/k3_kl" in acc.Tags()["scalars"]

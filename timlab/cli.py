@@ -220,7 +220,7 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report")
     p.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
     p.add_argument("--quick", action="store_true", help="fewer conditions, 2 seeds, 60 steps (about 3 minutes)")
-    p.add_argument("--seeds", type=int, help="seeds per condition (default 3, quick 2)")
+    p.add_argument("--seeds", type=int, help="seeds per condition (default 5, quick 2)")
     p.add_argument("--steps", type=int, help="RL steps per run (default 150, quick 60)")
     p.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
     p.add_argument("--quiet", action="store_true")

@@ -46,7 +46,7 @@ def conditions(quick: bool) -> list[dict]:
 
 
 def demo_spec(*, quick: bool, seeds: int | None = None, steps: int | None = None, workers: int | None = None) -> dict:
-    n_seeds = seeds or (2 if quick else 3)
+    n_seeds = seeds or (2 if quick else 5)
     base_set = {}
     if quick or steps:
         base_set["run.steps"] = steps or 60
