@@ -128,7 +128,9 @@ def _config_from_args(args: argparse.Namespace):
 
 
 def _add_config_args(p) -> None:
-    p.add_argument("--preset", help="named preset: smoke, default, beyond-precision")
+    from timlab.config import PRESETS
+
+    p.add_argument("--preset", help=f"named preset: {', '.join(PRESETS)}")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
 
 
