@@ -16,7 +16,7 @@ quick:
 
 test:
 	bash scripts/setup_venv.sh test
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -rs
 
 bench:
 	OMP_NUM_THREADS=1 .venv/bin/python bench/engines.py --json bench/engines.json
