@@ -33,31 +33,10 @@ import torch  # noqa: E402
 from timlab.engines import build_engine  # noqa: E402
 from timlab.metrics import all_metrics  # noqa: E402
 from timlab.model.forward import token_logprobs  # noqa: E402
-from timlab.model.llama import CausalLM, ModelConfig  # noqa: E402
+from timlab.model.llama import CausalLM  # noqa: E402
 
-CHARS = "0123456789abcdefghijklmnopqrstuvwxyz +-=()"
-
-
-def tiny_llama(dtype: str) -> CausalLM:
-    cfg = ModelConfig(
-        vocab_size=4 + len(CHARS), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = CausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.refresh_rope()
-    return model.to(getattr(torch, dtype)).eval()
-
-
-def make_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, 25, (batch,), generator=g).tolist()
-    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engines import make_prompts, tiny_llama  # noqa: E402  (bench/engines.py: the same model and prompts)
 
 def compare(model: CausalLM, r) -> dict:
     """r stats of the trainer's forward against the rollout's log mu, on the rollout's tokens."""
