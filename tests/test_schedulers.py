@@ -262,3 +262,16 @@ def test_get_last_lr_and_param_groups():
     opt.step()
     s.step()
     assert s.get_last_lr() == [0.5e-6, 2e-6]
+
+
+def test_standalone_factor_schedule_follows_algorithm_1_without_warnings():
+    import warnings
+
+    s = LengthDecayLR.standalone(decay_period=2, min_lr_ratio=0.1)
+    factors = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # stepping without an optimizer step must not warn
+        for _ in range(9):
+            factors.append(s.get_last_lr()[0])
+            s.step(response_length=10.0)
+    assert factors == [1.0, 0.5, 0.5, 0.25, 0.25, 0.125, 0.125, 0.1, 0.1]

@@ -49,7 +49,6 @@ Departures from TRL: the loss is untouched; the LR schedule is timlab's; every u
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -65,9 +64,6 @@ LENGTH_KEY = "completions/mean_length"
 SCHEDULER_KEYS = ("timlab/lr", "timlab/lr_factor", "timlab/response_length", "timlab/surge_step",
                   "timlab/decay_period")
 """Keys ``TimlabCallback`` adds to every update's log."""
-
-_EARLY_STEP_WARNING = "Detected call of `lr_scheduler.step\\(\\)` before"  # the shadow optimizer never steps
-
 
 def _set_lr(group: dict, lr: float) -> None:
     if isinstance(group["lr"], torch.Tensor):
@@ -118,13 +114,10 @@ class TimlabCallback(TrainerCallback):
     # ------------------------------------------------------------------ the schedule
     def _new_schedule(self) -> LengthDecayLR:
         """A LengthDecayLR on a shadow optimizer with LR 1: its LR is the factor."""
-        shadow = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        return LengthDecayLR(shadow, **self.schedule_kwargs)
+        return LengthDecayLR.standalone(**self.schedule_kwargs)
 
     def _advance(self, response_length: float | None) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_EARLY_STEP_WARNING)
-            self.schedule.step(response_length=response_length)
+        self.schedule.step(response_length=response_length)
 
     @property
     def surge_step(self) -> int | None:

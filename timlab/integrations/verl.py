@@ -33,7 +33,6 @@ returns the plain ``LengthDecayLR``; step it with ``response_length=response_len
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Mapping
 
 import torch
@@ -51,9 +50,6 @@ LENGTH_KEY = "response_length/mean"
 SCHEDULER_KEYS = ("timlab/lr", "timlab/lr_factor", "timlab/response_length", "timlab/surge_step",
                   "timlab/decay_period")
 """Keys ``LengthDecayHook.update_from_metrics`` returns (``timlab/lr`` only with ``base_lr``)."""
-
-_EARLY_STEP_WARNING = "Detected call of `lr_scheduler.step\\(\\)` before"  # the shadow optimizer never steps
-
 
 def _tensors(batch: Any) -> Mapping[str, torch.Tensor]:
     """The tensor mapping of a DataProto (``.batch``, a TensorDict) or of a plain dict."""
@@ -163,9 +159,8 @@ class LengthDecayHook:
         length_key: str = LENGTH_KEY,
         base_lr: float | None = None,
     ):
-        shadow = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        self.schedule = LengthDecayLR(
-            shadow, decay_period=decay_period, min_lr_ratio=min_lr_ratio, surge_factor=surge_factor,
+        self.schedule = LengthDecayLR.standalone(
+            decay_period=decay_period, min_lr_ratio=min_lr_ratio, surge_factor=surge_factor,
             surge_ratio=surge_ratio, surge_window=surge_window, surge_smoothing=surge_smoothing,
             surge_min_history=surge_min_history,
         )
@@ -196,9 +191,7 @@ class LengthDecayHook:
         used = self.lr_factor
         value = metrics.get(self.length_key)
         length = float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_EARLY_STEP_WARNING)
-            self.schedule.step(response_length=length)
+        self.schedule.step(response_length=length)
         out = {
             "timlab/lr_factor": used,
             "timlab/response_length": float("nan") if length is None else length,

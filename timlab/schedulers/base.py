@@ -21,6 +21,10 @@ Resume like torch: build optimizer and scheduler, then load both state dicts.
 
 from __future__ import annotations
 
+import warnings
+
+import torch
+
 import math
 
 from torch.optim import Optimizer
@@ -29,6 +33,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from timlab.registry import Registry
 
 SCHEDULERS: Registry[type] = Registry("scheduler")
+
+_EARLY_STEP_WARNING = "Detected call of `lr_scheduler.step\\(\\)` before"
 
 
 class FactorLR(LRScheduler):
@@ -59,11 +65,25 @@ class FactorLR(LRScheduler):
         return [base * self._last_factor for base in self.base_lrs]
 
     def step(self, epoch: int | None = None, *, response_length: float | None = None) -> None:
-        """Advance one update. ``response_length`` (keyword-only) is ignored by this class."""
-        if epoch is None:
-            super().step()
-        else:  # deprecated torch path, still used by SequentialLR in older torch
-            super().step(epoch)
+        """Advance one update. ``response_length`` (keyword-only) is ignored by this class.
+
+        torch warns when a scheduler steps before its optimizer ever has. Here that is expected:
+        an RL step whose groups were all rejected makes no optimizer update, and a
+        ``standalone`` schedule has no real optimizer. So that one warning is silenced.
+        """
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_EARLY_STEP_WARNING)
+            if epoch is None:
+                super().step()
+            else:  # deprecated torch path, still used by SequentialLR in older torch
+                super().step(epoch)
+
+    @classmethod
+    def standalone(cls, **kwargs):
+        """This schedule on a one-parameter shadow optimizer with LR 1, so ``get_last_lr()[0]``
+        is the factor to apply to an LR that lives elsewhere (TRL's LambdaLR, verl's workers)."""
+        shadow = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        return cls(shadow, **kwargs)
 
 
 def _check_ratio(name: str, value: float) -> None:

@@ -27,7 +27,6 @@ import json
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -306,9 +305,7 @@ class RLRun:
         lengths = rollout.lengths.float()
         mean_len = self.world.mean(float(lengths.mean()))
         lr_used = self.optimizer.param_groups[0]["lr"]
-        with warnings.catch_warnings():  # a step whose groups were all rejected made no optimizer.step()
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            self.scheduler.step(response_length=mean_len)
+        self.scheduler.step(response_length=mean_len)
         self.injector.refresh(self.model)
         t_train = time.perf_counter() - t1 - t_metrics
 
