@@ -247,3 +247,17 @@ def test_tensorboard_option(tmp_path):
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     acc.Reload()
     assert "train/reward_mean" in acc.Tags()["scalars"] and "rollout_corr/k3_kl" in acc.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("name", ["smoke", "default", "demo", "beyond-precision"])
+def test_every_preset_resolves_and_validates(name):
+    from timlab.config import PRESETS
+    from timlab.trainer.run import validate
+
+    assert name in PRESETS
+    cfg = resolve(preset=name)
+    validate(cfg)
+    if name == "beyond-precision":  # the seed paper's Table 1, scaled
+        assert (cfg.algorithm.name, cfg.algorithm.clip_low, cfg.algorithm.clip_high) == ("rloo", 0.2, 0.28)
+        assert (cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.rollout.samples_per_prompt) == (0.01, 1.0, 16)
+        assert (cfg.scheduler.name, cfg.scheduler.min_lr_ratio, cfg.correction.threshold) == ("length_decay", 0.1, 2.0)
