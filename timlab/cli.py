@@ -174,9 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         over = parse_set(args.set or [])
         if set(over) - {"run"} or set(over.get("run", {})) - {"steps", "progress", "tensorboard"}:
             raise CLIError("--resume accepts only --set run.steps / run.progress / run.tensorboard")
-        from timlab.config import _merge, from_dict
-
-        cfg = from_dict(_merge(load_run_config(args.run_dir).to_dict(), over, "--set"))
+        cfg = load_run_config(args.run_dir, over)
     else:
         cfg = _config_from_args(args)
     prog = Progress(cfg.run.progress and not args.quiet)

@@ -342,9 +342,13 @@ def resolve(
     return from_dict(d)
 
 
-def load_run_config(run_dir: str | Path) -> Config:
-    """The fully resolved config.yaml a run directory was started with."""
+def load_run_config(run_dir: str | Path, overrides: dict | None = None) -> Config:
+    """The fully resolved config.yaml a run directory was started with, plus ``overrides``
+    (a nested dict as ``parse_set`` returns, validated like any other layer)."""
     p = Path(run_dir) / "config.yaml"
     if not p.exists():
         raise FileNotFoundError(f"{run_dir}: no config.yaml (not a timlab run directory)")
-    return from_dict(_merge(Config().to_dict(), yaml.safe_load(p.read_text()) or {}, str(p)))
+    d = _merge(Config().to_dict(), yaml.safe_load(p.read_text()) or {}, str(p))
+    if overrides:
+        d = _merge(d, overrides, "--set")
+    return from_dict(d)

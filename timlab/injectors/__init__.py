@@ -40,6 +40,8 @@ for _name in ("precision", "engine", "logit_noise", "temperature", "head_perturb
 MODEL_PARTS = ("precision", "weight_rounding", "head_perturb")
 LOGIT_PARTS = ("logit_noise", "temperature")
 ROUNDING_DTYPES = ("bfloat16", "float16", "int8")
+SWAP_ENGINES = ("fast", "hf", "vllm", "exact")
+"""Engines the ``engine`` injector may roll out with (exact is allowed: a zero-mismatch swap)."""
 
 
 def parse_parts(spec: str) -> list[str]:
@@ -119,8 +121,8 @@ class RolloutInjector:
             raise ValueError(f"mismatch.dtype {s.dtype!r} for precision; valid choices: bfloat16, float16, float32")
         if "weight_rounding" in self.parts and s.dtype not in ROUNDING_DTYPES:
             raise ValueError(f"mismatch.dtype {s.dtype!r} for weight_rounding; valid choices: {', '.join(ROUNDING_DTYPES)}")
-        if "engine" in self.parts and s.engine not in ("fast", "hf", "exact", "vllm"):
-            raise ValueError(f"mismatch.engine {s.engine!r}; valid choices: fast, hf")
+        if "engine" in self.parts and s.engine not in SWAP_ENGINES:
+            raise ValueError(f"mismatch.engine {s.engine!r}; valid choices: {', '.join(SWAP_ENGINES)}")
 
     # -- the rollout model ----------------------------------------------------------------
     def _build_model(self, model: CausalLM) -> CausalLM:
@@ -159,7 +161,7 @@ class RolloutInjector:
             delta = self.s.magnitude * (W.norm() / R.norm()) * R
             m.lm_head.weight.copy_((W + delta).to(m.lm_head.weight.dtype))
 
-    def refresh(self, model: CausalLM | None = None) -> None:
+    def refresh(self) -> None:
         """The trainer's weights changed: bring the rollout side up to date."""
         if self.rollout_model is not self.model:
             self._sync(self.rollout_model)

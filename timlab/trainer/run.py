@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from timlab.config import Config, ConfigError, load_run_config
+from timlab.config import Config, ConfigError
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.injectors import build_injector
 from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
@@ -191,7 +191,7 @@ class RLRun:
         self.step = state["step"]
         self.grad_norm_ema = state["grad_norm_ema"]
         self.peak_val = state["peak_val"]
-        self.injector.refresh(self.model)
+        self.injector.refresh()
         if self.log is not None:
             self.log.load(self.step)
 
@@ -306,7 +306,7 @@ class RLRun:
         mean_len = self.world.mean(float(lengths.mean()))
         lr_used = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(response_length=mean_len)
-        self.injector.refresh(self.model)
+        self.injector.refresh()
         t_train = time.perf_counter() - t1 - t_metrics
 
         # logging ---------------------------------------------------------------------------
@@ -454,6 +454,3 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress=No
         run = RLRun(cfg, run_dir, resume=resume, progress=progress)
         return run.run()
 
-
-def resume_config(run_dir: str | Path) -> Config:
-    return load_run_config(run_dir)
