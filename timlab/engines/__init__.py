@@ -4,12 +4,21 @@
 is built and say how to install it when missing.
 """
 
-from timlab.engines.base import ENGINES, Engine, NonFiniteLogitsError, Rollout, SamplingParams, sample_next
+from timlab.engines.base import (
+    ENGINES,
+    Engine,
+    NonFiniteLogitsError,
+    Rollout,
+    SamplingParams,
+    full_batch_decode,
+    sample_next,
+)
 from timlab.engines import native  # noqa: F401  (registers exact, fast)
 from timlab.engines import hf  # noqa: F401  (registers hf; transformers is imported lazily)
 from timlab.engines import vllm  # noqa: F401  (registers vllm; vllm is imported lazily)
 
-__all__ = ["ENGINES", "Engine", "NonFiniteLogitsError", "Rollout", "SamplingParams", "sample_next", "build_engine"]
+__all__ = ["ENGINES", "Engine", "NonFiniteLogitsError", "Rollout", "SamplingParams", "sample_next", "build_engine",
+           "full_batch_decode"]
 
 
 def build_engine(name: str, model, *, eos_token_id: int, pad_token_id: int | None = None) -> Engine:

@@ -10,8 +10,9 @@ lengths. Truncation is a separate, non-numerical source of mismatch, so both are
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -221,3 +222,24 @@ class Engine:
             finished=finished,
             prompt_width=P,
         )
+
+
+@contextlib.contextmanager
+def full_batch_decode(*engines: Engine) -> Iterator[None]:
+    """Keep every row in the decode batch until the end (no compaction of finished rows).
+
+    Then each decode step draws the same random numbers for the same row whatever the other
+    rows did, so two engines sampled with equal generator seeds are coupled row by row (common
+    random numbers), and a logits processor sees all B rows at every step.
+    """
+    saved = [e.__dict__.get("compact_below") for e in engines]
+    try:
+        for e in engines:
+            e.compact_below = 0.0
+        yield
+    finally:
+        for e, old in zip(engines, saved):
+            if old is None:
+                e.__dict__.pop("compact_below", None)
+            else:
+                e.compact_below = old

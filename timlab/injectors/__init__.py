@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -182,8 +183,19 @@ class RolloutInjector:
         return out
 
     def rollout(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingParams,
-                generator: torch.Generator) -> Rollout:
+                generator: torch.Generator, observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                ) -> Rollout:
+        """Sample with the mismatch applied. ``observe(logits, col)``, if given, sees the logits
+        each decode step samples from (after the injector's processing): mu's full distribution."""
         proc = self._process if any(p in LOGIT_PARTS for p in self.parts) else None
+        if observe is not None:
+            inner = proc
+
+            def proc(logits: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+                out = inner(logits, col) if inner is not None else logits
+                observe(out, col)
+                return out
+
         return self.engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                     generator=generator, logits_processor=proc)
 
