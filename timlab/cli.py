@@ -376,6 +376,71 @@ def _add_analyze(sub) -> None:
 _EXTRA_COMMANDS.append(_add_analyze)
 
 
+# ---------------------------------------------------------------------------------- gradcheck
+def cmd_gradcheck(args: argparse.Namespace) -> int:
+    from timlab.config import load_run_config, parse_set, resolve
+    from timlab.experiments.gradcheck import format_gradcheck, plot_gradcheck, run_checkpoint, run_gradcheck
+
+    sets = list(args.set or [])
+    if args.injector is not None:
+        sets.append(f"mismatch.injector={args.injector}")
+    if args.magnitude is not None:
+        sets.append(f"mismatch.magnitude={args.magnitude}")
+    if args.run_dir:
+        if args.config or args.preset or args.model:
+            raise CLIError("--run-dir takes the run's own config.yaml and checkpoint; drop CONFIG, --preset and --model")
+        model_dir = run_checkpoint(args.run_dir, args.step)
+        cfg = load_run_config(args.run_dir, parse_set(sets))
+    else:
+        if args.step is not None:
+            raise CLIError("--step needs --run-dir")
+        cfg = resolve(args.config, args.preset, sets)
+        model_dir = args.model
+    prog = Progress(not args.quiet)
+    try:
+        res = run_gradcheck(cfg, model_dir=model_dir, samples=args.samples, micro_batch=args.micro_batch,
+                            buckets=args.buckets, estimator=args.estimator, group_size=args.group_size,
+                            dense_reward=args.dense_reward, seed=args.seed, n_boot=args.boot,
+                            score_seqs=args.score_seqs, param_filter=args.params, progress=prog)
+    finally:
+        prog.close()
+    print(format_gradcheck(res))
+    _write_json(args.json, res.to_dict())
+    if args.plot:
+        print(f"plot: {plot_gradcheck(res, args.plot)}")
+    return 0
+
+
+def _add_gradcheck(sub) -> None:
+    p = sub.add_parser("gradcheck", help="policy gradient under exact vs mismatched rollouts: cosine, bias, SNR, "
+                                         "and the T^2 bound; see docs/gradcheck.md")
+    p.add_argument("config", nargs="?", help="YAML config (task, rollout, model.dtype and mismatch sections are used)")
+    p.add_argument("--run-dir", help="a training run: use its config.yaml and a checkpoint (default: the latest)")
+    p.add_argument("--step", type=int, help="with --run-dir: the checkpoint of this step (0 = the warm start)")
+    p.add_argument("--model", help="an HF model folder to check instead of the config's warm start")
+    p.add_argument("--injector", help="mismatch injector (same as --set mismatch.injector=NAME)")
+    p.add_argument("--magnitude", type=float, help="injector magnitude (same as --set mismatch.magnitude=X)")
+    p.add_argument("--samples", type=int, default=256, help="sequences per side (default 256)")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per gradient micro-batch (default 8)")
+    p.add_argument("--buckets", type=int, default=1, help="response-length buckets (prompts split by answer length)")
+    p.add_argument("--estimator", default="reinforce", help="reinforce (w = R, the bound's setting) or rloo")
+    p.add_argument("--group-size", type=int, help="rloo: samples per prompt (default rollout.samples_per_prompt)")
+    p.add_argument("--dense-reward", action=argparse.BooleanOptionalAction, default=None,
+                   help="partial-credit reward (default: task.dense_reward)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--boot", type=int, default=1000, help="bootstrap replicates for the confidence intervals")
+    p.add_argument("--score-seqs", type=int, default=8, help="sequences whose per-token score norms estimate B")
+    p.add_argument("--params", metavar="REGEX", help="only parameters whose name matches (bounds memory on big models)")
+    p.add_argument("--json", help="write the full result as JSON here")
+    p.add_argument("--plot", help="write a PNG of bias vs the T^2 bound and bias/SNR vs length here")
+    p.add_argument("--quiet", action="store_true")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_gradcheck)
+
+
+_EXTRA_COMMANDS.append(_add_gradcheck)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -387,10 +387,14 @@ def gradcheck(
     notes = []
     if all(r["same_response_frac"] == 1.0 for r in bucket_rows) and pooled["bias_norm_plugin"] == 0.0:
         notes.append("mu and pi gave identical responses and gradients: zero mismatch")
+    if pooled["grad_norm_exact_lo"] == 0.0 and pooled["bias_norm_plugin"] > 0:
+        notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
+                     f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
+                     f"draw more samples")
     if not bound["applies"]:
         notes.append("the T^2 bound is stated for REINFORCE with R in [0, 1]; it is not evaluated for rloo")
     return GradcheckResult(
-        settings={"samples": samples, "micro_batch": micro_batch, "micro_batches": K, "buckets": buckets,
+        settings={"samples": samples, "micro_batch": micro_batch, "dense_reward": dense_reward, "micro_batches": K, "buckets": buckets,
                   "estimator": estimator, "group_size": G, "max_new_tokens": max_new_tokens, "seed": seed,
                   "n_boot": n_boot, "ci": ci, "params": D, "param_filter": param_filter, "score_seqs": score_seqs,
                   "injector": "+".join(injector.parts) or "none", "magnitude": injector.s.magnitude,
@@ -481,16 +485,18 @@ def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
         grid = torch.linspace(max(min(T), 1), max(max(T), 2), 50).tolist()
         a1.plot(grid, [res.bound["C"] * t * t for t in grid], "-", color="C0", label="2 B Δ T² (Theorem 3.1)")
     a1.set_yscale("log")
-    a1.set_xlabel("T (longest response in bucket)")
+    a1.set_xscale("log")
+    a1.set_xlabel("T (longest response in bucket, log scale)")
     a1.set_ylabel("gradient bias (L2)")
     a1.set_title("gradient bias vs the T² bound")
     a1.legend(fontsize=8)
+    T = [r["T_mean"] for r in rows]
     a2.errorbar(T, [r["rel_bias"] for r in rows], fmt="o-", color="C3", label="relative bias")
     a2.plot(T, [1 - r["cosine"] for r in rows], "s--", color="C2", label="1 - cosine")
     a2b = a2.twinx()
     a2b.plot(T, [r["snr_exact"] for r in rows], "^-", color="C0", label="SNR (exact)")
     a2b.plot(T, [r["snr_tim"] for r in rows], "v--", color="C1", label="SNR (mismatch)")
-    a2.set_xlabel("T (longest response in bucket)")
+    a2.set_xlabel("mean response length in bucket")
     a2.set_ylabel("relative bias, 1 - cosine")
     a2b.set_ylabel("SNR per sequence")
     h1, l1 = a2.get_legend_handles_labels()
@@ -505,3 +511,106 @@ def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ------------------------------------------------------------------------------------ from a config / run
+MODEL_KEYS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+              "num_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size", "model_type": "model_type"}
+"""Config ``model`` keys -> the HF config.json keys a checkpoint must agree on."""
+
+POOL_SIZE = 4096
+"""Prompts drawn from the task's training split (its first ones) to sample gradcheck prompts from."""
+
+
+def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path | None:
+    """The checkpoint folder of a run: the latest one (step None), ``step_N`` or None for step 0
+    (the warm start the run began from). Missing pieces are one-line errors."""
+    from timlab.trainer.checkpoint import CheckpointError, latest_checkpoint
+
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"run directory {d} does not exist")
+    if not (d / "config.yaml").exists():
+        raise FileNotFoundError(f"{d}: no config.yaml (not a timlab run directory)")
+    root = d / "checkpoints"
+    if step == 0:
+        return None
+    available = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "config.json").exists())
+    if step is None:
+        ckpt = latest_checkpoint(root)
+        if ckpt is None:
+            raise CheckpointError(f"{d}: no complete checkpoint under checkpoints/ (use --step 0 for the warm start)")
+        return ckpt
+    ckpt = root / f"step_{step:06d}"
+    if not (ckpt / "config.json").exists():
+        raise CheckpointError(f"{d}: no checkpoint for step {step}; available steps: "
+                              f"{', '.join(map(str, [0, *available]))}")
+    return ckpt
+
+
+def check_model_matches(model_dir: Path, cfg) -> None:
+    """A checkpoint must have the architecture the config describes (one-line error otherwise)."""
+    import json
+
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{model_dir}: unreadable config.json ({e})") from None
+    if cfg.model.path:
+        try:
+            ref = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return  # the config's own model folder is gone: nothing to compare with
+        pairs = [(k, hf.get(k), ref.get(k)) for k in MODEL_KEYS.values()]
+    else:
+        pairs = [(hk, hf.get(hk), getattr(cfg.model, ck)) for ck, hk in MODEL_KEYS.items()]
+    bad = [(k, a, b) for k, a, b in pairs if b is not None and a != b]
+    if bad:
+        k, a, b = bad[0]
+        raise ValueError(f"checkpoint {model_dir} does not match the model config: {k} is {a!r} in the checkpoint "
+                         f"but {b!r} in the config")
+
+
+def run_gradcheck(cfg, *, model_dir: str | Path | None = None, samples: int = 256, micro_batch: int = 8,
+                  buckets: int = 1, estimator: str = "reinforce", group_size: int | None = None,
+                  dense_reward: bool | None = None, seed: int = 0, n_boot: int = 1000, score_seqs: int = 8,
+                  param_filter: str | None = None, progress: Progress | None = None) -> GradcheckResult:
+    """gradcheck at ``model_dir`` (a checkpoint or any HF folder; default: the config's warm start),
+    with the config's task, sampling, trainer precision and mismatch injector."""
+    from timlab.injectors import build_injector, parse_parts
+    from timlab.model.hf_io import load_model
+    from timlab.tasks import make_splits
+    from timlab.tokenizer import load_tokenizer
+    from timlab.trainer.precision import PRECISIONS, Precision
+    from timlab.trainer.pretrain import build_task, ensure_warm_start
+
+    parse_parts(cfg.mismatch.injector)  # an unknown injector fails before any model is loaded
+    if cfg.model.dtype not in PRECISIONS:
+        raise ValueError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
+    task = build_task(cfg)
+    pool, _ = make_splits(task, seed=cfg.task.split_seed, n_train=min(cfg.task.n_train, POOL_SIZE), n_val=cfg.task.n_val)
+    if model_dir is None:
+        model_dir = ensure_warm_start(cfg, progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None).path
+    else:
+        if not Path(model_dir).is_dir():
+            raise FileNotFoundError(f"model folder {model_dir} does not exist")
+        check_model_matches(Path(model_dir), cfg)
+    tok = load_tokenizer(model_dir)
+    master = load_model(model_dir, dtype="float32", device=cfg.run.device)
+    if tok.vocab_size > master.config.vocab_size:
+        raise ValueError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
+                         f"(vocab_size {master.config.vocab_size})")
+    model = Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32).compute
+    injector = build_injector(cfg.mismatch, model, default_engine=cfg.rollout.engine, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    res = gradcheck(
+        model, tok, task, pool, injector, samples=samples, micro_batch=micro_batch, buckets=buckets,
+        estimator=estimator, group_size=group_size or cfg.rollout.samples_per_prompt,
+        max_new_tokens=cfg.rollout.max_new_tokens, sampling=sampling,
+        dense_reward=cfg.task.dense_reward if dense_reward is None else dense_reward, score_seqs=score_seqs,
+        n_boot=n_boot, seed=seed, param_filter=param_filter, progress=progress,
+    )
+    res.settings.update({"model": str(model_dir), "task": cfg.task.name, "dtype": cfg.model.dtype,
+                         "rollout_engine": cfg.rollout.engine})
+    return res
