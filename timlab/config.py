@@ -160,6 +160,13 @@ class RunSection:
     progress: bool = True
     distributions_every: int = 1
     """Write the per-step histogram of r and mismatch by position/probability bucket every N steps."""
+    gradcheck_every: int = 0
+    """Every N steps, before the rollout, compare the policy gradient under exact rollouts with the
+    one under this run's injector (gradcheck/* metrics: cosine, relative bias, SNR); 0 = off."""
+    gradcheck_samples: int = 64
+    """Sequences per side for each in-run gradcheck (a multiple of 8, at least 64)."""
+    gradcheck_estimator: str = "reinforce"
+    """In-run gradcheck estimator: reinforce (w = R) or rloo (groups of rollout.samples_per_prompt)."""
 
 
 @dataclass(frozen=True)

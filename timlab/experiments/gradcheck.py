@@ -363,7 +363,7 @@ def gradcheck(
     all_tv = [v for st in per_bucket for v in st["tv"]]
     delta = max(all_tv) if all_tv else 0.0
     B_hat = max(tok_norms) if tok_norms else float("nan")
-    bound: dict = {"applies": estimator == "reinforce", "delta_max": delta,
+    bound: dict = {"applies": estimator == "reinforce" and bool(tok_norms), "delta_max": delta,
                    "delta_mean": sum(all_tv) / max(len(all_tv), 1), "score_norm_max": B_hat,
                    "score_norm_mean": sum(tok_norms) / max(len(tok_norms), 1),
                    "seq_score_norm_max": max(seq_norms) if seq_norms else float("nan"),
@@ -391,8 +391,10 @@ def gradcheck(
         notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
                      f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
                      f"draw more samples")
-    if not bound["applies"]:
+    if estimator != "reinforce":
         notes.append("the T^2 bound is stated for REINFORCE with R in [0, 1]; it is not evaluated for rloo")
+    elif not tok_norms:
+        notes.append("score_seqs=0: no score norms measured, so the T^2 bound is not evaluated")
     return GradcheckResult(
         settings={"samples": samples, "micro_batch": micro_batch, "dense_reward": dense_reward, "micro_batches": K, "buckets": buckets,
                   "estimator": estimator, "group_size": G, "max_new_tokens": max_new_tokens, "seed": seed,

@@ -88,9 +88,32 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
+    if cfg.run.gradcheck_every < 0:
+        raise ConfigError(f"run.gradcheck_every must be >= 0, got {cfg.run.gradcheck_every}")
+    if cfg.run.gradcheck_every:
+        from timlab.experiments.gradcheck import ESTIMATORS
+
+        if cfg.run.gradcheck_estimator not in ESTIMATORS:
+            raise ConfigError(f"unknown run.gradcheck_estimator {cfg.run.gradcheck_estimator!r}; "
+                              f"valid choices: {', '.join(ESTIMATORS)}")
+        mb = gradcheck_micro_batch(cfg)
+        if cfg.run.gradcheck_samples % mb or cfg.run.gradcheck_samples < 8 * mb:
+            raise ConfigError(f"run.gradcheck_samples must be a multiple of {mb} and >= {8 * mb} (8 micro-batches "
+                              f"for a confidence interval), got {cfg.run.gradcheck_samples}")
     n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
+
+
+def gradcheck_micro_batch(cfg: Config) -> int:
+    """Sequences per in-run gradcheck micro-batch: 8, or one rloo group."""
+    return cfg.rollout.samples_per_prompt if cfg.run.gradcheck_estimator == "rloo" else 8
+
+
+GRADCHECK_KEYS = ("cosine", "cosine_lo", "cosine_hi", "rel_bias", "rel_bias_lo", "rel_bias_hi", "noise_floor_rel",
+                  "bias_norm", "grad_norm_exact", "grad_norm_tim", "snr_exact", "snr_exact_lo", "snr_exact_hi",
+                  "snr_tim", "snr_tim_lo", "snr_tim_hi")
+"""gradcheck statistics logged as ``gradcheck/<key>`` (see ``timlab.metrics.gradients``)."""
 
 
 def scheduler_kwargs(cfg: Config) -> dict:
@@ -226,6 +249,8 @@ class RLRun:
     def train_step(self) -> StepOutput:
         cfg = self.cfg
         self.step += 1
+        gc = cfg.run.gradcheck_every
+        grad_metrics = self.gradient_check() if gc and self.step % gc == 0 and self.world.is_main else {}
         t0 = time.perf_counter()
         G = cfg.rollout.samples_per_prompt
 
@@ -335,12 +360,33 @@ class RLRun:
             "time/train_s": t_train,
             "time/metrics_s": t_metrics,
         })
+        metrics.update(grad_metrics)
         if self.cfg.scheduler.name == "length_decay":
             sp = getattr(self.scheduler, "surge_step", None)
             metrics["scheduler/surge_step"] = float(sp) if sp is not None else float("nan")
             dp = getattr(self.scheduler, "decay_period", None)
             metrics["scheduler/decay_period"] = float(dp) if dp is not None else float("nan")
         return StepOutput(metrics, dists)
+
+    def gradient_check(self) -> dict:
+        """gradcheck at the current weights against this run's injector (own seeds: the run's
+        trajectory is the same with or without it). Returns gradcheck/* metrics and its cost."""
+        from timlab.experiments.gradcheck import gradcheck
+
+        cfg = self.cfg
+        t = time.perf_counter()
+        res = gradcheck(
+            self.model, self.tok, self.task, self.train_set, self.injector, exact_engine=self.eval_engine,
+            samples=cfg.run.gradcheck_samples, micro_batch=gradcheck_micro_batch(cfg),
+            estimator=cfg.run.gradcheck_estimator, group_size=cfg.rollout.samples_per_prompt,
+            max_new_tokens=cfg.rollout.max_new_tokens, sampling=self.sampling, dense_reward=cfg.task.dense_reward,
+            score_seqs=0, n_boot=200, seed=cfg.run.seed * 1_000_003 + self.step,
+        )
+        out = {f"gradcheck/{k}": float(res.pooled[k]) for k in GRADCHECK_KEYS}
+        out["gradcheck/tv_max"] = res.bound["delta_max"]
+        out["gradcheck/tv_mean"] = res.bound["delta_mean"]
+        out["time/gradcheck_s"] = time.perf_counter() - t
+        return out
 
     def _guard(self, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> None:
         """Stop at the first bit of difference between the trainer's and the rollout's log-probs."""
