@@ -82,21 +82,22 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "load_average": os.getloadavg()[0],
-        "wall_s": sorted(wall),
-        "cpu_s": sorted(cpu),
+        "wall_s": wall,  # in call order: the first call is the cold one
+        "cpu_s": cpu,
         "wall_s_median": statistics.median(wall),
         "cpu_s_median": statistics.median(cpu),
         "cost": res.cost,
         "outside_estimator_s": wall[med] - res.cost["total_s"],
         "ratio_to_60s": statistics.median(wall) / TARGET_S,
         "tokens_per_side": int(sum(r["T_mean"] for r in res.buckets) / len(res.buckets) * args.samples),
+        "notes": res.notes,
         "result": {"k3": res.mismatch.get("rollout_corr/k3_kl"), "cosine": p["cosine"], "rel_bias": p["rel_bias"],
                    "rel_bias_lo": p["rel_bias_lo"], "rel_bias_hi": p["rel_bias_hi"], "noise_floor_rel": p["noise_floor_rel"]},
     }
     c = res.cost
     print(f"gradcheck on {args.preset} ({out['num_parameters']:,} params), {args.injector} magnitude {args.magnitude:g}, "
           f"{args.samples} samples, {args.buckets} bucket(s), 1 thread, median of {args.repeats}")
-    print(f"wall {out['wall_s_median']:.2f} s (all: {', '.join(f'{w:.2f}' for w in sorted(wall))}), "
+    print(f"wall {out['wall_s_median']:.2f} s (calls in order: {', '.join(f'{w:.2f}' for w in wall)}), "
           f"CPU {out['cpu_s_median']:.2f} s, load average {out['load_average']:.2f}")
     print(f"breakdown (median call): estimator {c['total_s']:.2f} s = rollouts {c['rollout_s']:.2f} + gradients "
           f"{c['gradient_s']:.2f} + score norms {c['score_norm_s']:.2f} + stats {c['stats_s']:.2f} "
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ratio to 60 s: {out['ratio_to_60s']:.3f} (target: well under 1)")
     print(f"result: k3 {out['result']['k3']:.3g}, cosine {p['cosine']:.4f}, relative bias {p['rel_bias']:.3g} "
           f"[{p['rel_bias_lo']:.3g}, {p['rel_bias_hi']:.3g}], noise floor {p['noise_floor_rel']:.3g}")
+    for n in res.notes:
+        print(f"note: {n}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -104,6 +104,34 @@ def test_same_seed_same_bits_and_updates_happen(tmp_path):
     assert not _metrics(tmp_path / "c").equals(ma)
 
 
+def test_in_run_gradcheck_logs_metrics_and_leaves_the_trajectory_alone(tmp_path):
+    base = {"run.steps": 4, "mismatch.injector": "logit_noise", "mismatch.magnitude": 0.5}
+    train(smoke(**base), tmp_path / "off")
+    train(smoke(**base, **{"run.gradcheck_every": 2}), tmp_path / "on")
+    on, off = _metrics(tmp_path / "on"), _metrics(tmp_path / "off")
+    gc_cols = [c for c in on.columns if c.startswith("gradcheck/")]
+    assert {"gradcheck/cosine", "gradcheck/rel_bias", "gradcheck/snr_exact", "gradcheck/tv_max"} <= set(gc_cols)
+    checked = on.dropna(subset=["gradcheck/tv_max"])["step"].tolist()
+    assert checked == [2, 4]
+    assert (on.loc[on["step"].isin(checked), "gradcheck/tv_max"] > 0).all()
+    pd.testing.assert_frame_equal(on.drop(columns=gc_cols), off, check_exact=True)
+    wa, wb = _weights(tmp_path / "on"), _weights(tmp_path / "off")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    t = pd.read_parquet(tmp_path / "on" / "metrics.parquet")["time/gradcheck_s"].dropna()
+    assert len(t) == 2 and (t > 0).all()
+
+
+@pytest.mark.parametrize("sets, needle", [
+    ({"run.gradcheck_every": 1, "run.gradcheck_samples": 40}, "run.gradcheck_samples must be a multiple of 8 and >= 64"),
+    ({"run.gradcheck_every": 1, "run.gradcheck_estimator": "ppo"}, "valid choices: reinforce, rloo"),
+    ({"run.gradcheck_every": -1}, "run.gradcheck_every must be >= 0"),
+])
+def test_bad_gradcheck_settings(tmp_path, sets, needle):
+    with pytest.raises(ValueError, match=None) as e:
+        train(smoke(**sets), tmp_path / "r")
+    assert needle in str(e.value)
+
+
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
     sets = ["run.steps=8", "run.checkpoint_every=2", "run.eval_every=4", "rollout.samples_per_prompt=8"]
     ref = tmp_path / "ref"
