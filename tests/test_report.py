@@ -17,7 +17,7 @@ import pytest
 
 from timlab import cli
 from timlab.config import resolve
-from timlab.experiments.report import PLOTS, build_report
+from timlab.experiments.report import GRAD_PLOTS, PLOTS, build_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["Collapse rule", "Conditions", "Dose-response", "Training curves", "Runs", "Runs with missing metrics"]
@@ -70,7 +70,8 @@ def png_size(uri: str) -> tuple[int, int]:
         return im.size
 
 
-def fake_run(d: Path, *, magnitude: float, seed: int, collapse: bool, drop=(), metrics=True, steps=20):
+def fake_run(d: Path, *, magnitude: float, seed: int, collapse: bool, drop=(), metrics=True, steps=20,
+             gradcheck: bool = False):
     """A run directory with a hand-made metrics table (length-decay columns included)."""
     d.mkdir(parents=True)
     cfg = resolve(preset="smoke", overrides={"mismatch": {"injector": "head_perturb" if magnitude else "none",
@@ -94,6 +95,9 @@ def fake_run(d: Path, *, magnitude: float, seed: int, collapse: bool, drop=(), m
                     "scheduler/surge_step": 6.0 if s >= 6 else math.nan,
                     "scheduler/decay_period": 11.0 if s >= 6 else math.nan,
                 })
+            if gradcheck and s and s % 2 == 0:
+                row.update({"gradcheck/rel_bias": 0.1 * magnitude * (1 + 0.1 * s), "gradcheck/cosine": 0.9,
+                            "gradcheck/snr_exact": 0.01, "gradcheck/snr_tim": 0.01 / (1 + s)})
             rows.append({k: v for k, v in row.items() if k not in drop})
         pd.DataFrame(rows).to_parquet(d / "metrics.parquet", index=False)
     else:
@@ -147,6 +151,20 @@ def test_report_of_run_dirs(runs, tmp_path):
     assert "mismatch.injector=head_perturb, mismatch.magnitude=2.0" in text
     assert "2/2" in text  # head: both complete runs collapsed
     assert "falls below 0.5 x its running peak" in text
+
+
+def test_report_shows_gradient_diagnostics_when_runs_logged_them(tmp_path):
+    d = tmp_path / "g"
+    dirs = [fake_run(d / "ctl", magnitude=0.0, seed=0, collapse=False, gradcheck=True),
+            fake_run(d / "head", magnitude=2.0, seed=0, collapse=True, gradcheck=True)]
+    res = build_report(dirs, tmp_path / "g.html")
+    page = check_page(res.path)
+    assert "Gradient diagnostics" in page.headings["h2"]
+    for metric, _, _ in GRAD_PLOTS:
+        assert any(metric in h for h in page.headings["h3"]), metric
+    assert "Before a collapse" in page.headings["h3"]  # the collapsed run, aligned on its collapse step
+    assert len(page.imgs) == 1 + len(PLOTS) + len(GRAD_PLOTS) + 1
+    assert res.missing == []  # gradcheck metrics are optional: nobody is reported for lacking them
 
 
 def test_report_of_a_sweep_dir_and_cli(runs, tmp_path, capsys):

@@ -471,14 +471,14 @@ def format_gradcheck(res: GradcheckResult) -> str:
 
 def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     """PNG: measured ||bias|| (with CI) and 2 B Delta T^2 against T; relative bias, cosine and SNR against T."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rows = res.buckets
     T = [r["T_max"] for r in rows]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)  # no pyplot: the caller's global backend is left alone
+    a1, a2 = fig.subplots(1, 2)
     bias = [r["bias_norm"] for r in rows]
     err = [[max(r["bias_norm"] - r["bias_norm_lo"], 0) for r in rows], [max(r["bias_norm_hi"] - r["bias_norm"], 0) for r in rows]]
     a1.errorbar(T, bias, yerr=err, fmt="o-", color="C3", capsize=3, label="measured ||g_tim - g_exact||")
@@ -511,7 +511,6 @@ def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -9,8 +9,10 @@ Sections: the collapse rule (stated by ``collapse.describe_rule``), a table of c
 the dose-response plot (collapse fraction and median steps-to-collapse against the realized
 K3 KL of each condition, REFERENCE.md claim P2), one plot per metric against step with the mean
 over seeds as a line and the min-max range over seeds as a band (the length-decay scheduler's
-surge step and LR decay points drawn as vertical lines), a table of runs, and the runs that
-lack some plotted metric (they are listed by name and drawn wherever they have data).
+surge step and LR decay points drawn as vertical lines), gradient diagnostics when runs logged
+the in-run gradcheck (bias, cosine, SNR per step, and the collapsed runs aligned on their
+collapse step), a table of runs, and the runs that lack some plotted metric (they are listed by
+name and drawn wherever they have data).
 
 Plots are drawn with matplotlib's Agg canvas on ``Figure`` objects, never through pyplot, so
 building a report does not touch the global backend of the caller's process.
@@ -58,6 +60,21 @@ PLOTS: tuple[tuple[str, str, str], ...] = (
 """(metric, title, explanation) of each per-step plot; a run lacking one of these is reported."""
 
 _MARK_SURGE = ("train/response_length_mean", "train/lr")
+
+GRAD_PLOTS: tuple[tuple[str, str, str], ...] = (
+    ("gradcheck/rel_bias", "Relative gradient bias",
+     "||g_tim - g_exact|| / ||g_exact|| at the run's current weights (timlab gradcheck, run.gradcheck_every): how far "
+     "the injected mismatch moves the policy gradient, noise-corrected. Claim P3/P7: does it rise before a collapse?"),
+    ("gradcheck/cosine", "Cosine(g_tim, g_exact)",
+     "Cosine between the gradient estimated from mismatched rollouts and the on-policy one (plug-in; sampling "
+     "noise alone pulls it below 1)."),
+    ("gradcheck/snr_exact", "Gradient SNR per sequence (exact rollouts)",
+     "||E g||^2 / tr Cov(one sequence's gradient) under the trainer's own policy; a batch of N sequences has N times "
+     "this. Beyond Precision argues the gradient becomes noise-dominated before collapse."),
+    ("gradcheck/snr_tim", "Gradient SNR per sequence (mismatched rollouts)",
+     "The same for the gradient the run actually follows (rollouts with the injector)."),
+)
+"""Per-step plots drawn when runs logged in-run gradcheck metrics (not required of every run)."""
 _STYLE = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1100px;
        margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
@@ -254,6 +271,37 @@ def _metric_plot(runs: list[_Run], groups: list[str], colors: dict, metric: str,
     return _png_uri(fig)
 
 
+def _collapse_aligned_plot(runs: list[_Run], colors: dict) -> str | None:
+    """gradcheck metrics of the collapsed runs against steps relative to each run's collapse."""
+    keys = ("gradcheck/rel_bias", "gradcheck/snr_tim", "rollout_corr/k3_kl")
+    chosen = [r for r in runs if np.isfinite(r.summary.get("steps_to_collapse", math.nan))
+              and _series(r, keys[0]) is not None]
+    if not chosen:
+        return None
+    fig = _new_figure(11.0, 3.4)
+    axes = fig.subplots(1, len(keys))
+    seen: set[str] = set()
+    for r in chosen:
+        c = float(r.summary["steps_to_collapse"])
+        for ax, key in zip(axes, keys):
+            s = _series(r, key)
+            if s is None:
+                continue
+            label = r.group if r.group not in seen else None
+            ax.plot(s.index.to_numpy(dtype=float) - c, s.to_numpy(dtype=float), color=colors[r.group], lw=1.2,
+                    marker="o", ms=2.5, alpha=0.8, label=label)
+        seen.add(r.group)
+    for ax, key in zip(axes, keys):
+        ax.axvline(0, color="k", ls="--", lw=1)
+        ax.set_xlabel("steps relative to collapse")
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+        if key != "gradcheck/rel_bias":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    return _png_uri(fig)
+
+
 def _dose_response_plot(table: pd.DataFrame, colors: dict) -> str | None:
     t = table[np.isfinite(table["k3_kl_mean"].to_numpy(dtype=float))]
     if t.empty:
@@ -369,6 +417,21 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         parts += [f"<h3>{html.escape(heading)} <code>{html.escape(metric)}</code></h3>",
                   f'<p class="note">{html.escape(text)}</p>',
                   _img(_metric_plot(runs, groups, colors, metric, heading), metric)]
+    if any(_series(r, GRAD_PLOTS[0][0]) is not None for r in runs):
+        parts += ["<h2>Gradient diagnostics</h2>",
+                  '<p class="note">From the in-run gradcheck (run.gradcheck_every): the policy gradient under exact '
+                  "rollouts vs under this run's injector, at the run's weights every K steps. Runs without it are "
+                  "left out of these plots.</p>"]
+        for metric, heading, text in GRAD_PLOTS:
+            parts += [f"<h3>{html.escape(heading)} <code>{html.escape(metric)}</code></h3>",
+                      f'<p class="note">{html.escape(text)}</p>',
+                      _img(_metric_plot(runs, groups, colors, metric, heading), metric)]
+        aligned = _collapse_aligned_plot(runs, colors)
+        if aligned is not None:
+            parts += ["<h3>Before a collapse</h3>",
+                      '<p class="note">Each collapsed run, aligned on its collapse step (dashed line): relative gradient '
+                      "bias, gradient SNR under the injector, and the realized K3 KL. A rise before 0 is the early "
+                      "warning claims P3 and P7 describe.</p>", _img(aligned, "aligned on collapse")]
     parts += ["<h2>Runs</h2>", _table(index_df[[c for c in run_cols if c in index_df.columns]], left=("run", "group", "state"))]
     parts.append("<h2>Runs with missing metrics</h2>")
     if missing:
@@ -392,4 +455,4 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
     return ReportResult(out, len(runs), missing)
 
 
-__all__ = ["build_report", "ReportResult", "PLOTS"]
+__all__ = ["build_report", "ReportResult", "PLOTS", "GRAD_PLOTS"]
