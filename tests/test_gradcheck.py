@@ -105,6 +105,8 @@ def test_length_buckets_and_param_filter(parts):
     ({"samples": 60}, "must be a positive multiple of micro_batch"),
     ({"buckets": 9, "samples": 576}, "only 5 distinct lengths"),
     ({"param_filter": "nothing_matches"}, "matches no trainable parameter"),
+    ({"buckets": 0}, "buckets must be >= 1, got 0"),
+    ({"n_boot": 10}, "n_boot must be >= 100"),
 ])
 def test_bad_input_is_one_clear_error(parts, kw, needle):
     with pytest.raises(GradcheckError, match=None) as e:
@@ -139,7 +141,7 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
 def test_cli_on_a_run_directory_and_its_errors(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--preset", "smoke", "--run-dir", str(run), "--quiet"]) == 0
-    code, out, _ = _cli(["gradcheck", "--run-dir", str(run), "--step", "2", "--samples", "64", "--boot", "50", "--quiet"], capsys)
+    code, out, _ = _cli(["gradcheck", "--run-dir", str(run), "--step", "2", "--samples", "64", "--boot", "100", "--quiet"], capsys)
     assert code == 0 and "gradcheck: injector none" in out
     for argv, needle in [
         (["--run-dir", str(tmp_path / "missing")], "does not exist"),

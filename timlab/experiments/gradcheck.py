@@ -231,6 +231,12 @@ def gradcheck(
     restored afterwards, so a training run that calls this stays bitwise on its own trajectory.
     """
     t_start = time.perf_counter()
+    if buckets < 1:
+        raise GradcheckError(f"buckets must be >= 1, got {buckets}")
+    if score_seqs < 0:
+        raise GradcheckError(f"score_seqs must be >= 0, got {score_seqs}")
+    if n_boot < 100:
+        raise GradcheckError(f"n_boot must be >= 100 for a percentile interval, got {n_boot}")
     if estimator not in ESTIMATORS:
         raise GradcheckError(f"unknown estimator {estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
     G = group_size if estimator == "rloo" else 1
@@ -247,7 +253,7 @@ def gradcheck(
     need = MIN_MICRO_BATCHES * micro_batch * buckets
     if K % buckets or K // buckets < MIN_MICRO_BATCHES:
         raise GradcheckError(
-            f"samples={samples} gives {K // max(buckets, 1)} micro-batches of {micro_batch} per length bucket; a "
+            f"samples={samples} gives {K // buckets} micro-batches of {micro_batch} per length bucket; a "
             f"confidence interval needs >= {MIN_MICRO_BATCHES} per bucket (samples a multiple of {micro_batch * buckets}"
             f", at least {need})")
     if not pool:
