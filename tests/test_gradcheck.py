@@ -44,11 +44,12 @@ def test_zero_mismatch_gives_identical_gradients(parts):
     p = res.pooled
     assert p["bias_norm_plugin"] == 0.0 and p["bias_norm"] == 0.0 and p["bias_norm_hi"] == 0.0
     # a defined cosine of 1 needs a non-zero mean gradient: the equality is not between zeros
-    assert p["cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert p["cosine_plugin"] == pytest.approx(1.0, abs=1e-12)
     assert res.buckets[0]["same_response_frac"] == 1.0
     assert res.bound["delta_max"] == 0.0
     assert res.mismatch["rollout_corr/k3_kl"] == 0.0
-    assert res.bound["holds"] is True
+    assert res.bound["holds"] is True and res.buckets[0]["tightness"] == 0.0
+    assert res.notes[0].startswith("zero mismatch")
 
 
 def test_mismatch_grows_with_magnitude_and_stays_under_the_bound(parts):
@@ -70,6 +71,8 @@ def test_tv_is_aligned_with_the_trainers_columns(parts):
     # column c with pi's for another column would give a TV of order 0.1-1
     res, _ = _check(parts, "engine", engine="fast")
     assert 0 < res.bound["delta_max"] < 1e-4
+    if res.buckets[0]["same_response_frac"] == 1.0:  # nonzero TV that flipped no token is not called zero
+        assert "no sampled token differed" in res.notes[0]
 
 
 def test_same_seed_same_result_and_nothing_is_left_behind(parts):

@@ -47,7 +47,7 @@ def test_point_estimates_equal_the_textbook_formulas():
     g = torch.Generator().manual_seed(1)
     K, D, m = 10, 5, 4
     X = torch.randn(K, D, generator=g, dtype=torch.float64) + 1.0
-    Y = X + 0.3 + 0.2 * torch.randn(K, D, generator=g, dtype=torch.float64)
+    Y = X + 0.6 * torch.tensor([1.0, -1.0, 1.0, -1.0, 0.5], dtype=torch.float64) + 0.2 * torch.randn(K, D, generator=g, dtype=torch.float64)
     s = _stats(X, Y, m=m)
     xbar, ybar, dbar = X.mean(0), Y.mean(0), (Y - X).mean(0)
     tr = lambda A: float(((A - A.mean(0)) ** 2).sum() / (K - 1))  # noqa: E731  sample covariance trace
@@ -58,10 +58,14 @@ def test_point_estimates_equal_the_textbook_formulas():
     assert s["bias_norm_plugin"] == pytest.approx(float(dbar.norm()), rel=1e-9)
     assert s["noise_floor_norm"] == pytest.approx(math.sqrt(tr(Y - X) / K), rel=1e-9)
     assert s["rel_bias"] == pytest.approx(math.sqrt(b2 / g2x), rel=1e-9)
-    assert s["cosine"] == pytest.approx(float(xbar @ ybar / (xbar.norm() * ybar.norm())), rel=1e-9)
+    assert s["cosine_plugin"] == pytest.approx(float(xbar @ ybar / (xbar.norm() * ybar.norm())), rel=1e-9)
+    gxy = (float(X.sum(0) @ Y.sum(0)) - float((X * Y).sum())) / (K * (K - 1))  # U-statistic of <E x, E y>
+    g2y = float(ybar @ ybar) - tr(Y) / K
+    assert s["cosine"] == pytest.approx(gxy / math.sqrt(g2x * g2y), rel=1e-9)
     assert s["snr_exact"] == pytest.approx(g2x / (m * tr(X)), rel=1e-9)
     for k in ("bias_norm", "rel_bias", "snr_exact", "cosine"):
-        assert s[f"{k}_lo"] <= s[k] <= s[f"{k}_hi"]
+        assert s[f"{k}_lo"] <= s[k] <= s[f"{k}_hi"], k
+    assert s["cosine"] < 0.99  # the hand case is not degenerate
 
 
 def test_identical_sides_give_exactly_zero_bias():
@@ -69,7 +73,7 @@ def test_identical_sides_give_exactly_zero_bias():
     s = _stats(X, X.clone())
     assert s["bias_norm"] == s["bias_norm_lo"] == s["bias_norm_hi"] == 0.0
     assert s["rel_bias"] == s["bias_norm_plugin"] == s["noise_floor_norm"] == 0.0
-    assert s["cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert s["cosine"] == pytest.approx(1.0, abs=1e-12) and s["cosine_plugin"] == pytest.approx(1.0, abs=1e-12)
     assert s["snr_exact"] == s["snr_tim"]
 
 
@@ -101,7 +105,7 @@ def test_intervals_cover_the_truth_about_95_percent_of_the_time():
     b = 0.5 * b / b.norm()
     sig = 0.35
     truth = {"bias_norm": 0.5, "rel_bias": 0.5, "grad_norm_exact": 1.0, "snr_exact": 1.0 / (m * D * sig**2),
-             "cosine_debiased": float(g @ (g + b) / (g + b).norm())}
+             "cosine": float(g @ (g + b) / (g + b).norm())}
     hits = {k: 0 for k in truth}
     est = {k: 0.0 for k in truth}
     for t in range(trials):

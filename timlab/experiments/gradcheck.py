@@ -26,8 +26,11 @@ so they can only underestimate the theorem's suprema: a measured bias above the 
 falsify it; one far below says how loose it is.
 
 Memory: the K = samples / micro_batch micro-batch gradient means of each side are kept
-(2 K D floats for D selected parameters; ``param_filter`` narrows D for large models); all
-statistics come from K x K Gram matrices.
+(2 K D float32 for D selected parameters, plus 3 K x 65536 float64 while the Gram matrices
+are formed; ``param_filter`` narrows D for large models); all statistics come from K x K Gram
+matrices. Delta is taken from mu's logits after the injector and before the rollout's
+temperature / top-k / top-p, i.e. between the two models' distributions (exact at the default
+temperature 1 with no truncation).
 """
 
 from __future__ import annotations
@@ -379,12 +382,13 @@ def gradcheck(
     for row in bucket_rows:
         if bound["applies"]:
             row["bound"] = C * row["T_max"] ** 2
-            row["tightness"] = row["bias_norm"] / row["bound"] if row["bound"] > 0 else float("nan")
-            row["tightness_hi"] = row["bias_norm_hi"] / row["bound"] if row["bound"] > 0 else float("nan")
+            row["tightness"] = row["bias_norm"] / row["bound"] if row["bound"] > 0 else 0.0  # 0 / 0: no mismatch
+            row["tightness_hi"] = row["bias_norm_hi"] / row["bound"] if row["bound"] > 0 else 0.0
         else:
             row["bound"] = row["tightness"] = row["tightness_hi"] = float("nan")
-    bound["bias_exponent"] = fit_power_law([r["T_max"] for r in bucket_rows], [r["bias_norm"] for r in bucket_rows]) \
-        if buckets > 2 else float("nan")
+    resolved = buckets > 2 and all(r["bias_norm_lo"] > 0 for r in bucket_rows)
+    bound["bias_exponent"] = fit_power_law([r["T_mean"] for r in bucket_rows], [r["bias_norm"] for r in bucket_rows]) \
+        if resolved else float("nan")
     bound["holds"] = all(not (r["bias_norm"] > r["bound"]) for r in bucket_rows) if bound["applies"] else None
 
     mismatch = {k: float(v) for k, v in all_metrics(_pad_cat(trainer_lp), _pad_cat(rollout_lp), _pad_cat(masks)).items()
@@ -392,8 +396,12 @@ def gradcheck(
                          "mismatch/mean_abs_diff", "mismatch/frac_bitwise_equal")}
     notes = []
     if all(r["same_response_frac"] == 1.0 for r in bucket_rows) and pooled["bias_norm_plugin"] == 0.0:
-        notes.append("mu and pi gave identical responses and gradients: zero mismatch")
-    if pooled["grad_norm_exact_lo"] == 0.0 and pooled["bias_norm_plugin"] > 0:
+        notes.append("zero mismatch: mu and pi gave identical distributions, responses and gradients" if delta == 0.0 else
+                     f"no sampled token differed between mu and pi (per-token TV max {delta:.2g}), so the gradients are "
+                     f"identical: this mismatch is below what {samples} samples can see")
+    if buckets > 2 and not resolved:
+        notes.append("the bias is not resolved (interval reaching 0) in every length bucket: no T-exponent is fitted")
+    if not pooled["grad_norm_exact_lo"] > 0 and pooled["bias_norm_plugin"] > 0:
         notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
                      f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
                      f"draw more samples")
@@ -442,14 +450,17 @@ def format_gradcheck(res: GradcheckResult) -> str:
     def ci(key: str, d: dict, fmt: str = ".3g") -> str:
         return f"{d[key]:{fmt}} [{d[key + '_lo']:{fmt}}, {d[key + '_hi']:{fmt}}]"
 
+    flag = "  [g_exact not resolved: noise]" if not p["grad_norm_exact_lo"] > 0 else ""
     lines = [
         f"gradcheck: injector {s['injector']} (magnitude {s['magnitude']:g}), estimator {s['estimator']}, "
         f"{s['samples']} samples in {s['micro_batches']} micro-batches of {s['micro_batch']}, {s['params']:,} parameters",
         f"mismatch on mu's samples: k3 {res.mismatch.get('rollout_corr/k3_kl', float('nan')):.3g}, "
         f"max |log pi - log mu| {res.mismatch.get('mismatch/max_abs_diff', float('nan')):.3g}, "
         f"per-token TV max {b['delta_max']:.3g} / mean {b['delta_mean']:.3g}",
-        f"cosine(g_tim, g_exact)      {ci('cosine', p, '.4f')}",
-        f"relative bias               {ci('rel_bias', p)}  (plug-in {p['rel_bias_plugin']:.3g}, noise floor {p['noise_floor_rel']:.3g})",
+        f"cosine(g_tim, g_exact)      {ci('cosine', p, '.4f')}  (plug-in {p['cosine_plugin']:.4f}){flag}",
+        f"relative bias               {ci('rel_bias', p)}  (plug-in {p['rel_bias_plugin']:.3g}, noise floor "
+        f"{p['noise_floor_rel']:.3g}){flag}",
+        f"||g_tim - g_exact||         {ci('bias_norm', p)}",
         f"||g_exact||                 {ci('grad_norm_exact', p)}",
         f"SNR per sequence: exact     {ci('snr_exact', p)}",
         f"                  mismatch  {ci('snr_tim', p)}",
@@ -480,7 +491,7 @@ def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows = res.buckets
+    rows = sorted(res.buckets, key=lambda r: r["T_max"])
     T = [r["T_max"] for r in rows]
     fig = Figure(figsize=(11, 4))
     FigureCanvasAgg(fig)  # no pyplot: the caller's global backend is left alone
@@ -498,9 +509,12 @@ def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     a1.set_ylabel("gradient bias (L2)")
     a1.set_title("gradient bias vs the T² bound")
     a1.legend(fontsize=8)
+    rows = sorted(res.buckets, key=lambda r: r["T_mean"])
     T = [r["T_mean"] for r in rows]
-    a2.errorbar(T, [r["rel_bias"] for r in rows], fmt="o-", color="C3", label="relative bias")
-    a2.plot(T, [1 - r["cosine"] for r in rows], "s--", color="C2", label="1 - cosine")
+    ok = [r["grad_norm_exact_lo"] > 0 for r in rows]  # relative quantities need a resolved g_exact
+    a2.plot(T, [r["rel_bias"] if k else float("nan") for r, k in zip(rows, ok)], "o-", color="C3",
+            label="relative bias" + ("" if all(ok) else " (buckets with unresolved g_exact left out)"))
+    a2.plot(T, [1 - r["cosine"] if k else float("nan") for r, k in zip(rows, ok)], "s--", color="C2", label="1 - cosine")
     a2b = a2.twinx()
     a2b.plot(T, [r["snr_exact"] for r in rows], "^-", color="C0", label="SNR (exact)")
     a2b.plot(T, [r["snr_tim"] for r in rows], "v--", color="C1", label="SNR (mismatch)")

@@ -20,7 +20,8 @@ within-stratum variances, and the bootstrap resamples within each stratum.
 
 Definitions (per stratum, or pooled):
 - ``rel_bias`` = ||E y - E x|| / ||E x||, debiased, clamped at 0;
-- ``cosine`` = <mean y, mean x> / (||mean y|| ||mean x||) (plug-in; ``cosine_debiased`` too);
+- ``cosine`` = <E y, E x> / (||E y|| ||E x||), each term noise-corrected (clamped to [-1, 1]);
+  ``cosine_plugin`` is the plain cosine of the two means, which noise pulls toward 0;
 - ``snr_*`` = ||E g||^2 / tr Cov(one sequence's gradient) = ||E g||^2 / (m tr Cov(x_j)): the
   signal-to-noise ratio of a single sequence; a batch of N sequences has N times this.
 Pure torch; imports nothing from timlab.
@@ -32,8 +33,9 @@ import math
 
 import torch
 
-GRAM_CHUNK = 1 << 20
-"""Columns per chunk when forming Gram matrices in float64 (bounds the temporary memory)."""
+GRAM_CHUNK = 1 << 16
+"""Columns per chunk when forming Gram matrices in float64: the temporaries are 3 K x chunk
+float64 values (K = 64: 100 MiB), whatever the number of parameters."""
 
 
 def gram(X: torch.Tensor, Y: torch.Tensor | None = None, *, chunk: int = GRAM_CHUNK) -> torch.Tensor:
@@ -143,8 +145,8 @@ def _stats(W: torch.Tensor, gxx, gyy, gdd, gxy, strata, micro_batch: int) -> dic
         "rel_bias": ratio(b2, g2x),
         "rel_bias_plugin": ratio(md, mx),
         "noise_floor_rel": ratio(vd, g2x),
-        "cosine": ratio(mxy, (mx * my).clamp(min=0).sqrt()),
-        "cosine_debiased": torch.where((g2x > 0) & (g2y > 0), ratio(gxy_, (g2x.clamp(min=0) * g2y.clamp(min=0)).sqrt()), nan),
+        "cosine": torch.where((g2x > 0) & (g2y > 0), ratio(gxy_, (g2x.clamp(min=0) * g2y.clamp(min=0)).sqrt()), nan),
+        "cosine_plugin": ratio(mxy, (mx * my).clamp(min=0).sqrt()),
         "snr_exact": ratio(g2x, tx),
         "snr_tim": ratio(g2y, ty),
     }
@@ -158,10 +160,13 @@ NONNEGATIVE = ("grad_norm_exact", "grad_norm_tim", "bias_norm", "rel_bias", "snr
 """Noise-corrected statistics whose true value is >= 0: reported (and their bounds) clamped at 0."""
 
 STAT_KEYS: tuple[str, ...] = (
-    "grad_norm_exact", "grad_norm_tim", "bias_norm", "bias_norm_plugin", "noise_floor_norm", "rel_bias",
-    "rel_bias_plugin", "noise_floor_rel", "cosine", "cosine_debiased", "snr_exact", "snr_tim",
+    "grad_norm_exact", "grad_norm_tim", "bias_norm", "rel_bias", "cosine", "snr_exact", "snr_tim",
 )  # fmt: skip
-"""The statistics ``gradient_stats`` returns, each with ``_lo`` / ``_hi`` confidence bounds."""
+"""The noise-corrected statistics ``gradient_stats`` returns, each with ``_lo`` / ``_hi`` bounds."""
+
+PLUGIN_KEYS: tuple[str, ...] = ("bias_norm_plugin", "rel_bias_plugin", "cosine_plugin", "noise_floor_norm", "noise_floor_rel")
+"""Plug-in values and noise floors, returned as points only: a plug-in statistic is biased by
+the very noise the bootstrap adds again, so no bootstrap interval of it covers anything useful."""
 
 MIN_MICRO_BATCHES = 8
 """Fewest micro-batches per stratum for which a bootstrap confidence interval is given."""
@@ -184,7 +189,8 @@ def gradient_stats(
     gxx = X X^T (exact), gyy = Y Y^T (mismatched), gdd = D D^T with D = Y - X (formed from D
     itself, so a zero mismatch gives exact zeros), gxy = X Y^T; all (K, K). ``micro_batch``: m,
     sequences per micro-batch. ``strata`` (K,) long: the stratum of each micro-batch (None: one).
-    Returns each key of ``STAT_KEYS`` and ``<key>_lo`` / ``<key>_hi`` as floats.
+    Returns each key of ``STAT_KEYS`` with ``<key>_lo`` / ``<key>_hi``, and each of ``PLUGIN_KEYS``,
+    as floats.
     """
     K = gxx.shape[0]
     for name, g in (("gxx", gxx), ("gyy", gyy), ("gdd", gdd), ("gxy", gxy)):
@@ -211,6 +217,9 @@ def gradient_stats(
     boot = _stats(W, *gs, groups, micro_batch)
     qs = torch.tensor([(1 - ci) / 2, 1 - (1 - ci) / 2], dtype=torch.float64)
     out: dict[str, float] = {}
+    for key in PLUGIN_KEYS:
+        v = float(point[key][0])
+        out[key] = math.sqrt(max(v, 0.0)) if key in SQUARED else v
     for key in STAT_KEYS:
         est = float(point[key][0])
         vals = boot[key][torch.isfinite(boot[key])]
@@ -220,8 +229,8 @@ def gradient_stats(
             lo, hi = 2 * est - q_hi, 2 * est - q_lo  # basic bootstrap: est - theta ~ theta* - est
         if key in SQUARED:
             est, lo, hi = (math.copysign(math.sqrt(abs(v)), v) if math.isfinite(v) else v for v in (est, lo, hi))
-        if key.startswith("cosine"):
-            lo, hi = max(lo, -1.0), min(hi, 1.0)
+        if key == "cosine":
+            est, lo, hi = (min(max(v, -1.0), 1.0) if math.isfinite(v) else v for v in (est, lo, hi))
         if key in NONNEGATIVE:
             est, lo, hi = (max(v, 0.0) if math.isfinite(v) else v for v in (est, lo, hi))
         out[key], out[f"{key}_lo"], out[f"{key}_hi"] = est, lo, hi

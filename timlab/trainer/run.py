@@ -110,7 +110,8 @@ def gradcheck_micro_batch(cfg: Config) -> int:
     return cfg.rollout.samples_per_prompt if cfg.run.gradcheck_estimator == "rloo" else 8
 
 
-GRADCHECK_KEYS = ("cosine", "cosine_lo", "cosine_hi", "rel_bias", "rel_bias_lo", "rel_bias_hi", "noise_floor_rel",
+GRADCHECK_KEYS = ("cosine", "cosine_lo", "cosine_hi", "cosine_plugin", "rel_bias", "rel_bias_lo", "rel_bias_hi",
+                  "noise_floor_rel",
                   "bias_norm", "grad_norm_exact", "grad_norm_tim", "snr_exact", "snr_exact_lo", "snr_exact_hi",
                   "snr_tim", "snr_tim_lo", "snr_tim_hi")
 """gradcheck statistics logged as ``gradcheck/<key>`` (see ``timlab.metrics.gradients``)."""
