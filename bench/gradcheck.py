@@ -29,11 +29,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-import torch  # noqa: E402
+import torch
 
-from timlab.config import resolve  # noqa: E402
-from timlab.experiments.gradcheck import run_gradcheck  # noqa: E402
-from timlab.trainer.pretrain import ensure_warm_start  # noqa: E402
+from timlab.config import resolve
+from timlab.experiments.gradcheck import run_gradcheck
+from timlab.trainer.pretrain import ensure_warm_start
 
 TARGET_S = 60.0
 

@@ -26,8 +26,8 @@ so they can only underestimate the theorem's suprema: a measured bias above the 
 falsify it; one far below says how loose it is.
 
 Memory: the K = samples / micro_batch micro-batch gradient means of each side are kept
-(2 K D float32 for D selected parameters, plus 3 K x 65536 float64 while the Gram matrices
-are formed; ``param_filter`` narrows D for large models); all statistics come from K x K Gram
+(2 K D float32 for D selected parameters, plus at most 256 MiB of float64 blocks while the
+Gram matrices are formed; ``param_filter`` narrows D for large models); all statistics come from K x K Gram
 matrices. Delta is taken from mu's logits after the injector and before the rollout's
 temperature / top-k / top-p, i.e. between the two models' distributions (exact at the default
 temperature 1 with no truncation).

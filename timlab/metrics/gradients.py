@@ -33,23 +33,28 @@ import math
 
 import torch
 
-GRAM_CHUNK = 1 << 16
-"""Columns per chunk when forming Gram matrices in float64: the temporaries are 3 K x chunk
-float64 values (K = 64: 100 MiB), whatever the number of parameters."""
+GRAM_BUDGET_BYTES = 256 << 20
+"""Float64 temporaries allowed while forming Gram matrices: columns are processed in chunks of
+``GRAM_BUDGET_BYTES / (24 K)`` (three K x chunk float64 blocks), whatever the number of parameters."""
 
 
-def gram(X: torch.Tensor, Y: torch.Tensor | None = None, *, chunk: int = GRAM_CHUNK) -> torch.Tensor:
+def _chunk(K: int, chunk: int | None) -> int:
+    return chunk if chunk is not None else max(256, GRAM_BUDGET_BYTES // (24 * max(K, 1)))
+
+
+def gram(X: torch.Tensor, Y: torch.Tensor | None = None, *, chunk: int | None = None) -> torch.Tensor:
     """X Y^T in float64, (K, D) x (K', D) -> (K, K'), accumulated over column chunks."""
     Y = X if Y is None else Y
     if X.dim() != 2 or Y.dim() != 2 or X.shape[1] != Y.shape[1]:
         raise ValueError(f"gram: expected (K, D) and (K', D) matrices, got {tuple(X.shape)} and {tuple(Y.shape)}")
     out = torch.zeros(X.shape[0], Y.shape[0], dtype=torch.float64, device=X.device)
+    chunk = _chunk(X.shape[0] + Y.shape[0], chunk)
     for s in range(0, X.shape[1], chunk):
         out += X[:, s : s + chunk].double() @ Y[:, s : s + chunk].double().T
     return out
 
 
-def pair_grams(X: torch.Tensor, Y: torch.Tensor, *, chunk: int = GRAM_CHUNK
+def pair_grams(X: torch.Tensor, Y: torch.Tensor, *, chunk: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X X^T, Y Y^T, D D^T, X Y^T) in float64 with D = Y - X, in one pass over column chunks.
 
@@ -60,6 +65,7 @@ def pair_grams(X: torch.Tensor, Y: torch.Tensor, *, chunk: int = GRAM_CHUNK
         raise ValueError(f"pair_grams: expected two (K, D) matrices of one shape, got {tuple(X.shape)} and {tuple(Y.shape)}")
     K = X.shape[0]
     gxx, gyy, gdd, gxy = (torch.zeros(K, K, dtype=torch.float64, device=X.device) for _ in range(4))
+    chunk = _chunk(K, chunk)
     for s in range(0, X.shape[1], chunk):
         x, y = X[:, s : s + chunk].double(), Y[:, s : s + chunk].double()
         d = y - x
@@ -213,7 +219,8 @@ def gradient_stats(
     W = torch.zeros(n_boot, K, dtype=torch.float64)
     for idx in groups:  # resample micro-batches within each stratum
         draws = torch.randint(0, len(idx), (n_boot, len(idx)), generator=gen)
-        W[:, idx] = torch.nn.functional.one_hot(draws, len(idx)).sum(1).double()
+        counts = torch.zeros(n_boot, len(idx), dtype=torch.float64)
+        W[:, idx] = counts.scatter_add_(1, draws, torch.ones(draws.shape, dtype=torch.float64))  # (R, K_b) draw counts
     boot = _stats(W, *gs, groups, micro_batch)
     qs = torch.tensor([(1 - ci) / 2, 1 - (1 - ci) / 2], dtype=torch.float64)
     out: dict[str, float] = {}
