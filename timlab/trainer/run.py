@@ -46,6 +46,7 @@ from timlab.tokenizer import load_tokenizer
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
 from timlab.trainer.checkpoint import CheckpointError, latest_checkpoint, load_state, save_checkpoint
+from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
 from timlab.trainer.logging import MetricsLog, atomic_write_text
 from timlab.trainer.losses import LOSS_AGGREGATIONS, ppo_clip_loss
 from timlab.trainer.pretrain import build_task, ensure_warm_start, greedy_accuracy
@@ -91,8 +92,6 @@ def validate(cfg: Config) -> None:
     if cfg.run.gradcheck_every < 0:
         raise ConfigError(f"run.gradcheck_every must be >= 0, got {cfg.run.gradcheck_every}")
     if cfg.run.gradcheck_every:
-        from timlab.experiments.gradcheck import ESTIMATORS
-
         if cfg.run.gradcheck_estimator not in ESTIMATORS:
             raise ConfigError(f"unknown run.gradcheck_estimator {cfg.run.gradcheck_estimator!r}; "
                               f"valid choices: {', '.join(ESTIMATORS)}")
@@ -372,8 +371,6 @@ class RLRun:
     def gradient_check(self) -> dict:
         """gradcheck at the current weights against this run's injector (own seeds: the run's
         trajectory is the same with or without it). Returns gradcheck/* metrics and its cost."""
-        from timlab.experiments.gradcheck import gradcheck
-
         cfg = self.cfg
         t = time.perf_counter()
         res = gradcheck(

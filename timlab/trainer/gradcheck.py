@@ -1,0 +1,443 @@
+"""The policy gradient estimated twice, from exact and from mismatched rollouts (``timlab gradcheck``).
+
+At one set of weights, estimate the policy gradient twice from many sampled sequences:
+
+    g_exact = E_{y ~ pi}[ w(y) grad log pi(y|x) ]     (on-policy; Beyond Precision Eq. 2)
+    g_tim   = E_{y ~ mu}[ w(y) grad log pi(y|x) ]     (what a mismatched sampler gives; Eq. 3)
+
+with w = R (``reinforce``, the papers' estimator, R in [0, 1]) or the leave-one-out advantage
+(``rloo``, groups of ``group_size`` samples per prompt). pi is the exact engine on the trainer's
+weights (bitwise equal to the trainer); mu is the configured injector. Both are sampled with the
+same prompts and the same random numbers (``full_batch_decode``), so with no mismatch the two
+estimates are identical and every bias is exactly 0.
+
+Reported (``timlab.metrics.gradients``): cosine, relative bias ||g_tim - g_exact|| / ||g_exact||
+with bootstrap confidence intervals and its noise floor, the per-sequence gradient SNR under pi
+and mu, all per response-length bucket (prompts bucketed by their reference answer's length)
+and pooled. Then the T^2 bound of Beyond Precision Theorem 3.1 / B.1,
+
+    ||g_tim - g_exact|| <= 2 B Delta T^2     (REINFORCE, R in [0, 1]),
+
+with Delta = the largest per-token TV distance between pi and mu, computed exactly from the
+full next-token distributions at every state mu visited (not from sampled tokens), B = the
+largest per-token score norm ||grad log pi(a|s)|| measured on a subset of mu's sequences, and
+T = the longest response in the bucket. Measured B and Delta are maxima over visited states,
+so they can only underestimate the theorem's suprema: a measured bias above the bound would
+falsify it; one far below says how loose it is.
+
+Memory: the K = samples / micro_batch micro-batch gradient means of each side are kept
+(2 K D float32 for D selected parameters, plus at most 256 MiB of float64 blocks while the
+Gram matrices are formed; ``param_filter`` narrows D for large models); all statistics come from K x K Gram
+matrices. Delta is taken from mu's logits after the injector and before the rollout's
+temperature / top-k / top-p, i.e. between the two models' distributions (exact at the default
+temperature 1 with no truncation).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from timlab.engines import Engine, NonFiniteLogitsError, SamplingParams, build_engine, full_batch_decode
+from timlab.injectors import RolloutInjector
+from timlab.metrics import all_metrics
+from timlab.metrics.gradients import MIN_MICRO_BATCHES, fit_power_law, gradient_stats, pair_grams, tv_distance
+from timlab.model.forward import full_step
+from timlab.model.llama import CausalLM
+from timlab.tasks import Example, Task
+from timlab.tokenizer import Tokenizer
+
+__all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "gradcheck", "length_buckets", "select_params"]
+
+ESTIMATORS = ("reinforce", "rloo")
+REWARD_MAX = 1.0
+"""Every timlab task's reward lies in [0, 1] (the theorem's R in {0, 1} generalizes to this)."""
+
+Progress = Callable[[str, int, int, dict], None]
+
+
+class GradcheckError(ValueError):
+    """Bad gradcheck input; a one-line message naming the setting and the valid choices."""
+
+
+# ------------------------------------------------------------------------------------ buckets
+def length_buckets(pool: list[Example], n: int) -> list[list[Example]]:
+    """Split prompts into ``n`` buckets of contiguous reference-answer lengths, of similar sizes."""
+    if n < 1:
+        raise GradcheckError(f"buckets must be >= 1, got {n}")
+    if n == 1:
+        return [list(pool)]
+    by_len: dict[int, list[Example]] = {}
+    for ex in pool:
+        by_len.setdefault(len(ex.answer), []).append(ex)
+    lengths = sorted(by_len)
+    if len(lengths) < n:
+        raise GradcheckError(f"buckets={n}, but the task's answers have only {len(lengths)} distinct lengths "
+                             f"({lengths}); use buckets <= {len(lengths)}")
+    buckets: list[list[Example]] = []
+    remaining = len(pool)
+    i = 0
+    for b in range(n):
+        target = remaining / (n - b)
+        cur: list[Example] = []
+        while i < len(lengths) and (not cur or len(cur) + len(by_len[lengths[i]]) / 2 <= target) \
+                and len(lengths) - i > n - b - 1:
+            cur.extend(by_len[lengths[i]])
+            i += 1
+        if b == n - 1:
+            while i < len(lengths):
+                cur.extend(by_len[lengths[i]])
+                i += 1
+        buckets.append(cur)
+        remaining -= len(cur)
+    return buckets
+
+
+# ------------------------------------------------------------------------------------ gradients
+def select_params(model: CausalLM, param_filter: str | None) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trainable parameters whose name matches ``param_filter`` (a regex; None = all)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if param_filter:
+        try:
+            rx = re.compile(param_filter)
+        except re.error as e:
+            raise GradcheckError(f"param_filter {param_filter!r} is not a valid regex ({e})") from None
+        named = [(n, p) for n, p in named if rx.search(n)]
+    if not named:
+        raise GradcheckError(f"param_filter {param_filter!r} matches no trainable parameter; names look like "
+                             f"{', '.join(n for n, _ in list(model.named_parameters())[:3])}")
+    return named
+
+
+def _flat(grads, params) -> torch.Tensor:
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float().cpu()
+                      for g, p in zip(grads, params)])
+
+
+def sequence_logprobs(model: CausalLM, tokens: torch.Tensor, key_valid: torch.Tensor, mask: torch.Tensor,
+                      kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer forward (exact mode, autograd on): per-token log pi (B, L) and the logits (B, L, V).
+
+    Column c's log-prob comes from logits[:, c - 1]; column 0 gets 0; off-mask columns get 0.
+    """
+    logits = model(tokens, full_step(key_valid, kv_len), mode="exact").float()  # (B, L, V)
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    logp = torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1) * mask  # (B, L)
+    return logp, logits
+
+
+def sample_weights(rewards: torch.Tensor, estimator: str, group_size: int) -> torch.Tensor:
+    """Per-sequence weight w: the reward (reinforce) or the leave-one-out advantage (rloo)."""
+    if estimator == "reinforce":
+        return rewards
+    r = rewards.view(-1, group_size)  # (groups, G)
+    loo = (r.sum(-1, keepdim=True) - r) / (group_size - 1)
+    return (r - loo).reshape(-1)
+
+
+@dataclass
+class _Side:
+    """One side's rollout of a chunk, scored by the trainer."""
+
+    tokens: torch.Tensor
+    key_valid: torch.Tensor
+    mask: torch.Tensor  # (B, L) float
+    rollout_logp: torch.Tensor  # (B, L) log mu / log pi from the engine
+    weights: torch.Tensor  # (B,)
+    lengths: torch.Tensor  # (B,)
+    kv_len: int
+
+
+def _score_side(rollout, rewards: torch.Tensor, estimator: str, group_size: int) -> _Side:
+    L = rollout.prompt_width + max(1, int(rollout.lengths.max()))
+    return _Side(
+        tokens=rollout.tokens[:, :L], key_valid=rollout.key_valid[:, :L],
+        mask=rollout.response_mask[:, :L].float(), rollout_logp=rollout.logprobs[:, :L],
+        weights=sample_weights(rewards, estimator, group_size).to(rollout.tokens.device),
+        lengths=rollout.lengths.cpu(), kv_len=rollout.tokens.shape[1],
+    )
+
+
+def _rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout, dense: bool) -> torch.Tensor:
+    texts = [tok.decode(ids) for ids in rollout.responses()]
+    fin = rollout.finished.tolist()
+    return torch.tensor([task.reward(ex, t, dense=dense) if f else 0.0 for ex, t, f in zip(examples, texts, fin)],
+                        dtype=torch.float32)
+
+
+def score_norms(model: CausalLM, params: list[torch.nn.Parameter], side: _Side, row: int) -> tuple[list[float], float]:
+    """Per-token score norms ||grad log pi(y_t | s_t)|| of one sequence, and its sequence score norm."""
+    sl = slice(row, row + 1)
+    logp, _ = sequence_logprobs(model, side.tokens[sl], side.key_valid[sl], side.mask[sl], side.kv_len)
+    cols = torch.nonzero(side.mask[row]).flatten().tolist()
+    total = None
+    norms = []
+    for i, c in enumerate(cols):
+        g = _flat(torch.autograd.grad(logp[0, c], params, retain_graph=i < len(cols) - 1, allow_unused=True), params)
+        norms.append(float(g.norm()))
+        total = g if total is None else total + g
+    return norms, float(total.norm()) if total is not None else 0.0
+
+
+# ------------------------------------------------------------------------------------ result
+@dataclass
+class GradcheckResult:
+    """What ``gradcheck`` measured; ``to_dict()`` is JSON-ready."""
+
+    settings: dict
+    pooled: dict
+    buckets: list[dict]
+    bound: dict
+    mismatch: dict
+    cost: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------ the estimator
+def gradcheck(
+    model: CausalLM,
+    tok: Tokenizer,
+    task: Task,
+    pool: list[Example],
+    injector: RolloutInjector,
+    *,
+    exact_engine: Engine | None = None,
+    samples: int = 256,
+    micro_batch: int = 8,
+    rollout_batch: int = 64,
+    buckets: int = 1,
+    estimator: str = "reinforce",
+    group_size: int = 8,
+    max_new_tokens: int = 40,
+    sampling: SamplingParams = SamplingParams(),
+    dense_reward: bool = False,
+    score_seqs: int = 8,
+    n_boot: int = 1000,
+    ci: float = 0.95,
+    seed: int = 0,
+    param_filter: str | None = None,
+    progress: Progress | None = None,
+) -> GradcheckResult:
+    """Estimate g_exact and g_tim at the model's current weights and compare them (module docstring).
+
+    ``pool``: the prompts to draw from (uniformly, with replacement); ``injector``: mu, built on
+    ``model``; ``exact_engine``: pi's sampler (default: a new exact engine on ``model``). The
+    model's weights and ``.grad`` fields are left untouched; the injector's random state is
+    restored afterwards, so a training run that calls this stays bitwise on its own trajectory.
+    """
+    t_start = time.perf_counter()
+    if buckets < 1:
+        raise GradcheckError(f"buckets must be >= 1, got {buckets}")
+    if score_seqs < 0:
+        raise GradcheckError(f"score_seqs must be >= 0, got {score_seqs}")
+    if n_boot < 100:
+        raise GradcheckError(f"n_boot must be >= 100 for a percentile interval, got {n_boot}")
+    if estimator not in ESTIMATORS:
+        raise GradcheckError(f"unknown estimator {estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
+    G = group_size if estimator == "rloo" else 1
+    if estimator == "rloo" and group_size < 2:
+        raise GradcheckError(f"estimator rloo needs group_size >= 2, got {group_size}")
+    if micro_batch < 1 or micro_batch % G:
+        raise GradcheckError(f"micro_batch ({micro_batch}) must be a positive multiple of group_size ({G})")
+    if samples < 1 or samples % micro_batch:
+        raise GradcheckError(f"samples ({samples}) must be a positive multiple of micro_batch ({micro_batch})")
+    if rollout_batch < micro_batch:
+        rollout_batch = micro_batch
+    rollout_batch -= rollout_batch % micro_batch
+    K = samples // micro_batch
+    need = MIN_MICRO_BATCHES * micro_batch * buckets
+    if K % buckets or K // buckets < MIN_MICRO_BATCHES:
+        raise GradcheckError(
+            f"samples={samples} gives {K // buckets} micro-batches of {micro_batch} per length bucket; a "
+            f"confidence interval needs >= {MIN_MICRO_BATCHES} per bucket (samples a multiple of {micro_batch * buckets}"
+            f", at least {need})")
+    if not pool:
+        raise GradcheckError("no prompts to draw from")
+    bucket_pools = length_buckets(pool, buckets)
+    named = select_params(model, param_filter)
+    params = [p for _, p in named]
+    D = sum(p.numel() for p in params)
+    pi_engine = exact_engine or build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    injector_state = injector.state_dict()
+    was_training = model.training
+    model.eval()
+
+    X = torch.zeros(K, D, dtype=torch.float32)  # exact-side micro-batch means
+    Y = torch.zeros(K, D, dtype=torch.float32)  # mismatched side
+    strata = torch.tensor([j % buckets for j in range(K)])
+    prompt_rng = random.Random(seed)
+    per_bucket = [dict(lengths=[], tv=[], tv_seq=[], k3_num=0.0, k3_den=0.0, same=0, n=0) for _ in range(buckets)]
+    tok_norms: list[float] = []
+    seq_norms: list[float] = []
+    trainer_lp, rollout_lp, masks = [], [], []
+    per = rollout_batch // micro_batch
+    chunks = math.ceil(K / per)
+    t_roll = t_grad = t_score = 0.0
+    try:
+        for c in range(chunks):
+            js = list(range(c * per, min(K, (c + 1) * per)))
+            examples: list[Example] = []
+            for j in js:
+                bp = bucket_pools[j % buckets]
+                for _ in range(micro_batch // G):
+                    ex = bp[prompt_rng.randrange(len(bp))]
+                    examples.extend([ex] * G)
+            prompts = [tok.encode(ex.prompt) for ex in examples]
+            gen_seed = seed * 1_000_003 + 7919 * c + 1
+            recorded: dict[int, torch.Tensor] = {}
+
+            def observe(logits: torch.Tensor, col: torch.Tensor) -> None:
+                recorded[int(col[0])] = logits.detach().float().clone()  # (B, V): mu's distribution at col
+
+            t0 = time.perf_counter()
+            try:
+                with full_batch_decode(pi_engine, injector.engine):
+                    r_pi = pi_engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                              generator=torch.Generator().manual_seed(gen_seed))
+                    r_mu = injector.rollout(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                            generator=torch.Generator().manual_seed(gen_seed), observe=observe)
+            except NonFiniteLogitsError:
+                raise NonFiniteLogitsError("gradcheck: non-finite logits while sampling (diverged weights?)") from None
+            t_roll += time.perf_counter() - t0
+            pi_side = _score_side(r_pi, _rewards(task, tok, examples, r_pi, dense_reward), estimator, G)
+            mu_side = _score_side(r_mu, _rewards(task, tok, examples, r_mu, dense_reward), estimator, G)
+            same = [a == b for a, b in zip(r_pi.responses(), r_mu.responses())]
+
+            t0 = time.perf_counter()
+            for i, j in enumerate(js):
+                rows = slice(i * micro_batch, (i + 1) * micro_batch)
+                st = per_bucket[j % buckets]
+                for out, side in ((X, pi_side), (Y, mu_side)):
+                    logp, logits = sequence_logprobs(model, side.tokens[rows], side.key_valid[rows], side.mask[rows],
+                                                     side.kv_len)
+                    w = side.weights[rows]
+                    if bool((w != 0).any()):
+                        obj = (w[:, None] * logp).sum() / micro_batch  # (1/m) sum_i w_i log pi(y_i)
+                        out[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True), params)
+                    st["lengths"].extend(side.lengths[rows].tolist())
+                    if side is mu_side:
+                        tv_rows = _tv_rows(logits.detach(), recorded, side, rows)
+                        st["tv"].extend(torch.cat(tv_rows).tolist() if tv_rows else [])
+                        st["tv_seq"].extend(float(t.sum()) for t in tv_rows)
+                        trainer_lp.append(logp.detach())
+                        rollout_lp.append(side.rollout_logp[rows])
+                        masks.append(side.mask[rows])
+                st["same"] += sum(same[rows])
+                st["n"] += micro_batch
+            t_grad += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            for i, j in enumerate(js):
+                if j < score_seqs:
+                    norms, sn = score_norms(model, params, mu_side, i * micro_batch)
+                    tok_norms.extend(norms)
+                    seq_norms.append(sn)
+            t_score += time.perf_counter() - t0
+            if progress is not None:
+                progress("gradcheck", c + 1, chunks, {})
+    finally:
+        injector.load_state_dict(injector_state)
+        model.train(was_training)
+
+    t0 = time.perf_counter()
+    gxx, gyy, gdd, gxy = pair_grams(X, Y)
+    kw = dict(micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
+    pooled = gradient_stats(gxx, gyy, gdd, gxy, strata=strata, **kw)
+    bucket_rows = []
+    for b in range(buckets):
+        idx = torch.nonzero(strata == b).flatten()
+        sub = [g[idx][:, idx] for g in (gxx, gyy, gdd, gxy)]
+        stats = gradient_stats(*sub, **kw) if buckets > 1 else dict(pooled)
+        st = per_bucket[b]
+        ans = [len(ex.answer) for ex in bucket_pools[b]]
+        tv = torch.tensor(st["tv"] or [0.0], dtype=torch.float64)
+        bucket_rows.append({
+            "bucket": b, "answer_len_min": min(ans), "answer_len_max": max(ans),
+            "T_mean": float(sum(st["lengths"]) / max(len(st["lengths"]), 1)), "T_max": int(max(st["lengths"] or [0])),
+            "tv_max": float(tv.max()), "tv_mean": float(tv.mean()),
+            "tv_seq_mean": float(sum(st["tv_seq"]) / max(len(st["tv_seq"]), 1)),
+            "same_response_frac": st["same"] / max(st["n"], 1),
+            **stats,
+        })
+    t_stats = time.perf_counter() - t0
+
+    all_tv = [v for st in per_bucket for v in st["tv"]]
+    delta = max(all_tv) if all_tv else 0.0
+    B_hat = max(tok_norms) if tok_norms else float("nan")
+    bound: dict = {"applies": estimator == "reinforce" and bool(tok_norms), "delta_max": delta,
+                   "delta_mean": sum(all_tv) / max(len(all_tv), 1), "score_norm_max": B_hat,
+                   "score_norm_mean": sum(tok_norms) / max(len(tok_norms), 1),
+                   "seq_score_norm_max": max(seq_norms) if seq_norms else float("nan"),
+                   "score_tokens": len(tok_norms), "reward_max": REWARD_MAX}
+    C = 2 * REWARD_MAX * B_hat * delta
+    bound["C"] = C if bound["applies"] else float("nan")
+    for row in bucket_rows:
+        if bound["applies"]:
+            row["bound"] = C * row["T_max"] ** 2
+            row["tightness"] = row["bias_norm"] / row["bound"] if row["bound"] > 0 else 0.0  # 0 / 0: no mismatch
+            row["tightness_hi"] = row["bias_norm_hi"] / row["bound"] if row["bound"] > 0 else 0.0
+        else:
+            row["bound"] = row["tightness"] = row["tightness_hi"] = float("nan")
+    resolved = buckets > 2 and all(r["bias_norm_lo"] > 0 for r in bucket_rows)
+    bound["bias_exponent"] = fit_power_law([r["T_mean"] for r in bucket_rows], [r["bias_norm"] for r in bucket_rows]) \
+        if resolved else float("nan")
+    bound["holds"] = all(not (r["bias_norm"] > r["bound"]) for r in bucket_rows) if bound["applies"] else None
+
+    mismatch = {k: float(v) for k, v in all_metrics(_pad_cat(trainer_lp), _pad_cat(rollout_lp), _pad_cat(masks)).items()
+                if k in ("rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "mismatch/max_abs_diff",
+                         "mismatch/mean_abs_diff", "mismatch/frac_bitwise_equal")}
+    notes = []
+    if all(r["same_response_frac"] == 1.0 for r in bucket_rows) and pooled["bias_norm_plugin"] == 0.0:
+        notes.append("zero mismatch: mu and pi gave identical distributions, responses and gradients" if delta == 0.0 else
+                     f"no sampled token differed between mu and pi (per-token TV max {delta:.2g}), so the gradients are "
+                     f"identical: this mismatch is below what {samples} samples can see")
+    if buckets > 2 and not resolved:
+        notes.append("the bias is not resolved (interval reaching 0) in every length bucket: no T-exponent is fitted")
+    if not pooled["grad_norm_exact_lo"] > 0 and pooled["bias_norm_plugin"] > 0:
+        notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
+                     f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
+                     f"draw more samples")
+    if estimator != "reinforce":
+        notes.append("the T^2 bound is stated for REINFORCE with R in [0, 1]; it is not evaluated for rloo")
+    elif not tok_norms:
+        notes.append("score_seqs=0: no score norms measured, so the T^2 bound is not evaluated")
+    return GradcheckResult(
+        settings={"samples": samples, "micro_batch": micro_batch, "dense_reward": dense_reward, "micro_batches": K, "buckets": buckets,
+                  "estimator": estimator, "group_size": G, "max_new_tokens": max_new_tokens, "seed": seed,
+                  "n_boot": n_boot, "ci": ci, "params": D, "param_filter": param_filter, "score_seqs": score_seqs,
+                  "injector": "+".join(injector.parts) or "none", "magnitude": injector.s.magnitude,
+                  "sampling": asdict(sampling)},
+        pooled=pooled, buckets=bucket_rows, bound=bound, mismatch=mismatch,
+        cost={"total_s": time.perf_counter() - t_start, "rollout_s": t_roll, "gradient_s": t_grad,
+              "score_norm_s": t_score, "stats_s": t_stats, "vector_bytes": 2 * K * D * 4},
+        notes=notes,
+    )
+
+
+def _tv_rows(logits: torch.Tensor, recorded: dict[int, torch.Tensor], side: _Side, rows: slice) -> list[torch.Tensor]:
+    """Per-sequence TV(pi(.|s_t), mu(.|s_t)) at each response token of ``rows`` (a list of (len,) tensors)."""
+    out = []
+    start = rows.start
+    for i in range(logits.shape[0]):
+        cols = torch.nonzero(side.mask[start + i]).flatten()
+        if cols.numel() == 0:
+            out.append(torch.zeros(0, dtype=torch.float64))
+            continue
+        pi_l = logits[i, cols - 1]  # (n, V): logits at column c-1 predict column c
+        mu_l = torch.stack([recorded[int(c)][start + i] for c in cols])  # (n, V)
+        out.append(tv_distance(pi_l, mu_l).cpu())
+    return out
+
+
+def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    L = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p.float(), (0, L - p.shape[1])) for p in parts])
