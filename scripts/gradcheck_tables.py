@@ -63,7 +63,7 @@ def length_tables(folder: Path) -> str:
 
 def sweep_table(sweep: Path) -> str:
     idx = pd.read_parquet(sweep / "index.parquet")
-    keys = ["gradcheck/rel_bias", "gradcheck/cosine", "gradcheck/snr_exact", "gradcheck/snr_tim", "rollout_corr/k3_kl"]
+    keys = ["gradcheck/rel_bias", "gradcheck/cosine_plugin", "gradcheck/snr_exact", "gradcheck/snr_tim", "rollout_corr/k3_kl"]
     rows = []
     for _, r in idx.iterrows():
         df = pd.read_parquet(sweep / r["run_dir"] / "metrics.parquet").set_index("step")

@@ -73,7 +73,8 @@ def test_identical_sides_give_exactly_zero_bias():
     s = _stats(X, X.clone())
     assert s["bias_norm"] == s["bias_norm_lo"] == s["bias_norm_hi"] == 0.0
     assert s["rel_bias"] == s["bias_norm_plugin"] == s["noise_floor_norm"] == 0.0
-    assert s["cosine"] == pytest.approx(1.0, abs=1e-12) and s["cosine_plugin"] == pytest.approx(1.0, abs=1e-12)
+    assert s["cosine_plugin"] == pytest.approx(1.0, abs=1e-12)
+    assert math.isnan(s["cosine"]) or s["cosine"] == pytest.approx(1.0, abs=1e-12)
     assert s["snr_exact"] == s["snr_tim"]
 
 
@@ -86,6 +87,15 @@ def test_strata_weigh_equally_and_resample_within():
     assert s["grad_norm_exact"] == pytest.approx(math.sqrt(1.0 + 9.0) / 2, rel=1e-12)
     assert s["bias_norm"] == pytest.approx(0.5, rel=1e-12)
     assert s["bias_norm_lo"] == pytest.approx(0.5, rel=1e-9) and s["bias_norm_hi"] == pytest.approx(0.5, rel=1e-9)
+
+
+def test_no_cosine_when_a_gradient_is_not_resolved():
+    gen = torch.Generator().manual_seed(5)
+    noise = torch.randn(16, 100, generator=gen)
+    X = 0.01 + noise  # mean far below the noise: ||E x|| is not resolved
+    s = _stats(X, X + 0.3 * torch.randn(16, 100, generator=gen))
+    assert s["grad_norm_exact_lo"] == 0.0
+    assert math.isnan(s["cosine"]) and math.isnan(s["cosine_lo"]) and math.isfinite(s["cosine_plugin"])
 
 
 def test_too_few_micro_batches_is_a_clear_error():

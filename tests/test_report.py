@@ -96,7 +96,7 @@ def fake_run(d: Path, *, magnitude: float, seed: int, collapse: bool, drop=(), m
                     "scheduler/decay_period": 11.0 if s >= 6 else math.nan,
                 })
             if gradcheck and s and s % 2 == 0:
-                row.update({"gradcheck/rel_bias": 0.1 * magnitude * (1 + 0.1 * s), "gradcheck/cosine": 0.9,
+                row.update({"gradcheck/rel_bias": 0.1 * magnitude * (1 + 0.1 * s), "gradcheck/cosine_plugin": 0.9,
                             "gradcheck/snr_exact": 0.01, "gradcheck/snr_tim": 0.01 / (1 + s)})
             rows.append({k: v for k, v in row.items() if k not in drop})
         pd.DataFrame(rows).to_parquet(d / "metrics.parquet", index=False)

@@ -65,9 +65,10 @@ GRAD_PLOTS: tuple[tuple[str, str, str], ...] = (
     ("gradcheck/rel_bias", "Relative gradient bias",
      "||g_tim - g_exact|| / ||g_exact|| at the run's current weights (timlab gradcheck, run.gradcheck_every): how far "
      "the injected mismatch moves the policy gradient, noise-corrected. Claim P3/P7: does it rise before a collapse?"),
-    ("gradcheck/cosine", "Cosine(g_tim, g_exact)",
-     "Cosine between the gradient estimated from mismatched rollouts and the on-policy one (plug-in; sampling "
-     "noise alone pulls it below 1)."),
+    ("gradcheck/cosine_plugin", "Cosine(g_tim, g_exact), plug-in",
+     "Cosine between the mean gradients from mismatched and from exact rollouts. Sampling noise alone pulls it "
+     "below 1 (compare conditions at equal run.gradcheck_samples); the noise-corrected gradcheck/cosine is logged "
+     "too, but is NaN whenever one of the two gradients is not resolved, which at in-run sample sizes is often."),
     ("gradcheck/snr_exact", "Gradient SNR per sequence (exact rollouts)",
      "||E g||^2 / tr Cov(one sequence's gradient) under the trainer's own policy; a batch of N sequences has N times "
      "this. Beyond Precision argues the gradient becomes noise-dominated before collapse."),

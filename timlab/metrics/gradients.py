@@ -20,8 +20,9 @@ within-stratum variances, and the bootstrap resamples within each stratum.
 
 Definitions (per stratum, or pooled):
 - ``rel_bias`` = ||E y - E x|| / ||E x||, debiased, clamped at 0;
-- ``cosine`` = <E y, E x> / (||E y|| ||E x||), each term noise-corrected (clamped to [-1, 1]);
-  ``cosine_plugin`` is the plain cosine of the two means, which noise pulls toward 0;
+- ``cosine`` = <E y, E x> / (||E y|| ||E x||), each term noise-corrected (clamped to [-1, 1];
+  NaN unless both norms' intervals exclude 0); ``cosine_plugin`` is the plain cosine of the
+  two means, which noise pulls toward 0;
 - ``snr_*`` = ||E g||^2 / tr Cov(one sequence's gradient) = ||E g||^2 / (m tr Cov(x_j)): the
   signal-to-noise ratio of a single sequence; a batch of N sequences has N times this.
 Pure torch; imports nothing from timlab.
@@ -241,6 +242,10 @@ def gradient_stats(
         if key in NONNEGATIVE:
             est, lo, hi = (max(v, 0.0) if math.isfinite(v) else v for v in (est, lo, hi))
         out[key], out[f"{key}_lo"], out[f"{key}_hi"] = est, lo, hi
+    if not (out["grad_norm_exact_lo"] > 0 and out["grad_norm_tim_lo"] > 0):
+        # a ratio over a norm whose interval reaches 0 is unstable (it swings past +-1 and covers
+        # badly in simulation): no cosine unless both gradients are resolved
+        out["cosine"] = out["cosine_lo"] = out["cosine_hi"] = float("nan")
     return out
 
 
