@@ -29,6 +29,8 @@ def format_gradcheck(res: GradcheckResult) -> str:
     s, p, b = res.settings, res.pooled, res.bound
 
     def ci(key: str, d: dict, fmt: str = ".3g") -> str:
+        if d[key] != d[key]:
+            return "n/a (a gradient is not resolved)" if key == "cosine" else "n/a"
         return f"{d[key]:{fmt}} [{d[key + '_lo']:{fmt}}, {d[key + '_hi']:{fmt}}]"
 
     flag = "  [g_exact not resolved: noise]" if not p["grad_norm_exact_lo"] > 0 else ""
