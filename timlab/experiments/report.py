@@ -252,9 +252,10 @@ def _metric_plot(runs: list[_Run], groups: list[str], colors: dict, metric: str,
                         marks["decay"] = True
     if not drew:
         return None
-    if metric == "train/lr" and all(r.df is None or (_series(r, metric) is None) or (_series(r, metric) > 0).all()
-                                    for r in runs):
-        ax.set_yscale("log")
+    if metric == "train/lr":
+        vals = np.concatenate([s.to_numpy(dtype=float) for r in runs if (s := _series(r, metric)) is not None])
+        if (vals > 0).all() and vals.max() > vals.min():  # a constant LR stays linear: one value has no log range
+            ax.set_yscale("log")
     handles, labels = ax.get_legend_handles_labels()
     from matplotlib.lines import Line2D
 
