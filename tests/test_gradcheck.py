@@ -9,7 +9,7 @@ import torch
 
 from timlab.cli import main
 from timlab.config import resolve
-from timlab.engines import build_engine
+from timlab.engines import SamplingParams
 from timlab.experiments.gradcheck import GradcheckError, gradcheck, length_buckets, run_gradcheck
 from timlab.injectors import build_injector
 from timlab.model.hf_io import load_model
@@ -48,6 +48,8 @@ def test_zero_mismatch_gives_identical_gradients(parts):
     assert res.buckets[0]["same_response_frac"] == 1.0
     assert res.bound["delta_max"] == 0.0
     assert res.mismatch["rollout_corr/k3_kl"] == 0.0
+    assert p["bias_norm_is"] == p["bias_norm_is_hi"] == 0.0  # rho = 1 bit for bit
+    assert p["rel_bias_is"] == 0.0 or p["rel_bias_is"] != p["rel_bias_is"]  # 0, or NaN if g_exact is unresolved
     assert res.bound["holds"] is True and res.buckets[0]["tightness"] == 0.0
     assert res.notes[0].startswith("zero mismatch")
 
@@ -64,6 +66,16 @@ def test_mismatch_grows_with_magnitude_and_stays_under_the_bound(parts):
     for r in rows:
         assert r.bound["applies"] and r.bound["holds"]
         assert 0 < r.buckets[0]["tightness_hi"] < 1
+
+
+def test_importance_weighted_bias_agrees_with_the_paired_one(parts):
+    res, _ = _check(parts, "logit_noise", 0.5, samples=128)
+    p = res.pooled
+    assert p["bias_norm_plugin"] > 0 and res.settings["importance_weighted"]
+    # two estimators of the same ||g_tim - g_exact||: their intervals overlap
+    assert p["bias_norm_is_lo"] <= p["bias_norm_hi"] and p["bias_norm_lo"] <= p["bias_norm_is_hi"]
+    off, _ = _check(parts, "logit_noise", 0.5, sampling=SamplingParams(temperature=0.7))
+    assert "bias_norm_is" not in off.pooled and any("temperature 1" in n for n in off.notes)
 
 
 def test_tv_is_aligned_with_the_trainers_columns(parts):

@@ -68,6 +68,19 @@ def test_point_estimates_equal_the_textbook_formulas():
     assert s["cosine"] < 0.99  # the hand case is not degenerate
 
 
+def test_a_third_set_of_vectors_estimates_the_bias_directly():
+    gen = torch.Generator().manual_seed(6)
+    K, D = 12, 7
+    X = torch.randn(K, D, generator=gen, dtype=torch.float64) + 1.0
+    Z = 0.2 + 0.1 * torch.randn(K, D, generator=gen, dtype=torch.float64)
+    s = gradient_stats(*pair_grams(X, X + Z), micro_batch=4, n_boot=300, gzz=gram(Z))
+    zbar = Z.mean(0)
+    u = float(zbar @ zbar) - float(((Z - zbar) ** 2).sum() / (K - 1)) / K
+    assert s["bias_norm_is"] == pytest.approx(math.sqrt(u), rel=1e-9)
+    assert s["bias_norm_is"] == pytest.approx(s["bias_norm"], rel=1e-9)  # here Y - X is Z itself
+    assert s["bias_norm_is_lo"] <= s["bias_norm_is"] <= s["bias_norm_is_hi"]
+
+
 def test_identical_sides_give_exactly_zero_bias():
     X = torch.randn(MIN_MICRO_BATCHES, 30, generator=torch.Generator().manual_seed(2)) + 0.5
     s = _stats(X, X.clone())

@@ -127,7 +127,7 @@ def _moments(W: torch.Tensor, G: torch.Tensor, strata: list[torch.Tensor]
     return plug, unbiased, var, within
 
 
-def _stats(W: torch.Tensor, gxx, gyy, gdd, gxy, strata, micro_batch: int) -> dict[str, torch.Tensor]:
+def _stats(W: torch.Tensor, gxx, gyy, gdd, gxy, strata, micro_batch: int, gzz=None) -> dict[str, torch.Tensor]:
     """Every statistic for each row of count weights W (R, K), with the norm-type ones SQUARED.
 
     Noise-corrected squares (U-statistics) may come out negative; they stay signed here.
@@ -143,7 +143,11 @@ def _stats(W: torch.Tensor, gxx, gyy, gdd, gxy, strata, micro_batch: int) -> dic
     def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
         return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), nan)
 
-    return {
+    out = {}
+    if gzz is not None:  # importance-weighted paired differences z = (1 - rho) w s on mu's samples
+        _, uz, vz, _ = _moments(W, gzz, strata)
+        out = {"bias_norm_is": uz, "rel_bias_is": ratio(uz, g2x), "noise_floor_rel_is": ratio(vz.clamp(min=0), g2x)}
+    return out | {
         "grad_norm_exact": g2x,
         "grad_norm_tim": g2y,
         "bias_norm": b2,
@@ -160,10 +164,11 @@ def _stats(W: torch.Tensor, gxx, gyy, gdd, gxy, strata, micro_batch: int) -> dic
 
 
 SQUARED = ("grad_norm_exact", "grad_norm_tim", "bias_norm", "bias_norm_plugin", "noise_floor_norm", "rel_bias",
-           "rel_bias_plugin", "noise_floor_rel")
+           "rel_bias_plugin", "noise_floor_rel", "bias_norm_is", "rel_bias_is", "noise_floor_rel_is")
 """Statistics computed as squares (intervals are formed there) and reported as square roots."""
 
-NONNEGATIVE = ("grad_norm_exact", "grad_norm_tim", "bias_norm", "rel_bias", "snr_exact", "snr_tim")
+NONNEGATIVE = ("grad_norm_exact", "grad_norm_tim", "bias_norm", "rel_bias", "snr_exact", "snr_tim", "bias_norm_is",
+               "rel_bias_is")
 """Noise-corrected statistics whose true value is >= 0: reported (and their bounds) clamped at 0."""
 
 STAT_KEYS: tuple[str, ...] = (
@@ -171,7 +176,11 @@ STAT_KEYS: tuple[str, ...] = (
 )  # fmt: skip
 """The noise-corrected statistics ``gradient_stats`` returns, each with ``_lo`` / ``_hi`` bounds."""
 
+IS_KEYS: tuple[str, ...] = ("bias_norm_is", "rel_bias_is")
+"""With ``gzz``: the bias estimated from mu's samples alone by importance weighting, with bounds."""
+
 PLUGIN_KEYS: tuple[str, ...] = ("bias_norm_plugin", "rel_bias_plugin", "cosine_plugin", "noise_floor_norm", "noise_floor_rel")
+# plus "noise_floor_rel_is" when gzz is given
 """Plug-in values and noise floors, returned as points only: a plug-in statistic is biased by
 the very noise the bootstrap adds again, so no bootstrap interval of it covers anything useful."""
 
@@ -190,6 +199,7 @@ def gradient_stats(
     n_boot: int = 1000,
     ci: float = 0.95,
     seed: int = 0,
+    gzz: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Bias / cosine / SNR with percentile-bootstrap confidence intervals.
 
@@ -197,7 +207,9 @@ def gradient_stats(
     itself, so a zero mismatch gives exact zeros), gxy = X Y^T; all (K, K). ``micro_batch``: m,
     sequences per micro-batch. ``strata`` (K,) long: the stratum of each micro-batch (None: one).
     Returns each key of ``STAT_KEYS`` with ``<key>_lo`` / ``<key>_hi``, and each of ``PLUGIN_KEYS``,
-    as floats.
+    as floats. ``gzz`` (optional, (K, K)): the Gram of a third set of micro-batch means whose
+    expectation IS the bias (importance-weighted differences); adds ``IS_KEYS`` (with bounds)
+    and ``noise_floor_rel_is``.
     """
     K = gxx.shape[0]
     for name, g in (("gxx", gxx), ("gyy", gyy), ("gdd", gdd), ("gxy", gxy)):
@@ -214,21 +226,25 @@ def gradient_stats(
         raise ValueError(f"a confidence interval needs >= {MIN_MICRO_BATCHES} micro-batches per stratum, got {small}; "
                          f"draw more samples or use a smaller micro-batch")
     gs = [g.double().cpu() for g in (gxx, gyy, gdd, gxy)]
+    gz = None if gzz is None else gzz.double().cpu()
+    if gz is not None and gz.shape != (K, K):
+        raise ValueError(f"gradient_stats: gzz must be ({K}, {K}), got {tuple(gz.shape)}")
     ones = torch.ones(1, K, dtype=torch.float64)
-    point = _stats(ones, *gs, groups, micro_batch)
+    point = _stats(ones, *gs, groups, micro_batch, gz)
     gen = torch.Generator().manual_seed(seed)
     W = torch.zeros(n_boot, K, dtype=torch.float64)
     for idx in groups:  # resample micro-batches within each stratum
         draws = torch.randint(0, len(idx), (n_boot, len(idx)), generator=gen)
         counts = torch.zeros(n_boot, len(idx), dtype=torch.float64)
         W[:, idx] = counts.scatter_add_(1, draws, torch.ones(draws.shape, dtype=torch.float64))  # (R, K_b) draw counts
-    boot = _stats(W, *gs, groups, micro_batch)
+    boot = _stats(W, *gs, groups, micro_batch, gz)
     qs = torch.tensor([(1 - ci) / 2, 1 - (1 - ci) / 2], dtype=torch.float64)
     out: dict[str, float] = {}
-    for key in PLUGIN_KEYS:
+    plugin_keys = PLUGIN_KEYS + (("noise_floor_rel_is",) if gz is not None else ())
+    for key in plugin_keys:
         v = float(point[key][0])
         out[key] = math.sqrt(max(v, 0.0)) if key in SQUARED else v
-    for key in STAT_KEYS:
+    for key in STAT_KEYS + (IS_KEYS if gz is not None else ()):
         est = float(point[key][0])
         vals = boot[key][torch.isfinite(boot[key])]
         lo = hi = float("nan")

@@ -47,7 +47,7 @@ import torch
 from timlab.engines import Engine, NonFiniteLogitsError, SamplingParams, build_engine, full_batch_decode
 from timlab.injectors import RolloutInjector
 from timlab.metrics import all_metrics
-from timlab.metrics.gradients import MIN_MICRO_BATCHES, fit_power_law, gradient_stats, pair_grams, tv_distance
+from timlab.metrics.gradients import MIN_MICRO_BATCHES, fit_power_law, gradient_stats, gram, pair_grams, tv_distance
 from timlab.model.forward import full_step
 from timlab.model.llama import CausalLM
 from timlab.tasks import Example, Task
@@ -225,6 +225,7 @@ def gradcheck(
     ci: float = 0.95,
     seed: int = 0,
     param_filter: str | None = None,
+    importance_weighted: bool = True,
     progress: Progress | None = None,
 ) -> GradcheckResult:
     """Estimate g_exact and g_tim at the model's current weights and compare them (module docstring).
@@ -273,6 +274,9 @@ def gradcheck(
 
     X = torch.zeros(K, D, dtype=torch.float32)  # exact-side micro-batch means
     Y = torch.zeros(K, D, dtype=torch.float32)  # mismatched side
+    default_sampling = sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
+    Z = torch.zeros(K, D, dtype=torch.float32) if importance_weighted and default_sampling else None  # (1-rho) w s
+    is_overflow = False
     strata = torch.tensor([j % buckets for j in range(K)])
     prompt_rng = random.Random(seed)
     per_bucket = [dict(lengths=[], tv=[], tv_seq=[], k3_num=0.0, k3_den=0.0, same=0, n=0) for _ in range(buckets)]
@@ -320,9 +324,22 @@ def gradcheck(
                     logp, logits = sequence_logprobs(model, side.tokens[rows], side.key_valid[rows], side.mask[rows],
                                                      side.kv_len)
                     w = side.weights[rows]
+                    v = None
+                    if side is mu_side and Z is not None:
+                        # (1 - rho) w with rho = pi(y) / mu(y): E_mu[(1 - rho) w s] = g_tim - g_exact, unbiased
+                        log_rho = (logp.detach().double() - side.rollout_logp[rows].double()).sum(-1)  # (m,)
+                        rho = torch.exp(log_rho)
+                        if torch.isfinite(rho).all():
+                            v = (1.0 - rho).float() * w
+                        else:
+                            is_overflow = True
+                    need_v = v is not None and bool((v != 0).any())
                     if bool((w != 0).any()):
                         obj = (w[:, None] * logp).sum() / micro_batch  # (1/m) sum_i w_i log pi(y_i)
-                        out[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True), params)
+                        out[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True, retain_graph=need_v), params)
+                    if need_v:
+                        obj = (v[:, None] * logp).sum() / micro_batch
+                        Z[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True), params)
                     st["lengths"].extend(side.lengths[rows].tolist())
                     if side is mu_side:
                         tv_rows = _tv_rows(logits.detach(), recorded, side, rows)
@@ -350,13 +367,14 @@ def gradcheck(
 
     t0 = time.perf_counter()
     gxx, gyy, gdd, gxy = pair_grams(X, Y)
+    gzz = gram(Z) if Z is not None and not is_overflow else None
     kw = dict(micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
-    pooled = gradient_stats(gxx, gyy, gdd, gxy, strata=strata, **kw)
+    pooled = gradient_stats(gxx, gyy, gdd, gxy, strata=strata, gzz=gzz, **kw)
     bucket_rows = []
     for b in range(buckets):
         idx = torch.nonzero(strata == b).flatten()
         sub = [g[idx][:, idx] for g in (gxx, gyy, gdd, gxy)]
-        stats = gradient_stats(*sub, **kw) if buckets > 1 else dict(pooled)
+        stats = gradient_stats(*sub, gzz=None if gzz is None else gzz[idx][:, idx], **kw) if buckets > 1 else dict(pooled)
         st = per_bucket[b]
         ans = [len(ex.answer) for ex in bucket_pools[b]]
         tv = torch.tensor(st["tv"] or [0.0], dtype=torch.float64)
@@ -406,6 +424,10 @@ def gradcheck(
         notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
                      f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
                      f"draw more samples")
+    if importance_weighted and not default_sampling:
+        notes.append("the importance-weighted bias estimate needs temperature 1 and no top-k/top-p; not computed")
+    if is_overflow:
+        notes.append("a sequence ratio pi(y)/mu(y) overflowed float64: no importance-weighted bias estimate")
     if estimator != "reinforce":
         notes.append("the T^2 bound is stated for REINFORCE with R in [0, 1]; it is not evaluated for rloo")
     elif not tok_norms:
@@ -415,10 +437,10 @@ def gradcheck(
                   "estimator": estimator, "group_size": G, "max_new_tokens": max_new_tokens, "seed": seed,
                   "n_boot": n_boot, "ci": ci, "params": D, "param_filter": param_filter, "score_seqs": score_seqs,
                   "injector": "+".join(injector.parts) or "none", "magnitude": injector.s.magnitude,
-                  "sampling": asdict(sampling)},
+                  "sampling": asdict(sampling), "importance_weighted": gzz is not None},
         pooled=pooled, buckets=bucket_rows, bound=bound, mismatch=mismatch,
         cost={"total_s": time.perf_counter() - t_start, "rollout_s": t_roll, "gradient_s": t_grad,
-              "score_norm_s": t_score, "stats_s": t_stats, "vector_bytes": 2 * K * D * 4},
+              "score_norm_s": t_score, "stats_s": t_stats, "vector_bytes": (2 + (Z is not None)) * K * D * 4},
         notes=notes,
     )
 

@@ -381,6 +381,8 @@ class RLRun:
             score_seqs=0, n_boot=200, seed=cfg.run.seed * 1_000_003 + self.step,
         )
         out = {f"gradcheck/{k}": float(res.pooled[k]) for k in GRADCHECK_KEYS}
+        out.update({f"gradcheck/{k}": float(res.pooled[k]) for k in ("rel_bias_is", "rel_bias_is_lo", "rel_bias_is_hi")
+                    if k in res.pooled})  # the importance-weighted estimate (default sampling only)
         out["gradcheck/tv_max"] = res.bound["delta_max"]
         out["gradcheck/tv_mean"] = res.bound["delta_mean"]
         out["time/gradcheck_s"] = time.perf_counter() - t
