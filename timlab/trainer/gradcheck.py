@@ -11,6 +11,10 @@ weights (bitwise equal to the trainer); mu is the configured injector. Both are 
 same prompts and the same random numbers (``full_batch_decode``), so with no mismatch the two
 estimates are identical and every bias is exactly 0.
 
+A second estimate of the bias uses mu's samples alone: g_tim - g_exact = E_mu[(1 - rho) w s]
+with rho = pi(y) / mu(y) the exact (untruncated) sequence ratio; for a small mismatch rho is
+near 1 everywhere and this estimate is much less noisy than the paired difference.
+
 Reported (``timlab.metrics.gradients``): cosine, relative bias ||g_tim - g_exact|| / ||g_exact||
 with bootstrap confidence intervals and its noise floor, the per-sequence gradient SNR under pi
 and mu, all per response-length bucket (prompts bucketed by their reference answer's length)
@@ -26,9 +30,9 @@ so they can only underestimate the theorem's suprema: a measured bias above the 
 falsify it; one far below says how loose it is.
 
 Memory: the K = samples / micro_batch micro-batch gradient means of each side are kept
-(2 K D float32 for D selected parameters, plus at most 256 MiB of float64 blocks while the
-Gram matrices are formed; ``param_filter`` narrows D for large models); all statistics come from K x K Gram
-matrices. Delta is taken from mu's logits after the injector and before the rollout's
+(2 K D float32 for D selected parameters, 3 K D with the importance-weighted estimate, plus
+at most 256 MiB of float64 blocks while the Gram matrices are formed; ``param_filter``
+narrows D for large models); all statistics come from K x K Gram matrices. Delta is taken from mu's logits after the injector and before the rollout's
 temperature / top-k / top-p, i.e. between the two models' distributions (exact at the default
 temperature 1 with no truncation).
 """
