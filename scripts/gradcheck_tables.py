@@ -27,7 +27,8 @@ def _ci(d: dict, key: str, fmt: str = ".3g") -> str:
 
 def dose_table(folder: Path) -> str:
     lines = ["| injector | k3 | TV max / mean | same y | cosine [95% CI] | rel. bias [95% CI] | noise floor | "
-             "SNR exact / tim | measured / bound (upper CI) |", "|---|---:|---:|---:|---|---|---:|---:|---:|"]
+             "rel. bias, importance-weighted [95% CI] | its noise floor | SNR exact / tim | measured / bound (upper CI) |",
+             "|---|---:|---:|---:|---|---|---:|---|---:|---:|---:|"]
     for f in sorted(folder.glob("dose*.json")):
         d = json.loads(f.read_text())
         s, p, b, row = d["settings"], d["pooled"], d["bound"], d["buckets"][0]
@@ -35,6 +36,7 @@ def dose_table(folder: Path) -> str:
         lines.append(
             f"| {name} ({f.stem}) | {d['mismatch']['rollout_corr/k3_kl']:.2g} | {b['delta_max']:.3g} / {b['delta_mean']:.2g} "
             f"| {row['same_response_frac']:.2f} | {_ci(p, 'cosine', '.4f')} | {_ci(p, 'rel_bias')} | {p['noise_floor_rel']:.3g} "
+            f"| {_ci(p, 'rel_bias_is') if 'rel_bias_is' in p else '-'} | {p.get('noise_floor_rel_is', math.nan):.3g} "
             f"| {p['snr_exact']:.2g} / {p['snr_tim']:.2g} | {row['tightness']:.2g} ({row['tightness_hi']:.2g}) |")
     return "\n".join(lines)
 

@@ -45,7 +45,8 @@ def format_gradcheck(res: GradcheckResult) -> str:
         f"{p['noise_floor_rel']:.3g}){flag}",
         f"||g_tim - g_exact||         {ci('bias_norm', p)}",
         *([f"  importance-weighted       {ci('rel_bias_is', p)} relative, {ci('bias_norm_is', p)} absolute "
-           f"(mu's samples only; noise floor {p['noise_floor_rel_is']:.3g})"] if "rel_bias_is" in p else []),
+           f"(mu's samples only; noise floor {p['noise_floor_rel_is']:.3g}; ESS of pi/mu "
+           f"{p.get('is_ess_frac', float('nan')):.0%})"] if "rel_bias_is" in p else []),
         f"||g_exact||                 {ci('grad_norm_exact', p)}",
         f"SNR per sequence: exact     {ci('snr_exact', p)}",
         f"                  mismatch  {ci('snr_tim', p)}",

@@ -60,6 +60,9 @@ from timlab.tokenizer import Tokenizer
 __all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "gradcheck", "length_buckets", "select_params"]
 
 ESTIMATORS = ("reinforce", "rloo")
+ESS_MIN = 0.5
+"""Below this effective-sample-size fraction of the ratios pi(y)/mu(y), the importance-weighted
+bias estimate is flagged as unreliable (its bootstrap interval misses rare large weights)."""
 REWARD_MAX = 1.0
 """Every timlab task's reward lies in [0, 1] (the theorem's R in {0, 1} generalizes to this)."""
 
@@ -281,6 +284,7 @@ def gradcheck(
     default_sampling = sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
     Z = torch.zeros(K, D, dtype=torch.float32) if importance_weighted and default_sampling else None  # (1-rho) w s
     is_overflow = False
+    rhos: list[torch.Tensor] = []
     strata = torch.tensor([j % buckets for j in range(K)])
     prompt_rng = random.Random(seed)
     per_bucket = [dict(lengths=[], tv=[], tv_seq=[], k3_num=0.0, k3_den=0.0, same=0, n=0) for _ in range(buckets)]
@@ -335,6 +339,7 @@ def gradcheck(
                         rho = torch.exp(log_rho)
                         if torch.isfinite(rho).all():
                             v = (1.0 - rho).float() * w
+                            rhos.append(rho)
                         else:
                             is_overflow = True
                     need_v = v is not None and bool((v != 0).any())
@@ -428,6 +433,13 @@ def gradcheck(
         notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
                      f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
                      f"draw more samples")
+    if rhos and gzz is not None:
+        r = torch.cat(rhos)
+        ess = float(r.sum() ** 2 / (r.numel() * (r * r).sum()))
+        pooled["is_ess_frac"] = ess
+        if ess < ESS_MIN:
+            notes.append(f"the sequence ratios pi/mu are heavy-tailed (effective sample size {ess:.0%} of the samples): "
+                         f"the importance-weighted bias and its interval are unreliable here; read the paired estimate")
     if importance_weighted and not default_sampling:
         notes.append("the importance-weighted bias estimate needs temperature 1 and no top-k/top-p; not computed")
     if is_overflow:
