@@ -10,7 +10,7 @@ import torch
 from timlab.cli import main
 from timlab.config import resolve
 from timlab.engines import SamplingParams
-from timlab.experiments.gradcheck import GradcheckError, gradcheck, length_buckets, run_gradcheck
+from timlab.trainer.gradcheck import GradcheckError, gradcheck, length_buckets
 from timlab.injectors import build_injector
 from timlab.model.hf_io import load_model
 from timlab.tasks import make_splits
