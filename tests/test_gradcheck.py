@@ -10,11 +10,11 @@ import torch
 from timlab.cli import main
 from timlab.config import resolve
 from timlab.engines import SamplingParams
-from timlab.trainer.gradcheck import GradcheckError, gradcheck, length_buckets
 from timlab.injectors import build_injector
 from timlab.model.hf_io import load_model
 from timlab.tasks import make_splits
 from timlab.tokenizer import load_tokenizer
+from timlab.trainer.gradcheck import GradcheckError, gradcheck, length_buckets
 from timlab.trainer.pretrain import build_task, ensure_warm_start
 
 
