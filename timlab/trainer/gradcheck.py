@@ -248,7 +248,7 @@ def gradcheck(
     if score_seqs < 0:
         raise GradcheckError(f"score_seqs must be >= 0, got {score_seqs}")
     if n_boot < 100:
-        raise GradcheckError(f"n_boot must be >= 100 for a percentile interval, got {n_boot}")
+        raise GradcheckError(f"n_boot must be >= 100 for a bootstrap interval, got {n_boot}")
     if estimator not in ESTIMATORS:
         raise GradcheckError(f"unknown estimator {estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
     G = group_size if estimator == "rloo" else 1
@@ -287,7 +287,7 @@ def gradcheck(
     rhos: list[torch.Tensor] = []
     strata = torch.tensor([j % buckets for j in range(K)])
     prompt_rng = random.Random(seed)
-    per_bucket = [dict(lengths=[], tv=[], tv_seq=[], k3_num=0.0, k3_den=0.0, same=0, n=0) for _ in range(buckets)]
+    per_bucket = [dict(lengths=[], tv=[], tv_seq=[], same=0, n=0) for _ in range(buckets)]
     tok_norms: list[float] = []
     seq_norms: list[float] = []
     trainer_lp, rollout_lp, masks = [], [], []
@@ -314,9 +314,10 @@ def gradcheck(
             try:
                 with full_batch_decode(pi_engine, injector.engine):
                     r_pi = pi_engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                              generator=torch.Generator().manual_seed(gen_seed))
+                                              generator=torch.Generator(device=model.device).manual_seed(gen_seed))
                     r_mu = injector.rollout(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                            generator=torch.Generator().manual_seed(gen_seed), observe=observe)
+                                            generator=torch.Generator(device=model.device).manual_seed(gen_seed),
+                                            observe=observe)
             except NonFiniteLogitsError:
                 raise NonFiniteLogitsError("gradcheck: non-finite logits while sampling (diverged weights?)") from None
             t_roll += time.perf_counter() - t0

@@ -174,7 +174,8 @@ class RLRun:
 
         seed = cfg.run.seed
         self.prompt_rng = random.Random(seed)
-        self.rollout_gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + 17 + self.world.rank)
+        # on the model's device: torch.multinomial needs a generator of the device it samples on
+        self.rollout_gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + 17 + self.world.rank)
         torch.manual_seed(seed)
         self.step = 0
         self.grad_norm_ema: float | None = None
