@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from timlab.engines import SamplingParams
 from timlab.trainer.gradcheck import (  # noqa: F401  (re-exported: the public gradcheck API)
     ESTIMATORS,
     GradcheckError,
@@ -185,15 +184,12 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, samples: int = 25
     """gradcheck at ``model_dir`` (a checkpoint or any HF folder; default: the config's warm start),
     with the config's task, sampling, trainer precision and mismatch injector."""
     from timlab.injectors import build_injector, parse_parts
-    from timlab.model.hf_io import load_model
     from timlab.tasks import make_splits
-    from timlab.tokenizer import load_tokenizer
-    from timlab.trainer.precision import PRECISIONS, Precision
-    from timlab.trainer.pretrain import build_task, ensure_warm_start
+    from timlab.trainer.pretrain import build_task, ensure_warm_start, load_policy
+    from timlab.trainer.run import rollout_sampling, validate
 
+    validate(cfg)
     parse_parts(cfg.mismatch.injector)  # an unknown injector fails before any model is loaded
-    if cfg.model.dtype not in PRECISIONS:
-        raise ValueError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
     task = build_task(cfg)
     pool, _ = make_splits(task, seed=cfg.task.split_seed, n_train=min(cfg.task.n_train, POOL_SIZE), n_val=cfg.task.n_val)
     if model_dir is None:
@@ -202,19 +198,14 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, samples: int = 25
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"model folder {model_dir} does not exist")
         check_model_matches(Path(model_dir), cfg)
-    tok = load_tokenizer(model_dir)
-    master = load_model(model_dir, dtype="float32", device=cfg.run.device)
-    if tok.vocab_size > master.config.vocab_size:
-        raise ValueError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
-                         f"(vocab_size {master.config.vocab_size})")
-    model = Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32).compute
+    tok, precision = load_policy(model_dir, cfg, device=cfg.run.device)
+    model = precision.compute
     injector = build_injector(cfg.mismatch, model, default_engine=cfg.rollout.engine, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id)
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     res = gradcheck(
         model, tok, task, pool, injector, samples=samples, micro_batch=micro_batch, buckets=buckets,
         estimator=estimator, group_size=group_size or cfg.rollout.samples_per_prompt,
-        max_new_tokens=cfg.rollout.max_new_tokens, sampling=sampling,
+        max_new_tokens=cfg.rollout.max_new_tokens, sampling=rollout_sampling(cfg),
         dense_reward=cfg.task.dense_reward if dense_reward is None else dense_reward, score_seqs=score_seqs,
         n_boot=n_boot, seed=seed, param_filter=param_filter, progress=progress,
     )

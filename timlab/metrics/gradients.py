@@ -132,12 +132,12 @@ def _stats(W: torch.Tensor, gxx, gyy, gdd, gxy, strata, micro_batch: int, gzz=No
 
     Noise-corrected squares (U-statistics) may come out negative; they stay signed here.
     """
-    mx, ux, _, tx = _moments(W, gxx, strata)
-    my, uy, _, ty = _moments(W, gyy, strata)
-    md, ud, vd, _ = _moments(W, gdd, strata)
-    mxy, uxy, _, _ = _moments(W, 0.5 * (gxy + gxy.T), strata)  # <mean x, mean y>
-    g2x, g2y, b2, gxy_ = ux, uy, ud, uxy
-    tx, ty = micro_batch * tx, micro_batch * ty
+    # m*: plug-in squared norms / inner product of the means; g2x, g2y, b2, gxy_: noise-corrected
+    mx, g2x, _, tx = _moments(W, gxx, strata)
+    my, g2y, _, ty = _moments(W, gyy, strata)
+    md, b2, vd, _ = _moments(W, gdd, strata)
+    mxy, gxy_, _, _ = _moments(W, 0.5 * (gxy + gxy.T), strata)  # <mean x, mean y>
+    tx, ty = micro_batch * tx, micro_batch * ty  # per-sequence covariance traces
     nan = torch.full_like(mx, float("nan"))
 
     def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -180,9 +180,9 @@ IS_KEYS: tuple[str, ...] = ("bias_norm_is", "rel_bias_is")
 """With ``gzz``: the bias estimated from mu's samples alone by importance weighting, with bounds."""
 
 PLUGIN_KEYS: tuple[str, ...] = ("bias_norm_plugin", "rel_bias_plugin", "cosine_plugin", "noise_floor_norm", "noise_floor_rel")
-# plus "noise_floor_rel_is" when gzz is given
-"""Plug-in values and noise floors, returned as points only: a plug-in statistic is biased by
-the very noise the bootstrap adds again, so no bootstrap interval of it covers anything useful."""
+"""Plug-in values and noise floors (plus ``noise_floor_rel_is`` with ``gzz``), returned as points
+only: a plug-in statistic is biased by the very noise the bootstrap adds again, so no bootstrap
+interval of it covers anything useful."""
 
 MIN_MICRO_BATCHES = 8
 """Fewest micro-batches per stratum for which a bootstrap confidence interval is given."""
@@ -201,7 +201,7 @@ def gradient_stats(
     seed: int = 0,
     gzz: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Bias / cosine / SNR with percentile-bootstrap confidence intervals.
+    """Bias / cosine / SNR with basic-bootstrap confidence intervals (over micro-batches).
 
     gxx = X X^T (exact), gyy = Y Y^T (mismatched), gdd = D D^T with D = Y - X (formed from D
     itself, so a zero mismatch gives exact zeros), gxy = X Y^T; all (K, K). ``micro_batch``: m,

@@ -59,6 +59,14 @@ def full_step(key_valid: torch.Tensor, kv_len: int | None = None) -> Step:
     return Step(positions=positions_from_valid(key_valid), start=0, allowed=attention_mask(key_valid, 0, L, kv_len))
 
 
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token_t | tokens_<t) from teacher-forced logits (B, L, V): (logp (B, L) with column 0
+    set to 0, since it has no prefix; and the full next-token log-probs (B, L-1, V))."""
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, L-1, V)
+    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    return torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1), logp_all  # (B, L)
+
+
 def token_logprobs(
     model: CausalLM,
     tokens: torch.Tensor,
@@ -75,9 +83,7 @@ def token_logprobs(
     see ``full_step`` (only the exact mode uses it).
     """
     logits = model(tokens, full_step(key_valid, kv_len if mode == "exact" else None), mode=mode)  # (B, L, V)
-    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, S-1, V)
-    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, S-1)
-    logp = torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1)  # (B, S)
+    logp, logp_all = gather_logprobs(logits, tokens)
     entropy = None
     if with_entropy:
         with torch.no_grad():

@@ -52,10 +52,12 @@ from timlab.engines import Engine, NonFiniteLogitsError, SamplingParams, build_e
 from timlab.injectors import RolloutInjector
 from timlab.metrics import all_metrics
 from timlab.metrics.gradients import MIN_MICRO_BATCHES, fit_power_law, gradient_stats, gram, pair_grams, tv_distance
-from timlab.model.forward import full_step
+from timlab.model.forward import full_step, gather_logprobs
 from timlab.model.llama import CausalLM
 from timlab.tasks import Example, Task
 from timlab.tokenizer import Tokenizer
+from timlab.trainer.advantages import rloo
+from timlab.trainer.pretrain import rollout_rewards
 
 __all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "gradcheck", "length_buckets", "select_params"]
 
@@ -133,19 +135,16 @@ def sequence_logprobs(model: CausalLM, tokens: torch.Tensor, key_valid: torch.Te
 
     Column c's log-prob comes from logits[:, c - 1]; column 0 gets 0; off-mask columns get 0.
     """
-    logits = model(tokens, full_step(key_valid, kv_len), mode="exact").float()  # (B, L, V)
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, L-1)
-    logp = torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1) * mask  # (B, L)
-    return logp, logits
+    logits = model(tokens, full_step(key_valid, kv_len), mode="exact")  # (B, L, V) fp32
+    logp, _ = gather_logprobs(logits, tokens)
+    return logp * mask, logits
 
 
 def sample_weights(rewards: torch.Tensor, estimator: str, group_size: int) -> torch.Tensor:
     """Per-sequence weight w: the reward (reinforce) or the leave-one-out advantage (rloo)."""
     if estimator == "reinforce":
         return rewards
-    r = rewards.view(-1, group_size)  # (groups, G)
-    loo = (r.sum(-1, keepdim=True) - r) / (group_size - 1)
-    return (r - loo).reshape(-1)
+    return rloo(rewards.view(-1, group_size)).reshape(-1)  # (groups, G) -> (B,)
 
 
 @dataclass
@@ -169,13 +168,6 @@ def _score_side(rollout, rewards: torch.Tensor, estimator: str, group_size: int)
         weights=sample_weights(rewards, estimator, group_size).to(rollout.tokens.device),
         lengths=rollout.lengths.cpu(), kv_len=rollout.tokens.shape[1],
     )
-
-
-def _rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout, dense: bool) -> torch.Tensor:
-    texts = [tok.decode(ids) for ids in rollout.responses()]
-    fin = rollout.finished.tolist()
-    return torch.tensor([task.reward(ex, t, dense=dense) if f else 0.0 for ex, t, f in zip(examples, texts, fin)],
-                        dtype=torch.float32)
 
 
 def score_norms(model: CausalLM, params: list[torch.nn.Parameter], side: _Side, row: int) -> tuple[list[float], float]:
@@ -321,8 +313,8 @@ def gradcheck(
             except NonFiniteLogitsError:
                 raise NonFiniteLogitsError("gradcheck: non-finite logits while sampling (diverged weights?)") from None
             t_roll += time.perf_counter() - t0
-            pi_side = _score_side(r_pi, _rewards(task, tok, examples, r_pi, dense_reward), estimator, G)
-            mu_side = _score_side(r_mu, _rewards(task, tok, examples, r_mu, dense_reward), estimator, G)
+            pi_side = _score_side(r_pi, rollout_rewards(task, tok, examples, r_pi, dense=dense_reward), estimator, G)
+            mu_side = _score_side(r_mu, rollout_rewards(task, tok, examples, r_mu, dense=dense_reward), estimator, G)
             same = [a == b for a, b in zip(r_pi.responses(), r_mu.responses())]
 
             t0 = time.perf_counter()

@@ -25,12 +25,13 @@ from typing import Callable
 import torch
 
 from timlab.config import Config
-from timlab.engines import SamplingParams, build_engine
+from timlab.engines import Rollout, SamplingParams, build_engine
 from timlab.model.forward import token_logprobs
-from timlab.model.hf_io import save_model
+from timlab.model.hf_io import load_model, save_model
 from timlab.model.llama import CausalLM, ModelConfig
 from timlab.tasks import Example, Task, get_task, make_splits
 from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
+from timlab.trainer.precision import Precision
 
 
 def cache_root() -> Path:
@@ -87,11 +88,30 @@ def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[
         chunk = examples[i : i + batch_size]
         r = engine.generate([tok.encode(e.prompt) for e in chunk], max_new_tokens=max_new_tokens,
                             sampling=SamplingParams(temperature=0.0))
-        for e, ids, done in zip(chunk, r.responses(), r.finished.tolist()):
-            text = tok.decode(ids)
-            correct += task.reward(e, text) if done else 0.0
+        correct += float(rollout_rewards(task, tok, chunk, r).sum())
         lengths += float(r.lengths.sum())
     return correct / len(examples), lengths / len(examples)
+
+
+def rollout_rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout: Rollout, *,
+                    dense: bool = False) -> torch.Tensor:
+    """(B,) float32: each response's task reward against its example (one example per row); a
+    response that ran out of tokens before EOS gets 0."""
+    texts = [tok.decode(ids) for ids in rollout.responses()]
+    done = rollout.finished.tolist()
+    return torch.tensor([task.reward(e, t, dense=dense) if f else 0.0 for e, t, f in zip(examples, texts, done)],
+                        dtype=torch.float32)
+
+
+def load_policy(model_dir: str | Path, cfg: Config, *, device: str | torch.device) -> tuple[Tokenizer, Precision]:
+    """A model folder as the trainer holds it: its tokenizer, and fp32 master weights with the
+    ``model.dtype`` compute copy (``Precision``). A tokenizer larger than the model is an error."""
+    tok = load_tokenizer(model_dir)
+    master = load_model(model_dir, dtype="float32", device=device)
+    if tok.vocab_size > master.config.vocab_size:
+        raise ValueError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
+                         f"(vocab_size {master.config.vocab_size})")
+    return tok, Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
 
 
 @dataclass
@@ -215,4 +235,5 @@ def ensure_warm_start(cfg: Config, progress=None) -> PretrainResult:
     return pretrain(cfg, progress=progress)
 
 
-__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "build_task", "greedy_accuracy", "sft_batch"]
+__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "build_task", "greedy_accuracy", "sft_batch",
+           "rollout_rewards", "load_policy"]

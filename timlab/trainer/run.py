@@ -42,15 +42,14 @@ from timlab.model.hf_io import load_model
 from timlab.remedies import IS_LEVELS, IS_MODES, is_weights
 from timlab.schedulers import SCHEDULERS, build_scheduler
 from timlab.tasks import TASKS, make_splits
-from timlab.tokenizer import load_tokenizer
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
 from timlab.trainer.checkpoint import CheckpointError, latest_checkpoint, load_state, save_checkpoint
 from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
 from timlab.trainer.logging import MetricsLog, atomic_write_text
 from timlab.trainer.losses import LOSS_AGGREGATIONS, ppo_clip_loss
-from timlab.trainer.pretrain import build_task, ensure_warm_start, greedy_accuracy
-from timlab.trainer.precision import PRECISIONS, Precision
+from timlab.trainer.pretrain import build_task, ensure_warm_start, greedy_accuracy, load_policy, rollout_rewards
+from timlab.trainer.precision import PRECISIONS
 
 
 class ZeroMismatchViolation(RuntimeError):
@@ -116,6 +115,11 @@ GRADCHECK_KEYS = ("cosine", "cosine_lo", "cosine_hi", "cosine_plugin", "rel_bias
 """gradcheck statistics logged as ``gradcheck/<key>`` (see ``timlab.metrics.gradients``)."""
 
 
+def rollout_sampling(cfg: Config) -> SamplingParams:
+    """How the rollout section says to draw tokens."""
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+
+
 def scheduler_kwargs(cfg: Config) -> dict:
     """The scheduler section's keys that the chosen schedule takes."""
     s = cfg.scheduler
@@ -152,11 +156,7 @@ class RLRun:
         )
         warm = ensure_warm_start(cfg, progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None)
         self.model_dir = Path(warm.path)
-        self.tok = load_tokenizer(self.model_dir)
-        master = load_model(self.model_dir, dtype="float32", device=self.device)
-        if self.tok.vocab_size > master.config.vocab_size:
-            raise ValueError(f"tokenizer vocabulary ({self.tok.vocab_size}) does not fit the model (vocab_size {master.config.vocab_size})")
-        self.precision = Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
+        self.tok, self.precision = load_policy(self.model_dir, cfg, device=self.device)
         self.model = self.precision.compute  # the trainer's forward, shared with the exact engine
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:  # frozen copy of the starting policy for the KL penalty
@@ -169,7 +169,7 @@ class RLRun:
         self.injector = build_injector(cfg.mismatch, self.model, default_engine=cfg.rollout.engine,
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
-        self.sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.sampling = rollout_sampling(cfg)
         self.exact_rollout = self.injector.is_identity and cfg.rollout.engine == "exact"
 
         seed = cfg.run.seed
@@ -256,20 +256,15 @@ class RLRun:
         G = cfg.rollout.samples_per_prompt
 
         # 1. rollout --------------------------------------------------------------------
-        examples = self._draw_prompts()
-        prompts = [self.tok.encode(e.prompt) for e in examples for _ in range(G)]
+        examples = [e for e in self._draw_prompts() for _ in range(G)]  # one per sequence, G per prompt
+        prompts = [self.tok.encode(e.prompt) for e in examples]
         try:
             rollout = self.injector.rollout(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                             sampling=self.sampling, generator=self.rollout_gen)
         except NonFiniteLogitsError:
             raise NonFiniteError(f"step {self.step}: non-finite values in the rollout logits") from None
         t_rollout = time.perf_counter() - t0
-        texts = [self.tok.decode(ids) for ids in rollout.responses()]
-        finished = rollout.finished.tolist()
-        rewards = torch.tensor(
-            [self.task.reward(examples[i // G], texts[i], dense=cfg.task.dense_reward) if finished[i] else 0.0
-             for i in range(len(texts))], dtype=torch.float32
-        ).view(-1, G)  # (N, G)
+        rewards = rollout_rewards(self.task, self.tok, examples, rollout, dense=cfg.task.dense_reward).view(-1, G)  # (N, G)
 
         # 2. score: the trainer's forward, autograd on -----------------------------------
         t1 = time.perf_counter()
