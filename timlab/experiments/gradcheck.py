@@ -177,12 +177,12 @@ def check_model_matches(model_dir: Path, cfg) -> None:
                          f"but {b!r} in the config")
 
 
-def run_gradcheck(cfg, *, model_dir: str | Path | None = None, samples: int = 256, micro_batch: int = 8,
-                  buckets: int = 1, estimator: str = "reinforce", group_size: int | None = None,
-                  dense_reward: bool | None = None, seed: int = 0, n_boot: int = 1000, score_seqs: int = 8,
-                  param_filter: str | None = None, progress: Progress | None = None) -> GradcheckResult:
+def run_gradcheck(cfg, *, model_dir: str | Path | None = None, group_size: int | None = None,
+                  dense_reward: bool | None = None, progress: Progress | None = None, **options) -> GradcheckResult:
     """gradcheck at ``model_dir`` (a checkpoint or any HF folder; default: the config's warm start),
-    with the config's task, sampling, trainer precision and mismatch injector."""
+    with the config's task, sampling, trainer precision and mismatch injector. ``group_size`` and
+    ``dense_reward`` default to the config's; ``options`` (samples, micro_batch, buckets,
+    estimator, seed, n_boot, score_seqs, param_filter, ...) go to ``gradcheck``, whose defaults apply."""
     from timlab.injectors import build_injector, parse_parts
     from timlab.tasks import make_splits
     from timlab.trainer.pretrain import build_task, ensure_warm_start, load_policy
@@ -203,11 +203,9 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, samples: int = 25
     injector = build_injector(cfg.mismatch, model, default_engine=cfg.rollout.engine, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id)
     res = gradcheck(
-        model, tok, task, pool, injector, samples=samples, micro_batch=micro_batch, buckets=buckets,
-        estimator=estimator, group_size=group_size or cfg.rollout.samples_per_prompt,
+        model, tok, task, pool, injector, group_size=group_size or cfg.rollout.samples_per_prompt,
         max_new_tokens=cfg.rollout.max_new_tokens, sampling=rollout_sampling(cfg),
-        dense_reward=cfg.task.dense_reward if dense_reward is None else dense_reward, score_seqs=score_seqs,
-        n_boot=n_boot, seed=seed, param_filter=param_filter, progress=progress,
+        dense_reward=cfg.task.dense_reward if dense_reward is None else dense_reward, progress=progress, **options,
     )
     res.settings.update({"model": str(model_dir), "task": cfg.task.name, "dtype": cfg.model.dtype,
                          "rollout_engine": cfg.rollout.engine})
