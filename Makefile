@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (see README):
 #   make demo   installs into .venv and runs the main job (timlab demo) on the CPU
-#   make test   installs into .venv (with test extras) and runs the test suite
+#   make test   installs into .venv (with test extras and the optional integrations) and runs the test suite
 .PHONY: demo quick test bench venv clean
 
 venv:
@@ -15,7 +15,7 @@ quick:
 	OMP_NUM_THREADS=1 .venv/bin/timlab demo --quick --out demo_out_quick
 
 test:
-	bash scripts/setup_venv.sh test
+	bash scripts/setup_venv.sh test integrations
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -rs
 
 bench:

@@ -3,8 +3,14 @@
 # a machine whose Python already has torch >= 2.4 keeps it (the venv sees system packages);
 # otherwise torch==2.13.0 (the CPU wheel on this project's machines) is installed first, and
 # every later install is constrained to the torch version present.
+#
+# A second argument `integrations` also installs the optional integrations whose tests would
+# otherwise skip: verl 0.9.1 (with --no-deps: its full dependency list pins a CUDA stack; the
+# plug-in and the tests need only the packages below), ray, omegaconf, tensorboard and triton
+# (the Triton kernels' tests run in its CPU interpreter). `make test`, and so CI, asks for them.
 set -euo pipefail
 extras="${1:-test}"
+with="${2:-}"
 py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$py" -m venv --system-site-packages .venv
@@ -20,3 +26,12 @@ then
 fi
 .venv/bin/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > .venv/constraints.txt
 .venv/bin/python -m pip install -q -c .venv/constraints.txt -e ".[${extras}]"
+if [ "$with" = integrations ]; then
+  .venv/bin/python -m pip install -q -c .venv/constraints.txt \
+    ray omegaconf tensorboard triton \
+    packaging codetiming orjson pydantic "tensordict>=0.8,<=0.10.0,!=0.9.0"
+  .venv/bin/python -m pip install -q --no-deps verl==0.9.1
+elif [ -n "$with" ]; then
+  echo "setup_venv.sh: unknown second argument '$with'; valid choices: integrations" >&2
+  exit 2
+fi

@@ -92,6 +92,14 @@ def test_verl_compute_metrics_equals_all_metrics_for_dict_and_dataproto_like():
     assert set(want) == {k for k in want if k.startswith(("rollout_corr/", "mismatch/"))}
 
 
+def test_verl_compute_metrics_on_verls_own_dataproto():
+    protocol = pytest.importorskip("verl.protocol")
+    b = verl_like_batch()
+    proto = protocol.DataProto.from_dict(dict(b))
+    assert tv.compute_metrics(proto) == all_metrics(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
+    assert tv.response_length_mean(proto) == tv.response_length_mean(b)
+
+
 def test_verl_compute_metrics_hand_computed():
     # two sequences, r = log pi - log mu = 0.1 on every valid token; row 1 has one padded slot
     old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], dtype=torch.float64)

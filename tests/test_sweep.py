@@ -4,6 +4,7 @@ on rerun, a failing run that does not stop the others, and `timlab runs` filteri
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -99,15 +100,11 @@ def test_bad_spec_cli_one_line_exit_2(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_ray_executor_missing_is_a_clear_error(tmp_path):
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        with pytest.raises(SweepError, match="needs the ray package"):
-            run_sweep(SPEC, tmp_path / "out", executor="ray")
-        assert not (tmp_path / "out").exists()
-    else:
-        pytest.skip("ray is installed")
+def test_ray_executor_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises, installed or not
+    with pytest.raises(SweepError, match="needs the ray package"):
+        run_sweep(SPEC, tmp_path / "out", executor="ray")
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------- real runs
