@@ -125,6 +125,119 @@ def _saved_hf(path, case):
     return path
 
 
+# ------------------------------------------------------------------------------ RoPE scaling
+ROPE_SCALINGS = {  # small context numbers so that every branch of each scaling acts within 24 positions
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+}
+ROPE_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def hf_rope_model(model_type: str, scaling: dict):
+    config = hf_config(model_type, False, False)
+    config.rope_parameters = {**scaling, "rope_theta": 10000.0}
+    if hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+    m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    reinit_(m)
+    return m.eval()
+
+
+@pytest.mark.parametrize("model_type", ROPE_ARCHS)
+@pytest.mark.parametrize("rope", ROPE_SCALINGS)
+def test_rope_scaled_hf_folder_loads_with_same_logits(tmp_path, model_type, rope):
+    hf = hf_rope_model(model_type, ROPE_SCALINGS[rope])
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_model(tmp_path / "hf")
+    assert model.config.rope_type == rope
+    tokens, key_valid = ragged_batch()
+    # the RoPE tables equal transformers' cos and sin bit for bit
+    pos = positions_from_valid(key_valid)
+    cos_hf, sin_hf = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = model.rope(pos.device, int(pos.max()) + 1)
+    assert torch.equal(cos[pos], cos_hf) and torch.equal(sin[pos], sin_hf)
+    ref, got = hf_logits(hf, tokens, key_valid), timlab_logits(model, tokens, key_valid)
+    assert float((ref[key_valid] - got[key_valid]).abs().max()) <= TOL
+    # a folder timlab writes carries the scaling: transformers reads it back to the same logits
+    save_model(model, tmp_path / "timlab")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "timlab", attn_implementation="eager").eval()
+    assert float((hf_logits(again, tokens, key_valid) - got)[key_valid].abs().max()) <= TOL
+    reloaded = load_model(tmp_path / "timlab").config
+    assert (reloaded.rope_theta, reloaded.rope_scaling) == (model.config.rope_theta, model.config.rope_scaling)
+
+
+def test_rope_scaling_changes_the_logits(tmp_path):
+    """The scaled cases above are not the default RoPE in disguise (dynamic is, within context)."""
+    tokens, key_valid = ragged_batch()
+    base = hf_model("llama", False, False)
+    for rope, scaling in ROPE_SCALINGS.items():
+        hf = hf_rope_model("llama", scaling)
+        diff = float((hf_logits(hf, tokens, key_valid) - hf_logits(base, tokens, key_valid))[key_valid].abs().max())
+        assert (diff == 0.0) == (rope == "dynamic"), (rope, diff)
+
+
+@pytest.mark.parametrize("rope", ROPE_SCALINGS)
+def test_rope_scaled_exact_engine_bitwise_equals_trainer(tmp_path, rope):
+    hf_rope_model("llama", ROPE_SCALINGS[rope]).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    r = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD).generate(
+        prompts(), max_new_tokens=16, generator=torch.Generator().manual_seed(0))
+    m = r.response_mask
+    assert torch.equal(_trainer_logp(model, r)[m], r.logprobs[m])
+
+
+def test_dynamic_rope_past_the_context_is_refused(tmp_path):
+    hf_rope_model("llama", ROPE_SCALINGS["dynamic"]).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    tokens = torch.randint(3, V, (1, 130), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="dynamic RoPE scaling past max_position_embeddings=128"):
+        timlab_logits(model, tokens, torch.ones_like(tokens, dtype=torch.bool))
+
+
+def test_llama_3_2_config_as_published_loads(tmp_path):
+    """Llama-3.2-1B's config.json with its sizes shrunk and everything else as published."""
+    published = {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+    }
+    small = {**published, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": V,
+             "bos_token_id": 1, "eos_token_id": EOS}
+    (tmp_path / "config.json").write_text(json.dumps(small))  # the file as published, not as re-saved
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path),
+                                                       attn_implementation="eager", dtype=torch.float32)
+    reinit_(hf)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(tmp_path)
+    assert model.config.rope_type == "llama3" and model.config.rope_theta == 500000.0
+    tokens, key_valid = ragged_batch()
+    got = timlab_logits(model, tokens, key_valid)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32)
+    assert float((hf_logits(ref.eval(), tokens, key_valid) - got)[key_valid].abs().max()) <= TOL
+
+
+def test_unsupported_rope_type_is_refused(tmp_path):
+    path = _saved_hf(tmp_path, CASES[0])
+    d = json.loads((path / "config.json").read_text())
+    d["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    d.pop("rope_scaling", None)
+    (path / "config.json").write_text(json.dumps(d))
+    msg = _one_line_error(path)
+    assert "unsupported rope_type='longrope'" in msg and "default, linear, dynamic, llama3, yarn" in msg
+
+
 def test_left_padding_does_not_change_a_rows_logits(tmp_path):
     """The same sequence alone and left-padded inside a ragged batch: same logits (HF and timlab)."""
     model = load_model(_saved_hf(tmp_path, CASES[0]))

@@ -58,12 +58,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise ModelLoadError(f"unsupported hidden_act={act!r}; valid choices: silu")
     if d.get("use_sliding_window"):
         raise ModelLoadError("unsupported use_sliding_window=true; only full attention is implemented")
-    rope = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ModelLoadError(f"unsupported rope_type={rope_type!r}; valid choices: default")
-    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    theta, rope_scaling = _rope_from_hf(d)
     eos = d.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
@@ -79,6 +74,7 @@ def config_from_hf(d: dict) -> ModelConfig:
             head_dim=d.get("head_dim"),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
@@ -89,6 +85,41 @@ def config_from_hf(d: dict) -> ModelConfig:
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json is missing the field {e.args[0]!r}") from None
+
+
+ROPE_KEYS = {  # the keys each RoPE type reads (besides rope_type and rope_theta), required first
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("original_max_position_embeddings",),
+             ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+}
+
+
+def _rope_from_hf(d: dict) -> tuple[float, dict | None]:
+    """rope_theta and ModelConfig.rope_scaling from a config.json, read as transformers reads it:
+    ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (older), ``type`` as an old
+    spelling of ``rope_type``, and ``original_max_position_embeddings`` for llama3 and yarn from
+    the top level or else ``max_position_embeddings``."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    if rope_type not in ROPE_KEYS:
+        raise ModelLoadError(f"unsupported rope_type={rope_type!r}; valid choices: {', '.join(ROPE_KEYS)}")
+    if rope.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("unsupported partial_rotary_factor != 1; RoPE rotates the whole head here")
+    if rope_type in ("llama3", "yarn"):
+        top = d.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = top or rope.get("original_max_position_embeddings") or d.get(
+            "max_position_embeddings", 2048)
+    required, optional = ROPE_KEYS[rope_type]
+    missing = [k for k in required if rope.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"rope_type={rope_type!r} needs {missing[0]!r} in rope_parameters")
+    used = {k: v for k, v in rope.items() if k in required + optional}  # transformers ignores the rest too
+    return theta, None if rope_type == "default" else {"rope_type": rope_type, **used}
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -106,7 +137,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias,
@@ -117,6 +148,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
     }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = dict(cfg.rope_scaling)  # what transformers < 5 reads
     if cfg.model_type == "llama":
         d["mlp_bias"] = cfg.mlp_bias
     else:
@@ -124,20 +157,35 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     return d
 
 
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file; a truncated or damaged one is a one-line error naming it."""
+    try:
+        return load_file(str(file))
+    except Exception as e:  # safetensors raises SafetensorError, OSError or RuntimeError for a bad file
+        raise ModelLoadError(f"{file}: unreadable safetensors file ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
     if single.exists():
-        return load_file(str(single))
+        return _load_file(single)
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__})") from None
         out: dict[str, torch.Tensor] = {}
         for shard in shards:
-            out.update(load_file(str(path / shard)))
+            out.update(_load_file(path / shard))
         return out
     binfile = path / "pytorch_model.bin"
     if binfile.exists():
-        return torch.load(binfile, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(binfile, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle, zip and torch errors of a damaged file
+            raise ModelLoadError(f"{binfile}: unreadable ({type(e).__name__})") from None
     raise ModelLoadError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
@@ -147,9 +195,11 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a model folder (no config.json)")
     try:
-        hf = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: invalid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ModelLoadError(f"{path / 'config.json'}: expected a JSON object, got a {type(hf).__name__}")
     cfg = config_from_hf(hf)
     with torch.device("meta"):
         model = CausalLM(cfg)

@@ -11,12 +11,17 @@ about RL. It has two numeric paths selected per call:
   ``scaled_dot_product_attention`` over the keys written so far. Numerically close, not equal.
 
 Departures from HF: RoPE cos/sin come from one table built at load time and indexed by
-position (HF recomputes them per call; the values agree to ~1e-7). Only the default RoPE type,
-SiLU activations and full attention are supported; other configs are refused at load time.
+position (HF recomputes them per call; the values agree to ~1e-7). The RoPE types are HF's
+default, linear, dynamic, yarn and llama3 (``ROPE_TYPES``). Dynamic NTK scaling changes every
+frequency once a sequence passes ``max_position_embeddings``, differently for each length, which
+no KV cache can reproduce, so timlab runs it only up to that length (where it is the default
+RoPE, as in HF) and refuses longer sequences. Only SiLU activations and full attention are
+supported; other configs are refused at load time.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +56,9 @@ class ModelConfig:
     """Defaults to hidden_size // num_attention_heads."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    """None for the default RoPE, else HF's ``rope_parameters`` less ``rope_theta``: ``rope_type``
+    (one of ROPE_TYPES) and that type's keys, e.g. ``{"rope_type": "linear", "factor": 4.0}``."""
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -66,6 +74,9 @@ class ModelConfig:
                 f"unsupported architecture model_type={self.model_type!r}; "
                 f"valid choices: {', '.join(ARCHITECTURES)}"
             )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type={rope_type!r}; valid choices: {', '.join(ROPE_TYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -75,6 +86,10 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
 
     @property
     def qkv_bias(self) -> bool:
@@ -110,14 +125,92 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_table(cfg: ModelConfig, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (length, head_dim), fp32, HF's default RoPE (values do not depend on length)."""
+# RoPE inverse frequencies, one function per HF rope_type, each written as transformers'
+# modeling_rope_utils computes it (same operations in the same order, so the same fp32 values).
+# Each returns (inv_freq (d/2,), attention_factor): the factor scales cos and sin (yarn only).
+def _default_inv_freq(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float]:
     d = cfg.dim_per_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d)), 1.0
+
+
+def _linear_inv_freq(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float]:
+    """Position interpolation: every frequency divided by ``factor``."""
+    inv_freq, _ = _default_inv_freq(cfg, device)
+    return inv_freq / cfg.rope_scaling["factor"], 1.0
+
+
+def _llama3_inv_freq(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float]:
+    """Llama 3.1: low frequencies divided by ``factor``, high ones kept, a smooth ramp between."""
+    r = cfg.rope_scaling
+    inv_freq, _ = _default_inv_freq(cfg, device)
+    factor, low, high = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+    old_context_len = r["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def _yarn_inv_freq(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): interpolate low frequencies, keep high ones, ramp between, and
+    scale cos/sin by the attention factor."""
+    r = cfg.rope_scaling
+    d, base = cfg.dim_per_head, cfg.rope_theta
+    original = r["original_max_position_embeddings"]
+    factor = r.get("factor") or cfg.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = r.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = r.get("mscale"), r.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(r.get("beta_fast") or 32), correction_dim(r.get("beta_slow") or 1)
+    if r.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    if lo == hi:
+        hi += 0.001  # as HF: no zero-width ramp
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.float) / d)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1 where a frequency is kept (extrapolated), 0 where interpolated
+    return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+ROPE_TYPES = {
+    "default": _default_inv_freq,
+    "linear": _linear_inv_freq,
+    "dynamic": _default_inv_freq,  # up to max_position_embeddings, where it is the default (see above)
+    "yarn": _yarn_inv_freq,
+    "llama3": _llama3_inv_freq,
+}
+"""HF rope_type -> the function that computes its inverse frequencies."""
+
+
+def rope_table(cfg: ModelConfig, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (length, head_dim), fp32, the config's RoPE type (values do not depend
+    on length; a dynamic one is refused past max_position_embeddings)."""
+    if cfg.rope_type == "dynamic" and length > cfg.max_position_embeddings:
+        raise ValueError(  # engines refuse such lengths before (max_position_embeddings)
+            f"dynamic RoPE scaling past max_position_embeddings={cfg.max_position_embeddings} (here {length} "
+            "positions) changes every frequency with the sequence length, which a KV cache cannot reproduce"
+        )
+    inv_freq, attention_factor = ROPE_TYPES[cfg.rope_type](cfg, device)
     pos = torch.arange(length, dtype=torch.float, device=device)
     freqs = pos[:, None] * inv_freq[None, :]  # (P, d/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (P, d)
-    return emb.cos(), emb.sin()
+    if attention_factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
