@@ -1,20 +1,24 @@
 """The ``timlab`` command line. The only module that parses arguments or prints results.
 
 Each subcommand is a thin wrapper: parse, call one library function, print what it returns.
-Bad input (unknown names, missing files, malformed configs) ends with one line on stderr and
-exit code 2; ``--debug`` shows the traceback instead.
+Bad input (unknown names, missing files, malformed configs: a ``TimlabError``) and errors of the
+environment (a full disk, a missing or unwritable path: an ``OSError``) end with one line on
+stderr and exit code 2; anything else is a bug and keeps its traceback. ``--debug`` shows the
+traceback in every case.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
+from timlab.errors import TimlabError, one_line
+from timlab.files import check_output_file, write_json
 
-class CLIError(Exception):
+
+class CLIError(TimlabError):
     """A user-facing error: printed as one line, exit code 2."""
 
 
@@ -28,8 +32,7 @@ def _set_threads() -> None:
 
 def _write_json(path: str | None, obj) -> None:
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(obj, indent=2))
+        write_json(path, obj)
 
 
 # ---------------------------------------------------------------------------------- probe
@@ -336,6 +339,7 @@ def _add_runs(sub) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from timlab.experiments.report import build_report
 
+    check_output_file(args.out, "--out")
     res = build_report(args.inputs, args.out, group_by=args.group_by)
     print(f"wrote {res.path}: {res.n_runs} runs" + (
         f"; {len(res.missing)} with missing metrics ({', '.join(name for name, _ in res.missing)})" if res.missing else ""))
@@ -358,6 +362,8 @@ _EXTRA_COMMANDS.extend([_add_sweep, _add_runs, _add_report])
 def cmd_analyze(args: argparse.Namespace) -> int:
     from timlab.experiments.analyze import analyze_file, format_analysis
 
+    check_output_file(args.out, "--out")
+    check_output_file(args.json, "--json")
     result = analyze_file(args.file, out_html=args.out)
     print(format_analysis(result))
     _write_json(args.json, result)
@@ -381,6 +387,8 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
     from timlab.config import load_run_config, parse_set, resolve
     from timlab.experiments.gradcheck import format_gradcheck, plot_gradcheck, run_checkpoint, run_gradcheck
 
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot, "--plot")
     sets = list(args.set or [])
     if args.injector is not None:
         sets.append(f"mismatch.injector={args.injector}")
@@ -441,21 +449,24 @@ def _add_gradcheck(sub) -> None:
 _EXTRA_COMMANDS.append(_add_gradcheck)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"timlab: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _set_threads()
+    if not args.debug:
+        import warnings
+
+        warnings.showwarning = _show_warning  # library warnings (e.g. a checkpoint passed over) as one line
     if args.debug:
         return args.func(args)
-    from timlab.registry import UnknownNameError
-
     try:
         return args.func(args)
-    except (CLIError, ValueError, FileNotFoundError, UnknownNameError, NotImplementedError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and not type(e).__module__.startswith("timlab"):
-            raise  # a bug, not bad input: keep the traceback
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"timlab: error: {msg}", file=sys.stderr)
+    except (TimlabError, OSError) as e:  # bad input, or the environment (disk full, a path); not a bug
+        print(f"timlab: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("timlab: interrupted", file=sys.stderr)

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from timlab.errors import TimlabError
+
 
 @dataclass(frozen=True)
 class ModelSection:
@@ -231,7 +233,7 @@ PRESETS: dict[str, dict] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(TimlabError, ValueError):
     """A bad config key or value; the message is one line naming the key and the valid choices."""
 
 
@@ -323,6 +325,18 @@ def from_dict(d: dict) -> Config:
     return Config(**sections)
 
 
+def _read_yaml(p: Path) -> Any:
+    """A YAML file's content; one-line ConfigError naming the file when it is not UTF-8 or not YAML."""
+    try:
+        return yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: is a folder, not a YAML file") from None
+
+
 def resolve(
     yaml_path: str | Path | None = None,
     preset: str | None = None,
@@ -338,11 +352,7 @@ def resolve(
         p = Path(yaml_path)
         if not p.exists():
             raise FileNotFoundError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
-        d = _merge(d, data, str(p))
+        d = _merge(d, _read_yaml(p), str(p))
     if overrides:
         over = parse_set(overrides) if isinstance(overrides, list) else overrides
         d = _merge(d, over, "--set")
@@ -353,9 +363,9 @@ def load_run_config(run_dir: str | Path, overrides: dict | None = None) -> Confi
     """The fully resolved config.yaml a run directory was started with, plus ``overrides``
     (a nested dict as ``parse_set`` returns, validated like any other layer)."""
     p = Path(run_dir) / "config.yaml"
-    if not p.exists():
+    if not p.is_file():
         raise FileNotFoundError(f"{run_dir}: no config.yaml (not a timlab run directory)")
-    d = _merge(Config().to_dict(), yaml.safe_load(p.read_text()) or {}, str(p))
+    d = _merge(Config().to_dict(), _read_yaml(p), str(p))
     if overrides:
         d = _merge(d, overrides, "--set")
     return from_dict(d)

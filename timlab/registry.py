@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
+from timlab.errors import TimlabError, UsageError
+
 T = TypeVar("T")
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(TimlabError, KeyError):
     """Raised for a name that is not in a registry; the message lists the valid names."""
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it a readable line
@@ -37,7 +39,7 @@ class Registry(Generic[T]):
 
     def add(self, name: str, obj: T) -> None:
         if name in self._items:
-            raise ValueError(f"{self.kind} {name!r} is already registered")
+            raise UsageError(f"{self.kind} {name!r} is already registered")
         self._items[name] = obj
 
     def get(self, name: str) -> T:

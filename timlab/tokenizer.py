@@ -26,6 +26,8 @@ from typing import Any, Iterable, Sequence
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
+from timlab.errors import BadFileError, UsageError
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in the char tokenizer
 
@@ -33,7 +35,7 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in the char tokenizer
 def build_char_tokenizer(chars: str) -> tokenizers.Tokenizer:
     """One token per character of ``chars`` (duplicates ignored, spaces kept), after 4 specials."""
     if not chars:
-        raise ValueError("build_char_tokenizer needs at least one character")
+        raise UsageError("build_char_tokenizer needs at least one character")
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in sorted(set(chars)):
         vocab[ch] = len(vocab)
@@ -132,7 +134,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise FileNotFoundError(
             f"tokenizer path {str(p)!r} does not exist; expected a folder with tokenizer.json")
     if tok_file.is_file():
-        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            raise BadFileError(f"{tok_file}: not a tokenizers JSON file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         return _wrap(backend, _special_tokens(folder), folder, str(path))
     return _load_with_transformers(folder, str(path))
 
@@ -143,16 +148,16 @@ def _load_with_transformers(folder: Path, name: str) -> Tokenizer:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ValueError(f"no tokenizer.json in {str(folder)!r}; {expected}, "
+        raise UsageError(f"no tokenizer.json in {str(folder)!r}; {expected}, "
                          "and transformers is not installed") from None
     try:
         hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # transformers raises many types; keep the message one line
-        raise ValueError(f"no tokenizer found in {str(folder)!r}; {expected} "
+        raise UsageError(f"no tokenizer found in {str(folder)!r}; {expected} "
                          f"(AutoTokenizer: {type(e).__name__})") from None
     backend = getattr(hf, "backend_tokenizer", None)
     if not isinstance(backend, tokenizers.Tokenizer):
-        raise ValueError(f"{str(folder)!r} holds a slow tokenizer ({type(hf).__name__}); "
+        raise UsageError(f"{str(folder)!r} holds a slow tokenizer ({type(hf).__name__}); "
                          "timlab needs a fast one (tokenizer.json)")
     special = _special_tokens(folder)
     for key in ("eos", "pad", "bos"):  # what transformers resolved wins over the raw files
@@ -165,7 +170,7 @@ def _wrap(backend: tokenizers.Tokenizer, special: dict[str, Any], folder: Path,
           name: str) -> Tokenizer:
     ids = {key: _to_id(backend, value, key, folder) for key, value in special.items()}
     if ids.get("eos") is None:
-        raise ValueError(
+        raise UsageError(
             f"no EOS token found in {str(folder)!r}; expected eos_token in tokenizer_config.json "
             "/ special_tokens_map.json or eos_token_id in generation_config.json / config.json")
     return Tokenizer(backend, eos_token_id=ids["eos"], pad_token_id=ids.get("pad"),
@@ -184,7 +189,7 @@ def _to_id(backend: tokenizers.Tokenizer, value: Any, key: str, folder: Path) ->
         return value
     tid = backend.token_to_id(str(value))
     if tid is None:
-        raise ValueError(f"{key} token {value!r} from {str(folder)!r} is not in the vocabulary")
+        raise UsageError(f"{key} token {value!r} from {str(folder)!r} is not in the vocabulary")
     return tid
 
 
@@ -202,7 +207,12 @@ def _special_tokens(folder: Path) -> dict[str, Any]:
         f = folder / filename
         if not f.is_file():
             continue
-        data = json.loads(f.read_text())
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadFileError(f"{f}: invalid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise BadFileError(f"{f}: expected a JSON object, got a {type(data).__name__}")
         for key in ("eos", "pad", "bos"):
             value = data.get(pattern.format(key))
             if found.get(key) is None and value is not None:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from timlab.errors import TimlabError, UsageError
 from timlab.model.forward import buffer_length
 from timlab.model.llama import CausalLM
 from timlab.registry import Registry
@@ -37,11 +38,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise UsageError(f"top_k must be >= 0, got {self.top_k}")
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Rollout:
         return [row[m].tolist() for row, m in zip(self.tokens, self.response_mask)]
 
 
-class NonFiniteLogitsError(ValueError):
+class NonFiniteLogitsError(TimlabError, ValueError):
     """The model produced NaN/Inf logits while decoding (diverged weights, overflow)."""
 
 
@@ -127,16 +128,16 @@ class Engine:
     def pack(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Left-pad prompts into a (B, S) grid. Returns tokens, key_valid, prompt width P."""
         if not prompts:
-            raise ValueError("no prompts given")
+            raise UsageError("no prompts given")
         if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
+            raise UsageError("empty prompt: every prompt needs at least one token")
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         P = max(len(p) for p in prompts)
         S = buffer_length(P, max_new_tokens)
         limit = self.model.config.max_position_embeddings
         if P + max_new_tokens > limit:
-            raise ValueError(
+            raise UsageError(
                 f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context "
                 f"(max_position_embeddings={limit})"
             )
@@ -147,7 +148,7 @@ class Engine:
         for b, p in enumerate(prompts):
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt {b} has token id {bad[0]} outside the model's vocabulary (size {vocab})")
+                raise UsageError(f"prompt {b} has token id {bad[0]} outside the model's vocabulary (size {vocab})")
             tokens[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long, device=dev)
             key_valid[b, : P - len(p)] = False
         return tokens, key_valid, P

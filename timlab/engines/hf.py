@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from timlab.engines.base import ENGINES, Engine, LogitsProcessor, Rollout, SamplingParams
+from timlab.errors import TimlabError, UsageError
 from timlab.model.forward import positions_from_valid
 from timlab.model.hf_io import config_to_hf
 from timlab.model.llama import CausalLM
@@ -35,8 +36,8 @@ from timlab.model.llama import CausalLM
 MISSING_TRANSFORMERS = "the hf engine needs transformers: pip install timlab[hf]"
 
 
-class MissingTransformersError(ImportError, ValueError):
-    """transformers is not installed. Also a ValueError, so the CLI reports it as one line."""
+class MissingTransformersError(TimlabError, ImportError, ValueError):
+    """transformers is not installed (a TimlabError: the CLI reports it as one line)."""
 
 
 def _import_transformers():
@@ -67,7 +68,7 @@ def copy_weights(model: CausalLM, hf) -> None:
     dst = hf.state_dict()
     missing = [k for k in dst if k not in src and "rotary_emb" not in k]
     if missing:
-        raise ValueError(f"HF model has weight {missing[0]!r} that the timlab model lacks")
+        raise UsageError(f"HF model has weight {missing[0]!r} that the timlab model lacks")
     with torch.no_grad():
         for k, t in src.items():
             if k in dst:

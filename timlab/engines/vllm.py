@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from timlab.engines.base import ENGINES, Engine, LogitsProcessor, Rollout, SamplingParams
+from timlab.errors import TimlabError, UsageError
 from timlab.model.hf_io import save_model
 from timlab.model.llama import CausalLM
 
@@ -61,8 +62,8 @@ VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 _MARKER = ".timlab-vllm"  # marks a folder this engine owns (it overwrites the weights there)
 
 
-class MissingVLLMError(ImportError, ValueError):
-    """vllm is not installed. Also a ValueError, so the CLI reports it as one line."""
+class MissingVLLMError(TimlabError, ImportError, ValueError):
+    """vllm is not installed (a TimlabError: the CLI reports it as one line)."""
 
 
 def _import_vllm():
@@ -129,7 +130,7 @@ class VLLMEngine(Engine):
         self.model_dir = Path(model_dir)
         self.model_dir.mkdir(parents=True, exist_ok=True)
         if any(self.model_dir.iterdir()) and not (self.model_dir / _MARKER).exists():
-            raise ValueError(
+            raise UsageError(
                 f"model_dir {str(self.model_dir)!r} is not empty and was not written by the vllm engine; "
                 "it overwrites the weights there at every sync: give an empty folder"
             )
@@ -146,7 +147,7 @@ class VLLMEngine(Engine):
     def _build_llm(self):
         dtype = self.model.dtype
         if dtype not in VLLM_DTYPES:
-            raise ValueError(f"the vllm engine cannot serve dtype {dtype}; valid: {', '.join(VLLM_DTYPES.values())}")
+            raise UsageError(f"the vllm engine cannot serve dtype {dtype}; valid: {', '.join(VLLM_DTYPES.values())}")
         vocab = self.model.config.vocab_size
         names = _engine_arg_names()
         kwargs = dict(
@@ -228,7 +229,7 @@ class VLLMEngine(Engine):
         logits_processor: LogitsProcessor | None = None,
     ) -> Rollout:
         if logits_processor is not None:
-            raise NotImplementedError(
+            raise UsageError(
                 "the vllm engine does not take a timlab logits_processor (an injected mismatch); "
                 "use exact, fast or hf"
             )

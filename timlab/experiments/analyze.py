@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 import torch
 
+from timlab.errors import TimlabError, UsageError
 from timlab.metrics import (
     all_metrics,
     mismatch_by_length,
@@ -62,7 +63,7 @@ PARQUET_EXT = (".parquet", ".pq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
 
 
-class AnalyzeError(ValueError):
+class AnalyzeError(TimlabError, ValueError):
     """The file cannot be analyzed at all; the message is one line naming the file and the cause."""
 
 
@@ -409,11 +410,12 @@ def _bar_plot(labels: list[str], values: list[float], counts: list[int] | None, 
     fig = _new_figure(w, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     x = list(range(len(labels)))
+    values = [v if math.isfinite(v) else math.nan for v in values]  # an infinite bar has no height to draw
     ax.bar(x, values, color="#4477aa")
     ax.set_xticks(x)
     ax.set_xticklabels(labels, rotation=45 if len(labels) > 6 else 0, ha="right" if len(labels) > 6 else "center",
                        fontsize=8)
-    top = max(values) if values else 0.0
+    top = max((v for v in values if v == v), default=0.0)
     if logy and top > 0:
         ax.set_yscale("log")
         ax.set_ylim(0.7, top * 3)
@@ -458,7 +460,8 @@ def _steps_uri(per_step: list[dict]) -> str:
     steps = [s["step"] for s in per_step]
     for k, key in enumerate(STEP_COLUMNS[:4]):
         ax = fig.add_subplot(2, 2, k + 1)
-        ax.plot(steps, [s["metrics"][key] for s in per_step], marker="o", color="#cc6677")
+        ys = [s["metrics"][key] for s in per_step]
+        ax.plot(steps, [y if y is not None and math.isfinite(y) else math.nan for y in ys], marker="o", color="#cc6677")
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -544,12 +547,12 @@ def write_rows(rows: list[dict], path: str | Path, *, append: bool = False) -> P
     path = Path(path)
     ext = path.suffix.lower()
     if ext not in PARQUET_EXT + JSONL_EXT:
-        raise ValueError(f"unknown extension {ext or '(none)'!r} of {path}; valid: {', '.join(PARQUET_EXT + JSONL_EXT)}")
+        raise UsageError(f"unknown extension {ext or '(none)'!r} of {path}; valid: {', '.join(PARQUET_EXT + JSONL_EXT)}")
     clean = [{k: _jsonable(v) for k, v in row.items()} for row in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
     if ext in PARQUET_EXT:
         if append:
-            raise ValueError(f"append=True needs a JSONL file; {path} is Parquet")
+            raise UsageError(f"append=True needs a JSONL file; {path} is Parquet")
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -587,7 +590,7 @@ def _rows_from_tensors(*, trainer: torch.Tensor, rollout: torch.Tensor, mask: to
     rollout = torch.as_tensor(rollout).detach().float().cpu()
     mask = torch.as_tensor(mask).detach().cpu() != 0
     if trainer.shape != rollout.shape or trainer.shape != mask.shape or trainer.dim() != 2:
-        raise ValueError(f"shape mismatch: trainer {tuple(trainer.shape)}, rollout {tuple(rollout.shape)}, "
+        raise UsageError(f"shape mismatch: trainer {tuple(trainer.shape)}, rollout {tuple(rollout.shape)}, "
                          f"mask {tuple(mask.shape)} (all must be (B, T))")
     B, T = trainer.shape
     cols = torch.arange(T)
@@ -632,7 +635,7 @@ def from_verl_batch(batch: Any, *, step: int | None = None, tokenizer=None, trai
     data = _mapping(batch)
     missing = [k for k in (trainer_key, rollout_key) if _get(data, k) is None]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"verl batch has no {', '.join(missing)} (keys: {', '.join(sorted(data.keys()))}); "
             "rollout_log_probs need actor_rollout_ref.rollout.calculate_log_probs=True, old_log_probs exist "
             "after the actor's compute_log_prob")
@@ -677,13 +680,13 @@ def from_trl_inputs(inputs: Mapping[str, Any], *, step: int | None = None, token
     data = _mapping(inputs)
     trainer = trainer_logps if trainer_logps is not None else _get(data, trainer_key)
     if trainer is None:
-        raise ValueError(
+        raise UsageError(
             f"TRL inputs have no {trainer_key!r}: TRL computes it only with use_vllm=True and "
             "vllm_importance_sampling_correction=True (or misaligned generation/optimization steps); "
             "pass trainer_logps= from a no-grad forward of the policy")
     rollout = _get(data, rollout_key)
     if rollout is None:
-        raise ValueError(
+        raise UsageError(
             f"TRL inputs have no {rollout_key!r}: TRL keeps the sampler's log-probs only with use_vllm=True "
             "or a rollout_func that returns 'logprobs' (its transformers generate path drops them)")
     mask = torch.as_tensor(_get(data, "completion_mask") if _get(data, "completion_mask") is not None

@@ -31,12 +31,14 @@ a healthy run.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from timlab.errors import UsageError
+from timlab.trainer.rundir import COMPLETE_STATES, PENDING, RunDir
 
 DEFAULT_FRAC = 0.5
 """A collapse is val/accuracy below this fraction of its running peak."""
@@ -45,9 +47,9 @@ DEFAULT_WINDOW = 3
 DEFAULT_MIN_PEAK = 0.05
 """... once the running peak is at least this (an untrained model cannot collapse)."""
 
-COMPLETE_STATES = ("finished", "diverged")
-"""Run states whose outcome counts in per-condition statistics (failed, guard_failed,
-running and pending runs are counted separately, never as collapsed or stable)."""
+# COMPLETE_STATES (finished, diverged): run states whose outcome counts in per-condition
+# statistics (failed, guard_failed, running and pending runs are counted separately, never as
+# collapsed or stable).
 
 
 def describe_rule(*, frac: float = DEFAULT_FRAC, window: int = DEFAULT_WINDOW, min_peak: float = DEFAULT_MIN_PEAK,
@@ -81,9 +83,9 @@ def collapse_step(df: pd.DataFrame, *, frac: float = DEFAULT_FRAC, window: int =
     accuracy rule fired earlier.
     """
     if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+        raise UsageError(f"window must be >= 1, got {window}")
     if not 0 < frac <= 1:
-        raise ValueError(f"frac must be in (0, 1], got {frac}")
+        raise UsageError(f"frac must be in (0, 1], got {frac}")
     df = df.sort_values("step") if "step" in df.columns else df
     candidates: list[int] = []
 
@@ -111,16 +113,6 @@ def collapse_step(df: pd.DataFrame, *, frac: float = DEFAULT_FRAC, window: int =
 
 
 # ------------------------------------------------------------------------------- one run
-def _read_status(run_dir: Path) -> dict:
-    p = run_dir / "status.json"
-    if not p.exists():
-        return {}
-    try:
-        return json.loads(p.read_text())
-    except (json.JSONDecodeError, OSError):
-        return {}
-
-
 def _col(df: pd.DataFrame | None, name: str) -> np.ndarray:
     """Finite values of a column (empty if absent)."""
     if df is None or name not in df.columns:
@@ -169,10 +161,7 @@ SUMMARY_KEYS = (
 
 def read_metrics(run_dir: str | Path) -> pd.DataFrame | None:
     """A run's metrics.parquet sorted by step, or None when the run has none yet."""
-    p = Path(run_dir) / "metrics.parquet"
-    if not p.exists():
-        return None
-    return pd.read_parquet(p).sort_values("step").reset_index(drop=True)
+    return RunDir(run_dir).read_metrics()
 
 
 def run_summary(run_dir: str | Path, *, frac: float = DEFAULT_FRAC, window: int = DEFAULT_WINDOW,
@@ -183,10 +172,10 @@ def run_summary(run_dir: str | Path, *, frac: float = DEFAULT_FRAC, window: int 
     ``rollout_corr/log_ppl_abs_diff`` and ``mismatch/abs_diff_mean``; ``surge_step`` and
     ``decay_period`` are the last known values of the length-decay scheduler's columns.
     """
-    run_dir = Path(run_dir)
-    status = _read_status(run_dir)
-    df = read_metrics(run_dir)
-    state = status.get("state", "pending" if df is None else "unknown")
+    rd = RunDir(run_dir)
+    status = rd.read_status()
+    df = rd.read_metrics()
+    state = status.get("state", PENDING if df is None else "unknown")
     acc = _col(df, "val/accuracy")
     length = _col(df, "train/response_length_mean")
     steps = _col(df, "step")
@@ -228,7 +217,7 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
     k3_kl_mean (mean over seeds of each run's mean realized K3 KL), log_ppl_abs_diff_mean.
     """
     if by not in index_df.columns:
-        raise ValueError(f"condition_table: no column {by!r}; valid choices: {', '.join(map(str, index_df.columns))}")
+        raise UsageError(f"condition_table: no column {by!r}; valid choices: {', '.join(map(str, index_df.columns))}")
     rows = []
     for name, g in index_df.groupby(by, sort=False, dropna=False):
         done = g[g["state"].isin(COMPLETE_STATES)]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from timlab.errors import UsageError
 from timlab.trainer.gradcheck import (  # noqa: F401  (re-exported: the public gradcheck API)
     ESTIMATORS,
     GradcheckError,
@@ -161,7 +162,7 @@ def check_model_matches(model_dir: Path, cfg) -> None:
     try:
         hf = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{model_dir}: unreadable config.json ({e})") from None
+        raise UsageError(f"{model_dir}: unreadable config.json ({e})") from None
     if cfg.model.path:
         try:
             ref = json.loads((Path(cfg.model.path) / "config.json").read_text())
@@ -173,7 +174,7 @@ def check_model_matches(model_dir: Path, cfg) -> None:
     bad = [(k, a, b) for k, a, b in pairs if b is not None and a != b]
     if bad:
         k, a, b = bad[0]
-        raise ValueError(f"checkpoint {model_dir} does not match the model config: {k} is {a!r} in the checkpoint "
+        raise UsageError(f"checkpoint {model_dir} does not match the model config: {k} is {a!r} in the checkpoint "
                          f"but {b!r} in the config")
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from timlab.engines import ENGINES, Engine, Rollout, SamplingParams, build_engine
+from timlab.errors import UsageError
+from timlab.files import read_text
 from timlab.metrics import mismatch_by_position, mismatch_by_prob_bucket, mismatch_metrics, offpolicy_metrics
 from timlab.model.forward import full_step, token_logprobs
 from timlab.model.hf_io import load_model
@@ -48,17 +50,17 @@ POSITION_BUCKETS = 8
 # ------------------------------------------------------------------------------ input checks
 def _check_names(rollout: str, score: str, attribute: bool) -> None:
     if rollout == "trainer":
-        raise ValueError(
+        raise UsageError(
             f"'trainer' is not a rollout engine (it only scores); valid rollout engines: {', '.join(ENGINES.names())}"
         )
     if rollout not in ENGINES:
         ENGINES.get(rollout)  # raises: unknown engine, lists the valid names
     if score not in SCORERS:
-        raise ValueError(f"unknown score path {score!r}; valid choices: {', '.join(SCORERS)}")
+        raise UsageError(f"unknown score path {score!r}; valid choices: {', '.join(SCORERS)}")
     if attribute:
         for role, name in (("rollout", rollout), ("score", score)):
             if name == "hf":
-                raise ValueError(
+                raise UsageError(
                     f"attribution needs op hooks, which only timlab's model code has; {role} 'hf' runs "
                     f"transformers' own model (use {' or '.join(HOOKED_ENGINES)}, or 'trainer' to score)"
                 )
@@ -69,10 +71,10 @@ def _read_prompts(prompts_file: str | Path) -> list[str]:
     path = Path(prompts_file)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
-    lines = [line.rstrip("\r\n") for line in path.read_text().splitlines()]
+    lines = [line.rstrip("\r\n") for line in read_text(path, what="prompts file").splitlines()]
     prompts = [line for line in lines if line.strip("\r\n")]
     if not prompts:
-        raise ValueError(f"prompts file {str(path)!r} is empty (expected one prompt per line)")
+        raise UsageError(f"prompts file {str(path)!r} is empty (expected one prompt per line)")
     return prompts
 
 
@@ -85,7 +87,7 @@ def _task_prompts(task: str, num_prompts: int, seed: int) -> list[str]:
 def _check_vocab(tokenizer, model: CausalLM) -> None:
     n_tok, n_model = tokenizer.vocab_size, model.config.vocab_size
     if n_tok > n_model:
-        raise ValueError(
+        raise UsageError(
             f"tokenizer has {n_tok} tokens but the model's vocab_size is {n_model}: "
             "token ids would fall outside the embedding; use the tokenizer the model was trained with"
         )
@@ -97,9 +99,9 @@ def _encode(tokenizer, texts: list[str], model: CausalLM, max_new_tokens: int, s
     for i, text in enumerate(texts):
         ids = tokenizer.encode(text)
         if not ids:
-            raise ValueError(f"prompt {i + 1} of {source} encodes to no tokens")
+            raise UsageError(f"prompt {i + 1} of {source} encodes to no tokens")
         if len(ids) + max_new_tokens > context:
-            raise ValueError(
+            raise UsageError(
                 f"prompt {i + 1} of {source} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
                 f"needs {len(ids) + max_new_tokens} positions, more than the model's context "
                 f"(max_position_embeddings={context})"
@@ -122,7 +124,7 @@ def score_logprobs(score: str, model: CausalLM, tokens: torch.Tensor, key_valid:
         return logp
     if score == "hf":
         return hf_engine.score(tokens, key_valid)
-    raise ValueError(f"unknown score path {score!r}; valid choices: {', '.join(SCORERS)}")
+    raise UsageError(f"unknown score path {score!r}; valid choices: {', '.join(SCORERS)}")
 
 
 ENTROPY_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, 1e9)
@@ -247,7 +249,7 @@ def attribute_ops(engine: Engine, score: str, model: CausalLM, rollout: Rollout)
     (None when all equal) and ``replay_bitwise_equal``.
     """
     if engine.name not in HOOKED_ENGINES:
-        raise ValueError(
+        raise UsageError(
             f"attribution needs op hooks; engine {engine.name!r} has none (use {', '.join(HOOKED_ENGINES)})"
         )
     B, S = rollout.tokens.shape
@@ -293,7 +295,7 @@ def run_probe(
     """
     _check_names(rollout, score, attribute)
     if (prompts_file is None) == (task is None):
-        raise ValueError("probe needs exactly one of prompts_file or task")
+        raise UsageError("probe needs exactly one of prompts_file or task")
     for name, value in (("num_prompts", num_prompts), ("samples_per_prompt", samples_per_prompt),
                         ("max_new_tokens", max_new_tokens)):
         if value < 1:

@@ -31,6 +31,8 @@ import numpy as np
 import pandas as pd
 
 from timlab.config import ConfigError, load_run_config
+from timlab.errors import UsageError
+from timlab.files import atomic_write_text
 from timlab.experiments.collapse import (
     DEFAULT_FRAC, DEFAULT_MIN_PEAK, DEFAULT_WINDOW, condition_table, describe_rule, read_metrics, run_summary,
 )
@@ -123,7 +125,7 @@ def _config_labels(dirs: list[Path], group_by: str) -> list[str]:
     if group_by != "condition":
         known = set().union(*flat)
         if group_by not in known:
-            raise ValueError(f"--group-by {group_by!r}: not a config key of these runs (e.g. mismatch.magnitude) "
+            raise UsageError(f"--group-by {group_by!r}: not a config key of these runs (e.g. mismatch.magnitude) "
                              "and not 'condition'")
         return [f"{group_by}={f.get(group_by, '?')}" for f in flat]
     keys = sorted(set().union(*flat) - {SEED_KEY, *IGNORED_CONFIG_KEYS})
@@ -137,17 +139,17 @@ def _collect(inputs: list[str | Path] | str | Path, group_by: str) -> tuple[list
 
     paths = [Path(inputs)] if isinstance(inputs, (str, Path)) else [Path(p) for p in inputs]
     if not paths:
-        raise ValueError("report: no inputs (give one sweep directory or run directories)")
+        raise UsageError("report: no inputs (give one sweep directory or run directories)")
     for p in paths:
         if not p.is_dir():
             raise FileNotFoundError(f"report: {p} is not a directory")
     sweeps = [p for p in paths if (p / INDEX_FILE).exists()]
     if sweeps:
         if len(paths) > 1:
-            raise ValueError(f"report: {sweeps[0]} is a sweep directory; pass it alone, or pass run directories")
+            raise UsageError(f"report: {sweeps[0]} is a sweep directory; pass it alone, or pass run directories")
         index = read_index(paths[0])
         if group_by not in index.columns:
-            raise ValueError(f"--group-by {group_by!r}: no such index column; e.g. condition, spec_condition, "
+            raise UsageError(f"--group-by {group_by!r}: no such index column; e.g. condition, spec_condition, "
                              "mismatch.magnitude")
         dirs = [paths[0] / d for d in index["run_dir"]]
         names = list(index["run_id"])
@@ -461,9 +463,7 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
 
     out = Path(out_html)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    tmp.replace(out)
+    atomic_write_text(out, "\n".join(parts))
     return ReportResult(out, len(runs), missing)
 
 

@@ -49,7 +49,10 @@ import json
 import math
 import os
 import re
-import shutil
+import signal
+import sys
+import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,15 +62,16 @@ import pandas as pd
 import yaml
 
 from timlab.config import Config, ConfigError, load_run_config, resolve
+from timlab.errors import TimlabError, UsageError
+from timlab.files import read_text
 from timlab.experiments.collapse import SUMMARY_KEYS, run_summary
+from timlab.trainer.rundir import DONE_STATES, FAILED, RunDir, RunDirBusyError
 
 SPEC_KEYS = ("base", "conditions", "grid", "workers", "executor")
 BASE_KEYS = ("preset", "config", "set")
 CONDITION_KEYS = ("name", "set")
 EXECUTORS = ("local", "ray")
 SEED_KEY = "run.seed"
-DONE_STATES = ("finished", "diverged", "guard_failed")
-"""Run states a rerun skips: the run has its outcome."""
 IGNORED_CONFIG_KEYS = ("run.progress", "run.tensorboard")
 """Keys that may differ between a run's config.yaml and the spec without making it a different run."""
 INDEX_FILE = "index.parquet"
@@ -75,7 +79,7 @@ INDEX_FILE = "index.parquet"
 Progress = Callable[[str, int, int, dict], None]
 
 
-class SweepError(ValueError):
+class SweepError(TimlabError, ValueError):
     """A bad sweep spec or sweep directory; the message is one line."""
 
 
@@ -189,7 +193,7 @@ def load_spec(path: str | Path) -> SweepSpec:
     if not p.exists():
         raise FileNotFoundError(f"sweep spec not found: {p}")
     try:
-        d = yaml.safe_load(p.read_text()) or {}
+        d = yaml.safe_load(read_text(p, what="sweep spec")) or {}
     except yaml.YAMLError as e:
         raise SweepError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
     return spec_from_dict(d, root=p.parent, source=str(p))
@@ -279,23 +283,19 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _read_status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
 def plan_run(run: RunSpec, run_dir: Path) -> str:
-    """What a (re)run does with this run: fresh, skip, resume or restart.
+    """What a (re)run does with this run: fresh, skip, resume (from its newest usable checkpoint,
+    or from step 0 when it has none) or restart (no config.yaml: timlab's files are cleared,
+    any others are left alone).
 
     Raises SweepError when the directory holds a run of a different config.
     """
-    from timlab.trainer.checkpoint import latest_checkpoint
-
+    rd = RunDir(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SweepError(f"{run_dir} is a file, not a run directory; use another --out or move it")
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return "fresh"
-    if (run_dir / "config.yaml").exists():
+    if rd.config.exists():
         try:
             old = _flatten(load_run_config(run_dir).to_dict())
         except (ConfigError, ValueError, yaml.YAMLError) as e:
@@ -306,21 +306,45 @@ def plan_run(run: RunSpec, run_dir: Path) -> str:
             k = diff[0]
             raise SweepError(f"{run_dir} holds a run with a different config ({k}: {old.get(k)!r} there, "
                              f"{new.get(k)!r} in the spec); use another --out or delete that run")
-    state = _read_status(run_dir).get("state")
-    if state in DONE_STATES:
+    if rd.state() in DONE_STATES:
         return "skip"
-    if latest_checkpoint(run_dir / "checkpoints") is not None and (run_dir / "config.yaml").exists():
-        return "resume"
-    return "restart"
+    return "resume" if rd.config.exists() else "restart"
 
 
 # ------------------------------------------------------------------------------- workers
 _EVENTS = None  # the worker's progress queue (set by _worker_init)
 
 
-def _worker_init(events=None) -> None:
-    """Runs once in each worker process: one thread (tiny models), the progress queue."""
+def _die_with_parent(parent: int) -> None:
+    """End this worker when the sweep's process dies, even by kill -9: the kernel sends SIGKILL
+    on the parent's exit (Linux prctl PR_SET_PDEATHSIG), and a thread polls the parent pid where
+    that is not available (a re-parented worker sees another ppid)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="timlab-parent-watch", daemon=True).start()
+
+
+def _worker_init(events=None, parent: int | None = None) -> None:
+    """Runs once in each worker process: die with the sweep, one thread (tiny models), the
+    progress queue."""
     global _EVENTS
+    if parent is not None:
+        _die_with_parent(parent)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -361,25 +385,29 @@ def _one_line(e: BaseException) -> str:
 def _run_job(run_id: str, cfg: Config, run_dir: str, mode: str) -> dict:
     """Train one run in a worker; never raises for a run that fails (returns its state)."""
     _worker_init(_EVENTS)
-    from timlab.trainer.logging import atomic_write_text
     from timlab.trainer.run import NonFiniteError, ZeroMismatchViolation, train
 
-    d = Path(run_dir)
-    if mode == "restart" and d.exists():
-        shutil.rmtree(d)
+    rd = RunDir(run_dir)
     try:
-        train(cfg, d, resume=mode == "resume", progress=_emit(run_id))
+        if mode == "restart":
+            with rd:
+                rd.clear()  # only what timlab wrote; anything else in the folder stays
+        train(cfg, rd.path, resume=mode == "resume", progress=_emit(run_id))
         return {"state": "finished", "message": ""}
     except (NonFiniteError, ZeroMismatchViolation) as e:  # an outcome (collapse / broken exactness)
-        return {"state": _read_status(d).get("state", "diverged"), "message": _one_line(e)}
+        return {"state": rd.read_status().get("state", "diverged"), "message": _one_line(e)}
+    except RunDirBusyError as e:  # another process owns the run: leave its status alone
+        return {"state": FAILED, "message": _one_line(e)}
     except Exception as e:
         msg = _one_line(e)
-        status = _read_status(d)
-        if status.get("state") != "failed":  # raised before the trainer could record it
-            d.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(d / "status.json", json.dumps(
-                {"state": "failed", "step": status.get("step", 0), "total_steps": cfg.run.steps, "message": msg}))
-        return {"state": "failed", "message": msg}
+        status = rd.read_status()
+        if status.get("state") != FAILED:  # raised before the trainer could record it
+            try:
+                with rd:
+                    rd.write_status(FAILED, step=status.get("step", 0), total_steps=cfg.run.steps, message=msg)
+            except (TimlabError, OSError):
+                pass  # the message still reaches the index
+        return {"state": FAILED, "message": msg}
 
 
 class _LocalExecutor:
@@ -393,7 +421,7 @@ class _LocalExecutor:
         self.on_event = on_event
         self.events = ctx.Queue() if on_event is not None else None
         self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
-                                        initargs=(self.events,))
+                                        initargs=(self.events, os.getpid()))
 
     def _drain(self) -> None:
         while self.events is not None:
@@ -485,11 +513,24 @@ def _write_index(out_dir: Path, rows: list[dict]) -> pd.DataFrame:
 
 
 def read_index(sweep_dir: str | Path) -> pd.DataFrame:
-    """The sweep's index.parquet: one row per run (ids, condition, status, summary, flattened config)."""
+    """The sweep's index.parquet: one row per run (ids, condition, status, summary, flattened config).
+
+    ``state`` and ``last_step`` are read live from each run's status.json, so a sweep that is
+    running, or was killed, shows where its runs are rather than where they were at the last
+    index write."""
     p = Path(sweep_dir) / INDEX_FILE
     if not p.exists():
         raise FileNotFoundError(f"{sweep_dir}: no {INDEX_FILE} (not a sweep directory; run `timlab sweep` first)")
-    return pd.read_parquet(p)
+    df = pd.read_parquet(p)
+    if "run_dir" in df.columns and "state" in df.columns:
+        for i, d in enumerate(df["run_dir"]):
+            status = RunDir(Path(sweep_dir) / str(d)).read_status()
+            if status.get("state"):
+                df.loc[i, "state"] = status["state"]
+            step, old = status.get("step"), df["last_step"].iloc[i] if "last_step" in df.columns else None
+            if isinstance(step, int) and old is not None:
+                df.loc[i, "last_step"] = step if pd.isna(old) else max(step, old)
+    return df
 
 
 # ------------------------------------------------------------------------------- the sweep
@@ -516,6 +557,8 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
     else:
         spec = load_spec(spec_or_path)
     executor = executor or spec.executor
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise SweepError(f"--workers must be an integer >= 1, got {workers!r}")
     if executor not in EXECUTORS:
         raise SweepError(f"unknown executor {executor!r}; valid choices: {', '.join(EXECUTORS)}")
     runs = expand(spec)
@@ -614,13 +657,13 @@ def filter_index(df: pd.DataFrame, where: str) -> pd.DataFrame:
         try:
             return df.query(expr).reset_index(drop=True)
         except Exception as e:
-            raise ValueError(f"--where {where!r}: {_one_line(e)}") from None
+            raise UsageError(f"--where {where!r}: {_one_line(e)}") from None
     con = duckdb.connect()
     try:
         con.register("runs", df)
         return con.execute(f"SELECT * FROM runs WHERE {sql}").df()
     except duckdb.Error as e:
-        raise ValueError(f"--where {where!r}: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"--where {where!r}: {str(e).splitlines()[0]}") from None
     finally:
         con.close()
 
@@ -644,7 +687,7 @@ def query_index(sweep_dir: str | Path, *, where: str | None = None, columns: lis
     cols = list(columns) if columns else default_columns(df)
     unknown = [c for c in cols + ([sort] if sort else []) if c not in df.columns]
     if unknown:
-        raise ValueError(f"unknown column {unknown[0]!r}; valid choices: {', '.join(df.columns)}")
+        raise UsageError(f"unknown column {unknown[0]!r}; valid choices: {', '.join(df.columns)}")
     if where:
         df = filter_index(df, where)
     if sort:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from timlab.engines import Rollout, SamplingParams, build_engine
+from timlab.errors import UsageError
 from timlab.model.hf_io import parse_dtype
 from timlab.model.llama import CausalLM
 from timlab.registry import Registry
@@ -49,11 +50,11 @@ def parse_parts(spec: str) -> list[str]:
     """'precision+logit_noise' -> ['precision', 'logit_noise'] (validated, 'none' dropped)."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts:
-        raise ValueError("mismatch.injector is empty; use 'none' for zero mismatch")
+        raise UsageError("mismatch.injector is empty; use 'none' for zero mismatch")
     for p in parts:
         INJECTORS.get(p)  # raises with the valid choices
     if len(set(parts)) != len(parts):
-        raise ValueError(f"mismatch.injector {spec!r} names a part twice")
+        raise UsageError(f"mismatch.injector {spec!r} names a part twice")
     return [p for p in parts if p != "none"]
 
 
@@ -113,17 +114,17 @@ class RolloutInjector:
     def _check(self) -> None:
         s = self.s
         if s.magnitude < 0:
-            raise ValueError(f"mismatch.magnitude must be >= 0, got {s.magnitude}")
+            raise UsageError(f"mismatch.magnitude must be >= 0, got {s.magnitude}")
         if not 0.0 < s.prob_below <= 1.0:
-            raise ValueError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
+            raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
         if s.prob_below < 1.0 and not any(p in LOGIT_PARTS for p in self.parts):
-            raise ValueError("mismatch.prob_below scopes logit_noise and temperature only; add one of them")
+            raise UsageError("mismatch.prob_below scopes logit_noise and temperature only; add one of them")
         if "precision" in self.parts and s.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"mismatch.dtype {s.dtype!r} for precision; valid choices: bfloat16, float16, float32")
+            raise UsageError(f"mismatch.dtype {s.dtype!r} for precision; valid choices: bfloat16, float16, float32")
         if "weight_rounding" in self.parts and s.dtype not in ROUNDING_DTYPES:
-            raise ValueError(f"mismatch.dtype {s.dtype!r} for weight_rounding; valid choices: {', '.join(ROUNDING_DTYPES)}")
+            raise UsageError(f"mismatch.dtype {s.dtype!r} for weight_rounding; valid choices: {', '.join(ROUNDING_DTYPES)}")
         if "engine" in self.parts and s.engine not in SWAP_ENGINES:
-            raise ValueError(f"mismatch.engine {s.engine!r}; valid choices: {', '.join(SWAP_ENGINES)}")
+            raise UsageError(f"mismatch.engine {s.engine!r}; valid choices: {', '.join(SWAP_ENGINES)}")
 
     # -- the rollout model ----------------------------------------------------------------
     def _build_model(self, model: CausalLM) -> CausalLM:

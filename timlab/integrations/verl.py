@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import torch
 from torch.optim import Optimizer
 
+from timlab.errors import UsageError
 from timlab.metrics import all_metrics
 from timlab.schedulers import LengthDecayLR
 
@@ -121,7 +122,7 @@ def apply_lr_factor(optimizer: Optimizer, factor: float, *, scheduler: Any = Non
     """
     factor = float(factor)
     if not (math.isfinite(factor) and factor > 0.0):
-        raise ValueError(f"lr factor must be a finite number > 0, got {factor!r}")
+        raise UsageError(f"lr factor must be a finite number > 0, got {factor!r}")
     groups = optimizer.param_groups
     if scheduler is not None and hasattr(scheduler, "get_last_lr"):
         base = [float(x) for x in scheduler.get_last_lr()]

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from timlab.errors import UsageError
+
 SAFETY_BOUND = 20.0
 """Clamp for log-ratios before ``exp`` (verl's ``SAFETY_BOUND``): exp(20) ~ 4.9e8."""
 
@@ -36,9 +38,9 @@ def check_inputs(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if train_logp.dim() != 2:
-        raise ValueError(f"train_logp must be 2-D (B, T), got shape {tuple(train_logp.shape)}")
+        raise UsageError(f"train_logp must be 2-D (B, T), got shape {tuple(train_logp.shape)}")
     if train_logp.shape != rollout_logp.shape or train_logp.shape != mask.shape:
-        raise ValueError(
+        raise UsageError(
             "shape mismatch: train_logp "
             f"{tuple(train_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)}, mask {tuple(mask.shape)}"
         )
@@ -51,7 +53,7 @@ def check_inputs(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
         ).tolist()  # one host sync for both checks
         for name, count in zip(("train_logp", "rollout_logp"), bad):
             if count:
-                raise ValueError(
+                raise UsageError(
                     f"{name} has {count} non-finite value(s) (-inf/+inf/NaN) at valid (mask=1) positions"
                 )
         zero = torch.zeros((), dtype=torch.float64, device=train.device)

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from timlab.errors import UsageError
 from timlab.metrics._inputs import SAFETY_BOUND, check_inputs
 
 DEFAULT_RATIO_EDGES: tuple[float, ...] = (
@@ -32,7 +33,7 @@ DEFAULT_PROB_EDGES: tuple[float, ...] = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 def _check_edges(edges: Sequence[float], name: str) -> torch.Tensor:
     e = torch.as_tensor([float(x) for x in edges], dtype=torch.float64)
     if e.numel() < 2 or not torch.isfinite(e).all() or not (e[1:] > e[:-1]).all():
-        raise ValueError(f"{name} must be >= 2 finite, strictly increasing values, got {list(edges)}")
+        raise UsageError(f"{name} must be >= 2 finite, strictly increasing values, got {list(edges)}")
     return e
 
 
@@ -87,7 +88,7 @@ def mismatch_by_position(
     Returns ``{"edges": [...], "mean_abs_diff": [...], "counts": [...]}``.
     """
     if not isinstance(num_buckets, int) or num_buckets < 1:
-        raise ValueError(f"num_buckets must be an int >= 1, got {num_buckets!r}")
+        raise UsageError(f"num_buckets must be an int >= 1, got {num_buckets!r}")
     with torch.no_grad():
         p = check_inputs(train_logp, rollout_logp, mask)
         T = p.valid.shape[1]

@@ -34,6 +34,8 @@ import math
 
 import torch
 
+from timlab.errors import UsageError
+
 GRAM_BUDGET_BYTES = 256 << 20
 """Float64 temporaries allowed while forming Gram matrices: columns are processed in chunks of
 ``GRAM_BUDGET_BYTES / (24 K)`` (three K x chunk float64 blocks), whatever the number of parameters."""
@@ -47,7 +49,7 @@ def gram(X: torch.Tensor, Y: torch.Tensor | None = None, *, chunk: int | None = 
     """X Y^T in float64, (K, D) x (K', D) -> (K, K'), accumulated over column chunks."""
     Y = X if Y is None else Y
     if X.dim() != 2 or Y.dim() != 2 or X.shape[1] != Y.shape[1]:
-        raise ValueError(f"gram: expected (K, D) and (K', D) matrices, got {tuple(X.shape)} and {tuple(Y.shape)}")
+        raise UsageError(f"gram: expected (K, D) and (K', D) matrices, got {tuple(X.shape)} and {tuple(Y.shape)}")
     out = torch.zeros(X.shape[0], Y.shape[0], dtype=torch.float64, device=X.device)
     chunk = _chunk(X.shape[0] + Y.shape[0], chunk)
     for s in range(0, X.shape[1], chunk):
@@ -63,7 +65,7 @@ def pair_grams(X: torch.Tensor, Y: torch.Tensor, *, chunk: int | None = None
     small difference is not lost to cancellation in ||x||^2 + ||y||^2 - 2 <x, y>.
     """
     if X.shape != Y.shape or X.dim() != 2:
-        raise ValueError(f"pair_grams: expected two (K, D) matrices of one shape, got {tuple(X.shape)} and {tuple(Y.shape)}")
+        raise UsageError(f"pair_grams: expected two (K, D) matrices of one shape, got {tuple(X.shape)} and {tuple(Y.shape)}")
     K = X.shape[0]
     gxx, gyy, gdd, gxy = (torch.zeros(K, K, dtype=torch.float64, device=X.device) for _ in range(4))
     chunk = _chunk(K, chunk)
@@ -83,7 +85,7 @@ def tv_distance(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
     logits_p, logits_q: (..., V) -> (...,) in [0, 1], computed in float64.
     """
     if logits_p.shape != logits_q.shape:
-        raise ValueError(f"tv_distance: shapes differ, {tuple(logits_p.shape)} vs {tuple(logits_q.shape)}")
+        raise UsageError(f"tv_distance: shapes differ, {tuple(logits_p.shape)} vs {tuple(logits_q.shape)}")
     p = torch.softmax(logits_p.double(), dim=-1)
     q = torch.softmax(logits_q.double(), dim=-1)
     return 0.5 * (p - q).abs().sum(-1)
@@ -214,21 +216,21 @@ def gradient_stats(
     K = gxx.shape[0]
     for name, g in (("gxx", gxx), ("gyy", gyy), ("gdd", gdd), ("gxy", gxy)):
         if g.shape != (K, K):
-            raise ValueError(f"gradient_stats: {name} must be ({K}, {K}), got {tuple(g.shape)}")
+            raise UsageError(f"gradient_stats: {name} must be ({K}, {K}), got {tuple(g.shape)}")
     if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        raise UsageError(f"micro_batch must be >= 1, got {micro_batch}")
     if not 0 < ci < 1:
-        raise ValueError(f"ci must be in (0, 1), got {ci}")
+        raise UsageError(f"ci must be in (0, 1), got {ci}")
     labels = torch.zeros(K, dtype=torch.long) if strata is None else strata.long().cpu()
     groups = [torch.nonzero(labels == s).flatten() for s in torch.unique(labels)]
     small = min(len(i) for i in groups)
     if small < MIN_MICRO_BATCHES:
-        raise ValueError(f"a confidence interval needs >= {MIN_MICRO_BATCHES} micro-batches per stratum, got {small}; "
+        raise UsageError(f"a confidence interval needs >= {MIN_MICRO_BATCHES} micro-batches per stratum, got {small}; "
                          f"draw more samples or use a smaller micro-batch")
     gs = [g.double().cpu() for g in (gxx, gyy, gdd, gxy)]
     gz = None if gzz is None else gzz.double().cpu()
     if gz is not None and gz.shape != (K, K):
-        raise ValueError(f"gradient_stats: gzz must be ({K}, {K}), got {tuple(gz.shape)}")
+        raise UsageError(f"gradient_stats: gzz must be ({K}, {K}), got {tuple(gz.shape)}")
     ones = torch.ones(1, K, dtype=torch.float64)
     point = _stats(ones, *gs, groups, micro_batch, gz)
     gen = torch.Generator().manual_seed(seed)

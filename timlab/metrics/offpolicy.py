@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from timlab.errors import UsageError
 from timlab.metrics._inputs import PPL_LOG_BOUND, SAFETY_BOUND, Prepared, check_inputs
 
 VERL_KEYS = (
@@ -188,7 +189,7 @@ def _to_floats(values: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def _check_micro_batches(num_micro_batches: int) -> None:
     if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) or num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
+        raise UsageError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
 
 
 def offpolicy_metrics(

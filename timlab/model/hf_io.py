@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from timlab.errors import TimlabError, UsageError
 from timlab.model.llama import ARCHITECTURES, CausalLM, ModelConfig
 
 TOKENIZER_FILES = (
@@ -31,7 +32,7 @@ TOKENIZER_FILES = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(TimlabError, ValueError):
     """A model folder that cannot be loaded; the message names the file, key or field."""
 
 
@@ -41,7 +42,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; valid choices: {', '.join(DTYPES)}") from None
+        raise UsageError(f"unknown dtype {name!r}; valid choices: {', '.join(DTYPES)}") from None
 
 
 def config_from_hf(d: dict) -> ModelConfig:

@@ -70,7 +70,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
-            raise ValueError(
+            raise UsageError(
                 f"unsupported architecture model_type={self.model_type!r}; "
                 f"valid choices: {', '.join(ARCHITECTURES)}"
             )
@@ -78,7 +78,7 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type={rope_type!r}; valid choices: {', '.join(ROPE_TYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise UsageError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
@@ -383,7 +383,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states (B, M, hidden) for input_ids (B, M)."""
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; valid choices: {', '.join(MODES)}")
+            raise UsageError(f"unknown mode {mode!r}; valid choices: {', '.join(MODES)}")
         x = self.model.embed_tokens(input_ids)  # (B, M, hidden)
         self._emit("embed", x)
         dtype = x.dtype

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from timlab.errors import UsageError
 from timlab.metrics._inputs import SAFETY_BOUND, check_inputs
 from timlab.registry import Registry
 
@@ -103,7 +104,7 @@ def _mode_two_sided(rho: torch.Tensor, c_low: float, c_high: float):
 
 def _check_positive(name: str, value: float | None) -> None:
     if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise UsageError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _check_inputs(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor):
@@ -139,11 +140,11 @@ def is_weights(
     _check_positive("threshold_low", threshold_low)
     _check_positive("veto_threshold", veto_threshold)
     if threshold_low is not None and mode != "two_sided":
-        raise ValueError(f"threshold_low only applies to mode='two_sided', got mode={mode!r}")
+        raise UsageError(f"threshold_low only applies to mode='two_sided', got mode={mode!r}")
     c_high = float(threshold)
     c_low = float(threshold_low) if threshold_low is not None else 1.0 / c_high
     if mode == "two_sided" and not c_low < c_high:
-        raise ValueError(f"threshold_low must be < threshold, got threshold_low={c_low} threshold={c_high}")
+        raise UsageError(f"threshold_low must be < threshold, got threshold_low={c_low} threshold={c_high}")
 
     with torch.no_grad():
         r, valid = _check_inputs(train_logp, rollout_logp, mask)

@@ -30,6 +30,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from timlab.errors import UsageError
 from timlab.registry import Registry
 
 SCHEDULERS: Registry[type] = Registry("scheduler")
@@ -88,7 +89,7 @@ class FactorLR(LRScheduler):
 
 def _check_ratio(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        raise UsageError(f"{name} must be in [0, 1], got {value!r}")
 
 
 @SCHEDULERS.register("constant")
@@ -120,9 +121,9 @@ class CosineWithFloorLR(FactorLR):
         last_epoch: int = -1,
     ):
         if not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+            raise UsageError(f"total_steps must be an int >= 1, got {total_steps!r}")
         if not isinstance(warmup_steps, int) or not 0 <= warmup_steps < total_steps:
-            raise ValueError(f"warmup_steps must be an int in [0, total_steps), got {warmup_steps!r}")
+            raise UsageError(f"warmup_steps must be an int in [0, total_steps), got {warmup_steps!r}")
         _check_ratio("min_lr_ratio", min_lr_ratio)
         self.total_steps = total_steps
         self.min_lr_ratio = float(min_lr_ratio)

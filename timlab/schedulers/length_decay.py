@@ -25,6 +25,7 @@ from collections import deque
 
 from torch.optim import Optimizer
 
+from timlab.errors import UsageError
 from timlab.schedulers.base import SCHEDULERS, FactorLR, _check_ratio
 
 
@@ -57,12 +58,12 @@ class SurgeDetector:
 
     def __init__(self, ratio: float = 2.0, window: int = 10, smoothing: int = 3, min_history: int = 10):
         if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 1.0):
-            raise ValueError(f"surge_ratio must be a finite number > 1, got {ratio!r}")
+            raise UsageError(f"surge_ratio must be a finite number > 1, got {ratio!r}")
         for name, v in (("surge_window", window), ("surge_smoothing", smoothing)):
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+                raise UsageError(f"{name} must be an int >= 1, got {v!r}")
         if not isinstance(min_history, int) or min_history < 1:
-            raise ValueError(f"surge_min_history must be an int >= 1, got {min_history!r}")
+            raise UsageError(f"surge_min_history must be an int >= 1, got {min_history!r}")
         self.ratio = float(ratio)
         self.window = window
         self.smoothing = smoothing
@@ -80,7 +81,7 @@ class SurgeDetector:
         """Record the mean response length of update ``step``; True exactly when it fires now."""
         length = float(length)
         if not (math.isfinite(length) and length >= 0.0):
-            raise ValueError(f"response_length must be a finite number >= 0, got {length!r}")
+            raise UsageError(f"response_length must be a finite number >= 0, got {length!r}")
         self._raw.append(length)
         smoothed = statistics.median(self._raw)
         self.num_seen += 1
@@ -134,10 +135,10 @@ class LengthDecayLR(FactorLR):
         last_epoch: int = -1,
     ):
         if decay_period is not None and (not isinstance(decay_period, int) or decay_period < 1):
-            raise ValueError(f"decay_period must be an int >= 1 or None, got {decay_period!r}")
+            raise UsageError(f"decay_period must be an int >= 1 or None, got {decay_period!r}")
         _check_ratio("min_lr_ratio", min_lr_ratio)
         if not (isinstance(surge_factor, (int, float)) and math.isfinite(surge_factor) and surge_factor > 0):
-            raise ValueError(f"surge_factor must be a finite number > 0, got {surge_factor!r}")
+            raise UsageError(f"surge_factor must be a finite number > 0, got {surge_factor!r}")
         self.decay_period = decay_period
         self.auto = decay_period is None
         self.min_lr_ratio = float(min_lr_ratio)

@@ -15,6 +15,7 @@ import string
 from dataclasses import dataclass
 from typing import ClassVar
 
+from timlab.errors import UsageError
 from timlab.tasks.base import TASKS, Example, Task, positional_match, unique_chars
 
 MAX_DIGITS = 39  # keeps answers at most 40 characters
@@ -40,7 +41,7 @@ class AdditionTask(Task):
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits <= MAX_DIGITS:
-            raise ValueError(f"addition: need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got "
+            raise UsageError(f"addition: need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got "
                              f"min_digits={self.min_digits}, max_digits={self.max_digits}")
 
     @property

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from timlab.errors import UsageError
 from timlab.registry import Registry
 
 TASKS: Registry[type["Task"]] = Registry("task")
@@ -109,6 +110,6 @@ def _draw_unique(task: Task, rng: random.Random, n: int, *, taken: set[str]) -> 
             taken.add(ex.prompt)
             out.append(ex)
     if len(out) < n:
-        raise ValueError(f"task {task.name!r} gave only {len(out)} distinct new prompts in "
+        raise UsageError(f"task {task.name!r} gave only {len(out)} distinct new prompts in "
                          f"{max_draws} draws (wanted {n}); widen its options or ask for fewer")
     return out

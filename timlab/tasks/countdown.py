@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Sequence
 
+from timlab.errors import UsageError
 from timlab.tasks.base import TASKS, Example, Task, unique_chars
 
 MAX_EXPR_CHARS = 256  # longer completions are rejected before parsing
@@ -148,7 +149,7 @@ def parse_prompt(prompt: str) -> tuple[list[int], int]:
     """``"cd:3,7,25>75="`` -> ``([3, 7, 25], 75)``."""
     m = _PROMPT_RE.fullmatch(prompt)
     if m is None:
-        raise ValueError(f"not a countdown prompt: {prompt!r} (expected 'cd:3,7,25>75=')")
+        raise UsageError(f"not a countdown prompt: {prompt!r} (expected 'cd:3,7,25>75=')")
     return [int(x) for x in m.group(1).split(",")], int(m.group(2))
 
 
@@ -172,10 +173,10 @@ class CountdownTask(Task):
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_numbers <= self.max_numbers <= 6:
-            raise ValueError(f"countdown: need 2 <= min_numbers <= max_numbers <= 6, got "
+            raise UsageError(f"countdown: need 2 <= min_numbers <= max_numbers <= 6, got "
                              f"{self.min_numbers}, {self.max_numbers}")
         if self.max_value < 1 or self.max_target < 1:
-            raise ValueError("countdown: max_value and max_target must be >= 1")
+            raise UsageError("countdown: max_value and max_target must be >= 1")
 
     @property
     def alphabet(self) -> str:

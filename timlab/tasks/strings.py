@@ -15,6 +15,7 @@ import string
 from dataclasses import dataclass
 from typing import ClassVar
 
+from timlab.errors import UsageError
 from timlab.tasks.base import TASKS, Example, Task, positional_match, unique_chars
 
 DEFAULT_CHARSET = string.digits + string.ascii_lowercase
@@ -33,10 +34,10 @@ class _StringTask(Task):
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"{self.name}: need 1 <= min_len <= max_len, "
+            raise UsageError(f"{self.name}: need 1 <= min_len <= max_len, "
                              f"got min_len={self.min_len}, max_len={self.max_len}")
         if not self.charset or set(self.charset) & set("<>="):
-            raise ValueError(f"{self.name}: charset must be non-empty and avoid '<', '>', '='")
+            raise UsageError(f"{self.name}: charset must be non-empty and avoid '<', '>', '='")
 
     def transform(self, s: str) -> str:
         raise NotImplementedError

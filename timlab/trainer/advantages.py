@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from timlab.errors import UsageError
 from timlab.registry import Registry
 
 ADVANTAGES: Registry = Registry("advantage estimator")
@@ -28,7 +29,7 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO: r_i minus the mean of the other G-1 rewards of its group."""
     G = rewards.shape[-1]
     if G < 2:
-        raise ValueError("rloo needs rollout.samples_per_prompt >= 2")
+        raise UsageError("rloo needs rollout.samples_per_prompt >= 2")
     total = rewards.sum(-1, keepdim=True)  # (N, 1)
     return rewards - (total - rewards) / (G - 1)
 

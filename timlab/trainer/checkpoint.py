@@ -1,38 +1,88 @@
-"""Atomic checkpoints: an HF model folder plus everything needed to resume bit for bit.
+"""Atomic, verified checkpoints: an HF model folder plus everything needed to resume bit for bit.
 
 ``checkpoints/step_000025/`` holds ``config.json`` + ``model.safetensors`` (+ tokenizer files),
-loadable by transformers, and ``trainer_state.pt`` (optimizer, scheduler, injector and every
-RNG state, counters). The folder is written under a temporary name and renamed into place, and
-``checkpoints/latest`` is updated atomically afterwards, so a kill at any moment leaves the
-previous checkpoint intact.
+loadable by transformers, ``trainer_state.pt`` (optimizer, scheduler, injector and every RNG
+state, counters) and, written last, ``manifest.json``: the size and SHA-256 of every other file.
+The folder is written under a temporary name and renamed into place, and ``checkpoints/latest``
+is updated atomically afterwards, so a kill at any moment leaves the previous checkpoint intact.
+A checkpoint whose files do not match its manifest (a damaged disk, a hand edit) is refused by
+``verify_checkpoint``, and a resume falls back to the newest one that passes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from timlab.errors import TimlabError, disk_full, is_disk_full
 from timlab.model.hf_io import save_model
 from timlab.trainer.logging import atomic_write_text
 
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
+CHECKPOINT_ENTRIES = ("step_*", ".tmp_step_*", "latest", "latest.tmp")
+"""The names timlab writes in a run's checkpoints/ folder."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TimlabError, ValueError):
     """A missing or unreadable checkpoint; one-line message naming the path."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(folder: Path, step: int) -> None:
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    atomic_write_text(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+
+
+def verify_checkpoint(ckpt: Path) -> str | None:
+    """None when ``ckpt`` is complete and matches its manifest, else why not (one line).
+    A checkpoint from before manifests were written passes if its state file exists."""
+    ckpt = Path(ckpt)
+    if not (ckpt / MANIFEST).exists():
+        return None if (ckpt / STATE_FILE).exists() and (ckpt / "config.json").exists() else "incomplete"
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"unreadable {MANIFEST}"
+    for name, want in files.items():
+        p = ckpt / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != want["size"]:
+            return f"{name} has {p.stat().st_size} bytes, the manifest says {want['size']}"
+        if _sha256(p) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None, state: dict, keep: int = 2) -> Path:
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp_step_{step:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_model(model, tmp, tokenizer_dir=tokenizer_dir)
-    torch.save(state, tmp / STATE_FILE)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # ours: a checkpoint write a kill interrupted
+        save_model(model, tmp, tokenizer_dir=tokenizer_dir)
+        torch.save(state, tmp / STATE_FILE)
+        _write_manifest(tmp, step)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full(tmp) from None
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -44,15 +94,23 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None
     return final
 
 
+def checkpoints_newest_first(ckpt_root: Path) -> list[Path]:
+    """step_* folders under ``ckpt_root``, newest step first (not yet verified)."""
+    found = []
+    for p in Path(ckpt_root).glob("step_*"):
+        try:
+            found.append((int(p.name.split("_", 1)[1]), p))
+        except ValueError:
+            continue
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint folder, or None if there is none."""
-    pointer = ckpt_root / "latest"
-    if pointer.exists():
-        cand = ckpt_root / pointer.read_text().strip()
-        if (cand / STATE_FILE).exists():
-            return cand
-    done = sorted(p for p in ckpt_root.glob("step_*") if (p / STATE_FILE).exists())
-    return done[-1] if done else None
+    """The newest checkpoint folder that passes ``verify_checkpoint``, or None if there is none."""
+    for p in checkpoints_newest_first(ckpt_root):
+        if verify_checkpoint(p) is None:
+            return p
+    return None
 
 
 def load_state(ckpt: Path) -> dict:

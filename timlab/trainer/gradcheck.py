@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 
 from timlab.engines import Engine, NonFiniteLogitsError, SamplingParams, build_engine, full_batch_decode
+from timlab.errors import TimlabError
 from timlab.injectors import RolloutInjector
 from timlab.metrics import all_metrics
 from timlab.metrics.gradients import MIN_MICRO_BATCHES, fit_power_law, gradient_stats, gram, pair_grams, tv_distance
@@ -71,7 +72,7 @@ REWARD_MAX = 1.0
 Progress = Callable[[str, int, int, dict], None]
 
 
-class GradcheckError(ValueError):
+class GradcheckError(TimlabError, ValueError):
     """Bad gradcheck input; a one-line message naming the setting and the valid choices."""
 
 

@@ -15,53 +15,45 @@ from pathlib import Path
 
 import pandas as pd
 
+from timlab.errors import UsageError, disk_full, is_disk_full
+from timlab.files import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
+from timlab.trainer.rundir import RunDir
+
 TIMING_KEYS = ("train/step_time_s", "train/tokens_per_s", "time/rollout_s", "time/train_s", "time/eval_s", "time/metrics_s")
 """Wall-clock columns: the only ones that differ between two runs of the same config and seed."""
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 class MetricsLog:
     """Rows of ``{metric: float}`` keyed by ``step``, persisted to ``metrics.parquet``."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = False):
-        self.path = Path(run_dir) / "metrics.parquet"
-        self.dist_path = Path(run_dir) / "distributions.jsonl"
+        self.run_dir = RunDir(run_dir)
+        self.path = self.run_dir.metrics_file
+        self.dist_path = self.run_dir.distributions_file
         self.rows: list[dict] = []
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError("run.tensorboard=true needs tensorboard: pip install timlab[tensorboard]") from None
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                raise UsageError("run.tensorboard=true needs tensorboard: pip install timlab[tensorboard]") from None
+            self._tb = SummaryWriter(str(self.run_dir.tensorboard))
 
     def load(self, up_to_step: int) -> None:
-        """On resume: keep the rows of steps <= up_to_step (later ones will be recomputed)."""
-        if self.path.exists():
-            df = pd.read_parquet(self.path)
-            self.rows = [
-                {k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))}
-                for r in df[df["step"] <= up_to_step].to_dict("records")
-            ]
+        """On resume: keep the rows of steps <= up_to_step (later ones will be recomputed) and cut
+        both files back to them (``up_to_step=-1``: a resume from the warm start keeps nothing)."""
+        df = self.run_dir.read_metrics()
+        self.rows = [] if df is None else [
+            {k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))}
+            for r in df[df["step"] <= up_to_step].to_dict("records")
+        ]
         if self.dist_path.exists():
-            kept = [
-                line for line in self.dist_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= up_to_step
-            ]
+            kept = self.run_dir.read_distributions(up_to_step)
             atomic_write_text(self.dist_path, "".join(line + "\n" for line in kept))
-        self._flush()
+        if self.rows:
+            self._flush()
+        elif self.path.exists():
+            self.path.unlink()  # ours: the rows of steps a resume from step 0 recomputes
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
@@ -73,8 +65,13 @@ class MetricsLog:
             self._tb.flush()
 
     def append_distribution(self, step: int, payload: dict) -> None:
-        with open(self.dist_path, "a") as f:
-            f.write(json.dumps({"step": step, **payload}) + "\n")
+        try:
+            with open(self.dist_path, "a") as f:
+                f.write(json.dumps({"step": step, **payload}) + "\n")
+        except OSError as e:
+            if is_disk_full(e):
+                raise disk_full(self.dist_path) from None
+            raise
 
     def _flush(self) -> None:
         if not self.rows:
@@ -82,8 +79,14 @@ class MetricsLog:
         df = pd.DataFrame(self.rows)
         cols = ["step"] + sorted(c for c in df.columns if c != "step")
         tmp = self.path.with_name(self.path.name + ".tmp")
-        df[cols].to_parquet(tmp, index=False)
-        os.replace(tmp, self.path)
+        try:
+            df[cols].to_parquet(tmp, index=False)
+            os.replace(tmp, self.path)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, Exception) and is_disk_full(e):
+                raise disk_full(self.path) from None
+            raise
 
     def close(self) -> None:
         if self._tb is not None:
@@ -91,6 +94,6 @@ class MetricsLog:
 
 
 def read_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """The metrics table of a run (empty DataFrame if none yet)."""
-    p = Path(run_dir) / "metrics.parquet"
-    return pd.read_parquet(p) if p.exists() else pd.DataFrame()
+    """The metrics table of a run sorted by step (empty DataFrame if none yet)."""
+    df = RunDir(run_dir).read_metrics()
+    return pd.DataFrame() if df is None else df

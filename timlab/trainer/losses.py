@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from timlab.errors import UsageError
+
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
 
 
@@ -30,7 +32,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, *, denom: f
         seq = (per_token * mask).sum(-1) / tok.clamp(min=1)
         n = has.sum() if denom is None else denom
         return seq[has].sum() / max(float(n), 1.0)
-    raise ValueError(f"unknown algorithm.loss_agg {how!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
+    raise UsageError(f"unknown algorithm.loss_agg {how!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
 
 
 def ppo_clip_loss(
@@ -64,7 +66,7 @@ def ppo_clip_loss(
         per_token = per_token * is_weights.detach()
     if kl_coef > 0.0:
         if ref_logp is None:
-            raise ValueError("kl_coef > 0 needs ref_logp")
+            raise UsageError("kl_coef > 0 needs ref_logp")
         d = (ref_logp.detach() - logp).clamp(-20.0, 20.0)
         per_token = per_token + kl_coef * (torch.exp(d) - d - 1.0)
     loss = aggregate(per_token, mask, loss_agg, denom=denom)

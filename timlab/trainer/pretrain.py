@@ -16,7 +16,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,10 @@ import torch
 
 from timlab.config import Config
 from timlab.engines import Rollout, SamplingParams, build_engine
+from timlab.errors import UsageError
 from timlab.model.forward import token_logprobs
-from timlab.model.hf_io import load_model, save_model
+from timlab.files import foreign_entries, remove_owned
+from timlab.model.hf_io import TOKENIZER_FILES, load_model, save_model
 from timlab.model.llama import CausalLM, ModelConfig
 from timlab.tasks import Example, Task, get_task, make_splits
 from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
@@ -43,7 +44,35 @@ def build_task(cfg: Config) -> Task:
     try:
         return get_task(cfg.task.name, **cfg.task.kwargs)
     except TypeError as e:
-        raise ValueError(f"task.kwargs: {e}") from None
+        raise UsageError(f"task.kwargs: {e}") from None
+
+
+MAX_WARM_START_CONTEXT = 8192
+"""The longest prompt + answer (in characters) a warm start is built for: the tiny decoder's
+attention is quadratic in it, and a task that needs more is a typo (task.kwargs.max_len=100000)."""
+
+
+def check_warm_start(cfg: Config, task: Task) -> None:
+    """One-line errors for model and task settings the warm start cannot be built with."""
+    m = cfg.model
+    if not m.path:
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "pretrain_steps",
+                    "pretrain_batch"):
+            if getattr(m, key) < 1:
+                raise UsageError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+        if m.hidden_size % m.num_heads:
+            raise UsageError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads}")
+        if m.num_heads % m.num_kv_heads:
+            raise UsageError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+        if not (math.isfinite(m.pretrain_lr) and m.pretrain_lr > 0):
+            raise UsageError(f"model.pretrain_lr must be a finite number > 0, got {m.pretrain_lr}")
+    for key in ("n_train", "n_val"):
+        if getattr(cfg.task, key) < 1:
+            raise UsageError(f"task.{key} must be >= 1, got {getattr(cfg.task, key)}")
+    context = task.max_prompt_chars + task.max_answer_chars
+    if context > MAX_WARM_START_CONTEXT:
+        raise UsageError(f"task {cfg.task.name!r} with task.kwargs={cfg.task.kwargs} needs {context} characters of "
+                         f"prompt + answer; the warm start supports up to {MAX_WARM_START_CONTEXT}")
 
 
 def warm_start_key(cfg: Config) -> str:
@@ -109,7 +138,7 @@ def load_policy(model_dir: str | Path, cfg: Config, *, device: str | torch.devic
     tok = load_tokenizer(model_dir)
     master = load_model(model_dir, dtype="float32", device=device)
     if tok.vocab_size > master.config.vocab_size:
-        raise ValueError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
+        raise UsageError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
                          f"(vocab_size {master.config.vocab_size})")
     return tok, Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
 
@@ -142,10 +171,31 @@ def model_config_for(cfg: Config, vocab_size: int, tok: Tokenizer, max_len: int)
     )
 
 
+MODEL_FILES = ("pretrain.json", "config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES)
+"""Every file pretraining writes in a model folder: the only ones it ever replaces."""
+
+
+def check_out_dir(out: Path) -> None:
+    """``out`` must be new, empty, or a timlab model folder holding only timlab's files: a folder
+    with anything else in it is refused (one line), never emptied."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UsageError(f"--out {out} is a file; choose a folder")
+    foreign = foreign_entries(out, MODEL_FILES)
+    if foreign:
+        kind = "a timlab model folder with other files in it" if (out / "pretrain.json").exists() else \
+            "not empty and not a timlab model folder"
+        raise UsageError(f"--out {out} is {kind} ({foreign[0]!r}{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); "
+                         "timlab never deletes files it did not write: choose a new or empty folder")
+
+
 def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = False,
              progress: Callable[[int, int, dict], None] | None = None) -> PretrainResult:
-    """Train (or reuse) the SFT warm start for cfg.task with the cfg.model architecture."""
+    """Train (or reuse) the SFT warm start for cfg.task with the cfg.model architecture. An
+    ``out_dir`` that holds anything but timlab's model files is refused, never overwritten."""
     out = Path(out_dir) if out_dir else warm_start_dir(cfg)
+    check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # One writer at a time: data-parallel ranks and sweep workers wait here, then reuse the result.
     with open(out.with_name(out.name + ".lock"), "w") as lock:
@@ -161,10 +211,11 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
 
 def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     task = build_task(cfg)
+    check_warm_start(cfg, task)
     train, val = make_splits(task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val)
+    check_out_dir(out)  # again, under the lock
     tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    remove_owned(tmp, MODEL_FILES, what="a partial timlab model folder")  # a pretraining a kill interrupted
     tmp.mkdir(parents=True)
     save_char_tokenizer(task.alphabet, tmp)
     tok = load_tokenizer(tmp)
@@ -208,8 +259,7 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
             "final_loss": loss_val, "steps": steps, "seconds": seconds, "num_params": n_params,
             "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs}
     (tmp / "pretrain.json").write_text(json.dumps(info, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
+    remove_owned(out, MODEL_FILES, what="a timlab model folder")
     os.replace(tmp, out)
     return PretrainResult(out, acc, steps, seconds, n_params, False)
 

@@ -23,10 +23,10 @@ at any point and resumed ends exactly like an uninterrupted one.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +35,7 @@ import torch
 
 from timlab.config import Config, ConfigError
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
+from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
 from timlab.injectors import build_injector
 from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
 from timlab.model.forward import token_logprobs
@@ -44,19 +45,21 @@ from timlab.schedulers import SCHEDULERS, build_scheduler
 from timlab.tasks import TASKS, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
-from timlab.trainer.checkpoint import CheckpointError, latest_checkpoint, load_state, save_checkpoint
+from timlab.trainer.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
 from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
 from timlab.trainer.logging import MetricsLog, atomic_write_text
 from timlab.trainer.losses import LOSS_AGGREGATIONS, ppo_clip_loss
-from timlab.trainer.pretrain import build_task, ensure_warm_start, greedy_accuracy, load_policy, rollout_rewards
+from timlab.trainer.pretrain import (build_task, check_warm_start, ensure_warm_start, greedy_accuracy, load_policy,
+                                    rollout_rewards)
 from timlab.trainer.precision import PRECISIONS
+from timlab.trainer.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
 
 
-class ZeroMismatchViolation(RuntimeError):
+class ZeroMismatchViolation(TimlabError, RuntimeError):
     """The exact engine and the trainer disagreed on some bit: the zero-mismatch setting is broken."""
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(TimlabError, RuntimeError):
     """NaN/Inf in logits, loss or gradients; the message names the step and the tensor."""
 
 
@@ -86,8 +89,10 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
+    if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0):
+        raise ConfigError(f"optim.lr must be a finite number > 0, got {cfg.optim.lr}")
+    check_device(cfg.run.device)
+    check_warm_start(cfg, build_task(cfg))
     if cfg.run.gradcheck_every < 0:
         raise ConfigError(f"run.gradcheck_every must be >= 0, got {cfg.run.gradcheck_every}")
     if cfg.run.gradcheck_every:
@@ -101,6 +106,20 @@ def validate(cfg: Config) -> None:
     n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
+
+
+def check_device(device: str) -> None:
+    """run.device must name a device torch knows and this machine has."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"run.device {device!r} is not a torch device; e.g. cpu, cuda, cuda:1, mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={device}: CUDA is not available on this machine; use run.device=cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"run.device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"run.device={device}: MPS is not available on this machine; use run.device=cpu")
 
 
 def gradcheck_micro_batch(cfg: Config) -> int:
@@ -145,9 +164,21 @@ class RLRun:
         validate(cfg)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.rundir = RunDir(run_dir)
         self.progress = progress
         self.world = dist_utils.World.from_env(cfg.run.device)
         self.device = self.world.device
+        self.log: MetricsLog | None = None
+        if self.world.is_main:
+            self.rundir.lock()  # one process per run directory, for the life of the run
+        try:
+            self._setup(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, resume: bool) -> None:
+        cfg, progress = self.cfg, self.progress
         self._prepare_dir(resume)
 
         self.task = build_task(cfg)
@@ -186,24 +217,44 @@ class RLRun:
 
     # ---------------------------------------------------------------------------- setup
     def _prepare_dir(self, resume: bool) -> None:
-        d = self.run_dir
+        d = self.rundir
+        d.check_not_file()
         if resume:
-            if not (d / "config.yaml").exists():
-                raise FileNotFoundError(f"--resume: {d} is not a run directory (no config.yaml)")
+            if not d.config.exists():
+                raise FileNotFoundError(f"--resume: {d.path} is not a run directory (no config.yaml)")
             return
-        if (d / "metrics.parquet").exists() or (d / "checkpoints").exists():
-            raise ValueError(f"run directory {d} already holds a run; pass --resume to continue it or choose a new --run-dir")
+        if d.has_run():
+            raise UsageError(f"run directory {d.path} already holds a run; pass --resume to continue it "
+                             "or choose a new --run-dir")
         if self.world.is_main:
-            d.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(d / "config.yaml", self.cfg.to_yaml())
+            d.path.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(d.config, self.cfg.to_yaml())
         self.world.barrier()
 
+    def _usable_checkpoint(self) -> tuple[Path | None, dict | None, torch.nn.Module | None]:
+        """The newest checkpoint that verifies and loads, with its state and weights; each one
+        passed over is named in a warning. (None, None, None): none, resume from the warm start."""
+        skipped = []
+        for ckpt in checkpoints_newest_first(self.rundir.checkpoints):
+            problem = verify_checkpoint(ckpt)
+            if problem is None:
+                try:
+                    return ckpt, load_state(ckpt), load_model(ckpt, dtype="float32", device=self.device)
+                except (TimlabError, OSError) as e:  # load_model and load_state name the file in one line
+                    problem = one_line(e)
+            skipped.append(ckpt.name)
+            warnings.warn(f"checkpoint {ckpt} is unusable ({problem}); falling back to an older one", stacklevel=2)
+        if skipped:
+            warnings.warn(f"no usable checkpoint in {self.rundir.checkpoints}: resuming from step 0 (the warm start)",
+                          stacklevel=2)
+        return None, None, None
+
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
-        if ckpt is None:
-            raise CheckpointError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
-        state = load_state(ckpt)
-        resumed = load_model(ckpt, dtype="float32", device=self.device)
+        ckpt, state, resumed = self._usable_checkpoint()
+        if ckpt is None:  # killed before the first checkpoint: start over from the warm start
+            if self.log is not None:
+                self.log.load(-1)
+            return
         self.precision.load_master(resumed.state_dict())
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -450,15 +501,21 @@ class RLRun:
 
     def write_status(self, state: str, message: str = "") -> None:
         if self.world.is_main:
-            atomic_write_text(self.run_dir / "status.json", json.dumps(
-                {"state": state, "step": self.step, "total_steps": self.cfg.run.steps, "message": message}))
+            self.rundir.write_status(state, step=self.step, total_steps=self.cfg.run.steps, message=message)
+
+    def close(self) -> None:
+        """Close the metrics log and release the run directory's lock (idempotent)."""
+        if self.log is not None:
+            self.log.close()
+        self.rundir.unlock()
 
     def run(self) -> dict:
-        """Train until run.steps; metrics every step, eval and checkpoints on schedule."""
+        """Train until run.steps; metrics every step, eval and checkpoints on schedule. Returns
+        the last logged row (an earlier session's when the run had already finished)."""
         cfg = self.cfg.run
-        self.write_status("running")
-        last: dict = {}
+        last: dict = dict(self.log.rows[-1]) if self.log is not None and self.log.rows else {}
         try:
+            self.write_status(RUNNING)
             if self.step == 0:
                 row = {"step": 0, **self.evaluate()}
                 if self.log is not None:
@@ -477,16 +534,19 @@ class RLRun:
                 last = row
                 if self.progress is not None:
                     self.progress("train", self.step, cfg.steps, row)
+            self.write_status(FINISHED)
         except (NonFiniteError, ZeroMismatchViolation) as e:
-            self.write_status("diverged" if isinstance(e, NonFiniteError) else "guard_failed", str(e))
+            self.write_status(DIVERGED if isinstance(e, NonFiniteError) else GUARD_FAILED, str(e))
             raise
         except BaseException as e:
-            self.write_status("failed", f"{type(e).__name__}: {e}")
+            if isinstance(e, Exception) and is_disk_full(e):
+                full = disk_full(self.run_dir)
+                self.write_status(FAILED, f"{type(full).__name__}: {one_line(full)}")
+                raise full from None
+            self.write_status(FAILED, f"{type(e).__name__}: {one_line(e)}")
             raise
         finally:
-            if self.log is not None:
-                self.log.close()
-        self.write_status("finished")
+            self.close()
         return last
 
 
@@ -494,5 +554,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress=No
     """Build and run an RLRun (the library entry point behind ``timlab train``)."""
     with dist_utils.maybe_init_process_group(cfg.run.device):
         run = RLRun(cfg, run_dir, resume=resume, progress=progress)
-        return run.run()
+        try:
+            return run.run()
+        finally:
+            run.close()
 

@@ -1,0 +1,229 @@
+"""The run directory: the one type that knows its layout, its states and its lock.
+
+::
+
+    RUN_DIR/
+      config.yaml          the fully resolved config the run started with (written first)
+      status.json          {"state", "step", "total_steps", "message"}, replaced atomically
+      metrics.parquet      one row per logged step, replaced atomically every step
+      distributions.jsonl  per-step histograms, append-only (truncated back on resume)
+      checkpoints/         step_NNNNNN/ folders + ``latest`` (see ``timlab.trainer.checkpoint``)
+      tensorboard/         only with run.tensorboard=true
+      run.lock             holds the pid of the process that owns the run
+
+States: ``running``, then one of ``finished``, ``diverged`` (non-finite values),
+``guard_failed`` (the zero-mismatch guard tripped) or ``failed`` (an error); a directory with no
+status yet reads ``pending``.
+
+One process at a time: ``RunDir.lock()`` takes an exclusive ``flock`` on ``run.lock`` for the
+life of the run, and a second process gets a one-line ``RunDirBusyError`` naming the holder's
+pid. The kernel drops the lock when its holder dies, even by kill -9, so a stale lock file never
+blocks a resume.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from timlab.errors import BadFileError, TimlabError, UsageError, is_disk_full
+from timlab.files import atomic_write_text, overwrite_in_place, remove_owned
+
+CONFIG = "config.yaml"
+STATUS = "status.json"
+METRICS = "metrics.parquet"
+DISTRIBUTIONS = "distributions.jsonl"
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"
+LOCK = "run.lock"
+
+RUN_FILES = (CONFIG, STATUS, METRICS, DISTRIBUTIONS, CHECKPOINTS, TENSORBOARD, LOCK,
+             STATUS + ".tmp", METRICS + ".tmp", DISTRIBUTIONS + ".tmp", CONFIG + ".tmp")
+"""Every name timlab writes directly in a run directory (what ``clear`` may delete)."""
+
+RUNNING, FINISHED, DIVERGED, GUARD_FAILED, FAILED, PENDING = (
+    "running", "finished", "diverged", "guard_failed", "failed", "pending")
+DONE_STATES = (FINISHED, DIVERGED, GUARD_FAILED)
+"""States a run ends in and that a rerun of a sweep skips."""
+COMPLETE_STATES = (FINISHED, DIVERGED)
+"""States whose metrics cover the whole outcome of the run (collapse statistics use these)."""
+
+
+class RunDirBusyError(TimlabError):
+    """Another process holds the run directory's lock."""
+
+
+class RunDir:
+    """A run directory at ``path`` (which need not exist yet)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ---------------------------------------------------------------------------- layout
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def status_file(self) -> Path:
+        return self.path / STATUS
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def distributions_file(self) -> Path:
+        return self.path / DISTRIBUTIONS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD
+
+    def has_run(self) -> bool:
+        """Whether a run was started here (config, metrics or checkpoints exist)."""
+        return any(p.exists() for p in (self.config, self.metrics_file, self.checkpoints))
+
+    def check_not_file(self) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(f"run directory {self.path} is a file, not a folder; choose another --run-dir")
+
+    # ---------------------------------------------------------------------------- status
+    def read_status(self) -> dict:
+        """status.json as a dict; {} when absent or unreadable (a run killed mid-write)."""
+        try:
+            status = json.loads(self.status_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return status if isinstance(status, dict) else {}
+
+    def state(self) -> str:
+        return self.read_status().get("state", PENDING)
+
+    def write_status(self, state: str, *, step: int, total_steps: int, message: str = "") -> None:
+        """Replace status.json. On a full disk the file is rewritten in place (its blocks exist),
+        so a run that ran out of space still says ``failed``."""
+        text = json.dumps({"state": state, "step": step, "total_steps": total_steps, "message": message})
+        try:
+            atomic_write_text(self.status_file, text)
+        except OSError as e:
+            if not (is_disk_full(e) and self.status_file.exists()):
+                raise
+            overwrite_in_place(self.status_file, text)
+
+    # ---------------------------------------------------------------------------- metrics
+    def read_metrics(self) -> pd.DataFrame | None:
+        """metrics.parquet sorted by step, or None when the run has logged nothing yet."""
+        if not self.metrics_file.exists():
+            return None
+        try:
+            df = pd.read_parquet(self.metrics_file)
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise BadFileError(f"{self.metrics_file}: unreadable ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        return df.sort_values("step").reset_index(drop=True) if "step" in df.columns else df
+
+    def read_distributions(self, up_to_step: int | None = None) -> list[str]:
+        """The lines of distributions.jsonl (of steps <= ``up_to_step``). A last line cut short by
+        a kill is dropped; a damaged line elsewhere is an error naming the file and line."""
+        if not self.distributions_file.exists():
+            return []
+        try:
+            text = self.distributions_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise BadFileError(f"{self.distributions_file}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        lines = text.split("\n")
+        kept = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError) as e:
+                if n >= len(lines) - 1 and not text.endswith("\n"):
+                    break  # the line a kill interrupted: it belongs to an unfinished step
+                raise BadFileError(f"{self.distributions_file}: line {n} is not a JSON object with a step "
+                                   f"({type(e).__name__}); remove that line to resume") from None
+            if up_to_step is None or step <= up_to_step:
+                kept.append(line)
+        return kept
+
+    # ---------------------------------------------------------------------------- lock
+    def lock(self) -> "RunDir":
+        """Take the run's exclusive lock (creating the folder), or raise ``RunDirBusyError``
+        naming the pid that holds it. Released by ``unlock`` or when this process dies."""
+        if self._lock_fd is not None:
+            return self
+        self.check_not_file()
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirBusyError(f"run directory {self.path} is in use by process {holder} "
+                                      "(another timlab train or sweep); wait for it or stop it") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        return self
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "RunDir":
+        return self.lock()
+
+    def __exit__(self, *exc) -> None:
+        self.unlock()
+
+    # ---------------------------------------------------------------------------- clearing
+    def clear(self) -> None:
+        """Delete what timlab wrote here (config, status, metrics, checkpoints, ...) and nothing
+        else; the caller holds the lock."""
+        from timlab.trainer.checkpoint import CHECKPOINT_ENTRIES
+
+        for name in RUN_FILES:
+            p = self.path / name
+            if name == LOCK or not (p.exists() or p.is_symlink()):
+                continue
+            if name == CHECKPOINTS and p.is_dir() and not p.is_symlink():
+                remove_owned(p, CHECKPOINT_ENTRIES, what="a timlab checkpoints folder")
+            elif name == TENSORBOARD and p.is_dir() and not p.is_symlink():
+                remove_owned(p, ("events.out.tfevents.*",), what="a timlab tensorboard folder")
+            elif not p.is_dir():
+                p.unlink()
+
+
+def read_status(run_dir: str | os.PathLike) -> dict:
+    """status.json of a run directory ({} when absent or unreadable)."""
+    return RunDir(run_dir).read_status()
+
+
+def read_metrics(run_dir: str | os.PathLike) -> pd.DataFrame | None:
+    """metrics.parquet of a run directory sorted by step (None when absent)."""
+    return RunDir(run_dir).read_metrics()
+
+
+__all__ = ["RunDir", "RunDirBusyError", "read_status", "read_metrics", "DONE_STATES", "COMPLETE_STATES",
+           "RUNNING", "FINISHED", "DIVERGED", "GUARD_FAILED", "FAILED", "PENDING", "CONFIG", "STATUS", "METRICS",
+           "DISTRIBUTIONS", "CHECKPOINTS", "LOCK"]
