@@ -102,3 +102,72 @@ def test_bad_specs(spec, msg):
 def test_scope_needs_a_logits_injector(model):
     with pytest.raises(ValueError, match="prob_below scopes logit_noise and temperature only"):
         realized(model, "precision", prob_below=0.1)
+
+
+# ------------------------------------------------------------------------------ the plug point
+def test_every_module_registers_one_injector_class():
+    import pkgutil
+
+    import timlab.injectors as pkg
+    from timlab.injectors import INJECTORS, Injector
+
+    modules = {m.name for m in pkgutil.iter_modules(pkg.__path__)} - {"base"}
+    classes = {name: INJECTORS.get(name) for name in INJECTORS.names() if name != "none"}
+    assert all(issubclass(cls, Injector) and cls.name == name for name, cls in classes.items())
+    assert {cls.__module__.rsplit(".", 1)[1] for cls in classes.values()} == modules
+
+
+def test_a_new_injector_is_one_class_and_needs_no_other_edit(model, monkeypatch):
+    """Registered here as a user's file would register it; the spec, composition with '+', the
+    scope, checks and checkpoint state all work through the protocol alone."""
+    from timlab.injectors import INJECTORS, Injector, register
+    from timlab.errors import UsageError
+
+    monkeypatch.setattr(INJECTORS, "_items", dict(INJECTORS._items))  # forget it after the test
+
+    @register("ban_token")
+    class BanToken(Injector):
+        """The rollout never samples token ``int(magnitude)``; counts the steps it saw."""
+
+        order = 45
+        processes_logits = True
+        scoped = True
+
+        def __init__(self, settings):
+            super().__init__(settings)
+            self.steps = 0
+
+        def check(self):
+            if self.s.magnitude >= 32:
+                raise UsageError("ban_token: magnitude must name a token id")
+
+        def process_logits(self, logits, col, generator):
+            self.steps += 1
+            return logits.index_fill(-1, torch.tensor([int(self.s.magnitude)]), -1e4)
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"]
+
+    k3, r = realized(model, "ban_token+precision", 7.0, dtype="float16")
+    assert k3 > 0 and not (r.tokens[r.response_mask] == 7).any()
+    sec = SimpleNamespace(injector="precision+ban_token", magnitude=7.0, dtype="float16", engine="fast",
+                          prob_below=1.0, seed=0)
+    inj = build_injector(sec, model, eos_token_id=2, pad_token_id=0)
+    inj.rollout(PROMPTS, max_new_tokens=5, sampling=SamplingParams(), generator=torch.Generator().manual_seed(0))
+    assert inj.state_dict()["ban_token"] == {"steps": 5}
+    with pytest.raises(UsageError, match="ban_token: magnitude"):
+        realized(model, "ban_token", 40.0)
+    with pytest.raises(ValueError, match="prob_below scopes ban_token and logit_noise and temperature only"):
+        realized(model, "precision", prob_below=0.1)
+
+
+def test_part_order_not_spec_order():
+    """'a+b' and 'b+a' are one injector: the parts act in their declared order."""
+    from timlab.injectors import INJECTORS
+
+    orders = {name: INJECTORS.get(name).order for name in INJECTORS.names() if name != "none"}
+    assert orders["weight_rounding"] < orders["head_perturb"] < orders["precision"]  # round, new head, cast
+    assert orders["temperature"] < orders["logit_noise"]  # noise on the tempered logits

@@ -17,33 +17,31 @@ off exactly, then add a controlled amount back). Three kinds of parts compose wi
 
 Every run measures the realized mismatch (rollout_corr/*, mismatch/*), so a knob's effect is
 measured, not assumed. Injector randomness comes from its own seeded generator (checkpointed).
+
+Each part is one class in its own module of this package, behind the small protocol of
+``timlab.injectors.base.Injector``; ``RolloutInjector`` composes them and never names one.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import importlib
+import pkgutil
 from typing import Callable
 
 import torch
-from torch import nn
 
 from timlab.engines import Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
-from timlab.model.hf_io import parse_dtype
+from timlab.injectors.base import INJECTORS, Injector, Settings, register
+from timlab.injectors.weight_rounding import round_weight
 from timlab.model.llama import CausalLM
-from timlab.registry import Registry
 
-INJECTORS: Registry = Registry("injector")
-INJECTORS.add("none", None)
-for _name in ("precision", "engine", "logit_noise", "temperature", "head_perturb", "weight_rounding"):
-    INJECTORS.add(_name, _name)
+for _module in pkgutil.iter_modules(__path__):  # each module registers its injector class
+    importlib.import_module(f"{__name__}.{_module.name}")
 
-MODEL_PARTS = ("precision", "weight_rounding", "head_perturb")
-LOGIT_PARTS = ("logit_noise", "temperature")
-ROUNDING_DTYPES = ("bfloat16", "float16", "int8")
-SWAP_ENGINES = ("fast", "hf", "vllm", "exact")
-"""Engines the ``engine`` injector may roll out with (exact is allowed: a zero-mismatch swap)."""
+__all__ = ["INJECTORS", "Injector", "RolloutInjector", "Settings", "build_injector", "parse_parts", "register",
+           "round_weight"]
 
 
 def parse_parts(spec: str) -> list[str]:
@@ -58,16 +56,6 @@ def parse_parts(spec: str) -> list[str]:
     return [p for p in parts if p != "none"]
 
 
-def round_weight(w: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Round a tensor to bf16/fp16, or int8 with per-output-row symmetric scales; same dtype out."""
-    if dtype == "int8":
-        if w.dim() < 2:
-            return w.clone()
-        scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0  # (N, 1)
-        return (torch.round(w / scale).clamp(-127, 127) * scale).to(w.dtype)
-    return w.to(parse_dtype(dtype)).to(w.dtype)
-
-
 def _shallow_view(model: CausalLM) -> CausalLM:
     """A CausalLM sharing every module with ``model`` except the ones later replaced."""
     view = copy.copy(model)
@@ -78,32 +66,22 @@ def _shallow_view(model: CausalLM) -> CausalLM:
     return view
 
 
-@dataclass
-class _Settings:
-    magnitude: float
-    dtype: str
-    engine: str
-    prob_below: float
-    seed: int
-
-
 class RolloutInjector:
-    """Runs rollouts for the trainer with the configured mismatch applied."""
+    """Runs rollouts for the trainer with the configured mismatch applied: the parts of the spec
+    (``parts``, in spec order), each an ``Injector``, acting in their ``order``."""
 
-    def __init__(self, parts: list[str], model: CausalLM, settings: _Settings, *, default_engine: str,
+    def __init__(self, parts: list[str], model: CausalLM, settings: Settings, *, default_engine: str,
                  eos_token_id: int, pad_token_id: int):
         self.parts = parts
         self.s = settings
         self.model = model
+        self.injectors: list[Injector] = sorted((INJECTORS.get(p)(settings) for p in parts), key=lambda i: i.order)
         self._check()
         self.generator = torch.Generator().manual_seed(1_000_003 * settings.seed + 7)
-        self._head_noise: torch.Tensor | None = None
-        if "head_perturb" in parts:
-            W = model.lm_head.weight
-            R = torch.randn(W.shape, generator=torch.Generator().manual_seed(settings.seed + 99), dtype=torch.float32)
-            self._head_noise = R.to(W.device)  # (V, d), fixed for the whole run
         self.rollout_model = self._build_model(model)
-        engine_name = settings.engine if "engine" in parts else default_engine
+        engine_name = default_engine
+        for inj in self.injectors:
+            engine_name = inj.rollout_engine(engine_name)
         self.engine = build_engine(engine_name, self.rollout_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self.engine_name = engine_name
 
@@ -117,51 +95,39 @@ class RolloutInjector:
             raise UsageError(f"mismatch.magnitude must be >= 0, got {s.magnitude}")
         if not 0.0 < s.prob_below <= 1.0:
             raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
-        if s.prob_below < 1.0 and not any(p in LOGIT_PARTS for p in self.parts):
-            raise UsageError("mismatch.prob_below scopes logit_noise and temperature only; add one of them")
-        if "precision" in self.parts and s.dtype not in ("bfloat16", "float16", "float32"):
-            raise UsageError(f"mismatch.dtype {s.dtype!r} for precision; valid choices: bfloat16, float16, float32")
-        if "weight_rounding" in self.parts and s.dtype not in ROUNDING_DTYPES:
-            raise UsageError(f"mismatch.dtype {s.dtype!r} for weight_rounding; valid choices: {', '.join(ROUNDING_DTYPES)}")
-        if "engine" in self.parts and s.engine not in SWAP_ENGINES:
-            raise UsageError(f"mismatch.engine {s.engine!r}; valid choices: {', '.join(SWAP_ENGINES)}")
+        if s.prob_below < 1.0 and not any(inj.scoped for inj in self.injectors):
+            scoped = sorted(name for name in INJECTORS if INJECTORS.get(name) is not None and INJECTORS.get(name).scoped)
+            raise UsageError(f"mismatch.prob_below scopes {' and '.join(scoped)} only; add one of them")
+        for inj in self.injectors:
+            inj.check()
 
     # -- the rollout model ----------------------------------------------------------------
     def _build_model(self, model: CausalLM) -> CausalLM:
-        if not any(p in MODEL_PARTS for p in self.parts):
-            return model
-        m = copy.deepcopy(model) if any(p in ("precision", "weight_rounding") for p in self.parts) else _shallow_view(model)
-        if "head_perturb" in self.parts:
-            W = model.lm_head.weight
-            head = nn.Linear(W.shape[1], W.shape[0], bias=False, device=W.device, dtype=W.dtype)
-            head.requires_grad_(False)
-            m.lm_head = head
-        if "precision" in self.parts:
-            m = m.to(parse_dtype(self.s.dtype))
+        if not any(inj.copies_weights or inj.owns for inj in self.injectors):
+            return model  # the rollout runs the trainer's own model
+        m = copy.deepcopy(model) if any(inj.copies_weights for inj in self.injectors) else _shallow_view(model)
+        for inj in self.injectors:
+            m = inj.transform_model(m, model)
         m.hooks = []
         m.eval()
         self._sync(m)
         return m
 
+    def _map_weight(self, w: torch.Tensor) -> torch.Tensor:
+        for inj in self.injectors:
+            w = inj.map_weight(w)
+        return w
+
     @torch.no_grad()
     def _sync(self, m: CausalLM) -> None:
         src = dict(self.model.named_parameters())
+        owned = {name for inj in self.injectors for name in inj.owns}
         for name, p in m.named_parameters():
-            if name == "lm_head.weight" and "head_perturb" in self.parts:
+            if name in owned or p is src[name]:
                 continue
-            if p is src[name]:
-                continue
-            w = src[name]
-            if "weight_rounding" in self.parts:
-                w = round_weight(w, self.s.dtype)
-            p.copy_(w.to(p.dtype))
-        if "head_perturb" in self.parts:
-            W = self.model.lm_head.weight.float()
-            if "weight_rounding" in self.parts:
-                W = round_weight(W, self.s.dtype)
-            R = self._head_noise
-            delta = self.s.magnitude * (W.norm() / R.norm()) * R
-            m.lm_head.weight.copy_((W + delta).to(m.lm_head.weight.dtype))
+            p.copy_(self._map_weight(src[name]).to(p.dtype))
+        for inj in self.injectors:
+            inj.refresh(m, self.model, self._map_weight)
 
     def refresh(self) -> None:
         """The trainer's weights changed: bring the rollout side up to date."""
@@ -171,13 +137,11 @@ class RolloutInjector:
 
     # -- logits processors ----------------------------------------------------------------
     def _process(self, logits: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        clean = logits
+        clean = logits  # (B, V)
         out = logits
-        if "temperature" in self.parts:
-            out = out / (1.0 + self.s.magnitude)
-        if "logit_noise" in self.parts and self.s.magnitude > 0:
-            noise = torch.randn(out.shape, generator=self.generator, dtype=torch.float32)
-            out = out + self.s.magnitude * noise.to(out.device)
+        for inj in self.injectors:
+            if inj.processes_logits:
+                out = inj.process_logits(out, col, self.generator)
         if self.s.prob_below < 1.0:
             p_clean = torch.softmax(clean, dim=-1)
             out = torch.where(p_clean < self.s.prob_below, out, clean)
@@ -188,7 +152,7 @@ class RolloutInjector:
                 ) -> Rollout:
         """Sample with the mismatch applied. ``observe(logits, col)``, if given, sees the logits
         each decode step samples from (after the injector's processing): mu's full distribution."""
-        proc = self._process if any(p in LOGIT_PARTS for p in self.parts) else None
+        proc = self._process if any(inj.processes_logits for inj in self.injectors) else None
         if observe is not None:
             inner = proc
 
@@ -201,17 +165,24 @@ class RolloutInjector:
                                     generator=generator, logits_processor=proc)
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        state = {"generator": self.generator.get_state()}
+        for inj in self.injectors:
+            if inj.state_dict():
+                state[inj.name] = inj.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state and "generator" in state:
             self.generator.set_state(state["generator"])
+        for inj in self.injectors:
+            if state and inj.name in state:
+                inj.load_state_dict(state[inj.name])
 
 
 def build_injector(section, model: CausalLM, *, default_engine: str = "exact", eos_token_id: int,
                    pad_token_id: int) -> RolloutInjector:
     """From a config ``mismatch`` section (or anything with the same attributes)."""
     parts = parse_parts(section.injector)
-    settings = _Settings(section.magnitude, section.dtype, section.engine, section.prob_below, section.seed)
+    settings = Settings(section.magnitude, section.dtype, section.engine, section.prob_below, section.seed)
     return RolloutInjector(parts, model, settings, default_engine=default_engine,
                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -1,0 +1,109 @@
+"""The injector protocol and registry: one class per kind of controlled mismatch.
+
+An injector changes what the ROLLOUT computes, never the trainer. It may act at four points,
+each a method with a do-nothing default, so a class overrides only what it changes:
+
+- ``check()``: refuse settings it cannot use (one-line ``UsageError``);
+- the rollout model: ``copies_weights`` (the rollout needs its own copy of every weight),
+  ``transform_model`` (change the copy's structure once), ``map_weight`` (the value a trainer
+  weight takes on the rollout side) and ``refresh`` (weights it owns, after each update);
+- ``rollout_engine``: the engine the rollout runs on;
+- ``process_logits``: change the logits each decode step samples from (``scoped``: the scope
+  ``mismatch.prob_below`` applies to it).
+
+Parts composed with '+' act in the order of their ``order`` attribute, whatever the order of
+the spec, so 'a+b' and 'b+a' are one injector. A new injector is one file in this package with
+one class registered by ``@register("name")``; the package imports every module in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from timlab.errors import UsageError
+from timlab.model.llama import CausalLM
+from timlab.registry import Registry
+
+INJECTORS: Registry = Registry("injector")
+INJECTORS.add("none", None)  # zero mismatch: no part at all
+
+
+@dataclass
+class Settings:
+    """The ``mismatch`` config section's knobs, shared by every part of one injector."""
+
+    magnitude: float
+    dtype: str
+    engine: str
+    prob_below: float
+    seed: int
+
+
+WeightMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Injector:
+    """One part of a rollout injector. Subclasses set ``order`` and override what they change."""
+
+    name: ClassVar[str] = ""
+    order: ClassVar[int] = 0
+    """Where the part acts among the composed ones (lower first)."""
+    copies_weights: ClassVar[bool] = False
+    """True when the rollout model needs its own copy of every weight (else it shares them)."""
+    owns: ClassVar[tuple[str, ...]] = ()
+    """Parameter names whose rollout value this part sets itself in ``refresh``."""
+    processes_logits: ClassVar[bool] = False
+    scoped: ClassVar[bool] = False
+    """True when ``mismatch.prob_below`` limits this part's logits change."""
+
+    def __init__(self, settings: Settings):
+        self.s = settings
+
+    def check(self) -> None:
+        """Raise a one-line UsageError for settings this part cannot use."""
+
+    def transform_model(self, rollout_model: CausalLM, model: CausalLM) -> CausalLM:
+        """Change the rollout model's structure once (``model``: the trainer's, read-only)."""
+        return rollout_model
+
+    def map_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """The rollout-side value of a trainer weight ``w`` (before the cast to the rollout dtype)."""
+        return w
+
+    @torch.no_grad()
+    def refresh(self, rollout_model: CausalLM, model: CausalLM, map_weight: WeightMap) -> None:
+        """Set the weights named in ``owns`` from the trainer's (``map_weight``: every part's map)."""
+
+    def rollout_engine(self, default: str) -> str:
+        return default
+
+    def process_logits(self, logits: torch.Tensor, col: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """(B, V) logits of one decode step -> the logits to sample from. ``generator``: the
+        injector's own seeded generator, for any noise."""
+        return logits
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def register(name: str):
+    """Class decorator: ``@register("logit_noise")`` names the class and adds it to INJECTORS."""
+
+    def deco(cls: type[Injector]) -> type[Injector]:
+        INJECTORS.add(name, cls)
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def check_dtype(part: str, dtype: str, valid: tuple[str, ...]) -> None:
+    """Refuse a ``mismatch.dtype`` that the part ``part`` cannot use."""
+    if dtype not in valid:
+        raise UsageError(f"mismatch.dtype {dtype!r} for {part}; valid choices: {', '.join(valid)}")
