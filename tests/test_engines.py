@@ -143,6 +143,26 @@ def test_batch_composition_invariance(dtype):
         assert torch.equal(alone.logprobs[0][a], big.logprobs[i][b])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
+def test_shared_prefill_changes_no_bit(dtype):
+    """Groups of samples share one prefill per distinct prompt: the same rollout, bit for bit,
+    as prefilling every row, and still equal to the trainer."""
+    model = tiny_model("qwen3", dtype)
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    prompts = [p for p in ragged_prompts(5) for _ in range(4)]  # 5 groups of 4 samples
+
+    def run():
+        return engine.generate(prompts, max_new_tokens=12, generator=torch.Generator().manual_seed(3))
+
+    shared = run()
+    engine.share_prefill = False
+    alone = run()
+    for f in ("tokens", "logprobs", "sampling_logprobs", "response_mask", "lengths"):
+        assert torch.equal(getattr(shared, f), getattr(alone, f)), f
+    m = shared.response_mask
+    assert torch.equal(trainer_logprobs(model, shared)[m], shared.logprobs[m])
+
+
 def test_seed_reproducibility():
     model = tiny_model()
     engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)

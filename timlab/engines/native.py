@@ -27,11 +27,27 @@ class _KVCachedEngine(Engine):
         positions = positions_from_valid(key_valid)[:, start : start + num]
         return Step(positions=positions, start=start, allowed=attention_mask(key_valid, start, num, width))
 
+    share_prefill = False
+    """Prefill each distinct prompt once and copy its KV cache and logits to the rows that share
+    it (the samples of a group). Only where the prefill is batch-invariant (the exact mode)."""
+
     def _prefill(self, tokens, key_valid, P):
         B, S = tokens.shape
-        cache = KVCache.empty(self.model.config, B, S, self.model.dtype, self.model.device)
+        first, inverse = None, None
+        if self.share_prefill and not self.model.hooks:  # op hooks record one row per sequence
+            key = torch.cat([tokens[:, :P], key_valid[:, :P].long()], dim=1)  # (B, 2P): a row's prompt
+            _, inverse = torch.unique(key, dim=0, return_inverse=True)  # (B,): which distinct prompt
+            n = int(inverse.max()) + 1
+            if n < B:  # first row holding each distinct prompt
+                rows = torch.arange(B, device=tokens.device)
+                first = torch.full((n,), B, device=tokens.device).scatter_reduce(0, inverse, rows, "amin")
+                tokens, key_valid = tokens[first], key_valid[first]  # (n, S)
+        cache = KVCache.empty(self.model.config, tokens.shape[0], S, self.model.dtype, self.model.device)
         h = self.model.hidden_states(tokens[:, :P], self._step(key_valid, 0, P), cache, self.mode)
-        return self.model.logits_from_hidden(h[:, -1], self.mode), cache  # (B, V)
+        logits = self.model.logits_from_hidden(h[:, -1], self.mode)  # (n, V)
+        if first is not None:  # back to one row per sequence: (B, ...)
+            logits, cache = logits[inverse], self._select(cache, inverse)
+        return logits, cache  # (B, V)
 
     def _decode(self, cache, tokens, key_valid, col):
         h = self.model.hidden_states(tokens[:, col : col + 1], self._step(key_valid, col, 1), cache, self.mode)
@@ -44,6 +60,7 @@ class ExactEngine(_KVCachedEngine):
 
     name = "exact"
     mode = "exact"
+    share_prefill = True  # exact: a row's prefill bits do not depend on the other rows
 
 
 @ENGINES.register("fast")
