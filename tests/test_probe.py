@@ -96,6 +96,15 @@ def test_hf_rollout_and_score(tmp_path, folder, prompts):
     assert res["max_abs_diff"] < 1e-4
 
 
+def test_num_prompts_takes_the_files_first_prompts(tmp_path, folder, prompts, capsys):
+    res = probe(tmp_path, folder, prompts, "--num-prompts", "2")
+    assert res["num_prompts"] == 2 and res["num_sequences"] == 6
+    argv = ["probe", "--model", str(folder), "--prompts", str(prompts), "--num-prompts", "6"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "num_prompts=6 but prompts file" in err and "has 5 prompts" in err
+
+
 def test_task_prompts(tmp_path, folder):
     out = tmp_path / "task.json"
     argv = ["probe", "--model", str(folder), "--task", "addition", "--num-prompts", "4",

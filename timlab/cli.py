@@ -30,6 +30,12 @@ def _set_threads() -> None:
         torch.set_num_threads(1)
 
 
+def _given(args: argparse.Namespace, names) -> dict:
+    """The options among ``names`` that the user set (argparse default None), as keyword
+    arguments: a library function's own defaults apply to the rest."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _write_json(path: str | None, obj) -> None:
     if path:
         write_json(path, obj)
@@ -41,23 +47,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     if (args.prompts is None) == (args.task is None):
         raise CLIError("probe needs exactly one of --prompts FILE or --task NAME")
-    result = run_probe(
-        model_dir=args.model,
-        prompts_file=args.prompts,
-        task=args.task,
-        num_prompts=args.num_prompts,
-        samples_per_prompt=args.samples_per_prompt,
-        rollout=args.rollout,
-        score=args.score,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        attribute=getattr(args, "attribute", False),
-        device=args.device,
-    )
+    options = ("num_prompts", "samples_per_prompt", "rollout", "score", "dtype", "max_new_tokens", "seed",
+               "temperature", "top_p", "top_k", "device")
+    result = run_probe(model_dir=args.model, prompts_file=args.prompts, task=args.task, attribute=args.attribute,
+                       **_given(args, options))
     print(format_probe(result))
     _write_json(args.json, result)
     if args.html:
@@ -72,18 +65,19 @@ def _add_probe(sub) -> None:
     p.add_argument("--model", required=True, help="HF-format model folder")
     p.add_argument("--prompts", help="text file with one prompt per line")
     p.add_argument("--task", help="built-in task to draw prompts from")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--samples-per-prompt", type=int, default=1)
+    # defaults are run_probe's: an option not given is not passed
+    p.add_argument("--num-prompts", type=int, help="the file's first N prompts (default all), or N from the task")
+    p.add_argument("--samples-per-prompt", type=int)
     # no argparse choices: run_probe checks the names and lists the valid ones in one line
-    p.add_argument("--rollout", default="exact", help="rollout engine: exact, fast, hf")
-    p.add_argument("--score", default="trainer", help="score path: trainer, exact, fast, hf")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--rollout", help="rollout engine: exact, fast, hf")
+    p.add_argument("--score", help="score path: trainer, exact, fast, hf")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--device")
     p.add_argument("--attribute", action="store_true", help="also locate the first op where the two paths diverge")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--html", help="write a self-contained HTML page with plots here")

@@ -18,8 +18,8 @@ path's forward, then compares them op by op at the columns that predict response
 The replay re-runs the rollout engine's exact call sequence (same batch, same steps), so its
 log-probs must equal the rollout's; ``replay_bitwise_equal`` reports that check.
 
-Not from a paper: a diagnostic in the spirit of VeXact's bitwise check (REFERENCE.md section 1).
-Metric definitions are those of ``timlab.metrics`` (REFERENCE.md section 2).
+Not from a paper: a diagnostic in the spirit of VeXact's bitwise check (docs/exactness.md).
+Metric definitions are those of ``timlab.metrics`` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ HOOKED_ENGINES = ("exact", "fast")
 """Engines that run timlab's own model code, whose op boundaries the attribution can observe."""
 
 POSITION_BUCKETS = 8
+
+TASK_PROMPTS = 16
+"""Prompts drawn from a task when the caller does not say how many."""
 
 
 # ------------------------------------------------------------------------------ input checks
@@ -275,7 +278,7 @@ def run_probe(
     model_dir: str | Path,
     prompts_file: str | Path | None = None,
     task: str | None = None,
-    num_prompts: int = 16,
+    num_prompts: int | None = None,
     samples_per_prompt: int = 1,
     rollout: str = "exact",
     score: str = "trainer",
@@ -290,15 +293,16 @@ def run_probe(
 ) -> dict:
     """Roll out, rescore, return the mismatch as a JSON-ready dict.
 
-    Prompts come from ``prompts_file`` (every non-blank line) or from ``task`` (``num_prompts``
-    drawn with ``random.Random(seed)``); each is sampled ``samples_per_prompt`` times.
+    Prompts come from ``prompts_file`` (its first ``num_prompts`` non-blank lines, all of them by
+    default) or from ``task`` (``num_prompts`` drawn with ``random.Random(seed)``,
+    ``TASK_PROMPTS`` by default); each is sampled ``samples_per_prompt`` times.
     """
     _check_names(rollout, score, attribute)
     if (prompts_file is None) == (task is None):
         raise UsageError("probe needs exactly one of prompts_file or task")
     for name, value in (("num_prompts", num_prompts), ("samples_per_prompt", samples_per_prompt),
                         ("max_new_tokens", max_new_tokens)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
 
@@ -309,8 +313,12 @@ def run_probe(
     _check_vocab(tokenizer, model)
     if prompts_file is not None:
         texts, source = _read_prompts(prompts_file), f"prompts file {str(prompts_file)!r}"
+        if num_prompts is not None:
+            if num_prompts > len(texts):
+                raise UsageError(f"num_prompts={num_prompts} but {source} has {len(texts)} prompts")
+            texts = texts[:num_prompts]
     else:
-        texts, source = _task_prompts(task, num_prompts, seed), f"task {task!r}"
+        texts, source = _task_prompts(task, num_prompts or TASK_PROMPTS, seed), f"task {task!r}"
     prompt_ids = _encode(tokenizer, texts, model, max_new_tokens, source)
     prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
 
