@@ -43,7 +43,7 @@ def compare(model: CausalLM, r) -> dict:
     with torch.enable_grad():
         logp, _ = token_logprobs(model, r.tokens, r.key_valid, mode="exact")  # (B, S) the RL step's log pi
     m = all_metrics(logp.detach(), r.logprobs, r.response_mask)
-    return {"max_abs_diff": m["mismatch/abs_diff_max"], "mean_abs_diff": m["mismatch/abs_diff_mean"],
+    return {"max_abs_diff": m["mismatch/max_abs_diff"], "mean_abs_diff": m["mismatch/abs_diff_mean"],
             "frac_bitwise_equal": m["mismatch/frac_bitwise_equal"], "k3_kl": m["rollout_corr/k3_kl"],
             "probs_diff_mean": m["mismatch/probs_diff_mean"], "num_tokens": int(m["mismatch/num_tokens"])}
 

@@ -213,7 +213,7 @@ def test_nan_at_a_masked_position_is_fine(tmp_path):
     rows = [{"trainer_logprobs": [-1.0, float("nan")], "rollout_logprobs": [-1.1, None], "mask": [1, 0]}]
     res = analyze_file(write_jsonl(tmp_path / "m.jsonl", rows))
     assert res["num_valid"] == 1 and res["num_tokens"] == 1
-    assert res["metrics"]["mismatch/abs_diff_max"] == pytest.approx(0.1)
+    assert res["metrics"]["mismatch/max_abs_diff"] == pytest.approx(0.1)
 
 
 def test_truncated_and_invalid_jsonl_lines(tmp_path):
@@ -415,4 +415,4 @@ def test_trl_grpo_hook_dumps_rows(tmp_path, monkeypatch):
     assert res["num_invalid"] == 0 and res["num_valid"] >= 4
     # r = log pi (TRL's teacher-forced forward) - (HF generate's log-prob - 0.05)
     assert res["metrics"]["mismatch/diff_mean"] == pytest.approx(0.05, abs=1e-4)
-    assert res["metrics"]["mismatch/abs_diff_max"] == pytest.approx(0.05, abs=1e-4)
+    assert res["metrics"]["mismatch/max_abs_diff"] == pytest.approx(0.05, abs=1e-4)

@@ -158,9 +158,9 @@ def test_length_decay_hook_follows_algorithm_1():
     used = []
     for t in range(1, 11):
         out = hook.update_from_metrics({"response_length/mean": 100.0})
-        used.append(out["timlab/lr_factor"])
-        assert out["timlab/lr"] == pytest.approx(1e-3 * out["timlab/lr_factor"], rel=1e-12)
-        assert out["timlab/decay_period"] == 2 and math.isnan(out["timlab/surge_step"])
+        used.append(out["scheduler/lr_factor"])
+        assert out["train/lr"] == pytest.approx(1e-3 * out["scheduler/lr_factor"], rel=1e-12)
+        assert out["scheduler/decay_period"] == 2 and math.isnan(out["scheduler/surge_step"])
     assert used == [1.0, 0.5, 0.5, 0.25, 0.25, 0.125, 0.125, 0.1, 0.1, 0.1]  # floor 0.1 from t = 8
 
 
@@ -197,7 +197,7 @@ def test_length_decay_hook_state_dict_round_trip():
 def test_length_decay_hook_without_length_steps_without_signal():
     hook = tv.LengthDecayHook(decay_period=3)
     out = hook.update_from_metrics({})
-    assert math.isnan(out["timlab/response_length"]) and "timlab/lr" not in out
+    assert math.isnan(out["scheduler/response_length"]) and "train/lr" not in out
     assert hook.num_steps == 1
 
 
@@ -296,8 +296,8 @@ def _drive_callback(cb, lengths, *, state=None, lr=1e-3, warmup=3, start=0):
         logs = {"loss": 0.0, "learning_rate": logged_lr, "completions/mean_length": length}
         state.log_history.append({**logs, "step": state.global_step})
         cb.on_log(args, state, control, logs=logs)
-        assert logs["timlab/lr"] == logged_lr == used[-1]
-        assert state.log_history[-1]["timlab/lr"] == used[-1]
+        assert logs["train/lr"] == logged_lr == used[-1]
+        assert state.log_history[-1]["train/lr"] == used[-1]
         cb.on_log(args, state, control, logs={"train_runtime": 1.0})  # summary log: ignored
     return used, state
 
@@ -319,7 +319,7 @@ def test_trl_callback_auto_surge_equals_length_decay_lr():
     assert used == pytest.approx(want, rel=1e-12)  # warmup of the Trainer's schedule is gone
     assert cb.surge_step == 17 and cb.decay_period == 31 and used[-1] < used[0]
     last = state.log_history[-1]
-    assert set(SCHEDULER_KEYS) <= set(last) and last["timlab/surge_step"] == 17
+    assert set(SCHEDULER_KEYS) <= set(last) and last["scheduler/surge_step"] == 17
 
 
 def test_trl_callback_resume_replays_log_history():
@@ -380,7 +380,7 @@ def trl_setup(tmp_path_factory):
     def reward(prompts, completions, answer, **kwargs):
         return [task.reward(SimpleNamespace(answer=a), c, dense=True) for c, a in zip(completions, answer)]
 
-    tok = PreTrainedTokenizerFast.from_pretrained(root / "model")  # not AutoTokenizer (REFERENCE.md section 8)
+    tok = PreTrainedTokenizerFast.from_pretrained(root / "model")  # not AutoTokenizer (docs/integrations.md)
     return SimpleNamespace(root=root, model=str(root / "model"), data=data, reward=reward, tok=tok)
 
 
@@ -429,11 +429,11 @@ def test_trl_grpo_runs_length_decay_lr(trl_setup, tmp_path):
     assert [h["step"] for h in logs] == list(range(1, 9))  # a log every update despite logging_steps=5
     assert probe.lrs == pytest.approx(want, rel=1e-12)  # what the optimizer really used (warmup_steps ignored)
     assert [h["learning_rate"] for h in logs] == pytest.approx(want, rel=1e-12)
-    assert [h["timlab/lr"] for h in logs] == pytest.approx(want, rel=1e-12)
+    assert [h["train/lr"] for h in logs] == pytest.approx(want, rel=1e-12)
     for h in logs:
         assert set(SCHEDULER_KEYS) <= set(h)
-        assert h["timlab/response_length"] == h["completions/mean_length"]
-        assert h["timlab/decay_period"] == 2 and math.isnan(h["timlab/surge_step"])
+        assert h["scheduler/response_length"] == h["completions/mean_length"]
+        assert h["scheduler/decay_period"] == 2 and math.isnan(h["scheduler/surge_step"])
         assert not any(k.startswith("mismatch/") for k in h)  # plain GRPOTrainer on CPU: no sampler log-probs
 
 
@@ -491,8 +491,8 @@ def test_trl_grpo_logs_mismatch_metrics_with_sampler_logprobs(trl_setup, tmp_pat
         assert h["rollout_corr/kl"] == pytest.approx(-0.05, abs=1e-3)
         assert h["rollout_corr/k3_kl"] == pytest.approx(math.exp(0.05) - 1.05, abs=1e-4)
         assert h["mismatch/num_tokens"] > 0 and h["mismatch/frac_tokens_different"] == 1.0
-        assert "timlab/lr" in h
-    assert [h["timlab/lr"] for h in logs] == pytest.approx([1e-3, 5e-4, 5e-4], rel=1e-12)
+        assert "train/lr" in h
+    assert [h["train/lr"] for h in logs] == pytest.approx([1e-3, 5e-4, 5e-4], rel=1e-12)
 
 
 def test_trl_grpo_resume_continues_the_schedule(trl_setup, tmp_path):
@@ -507,7 +507,7 @@ def test_trl_grpo_resume_continues_the_schedule(trl_setup, tmp_path):
                               train_dataset=trl_setup.data, processing_class=trl_setup.tok,
                               callbacks=[TimlabCallback(decay_period=2)])
         trainer.train(**kw)
-        return [h["timlab/lr"] for h in step_logs(trainer)]
+        return [h["train/lr"] for h in step_logs(trainer)]
 
     first = run(3)
     assert (tmp_path / "out" / "checkpoint-3" / "scheduler.pt").exists()

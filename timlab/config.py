@@ -208,7 +208,7 @@ PRESETS: dict[str, dict] = {
         "run": {"steps": 4, "eval_every": 2, "checkpoint_every": 2, "progress": False},
     },
     "default": {},
-    # The demo's testbed (REFERENCE.md section 6): a 0.15M-parameter decoder reversing strings of
+    # The demo's testbed (docs/claims.md): a 0.15M-parameter decoder reversing strings of
     # 3-14 characters (answers end in EOS), SFT to ~0.77 greedy accuracy, then GRPO at an LR where
     # the zero-mismatch control is stable (1e-4; at 3e-4 the control itself dips to 0.09).
     "demo": {
@@ -219,7 +219,7 @@ PRESETS: dict[str, dict] = {
         "optim": {"lr": 1e-4},
         "run": {"steps": 150, "eval_every": 10, "checkpoint_every": 50},
     },
-    # Beyond-Precision Table 1 (REFERENCE.md section 4), scaled to the tiny model: RLOO,
+    # Beyond Precision's Table 1 settings, scaled to the tiny model: RLOO,
     # clip 0.2/0.28, wd 0.01, grad clip 1, fully on-policy, reject all-0/all-1 groups,
     # 16 rollouts per prompt, temperature 1, KL 0. LR and batch are scaled down for the tiny model.
     "beyond-precision": {

@@ -20,7 +20,7 @@ Converters turn what TRL and verl hold in memory into rows: ``from_trl_inputs`` 
 after the actor's ``old_log_probs`` recomputation); ``write_rows`` writes Parquet or JSONL by
 extension. docs/analyze.md has the hooks that make each framework dump them.
 
-Not from a paper: metric definitions are ``timlab.metrics`` (REFERENCE.md section 2).
+Not from a paper: metric definitions are ``timlab.metrics`` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ usually means probabilities or negative log-probs were stored)."""
 
 POSITION_BUCKETS = 8
 STEP_COLUMNS = ("rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "mismatch/abs_diff_mean",
-                "mismatch/abs_diff_max", "mismatch/frac_bitwise_equal", "mismatch/probs_diff_mean")
+                "mismatch/max_abs_diff", "mismatch/frac_bitwise_equal", "mismatch/probs_diff_mean")
 """Metrics shown per step in the text summary and plotted against step in the report."""
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -364,7 +364,7 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
         f"analyze {result['source']}: {result['num_valid']} of {result['num_rows']} rows valid, "
         f"{result['num_tokens']} tokens, mean length {result['response_length_mean']:.1f}"
         + (f", mean reward {result['reward_mean']:.3g}" if result["reward_mean"] is not None else ""),
-        f"  max |r| {_fmt(m['mismatch/abs_diff_max'])}  mean |r| {_fmt(m['mismatch/abs_diff_mean'])}  "
+        f"  max |r| {_fmt(m['mismatch/max_abs_diff'])}  mean |r| {_fmt(m['mismatch/abs_diff_mean'])}  "
         f"bitwise equal {100 * m['mismatch/frac_bitwise_equal']:.2f}%  k3 {_fmt(m['rollout_corr/k3_kl'])}  "
         f"kl {_fmt(m['rollout_corr/kl'])}  |log ppl diff| {_fmt(m['rollout_corr/log_ppl_abs_diff'])}  "
         f"probs diff mean {_fmt(m['mismatch/probs_diff_mean'])}  ESS {_fmt(m['mismatch/ess'])}",
@@ -388,7 +388,7 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
 
 # ------------------------------------------------------------------------------ HTML report
 HEADLINE = (
-    ("mismatch/abs_diff_max", "max |r| over valid tokens"),
+    ("mismatch/max_abs_diff", "max |r| over valid tokens"),
     ("mismatch/abs_diff_mean", "mean |r| (dense bf16 vLLM vs FSDP ~0.005)"),
     ("mismatch/abs_diff_p99", "99th percentile of |r|"),
     ("mismatch/frac_bitwise_equal", "share of tokens with log pi == log mu exactly"),

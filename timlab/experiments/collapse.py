@@ -1,6 +1,6 @@
 """When did a run collapse? A documented rule, per-run summaries and per-condition tables.
 
-The collapse rule (REFERENCE.md section 6 and claims P1/P2 of section 5):
+The collapse rule (claims P1/P2 of docs/claims.md):
 
     A run collapses at the first evaluation e where val/accuracy < frac x peak(e), with
     peak(e) the best val/accuracy over the evaluations up to e and peak(e) >= min_peak,
@@ -25,7 +25,7 @@ Choices worth knowing:
 
 Departure from the papers: the seed papers call a collapse by eye from training curves (reward,
 K3 KL, gradient norm); this rule uses the deployed policy's own greedy accuracy so that a
-sampler that learns to pre-compensate for its bias (REFERENCE.md section 6) is not mistaken for
+sampler that learns to pre-compensate for its bias (docs/claims.md) is not mistaken for
 a healthy run.
 """
 

@@ -6,8 +6,8 @@
 3. report: one self-contained HTML page with the curves, the dose-response plot and the table.
 
 The injected mismatch is ``head_perturb`` (a fixed random perturbation of the rollout's output
-head): a persistent, biased TIM, the kind REFERENCE.md section 6 found can collapse a tiny model
-(zero-mean fresh noise mostly does not). Remedies are applied at the largest magnitude: token
+head): a persistent, biased TIM, the kind pilot runs found can collapse a tiny model
+(zero-mean fresh noise mostly does not; docs/claims.md). Remedies are applied at the largest magnitude: token
 TIS (C = 2), sequence MIS (C = 2), the length-decay LR in automatic mode, a fixed-period
 length-decay LR, and a 10x lower constant LR. The zero-mismatch control runs in exact mode,
 where the trainer's log-probs equal the rollout's bit for bit every step (the guard checks).

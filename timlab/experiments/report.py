@@ -7,7 +7,7 @@ embedded as base64 ``data:`` URIs, the style is inline, nothing is fetched.
 
 Sections: the collapse rule (stated by ``collapse.describe_rule``), a table of conditions,
 the dose-response plot (collapse fraction and median steps-to-collapse against the realized
-K3 KL of each condition, REFERENCE.md claim P2), one plot per metric against step with the mean
+K3 KL of each condition, claim P2 of docs/claims.md), one plot per metric against step with the mean
 over seeds as a line and the min-max range over seeds as a band (the length-decay scheduler's
 surge step and LR decay points drawn as vertical lines), gradient diagnostics when runs logged
 the in-run gradcheck (bias, cosine, SNR per step, and the collapsed runs aligned on their

@@ -27,9 +27,10 @@ How it takes over the LR (no Trainer method is patched):
   ``LambdaLR.state_dict`` stores as None).
 
 Keys added to every update's log (``trainer.state.log_history`` and the ``logs`` dict the
-callbacks after this one receive): ``timlab/lr`` (the LR the update ran with; TRL's own
-``learning_rate`` shows the same), ``timlab/lr_factor``, ``timlab/response_length`` (the length
-fed to the scheduler), ``timlab/surge_step`` and ``timlab/decay_period`` (NaN until known). The
+callbacks after this one receive), the names timlab's own trainer logs (docs/metrics.md):
+``train/lr`` (the LR the update ran with; TRL's own ``learning_rate`` shows the same),
+``scheduler/lr_factor``, ``scheduler/response_length`` (the length fed to the scheduler),
+``scheduler/surge_step`` and ``scheduler/decay_period`` (NaN until known). The
 ``report_to`` loggers (wandb, tensorboard) are callbacks registered *before* user callbacks, so
 they see these keys only when this callback runs first: ``TimlabGRPOTrainer`` moves it there.
 
@@ -57,13 +58,11 @@ from trl import GRPOTrainer
 
 from timlab.metrics import all_metrics
 from timlab.schedulers import LengthDecayLR
+from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS
 
 LENGTH_KEY = "completions/mean_length"
 """TRL's metric for the mean completion length of a generation batch (TRL 1.16)."""
 
-SCHEDULER_KEYS = ("timlab/lr", "timlab/lr_factor", "timlab/response_length", "timlab/surge_step",
-                  "timlab/decay_period")
-"""Keys ``TimlabCallback`` adds to every update's log."""
 
 def _set_lr(group: dict, lr: float) -> None:
     if isinstance(group["lr"], torch.Tensor):
@@ -79,31 +78,15 @@ def _nan_if_none(x: float | int | None) -> float:
 class TimlabCallback(TrainerCallback):
     """Beyond-Precision length-decay LR for TRL's ``GRPOTrainer`` (see the module docstring).
 
-    Arguments are ``LengthDecayLR``'s: halve the LR every ``decay_period`` updates (None: set it
-    to ``surge_factor`` x the update where the mean completion length surged ``surge_ratio``-fold
-    within ``surge_window`` updates), never below ``min_lr_ratio`` x ``learning_rate``.
+    ``schedule_kwargs`` are ``LengthDecayLR``'s keyword arguments, with its defaults: halve the
+    LR every ``decay_period`` updates (None: set it to ``surge_factor`` x the update where the
+    mean completion length surged), never below ``min_lr_ratio`` x ``learning_rate``.
     ``log_metrics`` adds ``SCHEDULER_KEYS`` to every log; ``length_key`` is the logged metric
     fed to the scheduler.
     """
 
-    def __init__(
-        self,
-        decay_period: int | None = None,
-        min_lr_ratio: float = 0.1,
-        surge_factor: float = 1.8,
-        surge_ratio: float = 2.0,
-        surge_window: int = 10,
-        log_metrics: bool = True,
-        *,
-        surge_smoothing: int = 3,
-        surge_min_history: int = 10,
-        length_key: str = LENGTH_KEY,
-    ):
-        self.schedule_kwargs = dict(
-            decay_period=decay_period, min_lr_ratio=min_lr_ratio, surge_factor=surge_factor,
-            surge_ratio=surge_ratio, surge_window=surge_window, surge_smoothing=surge_smoothing,
-            surge_min_history=surge_min_history,
-        )
+    def __init__(self, *, log_metrics: bool = True, length_key: str = LENGTH_KEY, **schedule_kwargs):
+        self.schedule_kwargs = schedule_kwargs
         self.log_metrics = log_metrics
         self.length_key = length_key
         self.schedule = self._new_schedule()  # validates the arguments now, not at train time
@@ -189,13 +172,9 @@ class TimlabCallback(TrainerCallback):
         self._apply(t + 1)
         if not self.log_metrics:
             return
-        extra = {
-            "timlab/lr": self._lr_used if self._lr_used is not None else self._trainer_scheduler.base_lrs[0] * self.lr_factor(t),
-            "timlab/lr_factor": self.lr_factor(t),
-            "timlab/response_length": _nan_if_none(length),
-            "timlab/surge_step": _nan_if_none(self.surge_step),
-            "timlab/decay_period": _nan_if_none(self.decay_period),
-        }
+        lr = self._lr_used if self._lr_used is not None else self._trainer_scheduler.base_lrs[0] * self.lr_factor(t)
+        values = (lr, self.lr_factor(t), length, self.surge_step, self.decay_period)
+        extra = {key: _nan_if_none(v) for key, v in zip(SCHEDULER_KEYS, values)}
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)

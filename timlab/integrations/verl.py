@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from timlab.errors import UsageError
 from timlab.metrics import all_metrics
 from timlab.schedulers import LengthDecayLR
+from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS
 
 OLD_LOGP_KEY = "old_log_probs"
 ROLLOUT_LOGP_KEY = "rollout_log_probs"
@@ -48,9 +49,6 @@ RESPONSE_MASK_KEY = "response_mask"
 LENGTH_KEY = "response_length/mean"
 """verl's metric for the batch's mean response length (``compute_data_metrics``)."""
 
-SCHEDULER_KEYS = ("timlab/lr", "timlab/lr_factor", "timlab/response_length", "timlab/surge_step",
-                  "timlab/decay_period")
-"""Keys ``LengthDecayHook.update_from_metrics`` returns (``timlab/lr`` only with ``base_lr``)."""
 
 def _tensors(batch: Any) -> Mapping[str, torch.Tensor]:
     """The tensor mapping of a DataProto (``.batch``, a TensorDict) or of a plain dict."""
@@ -103,15 +101,13 @@ def compute_metrics(batch: Any, *, num_micro_batches: int = 1) -> dict[str, floa
                        num_micro_batches=num_micro_batches)
 
 
-def make_length_decay_scheduler(optimizer: Optimizer, decay_period: int | None = None, min_lr_ratio: float = 0.1,
-                                surge_factor: float = 1.8, surge_ratio: float = 2.0, surge_window: int = 10,
-                                **kwargs) -> LengthDecayLR:
-    """``LengthDecayLR`` on ``optimizer``, for a loop that has both the optimizer and the batch.
+def make_length_decay_scheduler(optimizer: Optimizer, **schedule_kwargs) -> LengthDecayLR:
+    """``LengthDecayLR`` on ``optimizer`` (``schedule_kwargs``: its keyword arguments), for a loop
+    that has both the optimizer and the batch.
 
     After each update: ``scheduler.step(response_length=response_length_mean(batch))``.
     """
-    return LengthDecayLR(optimizer, decay_period=decay_period, min_lr_ratio=min_lr_ratio, surge_factor=surge_factor,
-                         surge_ratio=surge_ratio, surge_window=surge_window, **kwargs)
+    return LengthDecayLR(optimizer, **schedule_kwargs)
 
 
 def apply_lr_factor(optimizer: Optimizer, factor: float, *, scheduler: Any = None) -> list[float]:
@@ -141,30 +137,15 @@ class LengthDecayHook:
     """Driver-side length-decay LR for verl: the factor for the next actor update, fed with
     ``response_length/mean`` once per training step.
 
-    Arguments are ``LengthDecayLR``'s (halve every ``decay_period`` steps; None: from the
-    response-length surge; floor ``min_lr_ratio``). ``base_lr`` (the actor's ``optim.lr``) only
-    adds ``timlab/lr`` = base_lr x factor to the returned metrics. Internally a ``LengthDecayLR``
-    runs on a one-parameter shadow optimizer with LR 1, so its LR is the factor.
+    ``schedule_kwargs`` are ``LengthDecayLR``'s keyword arguments, with its defaults (halve every
+    ``decay_period`` steps; None: from the response-length surge; floor ``min_lr_ratio``).
+    ``base_lr`` (the actor's ``optim.lr``) only adds ``train/lr`` = base_lr x factor to the
+    returned metrics. Internally a ``LengthDecayLR`` runs on a one-parameter shadow optimizer
+    with LR 1, so its LR is the factor.
     """
 
-    def __init__(
-        self,
-        decay_period: int | None = None,
-        min_lr_ratio: float = 0.1,
-        surge_factor: float = 1.8,
-        surge_ratio: float = 2.0,
-        surge_window: int = 10,
-        *,
-        surge_smoothing: int = 3,
-        surge_min_history: int = 10,
-        length_key: str = LENGTH_KEY,
-        base_lr: float | None = None,
-    ):
-        self.schedule = LengthDecayLR.standalone(
-            decay_period=decay_period, min_lr_ratio=min_lr_ratio, surge_factor=surge_factor,
-            surge_ratio=surge_ratio, surge_window=surge_window, surge_smoothing=surge_smoothing,
-            surge_min_history=surge_min_history,
-        )
+    def __init__(self, *, length_key: str = LENGTH_KEY, base_lr: float | None = None, **schedule_kwargs):
+        self.schedule = LengthDecayLR.standalone(**schedule_kwargs)
         self.length_key = length_key
         self.base_lr = None if base_lr is None else float(base_lr)
 
@@ -188,20 +169,16 @@ class LengthDecayHook:
 
     def update_from_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Feed one training step's ``metrics[length_key]`` (missing or non-finite: no signal)
-        and advance; returns ``timlab/*`` keys describing the step just taken."""
+        and advance; returns ``SCHEDULER_KEYS`` describing the step just taken (``train/lr``
+        only with ``base_lr``)."""
         used = self.lr_factor
         value = metrics.get(self.length_key)
         length = float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
         self.schedule.step(response_length=length)
-        out = {
-            "timlab/lr_factor": used,
-            "timlab/response_length": float("nan") if length is None else length,
-            "timlab/surge_step": float("nan") if self.surge_step is None else float(self.surge_step),
-            "timlab/decay_period": float("nan") if self.decay_period is None else float(self.decay_period),
-        }
-        if self.base_lr is not None:
-            out["timlab/lr"] = self.base_lr * used
-        return out
+        lr = None if self.base_lr is None else self.base_lr * used
+        values = (lr, used, length, self.surge_step, self.decay_period)
+        return {key: float("nan") if v is None else float(v) for key, v in zip(SCHEDULER_KEYS, values)
+                if v is not None or key != "train/lr"}
 
     def state_dict(self) -> dict:
         return self.schedule.state_dict()

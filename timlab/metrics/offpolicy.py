@@ -51,7 +51,6 @@ VERL_KEYS = (
 
 MISMATCH_KEYS = (
     "abs_diff_mean",
-    "abs_diff_max",
     "abs_diff_p99",
     "diff_mean",
     "probs_diff_mean",
@@ -161,18 +160,16 @@ def _extra_values(p: Prepared, num_micro_batches: int) -> dict[str, torch.Tensor
     probs_var = (((probs_diff - probs_mean) ** 2) * p.validf).sum() / (n_tok_raw - 1).clamp(min=1)
     w_mean = w.sum() / n_tok
     w2_mean = (w * w).sum() / n_tok
-    abs_max = a.max()  # a >= 0 and 0 off-mask, so no masking needed
 
     return {
         "abs_diff_mean": a.sum() / n_tok,
-        "abs_diff_max": abs_max,
         "abs_diff_p99": _quantile_of_valid(a, p.valid, 0.99),
         "diff_mean": r.sum() / n_tok,
         "probs_diff_mean": probs_mean,
         "probs_diff_max": probs_diff.max(),
         "probs_diff_std": probs_var.sqrt(),
         "frac_bitwise_equal": ((p.train == p.rollout) & p.valid).sum() / n_tok,
-        "max_abs_diff": abs_max,
+        "max_abs_diff": a.max(),  # a >= 0 and 0 off-mask, so no masking needed
         "log_ppl_abs_diff_sum": _seq_mean(r.sum(-1).abs(), has, n_seq),
         "num_tokens": n_tok_raw,
         "frac_tokens_different": ((a > DIFFERENT_TOKEN_TOL) & p.valid).sum() / n_tok,
@@ -220,8 +217,8 @@ def mismatch_metrics(
 ) -> dict[str, float]:
     """timlab's extra mismatch numbers (keys in ``MISMATCH_KEYS``), inputs (B, T).
 
-    - ``abs_diff_mean`` / ``abs_diff_max`` / ``abs_diff_p99``: mean, max, 99th percentile (linear
-      interpolation) of |r| over valid tokens; ``max_abs_diff`` repeats the max for the guard.
+    - ``abs_diff_mean`` / ``max_abs_diff`` / ``abs_diff_p99``: mean, max, 99th percentile (linear
+      interpolation) of |r| over valid tokens.
     - ``diff_mean``: mean r (TorchTitan ``logprob_diff/mean``).
     - ``probs_diff_mean`` / ``_max`` / ``_std``: |exp(log pi) - exp(log mu)| (verl's
       ``training/rollout_probs_diff_*``; std is Bessel-corrected like torch.std, 0 for one token).

@@ -28,6 +28,12 @@ from torch.optim import Optimizer
 from timlab.errors import UsageError
 from timlab.schedulers.base import SCHEDULERS, FactorLR, _check_ratio
 
+METRIC_KEYS = ("train/lr", "scheduler/lr_factor", "scheduler/response_length", "scheduler/surge_step",
+               "scheduler/decay_period")
+"""What the length-decay schedule reports, under the names the trainer and the plug-ins share
+(docs/metrics.md): the LR an update ran with, the factor on the base LR, the response length
+fed in, the detected surge step and the period (NaN until known)."""
+
 
 class SurgeDetector:
     """Online detector of the response-length surge.

@@ -415,7 +415,7 @@ def gradcheck(
 
     mismatch = {k: float(v) for k, v in all_metrics(_pad_cat(trainer_lp), _pad_cat(rollout_lp), _pad_cat(masks)).items()
                 if k in ("rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "mismatch/max_abs_diff",
-                         "mismatch/mean_abs_diff", "mismatch/frac_bitwise_equal")}
+                         "mismatch/abs_diff_mean", "mismatch/frac_bitwise_equal")}
     notes = []
     if all(r["same_response_frac"] == 1.0 for r in bucket_rows) and pooled["bias_norm_plugin"] == 0.0:
         notes.append("zero mismatch: mu and pi gave identical distributions, responses and gradients" if delta == 0.0 else

@@ -1,7 +1,7 @@
 """SFT warm start: a tiny decoder trained on a task's (prompt, answer, EOS) pairs.
 
-RL from scratch with a sparse 0/1 reward never sees a success on these tasks (REFERENCE.md
-section 6), so every run starts from a supervised model whose validation accuracy leaves room
+RL from scratch with a sparse 0/1 reward never sees a success on these tasks (pilot runs,
+docs/claims.md), so every run starts from a supervised model whose validation accuracy leaves room
 for RL. The result is an ordinary HF folder (config.json, model.safetensors, char tokenizer)
 cached under ``$TIMLAB_CACHE`` (default ``~/.cache/timlab``) by the hash of the model and task
 settings, so later commands reuse it.
