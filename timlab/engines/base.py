@@ -19,6 +19,7 @@ import torch
 from timlab.errors import TimlabError, UsageError
 from timlab.model.forward import buffer_length
 from timlab.model.llama import CausalLM
+from timlab.model.ops import log_softmax
 from timlab.registry import Registry
 
 ENGINES: Registry[type["Engine"]] = Registry("engine")
@@ -82,7 +83,7 @@ def sample_next(
     """
     if not bool(torch.isfinite(logits).all()):
         raise NonFiniteLogitsError("non-finite values in the rollout's logits")
-    logp_model = torch.log_softmax(logits, dim=-1)  # (B, V)
+    logp_model = log_softmax(logits, dim=-1)  # (B, V): the same kernel as the trainer's
     if params.temperature == 0:
         token = logits.argmax(-1)
         lp = logp_model.gather(-1, token[:, None]).squeeze(-1)

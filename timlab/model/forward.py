@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from timlab.model.llama import CausalLM, Step
+from timlab.model.ops import log_softmax
 
 BUFFER_MULTIPLE = 16
 
@@ -62,7 +63,7 @@ def full_step(key_valid: torch.Tensor, kv_len: int | None = None) -> Step:
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(token_t | tokens_<t) from teacher-forced logits (B, L, V): (logp (B, L) with column 0
     set to 0, since it has no prefix; and the full next-token log-probs (B, L-1, V))."""
-    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, L-1, V)
+    logp_all = log_softmax(logits[:, :-1], dim=-1)  # (B, L-1, V)
     logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, L-1)
     return torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1), logp_all  # (B, L)
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from timlab.errors import TimlabError, UsageError
+from timlab.kernels import check_device
 from timlab.model.llama import ARCHITECTURES, CausalLM, ModelConfig
 
 TOKENIZER_FILES = (
@@ -192,6 +193,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> CausalLM:
     """Load an HF-format folder into a timlab CausalLM (eval mode, requested dtype/device)."""
+    check_device(device)
     path = Path(path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a model folder (no config.json)")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from timlab.model.ops import fixed_length_attention, invariant_linear
+from timlab.model.ops import fixed_length_attention, invariant_linear, triton_kernels
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -119,6 +119,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = triton_kernels(x)  # CUDA: one fixed reduction per row (timlab.kernels)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -14,10 +14,16 @@ rules hold (measured in tests/test_ops.py; REFERENCE.md section 1):
 
 Everything else (RMSNorm, RoPE, SwiGLU, log-softmax) reduces along the last dimension only,
 row by row, and is invariant as it stands. This differs from VeXact's GPU engine, which
-replaces the kernels themselves; on GPUs these shape rules are not enough (see docs).
+replaces the kernels themselves; on GPUs these shape rules are not enough, so on CUDA tensors
+the exact path runs the batch-invariant Triton kernels of ``timlab.kernels`` instead (see
+``kernel_backend``): the linears, the attention, and (in both modes, being row-wise) RMSNorm and
+the log-softmax of the log-probs.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,42 @@ ATTN_MIN_ROWS = 8
 Measured on this CPU (torch 2.13, 1 thread): batched fp32 matmul rows are invariant for M >= 4
 (M = 1-3 differ; bf16/fp16 never differ), for head dims 8-128 and 16-2064 keys; 8 keeps a 2x
 margin. Padding decode queries to MIN_ROWS instead made the exact engine ~12% slower."""
+
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+"""What the exact path runs on: ``auto`` (the default) the Triton kernels of ``timlab.kernels``
+for CUDA tensors and the stock kernels with the shape rules above for the rest; ``triton`` the
+Triton kernels for every tensor (CPU tensors under ``TRITON_INTERPRET=1``: how the tests run
+them); ``torch`` the stock kernels always (on CUDA: not batch-invariant)."""
+_backend = "auto"
+
+
+@contextlib.contextmanager
+def kernel_backend(name: str) -> Iterator[None]:
+    """Run the exact path on the kernels of backend ``name`` (one of KERNEL_BACKENDS) inside the block."""
+    global _backend
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; valid choices: {', '.join(KERNEL_BACKENDS)}")
+    saved, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = saved
+
+
+def triton_kernels(x: torch.Tensor):
+    """The ``timlab.kernels`` module when the backend runs ``x`` through the Triton kernels, else None."""
+    if _backend == "torch" or (_backend == "auto" and not x.is_cuda):
+        return None
+    import timlab.kernels
+
+    return timlab.kernels
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.log_softmax``, through the batch-invariant kernel where the backend says so."""
+    kernels = triton_kernels(x)
+    return torch.log_softmax(x, dim=dim) if kernels is None else kernels.log_softmax(x, dim)
 
 
 def pad_rows(x: torch.Tensor, min_rows: int = MIN_ROWS, dim: int = 0) -> torch.Tensor:
@@ -49,6 +91,9 @@ def invariant_linear(
 
     ``x`` is (..., K); it is flattened to (M, K) and padded to at least MIN_ROWS rows.
     """
+    kernels = triton_kernels(x)
+    if kernels is not None:
+        return kernels.linear(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     m = x2.shape[0]
@@ -71,6 +116,9 @@ def fixed_length_attention(
     the padding rows are sliced off before the mask and the softmax (row-wise, so invariant)
     and enter the second GEMM as zero probabilities. Softmax runs in fp32 like HF's eager kernel.
     """
+    kernels = triton_kernels(q)
+    if kernels is not None:
+        return kernels.fixed_length_attention(q, k, v, allowed, scale)
     B, H, M, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     rep = H // H_kv
