@@ -15,7 +15,7 @@ from timlab.tasks import (
 )
 from timlab.registry import UnknownNameError
 
-ALL_TASKS = ["addition", "copy", "countdown", "reverse", "sort"]
+ALL_TASKS = ["addition", "copy", "countdown", "reverse", "scratch_add", "sort"]
 STRING_TASKS = ["addition", "copy", "reverse", "sort"]  # a single correct answer
 
 
@@ -91,7 +91,7 @@ MEASURED_ANSWER_LENGTHS = {
 }
 
 
-@pytest.mark.parametrize("name", ALL_TASKS)
+@pytest.mark.parametrize("name", sorted(MEASURED_ANSWER_LENGTHS))
 def test_answer_length_distribution(name):
     task = get_task(name)
     lengths = [len(e.answer) for e in task.sample(random.Random(0), 2000)]
@@ -251,3 +251,49 @@ def test_countdown_rejects_long_and_deep_inputs():
     assert evaluate_expression("3+" * 5000 + "7", nums) is None
     assert evaluate_expression("9" * 300, [int("9" * 300)]) is None  # over 256 characters
     assert get_task("countdown").reward(CD, "50+25" + " " * 300) == 0.0
+
+
+def test_scratch_add_scratchpad_by_hand():
+    from timlab.tasks.scratchpad import final_answer, scratchpad, used_scratchpad
+    # 47 + 85: 7+5+0 = 12 -> digit 2 carry 1; 4+8+1 = 13 -> digit 3 carry 1; final carry -> 132
+    assert scratchpad(47, 85) == ":7502,4813,"
+    assert scratchpad(5, 998) == ":5803,0910,0910,"  # a short operand reads as 0
+    assert scratchpad(0, 0) == ":0000,"
+    assert final_answer(":7502,4813,>132") == "132" and final_answer(">7>132") == "132"
+    assert final_answer("132") is None
+    assert used_scratchpad(":7502,>1") and not used_scratchpad(">132")
+
+
+def test_scratch_add_rewards_only_the_final_answer():
+    task = get_task("scratch_add")
+    ex = Example("47+85=", "132")
+    assert task.reward(ex, ">132") == 1.0
+    assert task.reward(ex, ":7502,4813,>132") == 1.0
+    assert task.reward(ex, ":garbage>132") == 1.0  # the working is not checked
+    assert task.reward(ex, "132") == 0.0  # no answer mark
+    assert task.reward(ex, ">133") == 0.0
+    assert task.reward(ex, ">13", dense=True) == pytest.approx(2 / 3)
+
+
+def test_scratch_add_demonstrations_mix_and_bound():
+    task = get_task("scratch_add", max_digits=6, scratch_frac=0.25)
+    rng = random.Random(0)
+    exs = task.sample(random.Random(1), 2000)
+    demos = [task.demonstration(e, rng) for e in exs]
+    scratch = [d for d in demos if d.startswith(":")]
+    assert abs(len(scratch) / len(demos) - 0.25) < 0.03
+    for e, d in zip(exs, demos):
+        assert task.reward(e, d) == 1.0 and len(d) <= task.max_answer_chars and set(d) <= set(task.alphabet)
+    # the worked form is several times longer: the room a response-length surge needs
+    mean = lambda xs: sum(map(len, xs)) / len(xs)  # noqa: E731
+    assert mean(scratch) > 4 * mean([d for d in demos if not d.startswith(":")])
+    # tasks without worked solutions demonstrate the answer and draw nothing
+    state = rng.getstate()
+    assert get_task("reverse").demonstration(Example("rev:ab=", "ba"), rng) == "ba"
+    assert rng.getstate() == state
+
+
+@pytest.mark.parametrize("kwargs", [{"max_digits": 21}, {"min_digits": 0}, {"scratch_frac": 1.5}])
+def test_scratch_add_rejects_bad_options(kwargs):
+    with pytest.raises(ValueError, match="scratch_add"):
+        get_task("scratch_add", **kwargs)

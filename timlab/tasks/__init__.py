@@ -1,17 +1,18 @@
 """Synthetic tasks with verifiable rewards and variable-length answers.
 
 ``get_task("reverse", max_len=30)`` builds a registered task; ``make_splits`` draws seeded,
-prompt-disjoint train/val lists. Registered: addition, copy, countdown, reverse, sort.
+prompt-disjoint train/val lists. Registered: addition, copy, countdown, reverse, scratch_add, sort.
 """
 
-from timlab.tasks import arithmetic, countdown, strings  # noqa: F401  (registers the tasks)
+from timlab.tasks import arithmetic, countdown, scratchpad, strings  # noqa: F401  (registers the tasks)
 from timlab.tasks.arithmetic import AdditionTask
 from timlab.tasks.base import TASKS, Example, Task, get_task, make_splits, positional_match
 from timlab.tasks.countdown import CountdownTask, evaluate_expression, parse_prompt
+from timlab.tasks.scratchpad import ScratchAddTask
 from timlab.tasks.strings import CopyTask, ReverseTask, SortTask
 
 __all__ = [
     "TASKS", "Example", "Task", "get_task", "make_splits", "positional_match",
-    "AdditionTask", "CopyTask", "CountdownTask", "ReverseTask", "SortTask",
+    "AdditionTask", "CopyTask", "ScratchAddTask", "CountdownTask", "ReverseTask", "SortTask",
     "evaluate_expression", "parse_prompt",
 ]

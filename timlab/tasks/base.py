@@ -54,6 +54,12 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def reward(self, example: Example, completion: str, *, dense: bool = False) -> float: ...
 
+    def demonstration(self, example: Example, rng: random.Random) -> str:
+        """The completion the SFT warm start is trained to write for ``example`` (EOS not
+        included). The reference answer by default; a task may write worked solutions for some
+        examples, drawing from ``rng`` (the default draws nothing)."""
+        return example.answer
+
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         """``n`` examples drawn from ``rng`` only: the same seed gives the same examples."""
         return [self.sample_one(rng) for _ in range(n)]

@@ -89,10 +89,13 @@ def warm_start_dir(cfg: Config) -> Path:
     return cache_root() / "pretrained" / f"{cfg.task.name}-{warm_start_key(cfg)}"
 
 
-def sft_batch(tok: Tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, key_valid, loss_mask), each (B, S): left-padded prompt, answer + EOS, right pad."""
+def sft_batch(tok: Tokenizer, examples: list[Example], targets: list[str] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, key_valid, loss_mask), each (B, S): left-padded prompt, target + EOS, right pad.
+    ``targets`` are the completions to learn (default: each example's answer)."""
     prompts = [tok.encode(e.prompt) for e in examples]
-    answers = [tok.encode(e.answer) + [tok.eos_token_id] for e in examples]
+    targets = [e.answer for e in examples] if targets is None else targets
+    answers = [tok.encode(t) + [tok.eos_token_id] for t in targets]
     P = max(len(p) for p in prompts)
     S = P + max(len(a) for a in answers)
     B = len(examples)
@@ -239,7 +242,7 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     loss_val = float("nan")
     for step in range(1, steps + 1):
         batch = rng.sample(train, min(cfg.model.pretrain_batch, len(train)))
-        tokens, key_valid, loss_mask = sft_batch(tok, batch)
+        tokens, key_valid, loss_mask = sft_batch(tok, batch, [task.demonstration(e, rng) for e in batch])
         logp, _ = token_logprobs(model, tokens, key_valid, mode="fast")
         loss = -(logp * loss_mask).sum() / loss_mask.sum()
         opt.zero_grad(set_to_none=True)
