@@ -219,6 +219,22 @@ PRESETS: dict[str, dict] = {
         "optim": {"lr": 1e-4},
         "run": {"steps": 150, "eval_every": 10, "checkpoint_every": 50},
     },
+    # The surge testbed: addition of up to 4-digit numbers, which the 0.15M-parameter SFT warm start
+    # gets right 99% of the time when it works the sum out on a scratchpad and 26% of the time when
+    # it answers tersely. SFT shows the scratchpad on 20% of examples, so the warm start samples it
+    # ~18% of the time and answers tersely under greedy decoding. RL that learns to work it out
+    # raises greedy accuracy (0.33 -> ~0.98) and makes answers ~2x longer: a response-length surge.
+    "surge": {
+        "model": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
+                  "intermediate_size": 192, "pretrain_steps": 1500, "pretrain_batch": 64},
+        "task": {"name": "scratch_add", "kwargs": {"max_digits": 4, "scratch_frac": 0.2}, "n_val": 128},
+        "rollout": {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 32},
+        "optim": {"lr": 2e-4},
+        # The surge here is gentler than the papers' (length ~10 -> ~20 over ~40 updates): a 1.5x
+        # rise within 20 updates marks it (the detector's 2x-in-10 defaults never fire on it).
+        "scheduler": {"surge_ratio": 1.5, "surge_window": 20},
+        "run": {"steps": 150, "eval_every": 10, "checkpoint_every": 50},
+    },
     # Beyond Precision's Table 1 settings, scaled to the tiny model: RLOO,
     # clip 0.2/0.28, wd 0.01, grad clip 1, fully on-policy, reject all-0/all-1 groups,
     # 16 rollouts per prompt, temperature 1, KL 0. LR and batch are scaled down for the tiny model.
