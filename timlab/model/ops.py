@@ -2,15 +2,23 @@
 
 The zero-mismatch setting needs a KV-cached decode step and the trainer's teacher-forced forward
 to produce the same bits for the same token. On CPU, stock kernels get there when two shape
-rules hold (measured in tests/test_ops.py; REFERENCE.md section 1):
+rules hold (checked in tests/test_ops.py) and the GEMMs are kept off MKL's threading (rule 3):
 
 1. Every matmul runs on a 2-D input with at least ``MIN_ROWS`` rows. The fp32 GEMM gives each
-   output row the same bits whatever the row count once that count is past the small-M kernels
-   (M = 1-3 take a different path). Decode steps have few rows, so they are padded. The
-   batched attention GEMMs use the same rule per batch item with ``ATTN_MIN_ROWS`` rows.
+   output row the same bits whatever the row count once that count is past the small-M kernels.
+   Measured with one thread: on an AVX-512 EPYC (MKL 2024.2) rows differ for M = 1-3 only
+   (K = 48-3072, N = 96-151936; margin 4x); on another 2-core VM rows differed for M = 1-15 at
+   real K (M = 1-3 only for K <= 64-128) and M = 16 was invariant in every shape up to Qwen3-8B's
+   widths, so there MIN_ROWS = 16 has no margin. Decode steps have few rows, so they are padded.
+   The batched attention GEMMs use the same rule per batch item with ``ATTN_MIN_ROWS`` rows.
 2. Attention is ``softmax(mask(q @ k^T)) @ v`` over a KV buffer of one fixed length ``S`` in both
    the decode step and the trainer's forward, so every reduction over keys has the same length
    and the same order. Future and padded keys are masked with -inf and contribute exact zeros.
+3. With more than one torch thread, MKL's fp32 GEMM splits small row counts differently from its
+   one-thread kernel (rows 5-7 and 9-11 differ with 2 threads on the AVX-512 machine; cut-offs
+   up to 1024 rows at K = 8192 were reported on another VM), so no padding fixes it. The exact
+   path's fp32 GEMMs run one-threaded in MKL and threads split rows and sequences instead
+   (``timlab.model.cpu_gemm``): the same bits for any thread count.
 
 Everything else (RMSNorm, RoPE, SwiGLU, log-softmax) reduces along the last dimension only,
 row by row, and is invariant as it stands. This differs from VeXact's GPU engine, which
@@ -28,14 +36,17 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from timlab.model import cpu_gemm
+
 MIN_ROWS = 16
 """Matmuls in the exact path never run on fewer rows than this (decode rows are zero-padded)."""
 
 ATTN_MIN_ROWS = 8
 """Row minimum for the two batched attention GEMMs (rows = query heads per KV head x queries).
-Measured on this CPU (torch 2.13, 1 thread): batched fp32 matmul rows are invariant for M >= 4
-(M = 1-3 differ; bf16/fp16 never differ), for head dims 8-128 and 16-2064 keys; 8 keeps a 2x
-margin. Padding decode queries to MIN_ROWS instead made the exact engine ~12% slower."""
+Measured (torch 2.13, 1 thread): on the AVX-512 EPYC batched fp32 matmul rows are invariant for
+M >= 4 (M = 1-3 differ; bf16/fp16 never differ), for head dims 8-128 and 16-2064 keys, a 2x
+margin; on another 2-core VM the q.k GEMM at head_dim 128 differed for M = 1-5, so there the
+margin is 8 / 6. Padding decode queries to MIN_ROWS instead made the exact engine ~12% slower."""
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -97,7 +108,7 @@ def invariant_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     m = x2.shape[0]
-    y = F.linear(pad_rows(x2), weight, bias)  # (max(M, MIN_ROWS), N)
+    y = cpu_gemm.linear(pad_rows(x2), weight, bias, MIN_ROWS)  # (max(M, MIN_ROWS), N)
     return y[:m].reshape(*lead, weight.shape[0])
 
 
@@ -125,9 +136,9 @@ def fixed_length_attention(
     n = rep * M
     q = q.reshape(B, H_kv, n, D)  # (B, H_kv, rep*M, D): head g*rep + r -> KV group g, row r*M + m
     allowed = allowed.unsqueeze(2).expand(B, 1, rep, M, S).reshape(B, 1, n, S)  # same rows
-    scores = torch.matmul(pad_rows(q, ATTN_MIN_ROWS, dim=2), k.transpose(-1, -2))  # (B, H_kv, n', S)
+    scores = cpu_gemm.matmul(pad_rows(q, ATTN_MIN_ROWS, dim=2), k.transpose(-1, -2))  # (B, H_kv, n', S)
     scores = scores[:, :, :n] * scale  # (B, H_kv, n, S): padding rows dropped
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # (B, H_kv, n, S)
-    out = torch.matmul(pad_rows(probs, ATTN_MIN_ROWS, dim=2), v)  # (B, H_kv, max(n, ATTN_MIN_ROWS), D)
+    out = cpu_gemm.matmul(pad_rows(probs, ATTN_MIN_ROWS, dim=2), v)  # (B, H_kv, max(n, ATTN_MIN_ROWS), D)
     return out[:, :, :n].reshape(B, H, M, D)
