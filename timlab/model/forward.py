@@ -48,16 +48,30 @@ def attention_mask(key_valid: torch.Tensor, start: int, num_queries: int, width:
     return allowed[:, None]  # (B, 1, M, W)
 
 
-def full_step(key_valid: torch.Tensor, kv_len: int | None = None) -> Step:
+def needed_positions(key_valid: torch.Tensor, score_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool: the positions the log-probs at ``score_mask`` (B, L) depend on.
+
+    The log-prob at column c comes from the logits at c - 1, which see valid keys up to c - 1;
+    so a row needs its valid columns before its last scored column, and none after it.
+    """
+    col = torch.arange(key_valid.shape[1], device=key_valid.device)
+    last = torch.where(score_mask, col, -1).amax(-1)  # (B,): last scored column, -1 if none
+    return key_valid & (col[None] < last[:, None])
+
+
+def full_step(key_valid: torch.Tensor, kv_len: int | None = None, needed: torch.Tensor | None = None) -> Step:
     """The Step for a teacher-forced forward over the (B, L) grid.
 
     ``kv_len`` (>= L) is the attention buffer length S the rollout decoded with. A trainer that
     scores only the first L columns (the realized lengths) passes it, and the exact attention
     zero-pads its keys and values to S: keys past L are masked for every query, so they add
     exact zeros and the reduction over keys keeps the length S the decode steps used.
+    ``needed`` (B, L) bool: compute only these positions (see ``Step.rows``).
     """
     L = key_valid.shape[1]
-    return Step(positions=positions_from_valid(key_valid), start=0, allowed=attention_mask(key_valid, 0, L, kv_len))
+    rows = None if needed is None else needed.reshape(-1).nonzero().squeeze(1)  # (N,)
+    return Step(positions=positions_from_valid(key_valid), start=0, allowed=attention_mask(key_valid, 0, L, kv_len),
+                rows=rows)
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,14 +90,20 @@ def token_logprobs(
     mode: str = "exact",
     with_entropy: bool = False,
     kv_len: int | None = None,
+    score_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Trainer-side log pi(token_t | tokens_<t) for every column, differentiable.
 
     tokens, key_valid: (B, L). Returns logp (B, L) with column 0 set to 0 (it has no prefix)
     and, if asked, the entropy (B, L) of each next-token distribution (detached). ``kv_len``:
-    see ``full_step`` (only the exact mode uses it).
+    see ``full_step`` (only the exact mode uses it). ``score_mask`` (B, L) bool, exact mode: the
+    columns whose log-probs are wanted; the forward then skips the positions they do not depend
+    on (left padding, columns after a row's last scored one), with the same bits where wanted;
+    elsewhere logp and entropy are finite but meaningless.
     """
-    logits = model(tokens, full_step(key_valid, kv_len if mode == "exact" else None), mode=mode)  # (B, L, V)
+    exact = mode == "exact"
+    needed = needed_positions(key_valid, score_mask) if exact and score_mask is not None and not model.hooks else None
+    logits = model(tokens, full_step(key_valid, kv_len if exact else None, needed), mode=mode)  # (B, L, V)
     logp, logp_all = gather_logprobs(logits, tokens)
     entropy = None
     if with_entropy:

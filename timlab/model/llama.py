@@ -253,11 +253,17 @@ class Step:
     start: column of the first input token in the S-long buffer (tokens fill start..start+M-1).
     allowed: (B, 1, M, S) bool attention mask over the whole buffer (exact mode), or over the
       first start+M columns (fast mode).
+    rows: optional (N,) long, ascending indices into the flattened (B*M) grid: compute only these
+      positions (exact teacher-forced calls). Each linear runs on the N packed rows; attention
+      runs on the (B, M) grid with zero queries, keys and values at the skipped positions. The
+      caller skips only keys that no computed query may see, so computed positions get the same
+      bits as without ``rows``; outputs at skipped positions are zeros.
     """
 
     positions: torch.Tensor
     start: int
     allowed: torch.Tensor
+    rows: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
 
 
@@ -284,6 +290,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, M, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step.rows is not None:  # packed (1, H, N, D) -> the (B, H, M, D) grid
+            q, k, v = (_to_grid(t, step) for t in (q, k, v))
+            B, M = q.shape[0], q.shape[2]
 
         if cache_k is None:  # teacher-forced: the inputs are the first M columns of the buffer
             keys, values = k, v
@@ -305,6 +314,8 @@ class Attention(nn.Module):
                 values = values.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.allowed, scale=self.scale)
         out = out.transpose(1, 2).reshape(B, M, self.n_heads * self.head_dim)  # (B, M, H*D)
+        if step.rows is not None:
+            out = out.reshape(B * M, -1)[step.rows][None]  # (1, N, H*D)
         return _linear(mode, out, self.o_proj)
 
 
@@ -385,14 +396,22 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, step: Step, cache: KVCache | None = None, mode: str = "exact"
     ) -> torch.Tensor:
         """Final-norm hidden states (B, M, hidden) for input_ids (B, M)."""
+        return _unpack(self._hidden(input_ids, step, cache, mode), step)
+
+    def _hidden(self, input_ids: torch.Tensor, step: Step, cache: KVCache | None, mode: str) -> torch.Tensor:
+        """hidden_states, packed to (1, N, hidden) when ``step.rows`` is set."""
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; valid choices: {', '.join(MODES)}")
         x = self.model.embed_tokens(input_ids)  # (B, M, hidden)
+        positions = step.positions
+        if step.rows is not None:
+            x = x.reshape(-1, x.shape[-1])[step.rows][None]  # (1, N, hidden)
+            positions = positions.reshape(-1)[step.rows][None]  # (1, N)
         self._emit("embed", x)
         dtype = x.dtype
         cos_t, sin_t = self.rope(x.device, int(step.positions.max()) + 1)
-        cos = cos_t[step.positions].to(dtype).unsqueeze(1)  # (B, 1, M, D)
-        sin = sin_t[step.positions].to(dtype).unsqueeze(1)
+        cos = cos_t[positions].to(dtype).unsqueeze(1)  # (B, 1, M, D)
+        sin = sin_t[positions].to(dtype).unsqueeze(1)
         for i, layer in enumerate(self.model.layers):
             ck = cache.keys[i] if cache is not None else None
             cv = cache.values[i] if cache is not None else None
@@ -430,5 +449,21 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, step: Step, cache: KVCache | None = None, mode: str = "exact"
     ) -> torch.Tensor:
-        """Logits (B, M, V) in fp32 for input_ids (B, M)."""
-        return self.logits_from_hidden(self.hidden_states(input_ids, step, cache, mode), mode)
+        """Logits (B, M, V) in fp32 for input_ids (B, M) (zeros at positions ``step.rows`` skips)."""
+        return _unpack(self.logits_from_hidden(self._hidden(input_ids, step, cache, mode), mode), step)
+
+
+def _to_grid(t: torch.Tensor, step: Step) -> torch.Tensor:
+    """Packed (1, H, N, D) -> (B, H, M, D) with zeros at the positions ``step.rows`` skips."""
+    B, M = step.allowed.shape[0], step.allowed.shape[2]
+    H, D = t.shape[1], t.shape[3]
+    grid = t.new_zeros(B * M, H, D).index_copy(0, step.rows, t[0].transpose(0, 1))  # (B*M, H, D)
+    return grid.view(B, M, H, D).transpose(1, 2)
+
+
+def _unpack(t: torch.Tensor, step: Step) -> torch.Tensor:
+    """Packed (1, N, X) -> (B, M, X) with zeros at the skipped positions; t itself without ``step.rows``."""
+    if step.rows is None:
+        return t
+    B, M = step.allowed.shape[0], step.allowed.shape[2]
+    return t.new_zeros(B * M, t.shape[-1]).index_copy(0, step.rows, t[0]).view(B, M, t.shape[-1])

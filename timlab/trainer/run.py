@@ -326,11 +326,13 @@ class RLRun:
         tokens, key_valid = rollout.tokens[:, :L].to(self.device), rollout.key_valid[:, :L].to(self.device)
         single_update = cfg.algorithm.epochs == 1 and cfg.algorithm.mini_batches == 1
         if single_update:
-            logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True, kv_len=S)
+            logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True, kv_len=S,
+                                           score_mask=mask)
             old_logp = logp.detach()
         else:
             with torch.no_grad():
-                old_logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True, kv_len=S)
+                old_logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True,
+                                                   kv_len=S, score_mask=mask)
         self._check_finite("trainer log-probs", old_logp[mask])
         rollout_logp = rollout.logprobs[:, :L].to(self.device)
         if self.exact_rollout and cfg.run.guard:
@@ -369,7 +371,7 @@ class RLRun:
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp, _ = token_logprobs(self.ref_model, tokens, key_valid, mode="exact", kv_len=S)
+                ref_logp, _ = token_logprobs(self.ref_model, tokens, key_valid, mode="exact", kv_len=S, score_mask=mask)
         loss_metrics, grad_norm, updated = self._update(
             tokens, key_valid, logp if single_update else None, old_logp, adv, loss_mask, use_weights, ref_logp, S
         )
@@ -467,7 +469,8 @@ class RLRun:
                 if logp is not None:
                     lp = logp[rows]
                 else:
-                    lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact", kv_len=kv_len)
+                    lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact", kv_len=kv_len,
+                                           score_mask=loss_mask[rows] > 0)
                 mb_tokens = self.world.sum(float(loss_mask[rows].sum()))
                 denom = mb_tokens if a.loss_agg == "token_mean" else self.world.sum(float((loss_mask[rows].sum(-1) > 0).sum()))
                 loss, m = ppo_clip_loss(
