@@ -30,6 +30,31 @@ def _set_threads() -> None:
         torch.set_num_threads(1)
 
 
+def _default(fn, name: str):
+    """The default of ``fn``'s keyword argument ``name``: help text quotes it from there."""
+    import inspect
+
+    return inspect.signature(fn).parameters[name].default
+
+
+def _defaults_of(target: str) -> type[argparse.HelpFormatter]:
+    """A help formatter that fills ``{default}`` in an option's help with the default of the
+    keyword argument named like the option's dest in ``target`` ("module:function"). The module
+    is imported only when help is printed, so building the parser stays cheap."""
+
+    class Formatter(argparse.HelpFormatter):
+        def _expand_help(self, action: argparse.Action) -> str:
+            text = super()._expand_help(action)
+            if "{default}" in text:
+                import importlib
+
+                module, name = target.split(":")
+                text = text.replace("{default}", str(_default(getattr(importlib.import_module(module), name), action.dest)))
+            return text
+
+    return Formatter
+
+
 def _given(args: argparse.Namespace, names) -> dict:
     """The options among ``names`` that the user set (argparse default None), as keyword
     arguments: a library function's own defaults apply to the rest."""
@@ -47,6 +72,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     if (args.prompts is None) == (args.task is None):
         raise CLIError("probe needs exactly one of --prompts FILE or --task NAME")
+    check_output_file(args.json, "--json")
+    check_output_file(args.html, "--html")
     options = ("num_prompts", "samples_per_prompt", "rollout", "score", "dtype", "max_new_tokens", "seed",
                "temperature", "top_p", "top_k", "device")
     result = run_probe(model_dir=args.model, prompts_file=args.prompts, task=args.task, attribute=args.attribute,
@@ -61,23 +88,24 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _add_probe(sub) -> None:
-    p = sub.add_parser("probe", help="roll out with one engine, score the same tokens with another, report the mismatch")
+    p = sub.add_parser("probe", help="roll out with one engine, score the same tokens with another, report the mismatch",
+                       formatter_class=_defaults_of("timlab.experiments.probe:run_probe"))
     p.add_argument("--model", required=True, help="HF-format model folder")
     p.add_argument("--prompts", help="text file with one prompt per line")
     p.add_argument("--task", help="built-in task to draw prompts from")
-    # defaults are run_probe's: an option not given is not passed
+    # defaults are run_probe's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--num-prompts", type=int, help="the file's first N prompts (default all), or N from the task")
-    p.add_argument("--samples-per-prompt", type=int)
+    p.add_argument("--samples-per-prompt", type=int, help="default {default}")
     # no argparse choices: run_probe checks the names and lists the valid ones in one line
-    p.add_argument("--rollout", help="rollout engine: exact, fast, hf")
-    p.add_argument("--score", help="score path: trainer, exact, fast, hf")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--device")
+    p.add_argument("--rollout", help="rollout engine: exact, fast, hf (default {default})")
+    p.add_argument("--score", help="score path: trainer, exact, fast, hf (default {default})")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default {default}")
+    p.add_argument("--max-new-tokens", type=int, help="default {default}")
+    p.add_argument("--seed", type=int, help="default {default}")
+    p.add_argument("--temperature", type=float, help="default {default}")
+    p.add_argument("--top-p", type=float, help="default {default}")
+    p.add_argument("--top-k", type=int, help="default {default} (no top-k)")
+    p.add_argument("--device", help="default {default}")
     p.add_argument("--attribute", action="store_true", help="also locate the first op where the two paths diverge")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--html", help="write a self-contained HTML page with plots here")
@@ -204,7 +232,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     prog = Progress(not args.quiet)
     try:
-        res = run_demo(args.out, quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, progress=prog)
+        res = run_demo(quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, progress=prog,
+                       **_given(args, ("out_dir",)))
     finally:
         prog.close()
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
@@ -215,10 +244,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report")
-    p.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
-    p.add_argument("--quick", action="store_true", help="fewer conditions, 2 seeds, 60 steps (about 3 minutes)")
-    p.add_argument("--seeds", type=int, help="seeds per condition (default 5, quick 2)")
-    p.add_argument("--steps", type=int, help="RL steps per run (default 150, quick 60)")
+    from timlab.config import PRESETS
+    from timlab.experiments import demo
+
+    p.add_argument("--out", dest="out_dir", help=f"output folder (default: {_default(demo.run_demo, 'out_dir')})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"fewer conditions, {demo.QUICK_SEEDS} seeds, {demo.QUICK_STEPS} steps")
+    p.add_argument("--seeds", type=int, help=f"seeds per condition (default {demo.SEEDS}, quick {demo.QUICK_SEEDS})")
+    p.add_argument("--steps", type=int, help=f"RL steps per run (default {PRESETS['demo']['run']['steps']}, "
+                                               f"quick {demo.QUICK_STEPS})")
     p.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_demo)
@@ -376,6 +410,34 @@ def _add_analyze(sub) -> None:
 _EXTRA_COMMANDS.append(_add_analyze)
 
 
+# ---------------------------------------------------------------------------------- threshold
+def cmd_threshold(args: argparse.Namespace) -> int:
+    from timlab.experiments.threshold import format_threshold, plot_threshold, threshold_study
+
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot, "--plot")
+    res = threshold_study(args.dir, **_given(args, ("scale",)))
+    print(format_threshold(res))
+    _write_json(args.json, {"table": res.table().to_dict("records"), "summary": res.summary().to_dict("records"),
+                            "fits": [vars(f) for f in res.fits]})
+    if args.plot:
+        print(f"plot: {plot_threshold(res, args.plot)}")
+    return 0
+
+
+def _add_threshold(sub) -> None:
+    p = sub.add_parser("threshold", help="the collapse threshold k3* against response length, from a sweep "
+                                         "(docs/examples/threshold.yaml)")
+    p.add_argument("dir", help="sweep directory (holds index.parquet)")
+    p.add_argument("--scale", help="index column that sets the response-length scale (default task.kwargs.max_digits)")
+    p.add_argument("--json", help="write the per-dose table, k3* intervals and fits as JSON here")
+    p.add_argument("--plot", metavar="PNG", help="draw k3* against the response length here")
+    p.set_defaults(func=cmd_threshold)
+
+
+_EXTRA_COMMANDS.append(_add_threshold)
+
+
 # ---------------------------------------------------------------------------------- gradcheck
 def cmd_gradcheck(args: argparse.Namespace) -> int:
     from timlab.config import load_run_config, parse_set, resolve
@@ -400,10 +462,9 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
         model_dir = args.model
     prog = Progress(not args.quiet)
     try:
-        res = run_gradcheck(cfg, model_dir=model_dir, samples=args.samples, micro_batch=args.micro_batch,
-                            buckets=args.buckets, estimator=args.estimator, group_size=args.group_size,
-                            dense_reward=args.dense_reward, seed=args.seed, n_boot=args.boot,
-                            score_seqs=args.score_seqs, param_filter=args.params, progress=prog)
+        options = ("samples", "micro_batch", "buckets", "estimator", "seed", "n_boot", "score_seqs", "param_filter")
+        res = run_gradcheck(cfg, model_dir=model_dir, group_size=args.group_size, dense_reward=args.dense_reward,
+                            progress=prog, **_given(args, options))
     finally:
         prog.close()
     print(format_gradcheck(res))
@@ -415,24 +476,28 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
 
 def _add_gradcheck(sub) -> None:
     p = sub.add_parser("gradcheck", help="policy gradient under exact vs mismatched rollouts: cosine, bias, SNR, "
-                                         "and the T^2 bound; see docs/gradcheck.md")
+                                         "and the T^2 bound; see docs/gradcheck.md",
+                       formatter_class=_defaults_of("timlab.trainer.gradcheck:gradcheck"))
     p.add_argument("config", nargs="?", help="YAML config (task, rollout, model.dtype and mismatch sections are used)")
     p.add_argument("--run-dir", help="a training run: use its config.yaml and a checkpoint (default: the latest)")
     p.add_argument("--step", type=int, help="with --run-dir: the checkpoint of this step (0 = the warm start)")
     p.add_argument("--model", help="an HF model folder to check instead of the config's warm start")
     p.add_argument("--injector", help="mismatch injector (same as --set mismatch.injector=NAME)")
     p.add_argument("--magnitude", type=float, help="injector magnitude (same as --set mismatch.magnitude=X)")
-    p.add_argument("--samples", type=int, default=256, help="sequences per side (default 256)")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per gradient micro-batch (default 8)")
-    p.add_argument("--buckets", type=int, default=1, help="response-length buckets (prompts split by answer length)")
-    p.add_argument("--estimator", default="reinforce", help="reinforce (w = R, the bound's setting) or rloo")
+    # defaults are gradcheck's ({default} is read from its signature): an option not given is not passed
+    p.add_argument("--samples", type=int, help="sequences per side (default {default})")
+    p.add_argument("--micro-batch", type=int, help="sequences per gradient micro-batch (default {default})")
+    p.add_argument("--buckets", type=int, help="response-length buckets (prompts split by answer length; default {default})")
+    p.add_argument("--estimator", help="reinforce (w = R, the bound's setting) or rloo (default {default})")
     p.add_argument("--group-size", type=int, help="rloo: samples per prompt (default rollout.samples_per_prompt)")
     p.add_argument("--dense-reward", action=argparse.BooleanOptionalAction, default=None,
                    help="partial-credit reward (default: task.dense_reward)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--boot", type=int, default=1000, help="bootstrap replicates for the confidence intervals")
-    p.add_argument("--score-seqs", type=int, default=8, help="sequences whose per-token score norms estimate B")
-    p.add_argument("--params", metavar="REGEX", help="only parameters whose name matches (bounds memory on big models)")
+    p.add_argument("--seed", type=int, help="default {default}")
+    p.add_argument("--boot", type=int, dest="n_boot", metavar="N",
+                   help="bootstrap replicates for the confidence intervals (default {default})")
+    p.add_argument("--score-seqs", type=int, help="sequences whose per-token score norms estimate B (default {default})")
+    p.add_argument("--params", metavar="REGEX", dest="param_filter",
+                   help="only parameters whose name matches (bounds memory on big models)")
     p.add_argument("--json", help="write the full result as JSON here")
     p.add_argument("--plot", help="write a PNG of bias vs the T^2 bound and bias/SNR vs length here")
     p.add_argument("--quiet", action="store_true")

@@ -1,0 +1,77 @@
+"""Tests for timlab.experiments.threshold: k3* brackets by hand, and a synthetic threshold sweep
+whose k3* falls as T^-2 by construction, read back through the index and the CLI."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from timlab.cli import main
+from timlab.experiments.threshold import bracket, threshold_study
+from timlab.trainer.rundir import RunDir
+
+
+def _doses(rows):
+    return pd.DataFrame(rows, columns=["k3", "collapse_frac"])
+
+
+def test_bracket_by_hand():
+    assert bracket(_doses([(0.01, 0.0), (0.1, 0.2), (1.0, 0.6), (3.0, 1.0)])) == (0.1, 1.0)
+    lo, hi = bracket(_doses([(0.01, 0.0), (0.1, 0.4)]))  # no dose reaches the bar: k3* > 0.1
+    assert lo == 0.1 and math.isnan(hi)
+    lo, hi = bracket(_doses([(0.01, 0.5), (0.1, 1.0)]))  # the lowest dose already does
+    assert math.isnan(lo) and hi == 0.01
+    # a non-monotone dose (0.3 collapses less than 0.2) is bracketed from the lowest dose at the bar
+    assert bracket(_doses([(0.1, 0.0), (0.2, 0.6), (0.3, 0.4), (1.0, 1.0)])) == (0.1, 0.2)
+
+
+def _fake_sweep(root, *, exponent=-2.0):
+    """Three length scales; at each, doses whose realized k3 brackets k3* = 10 * T**exponent."""
+    rows = []
+    for digits, T in ((2, 10.0), (4, 20.0), (8, 40.0)):
+        k3_star = 10 * T**exponent
+        for dose, k3 in enumerate((k3_star / 3, k3_star * 3)):
+            for seed in range(4):
+                collapsed = k3 > k3_star and seed < 3  # 3/4 collapse above the threshold, 0/4 below
+                run_dir = f"d{digits}_m{dose}_s{seed}"
+                rd = RunDir(root / run_dir)
+                rd.path.mkdir(parents=True)
+                pd.DataFrame({"step": [1, 2], "train/response_length_mean": [T - 1, T + 1]}).to_parquet(rd.metrics_file)
+                rd.write_status("finished", step=2, total_steps=2)
+                rows.append({"run_id": run_dir, "run_dir": run_dir, "state": "finished", "collapsed": collapsed,
+                             "k3_kl_mean": k3, "final_accuracy": 0.2 if collapsed else 0.9,
+                             "mismatch.injector": "logit_noise", "mismatch.magnitude": float(dose),
+                             "optim.lr": 2e-4, "task.kwargs.max_digits": digits})
+    pd.DataFrame(rows).to_parquet(root / "index.parquet", index=False)
+
+
+def test_threshold_study_recovers_a_known_law(tmp_path):
+    _fake_sweep(tmp_path)
+    res = threshold_study(tmp_path)
+    summary = res.summary()
+    assert list(summary["T"]) == [10.0, 20.0, 40.0]
+    np.testing.assert_allclose(summary["k3*"], [10 * T**-2.0 for T in (10.0, 20.0, 40.0)], rtol=1e-12)
+    (fit,) = res.fits
+    assert fit.slope == pytest.approx(-2.0) and fit.n_cells == 3
+    # k3* = 10 T^-2 = 1e-3 at T = 100
+    assert fit.T_at_realistic == pytest.approx(100.0)
+    assert set(res.table()["collapsed"]) == {"0/4", "3/4"}
+
+
+def test_threshold_cli_prints_writes_and_plots(tmp_path, capsys):
+    _fake_sweep(tmp_path / "sw")
+    out_json, out_png = tmp_path / "t.json", tmp_path / "t.png"
+    assert main(["threshold", str(tmp_path / "sw"), "--json", str(out_json), "--plot", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    assert "k3* ~ T^-2.00 over 3 cells" in text and "at T ~ 100" in text
+    assert json.loads(out_json.read_text())["fits"][0]["slope"] == pytest.approx(-2.0)
+    assert out_png.stat().st_size > 10_000
+
+
+def test_threshold_unknown_scale_is_one_line(tmp_path, capsys):
+    _fake_sweep(tmp_path)
+    assert main(["threshold", str(tmp_path), "--scale", "task.kwargs.max_len"]) == 2
+    err = capsys.readouterr().err
+    assert "no column 'task.kwargs.max_len'; valid choices:" in err and len(err.strip().splitlines()) == 1
