@@ -269,3 +269,22 @@ def test_attribution_html_page(tmp_path, folder, prompts):
     assert f"<b>{res['first_divergent_op']}</b>" in html
     assert html.count("<tr><td>layers.") == sum(o["name"].startswith("layers.") for o in res["ops"])
     assert "http" not in html.replace("https://", "")  # self-contained
+
+
+def test_cli_options_not_given_are_not_passed_and_help_quotes_the_library_defaults(capsys):
+    """Every default lives in run_probe's signature: the parser's are None, its help reads them from there."""
+    import inspect
+
+    from timlab.cli import build_parser
+    from timlab.experiments.probe import run_probe
+
+    args = build_parser().parse_args(["probe", "--model", "m", "--task", "addition"])
+    for name in ("num_prompts", "samples_per_prompt", "rollout", "score", "dtype", "max_new_tokens", "seed",
+                 "temperature", "top_p", "top_k", "device"):
+        assert getattr(args, name) is None, name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["probe", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    defaults = inspect.signature(run_probe).parameters
+    assert f"--max-new-tokens MAX_NEW_TOKENS default {defaults['max_new_tokens'].default}" in text
+    assert f"(default {defaults['rollout'].default})" in text and "{default}" not in text

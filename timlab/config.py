@@ -63,7 +63,7 @@ class TaskSection:
 @dataclass(frozen=True)
 class RolloutSection:
     engine: str = "exact"
-    """Rollout engine: exact (bitwise equal to the trainer), fast, hf."""
+    """Rollout engine: exact (bitwise equal to the trainer) or another of ``timlab.engines.ENGINES``."""
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     max_new_tokens: int = 40
@@ -125,7 +125,7 @@ class MismatchSection:
     dtype: str = "bfloat16"
     """precision / weight_rounding: the rollout's dtype (bfloat16, float16; weight_rounding also int8)."""
     engine: str = "fast"
-    """engine injector: the rollout engine used instead of exact (fast or hf)."""
+    """engine injector: the rollout engine used instead (one of ``timlab.injectors.engine_swap.SWAP_ENGINES``)."""
     prob_below: float = 1.0
     """Scope: inject only on tokens whose trainer probability is below this (1.0 = everywhere)."""
     seed: int = 0
@@ -142,7 +142,7 @@ class CorrectionSection:
     threshold_low: float = 0.5
     """two_sided: lower bound of the kept ratio band."""
     veto_threshold: float = 0.0
-    """Drop a sequence if any token ratio is below this (0 = off; the field's default is 1e-4)."""
+    """Drop a sequence if any token ratio is below this (0 = off; 1e-4 is the value common in other stacks)."""
 
 
 @dataclass(frozen=True)

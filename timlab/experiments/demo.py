@@ -24,6 +24,10 @@ import yaml
 from timlab.config import PRESETS
 
 DOSES = (0.5, 1.0, 2.0)
+SEEDS = 5
+"""Seeds per condition (the full demo; each run is the ``demo`` preset's ``run.steps`` long)."""
+QUICK_SEEDS, QUICK_STEPS = 2, 60
+"""Seeds per condition and RL steps per run of ``--quick``."""
 REMEDY_DOSE = 2.0
 
 
@@ -46,10 +50,10 @@ def conditions(quick: bool) -> list[dict]:
 
 
 def demo_spec(*, quick: bool, seeds: int | None = None, steps: int | None = None, workers: int | None = None) -> dict:
-    n_seeds = seeds or (2 if quick else 5)
+    n_seeds = seeds or (QUICK_SEEDS if quick else SEEDS)
     base_set = {}
     if quick or steps:
-        base_set["run.steps"] = steps or 60
+        base_set["run.steps"] = steps or QUICK_STEPS
     spec = {
         "base": {"preset": "demo", "set": base_set},
         "conditions": conditions(quick),
