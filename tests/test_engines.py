@@ -144,9 +144,10 @@ def test_batch_composition_invariance(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
-def test_shared_prefill_changes_no_bit(dtype):
+def test_shared_prefill_changes_no_bit(dtype, monkeypatch):
     """Groups of samples share one prefill per distinct prompt: the same rollout, bit for bit,
     as prefilling every row, and still equal to the trainer."""
+    monkeypatch.setattr("timlab.engines.native.MIN_SKIP_MACS", 0)  # share even for this tiny model
     model = tiny_model("qwen3", dtype)
     engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
     prompts = [p for p in ragged_prompts(5) for _ in range(4)]  # 5 groups of 4 samples
@@ -301,10 +302,11 @@ def test_trainer_scoring_only_realized_columns_is_still_bitwise(dtype):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
-def test_trainer_skipping_unneeded_positions_is_still_bitwise(arch, dtype):
+def test_trainer_skipping_unneeded_positions_is_still_bitwise(arch, dtype, monkeypatch):
     """With ``score_mask`` the trainer computes only the positions the response log-probs depend
     on (no left padding, nothing after a row's EOS): the same bits there as the full forward and
     as the rollout, finite values elsewhere, and gradients that agree with the full forward's."""
+    monkeypatch.setattr("timlab.model.forward.MIN_SKIP_MACS", 0)  # skip even for this tiny model
     model = tiny_model(arch, dtype)
     r = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD).generate(
         ragged_prompts(19), max_new_tokens=16, generator=torch.Generator().manual_seed(2))

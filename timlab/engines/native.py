@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from timlab.engines.base import ENGINES, Engine
-from timlab.model.forward import attention_mask, positions_from_valid
+from timlab.model.forward import MIN_SKIP_MACS, attention_mask, positions_from_valid
 from timlab.model.llama import KVCache, Step
 
 
@@ -29,7 +29,8 @@ class _KVCachedEngine(Engine):
 
     share_prefill = False
     """Prefill each distinct prompt once and copy its KV cache and logits to the rows that share
-    it (the samples of a group). Only where the prefill is batch-invariant (the exact mode)."""
+    it (the samples of a group), when that saves at least ``forward.MIN_SKIP_MACS``. Only where
+    the prefill is batch-invariant (the exact mode)."""
 
     def _prefill(self, tokens, key_valid, P):
         B, S = tokens.shape
@@ -38,7 +39,7 @@ class _KVCachedEngine(Engine):
             key = torch.cat([tokens[:, :P], key_valid[:, :P].long()], dim=1)  # (B, 2P): a row's prompt
             _, inverse = torch.unique(key, dim=0, return_inverse=True)  # (B,): which distinct prompt
             n = int(inverse.max()) + 1
-            if n < B:  # first row holding each distinct prompt
+            if n < B and (B - n) * P * self.model.config.layer_macs_per_token >= MIN_SKIP_MACS:  # first row of each
                 rows = torch.arange(B, device=tokens.device)
                 first = torch.full((n,), B, device=tokens.device).scatter_reduce(0, inverse, rows, "amin")
                 tokens, key_valid = tokens[first], key_valid[first]  # (n, S)

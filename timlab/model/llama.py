@@ -103,6 +103,13 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
 
+    @property
+    def layer_macs_per_token(self) -> int:
+        """Multiply-adds of one position through all decoder layers' linears (no attention, no head)."""
+        d, h, hk = self.dim_per_head, self.num_attention_heads, self.num_key_value_heads
+        per_layer = self.hidden_size * d * (2 * h + 2 * hk) + 3 * self.hidden_size * self.intermediate_size
+        return per_layer * self.num_hidden_layers
+
 
 def _linear(mode: str, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if mode == "exact":
