@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timlab.experiments.collapse import condition_table  # noqa: E402
 from timlab.experiments.sweep import read_index  # noqa: E402
+from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
 
 
 def conditions(index: pd.DataFrame) -> str:
@@ -46,6 +47,50 @@ def grad_norms(index: pd.DataFrame) -> str:
         rows.append({"condition": cond, "grad_norm_ema steps 1-20": np.mean(early), "grad_norm_ema all steps": np.mean(whole),
                      "corr(k3, grad_norm) per step": np.mean(corr) if corr else float("nan")})
     return pd.DataFrame(rows).to_markdown(index=False, floatfmt=".3g")
+
+
+def _surge_step(df: pd.DataFrame, row: pd.Series) -> float:
+    """Where the run's own surge detector settings fire on its mean response length (NaN: never)."""
+    det = SurgeDetector(float(row["scheduler.surge_ratio"]), int(row["scheduler.surge_window"]))
+    for step, length in zip(df["step"], df["train/response_length_mean"]):
+        if np.isfinite(length) and det.update(int(step), float(length)):
+            return float(step)
+    return float("nan")
+
+
+def learning(index: pd.DataFrame, gain: float = 0.15) -> str:
+    """Does RL learn, and do answers surge? Per condition, mean (min-max) over seeds of: greedy
+    accuracy at the start and at the end, the seeds whose final accuracy gained >= ``gain``,
+    training reward and mean response length over the first and the last 10 steps, and the step
+    at which the surge detector (the run's scheduler settings) fires on the response length."""
+    rows = []
+    for cond, g in index.groupby("condition", sort=False):
+        rec: dict[str, list] = {k: [] for k in ("start", "final", "rew0", "rew1", "len0", "len1", "surge")}
+        for d, (_, row) in zip(g["run_dir"], g.iterrows()):
+            df = pd.read_parquet(Path(d) / "metrics.parquet").sort_values("step")
+            acc = df["val/accuracy"].dropna()
+            train = df[df["step"] > 0]
+            rec["start"].append(acc.iloc[0])
+            rec["final"].append(acc.iloc[-1])
+            rec["rew0"].append(train["train/reward_mean"].iloc[:10].mean())
+            rec["rew1"].append(train["train/reward_mean"].iloc[-10:].mean())
+            rec["len0"].append(train["train/response_length_mean"].iloc[:10].mean())
+            rec["len1"].append(train["train/response_length_mean"].iloc[-10:].mean())
+            rec["surge"].append(_surge_step(train, row))
+        a = {k: np.array(v, dtype=float) for k, v in rec.items()}
+        fired = a["surge"][np.isfinite(a["surge"])]
+        rows.append({
+            "condition": cond, "n": len(g),
+            "greedy acc start": f"{a['start'].mean():.2f}",
+            "final": f"{a['final'].mean():.2f} ({a['final'].min():.2f}-{a['final'].max():.2f})",
+            f"seeds gaining >= {gain:g}": f"{int((a['final'] - a['start'] >= gain).sum())}/{len(g)}",
+            "reward first/last 10": f"{a['rew0'].mean():.2f} / {a['rew1'].mean():.2f}",
+            "length first/last 10": f"{a['len0'].mean():.1f} / {a['len1'].mean():.1f}",
+            "length ratio": f"{(a['len1'] / a['len0']).mean():.2f} ({(a['len1'] / a['len0']).min():.2f}-"
+                            f"{(a['len1'] / a['len0']).max():.2f})",
+            "surge detected": f"{len(fired)}/{len(g)}" + (f", median step {np.median(fired):g}" if len(fired) else ""),
+        })
+    return pd.DataFrame(rows).to_markdown(index=False)
 
 
 def by_length(index: pd.DataFrame) -> str:
@@ -90,6 +135,8 @@ def main() -> None:
     index = pd.concat(frames, ignore_index=True)
     print("## Conditions\n")
     print(conditions(index))
+    print("\n## Learning and response length\n")
+    print(learning(index))
     print("\n## Gradient norm (P3)\n")
     print(grad_norms(index))
     mismatched = index[index["mismatch.injector"] != "none"]

@@ -279,7 +279,7 @@ def test_tensorboard_option(tmp_path):
     assert "train/reward_mean" in acc.Tags()["scalars"] and "rollout_corr/k3_kl" in acc.Tags()["scalars"]
 
 
-@pytest.mark.parametrize("name", ["smoke", "default", "demo", "beyond-precision"])
+@pytest.mark.parametrize("name", ["smoke", "default", "demo", "surge", "beyond-precision"])
 def test_every_preset_resolves_and_validates(name):
     from timlab.config import PRESETS
     from timlab.trainer.run import validate
@@ -291,3 +291,20 @@ def test_every_preset_resolves_and_validates(name):
         assert (cfg.algorithm.name, cfg.algorithm.clip_low, cfg.algorithm.clip_high) == ("rloo", 0.2, 0.28)
         assert (cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.rollout.samples_per_prompt) == (0.01, 1.0, 16)
         assert (cfg.scheduler.name, cfg.scheduler.min_lr_ratio, cfg.correction.threshold) == ("length_decay", 0.1, 2.0)
+
+
+def test_surge_testbed_runs_with_a_mixed_warm_start(tmp_path):
+    """The surge preset end to end at a tiny budget: the warm start is trained on both answer forms,
+    the RL run is exact, and the guard holds on answers that may run to the scratchpad's length."""
+    cfg = resolve(preset="surge", overrides=[
+        "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "model.pretrain_steps=30",
+        "task.kwargs.max_digits=2", "task.n_train=300", "task.n_val=16", "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=16", "run.steps=2", "run.eval_every=2", "run.progress=false"])
+    assert cfg.task.name == "scratch_add" and cfg.scheduler.surge_ratio == 1.5
+    train(cfg, tmp_path / "run")
+    df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[1:]
+    assert (df["mismatch/frac_bitwise_equal"] == 1.0).all() and (df["rollout_corr/k3_kl"] == 0.0).all()
+    from timlab.trainer.pretrain import warm_start_dir
+
+    info = json.loads((warm_start_dir(cfg) / "pretrain.json").read_text())
+    assert info["task_kwargs"] == {"max_digits": 2, "scratch_frac": 0.2}
