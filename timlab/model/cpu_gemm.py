@@ -101,7 +101,8 @@ def _map(fn: Callable[..., torch.Tensor], parts: list[tuple]) -> list[torch.Tens
         with torch.set_grad_enabled(grad), one_thread():
             return fn(*p)
 
-    futures = [_executor(len(parts) - 1).submit(task, p) for p in parts[1:]]
+    pool = _executor(torch.get_num_threads() - 1)  # len(parts) <= the thread count
+    futures = [pool.submit(task, p) for p in parts[1:]]
     first = task(parts[0])
     return [first] + [f.result() for f in futures]
 
