@@ -226,6 +226,7 @@ def test_damaged_model_folders_are_one_line_errors(model_dir, tmp_path, capsys, 
     err = _err(["probe", "--model", str(m), "--task", "reverse", "--num-prompts", "2", "--max-new-tokens", "4"], capsys)
     assert str(m) in err
     _err(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "r"), "--set", f"model.path={m}"], capsys)
+    assert not (tmp_path / "r" / "config.yaml").exists()  # a start that failed in setup leaves no run behind
 
 
 # ---------------------------------------------------------------------------- 10-11. outputs
@@ -241,6 +242,8 @@ def test_outputs_that_are_folders(tmp_path, capsys):
     assert "--json" in _err(["analyze", str(data), "--json", str(tmp_path / "d")], capsys)
     assert "--out" in _err(["analyze", str(data), "--out", str(tmp_path / "d")], capsys)
     assert "--out" in _err(["report", str(tmp_path), "--out", str(tmp_path / "d")], capsys)
+    assert "--json" in _err(["probe", "--model", str(tmp_path), "--task", "reverse", "--json", str(tmp_path / "d")],
+                            capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "d"]  # no .tmp left behind
 
 

@@ -59,6 +59,16 @@ def is_disk_full(e: BaseException) -> bool:
     return False
 
 
+def out_of_space(path: str | os.PathLike, margin: int = 1 << 20) -> bool:
+    """Whether the file system holding ``path`` has less than ``margin`` bytes free: the check
+    for writers (torch.save) whose error on a full disk does not say so."""
+    try:
+        st = os.statvfs(mount_point(path))
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < margin
+
+
 def disk_full(path: str | os.PathLike) -> DiskFullError:
     """The one-line error for a write to ``path`` that ran out of space."""
     mount = mount_point(path)
@@ -83,5 +93,5 @@ def one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-__all__ = ["TimlabError", "UsageError", "BadFileError", "DiskFullError", "disk_full", "is_disk_full",
+__all__ = ["TimlabError", "UsageError", "BadFileError", "DiskFullError", "disk_full", "is_disk_full", "out_of_space",
            "mount_point", "one_line"]

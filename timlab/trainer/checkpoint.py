@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from timlab.errors import TimlabError, disk_full, is_disk_full
+from timlab.errors import TimlabError, disk_full, is_disk_full, out_of_space
 from timlab.model.hf_io import save_model
 from timlab.trainer.logging import atomic_write_text
 
@@ -79,8 +79,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None
         torch.save(state, tmp / STATE_FILE)
         _write_manifest(tmp, step)
     except Exception as e:
+        full = is_disk_full(e) or out_of_space(tmp)  # before our partial files are removed
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e):
+        if full:
             raise disk_full(tmp) from None
         raise
     if final.exists():

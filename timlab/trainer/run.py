@@ -169,11 +169,14 @@ class RLRun:
         self.world = dist_utils.World.from_env(cfg.run.device)
         self.device = self.world.device
         self.log: MetricsLog | None = None
+        self._wrote_config = False
         if self.world.is_main:
             self.rundir.lock()  # one process per run directory, for the life of the run
         try:
             self._setup(resume)
         except BaseException:
+            if self._wrote_config and not self.rundir.has_steps():
+                self.rundir.config.unlink()  # ours, from this start: a retry is a fresh start, not a resume
             self.close()
             raise
 
@@ -229,6 +232,7 @@ class RLRun:
         if self.world.is_main:
             d.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(d.config, self.cfg.to_yaml())
+            self._wrote_config = True
         self.world.barrier()
 
     def _usable_checkpoint(self) -> tuple[Path | None, dict | None, torch.nn.Module | None]:

@@ -97,6 +97,10 @@ class RunDir:
         """Whether a run was started here (config, metrics or checkpoints exist)."""
         return any(p.exists() for p in (self.config, self.metrics_file, self.checkpoints))
 
+    def has_steps(self) -> bool:
+        """Whether the run has logged or checkpointed anything."""
+        return self.metrics_file.exists() or self.checkpoints.exists() or self.status_file.exists()
+
     def check_not_file(self) -> None:
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"run directory {self.path} is a file, not a folder; choose another --run-dir")
