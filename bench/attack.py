@@ -107,6 +107,10 @@ def attack_train(t: Tally, work: Path, rng: random.Random, kills: int) -> None:
                 break  # killed while exiting, after the run had finished: not a kill of the run
             n += 1
             args = ["train", "--run-dir", str(run), "--resume", "--quiet"]
+        if not (run / "metrics.parquet").exists():  # a session that exited on its own without a run
+            p = sh(args)
+            t.one_line(f"train session {k} exited before writing a run", p, rc=(0,))
+            continue
         diff = same_run(ref, run)
         t.add(f"train killed {n}x then resumed", diff is None, diff or "bitwise equal to the uninterrupted run")
 
