@@ -26,6 +26,7 @@ import string
 from dataclasses import dataclass
 from typing import ClassVar
 
+from timlab.errors import UsageError
 from timlab.tasks.arithmetic import _random_number
 from timlab.tasks.base import TASKS, Example, Task, positional_match, unique_chars
 
@@ -74,10 +75,10 @@ class ScratchAddTask(Task):
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits <= MAX_DIGITS:
-            raise ValueError(f"scratch_add: need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got "
+            raise UsageError(f"scratch_add: need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got "
                              f"min_digits={self.min_digits}, max_digits={self.max_digits}")
         if not 0.0 <= self.scratch_frac <= 1.0:
-            raise ValueError(f"scratch_add: scratch_frac must be in [0, 1], got {self.scratch_frac}")
+            raise UsageError(f"scratch_add: scratch_frac must be in [0, 1], got {self.scratch_frac}")
 
     @property
     def alphabet(self) -> str:
