@@ -368,18 +368,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     from timlab.experiments.report import build_report
 
     check_output_file(args.out, "--out")
-    res = build_report(args.inputs, args.out, group_by=args.group_by)
+    res = build_report(args.inputs, args.out, **_given(args, ("group_by",)))
     print(f"wrote {res.path}: {res.n_runs} runs" + (
         f"; {len(res.missing)} with missing metrics ({', '.join(name for name, _ in res.missing)})" if res.missing else ""))
     return 0
 
 
 def _add_report(sub) -> None:
-    p = sub.add_parser("report", help="one self-contained HTML report of a sweep directory or of run directories")
+    p = sub.add_parser("report", help="one self-contained HTML report of a sweep directory or of run directories",
+                       formatter_class=_defaults_of("timlab.experiments.report:build_report"))
     p.add_argument("inputs", nargs="+", metavar="RUN_DIR|SWEEP_DIR", help="one sweep directory, or run directories")
     p.add_argument("--out", required=True, help="HTML file to write")
-    p.add_argument("--group-by", default="condition",
-                   help="index column or config key to group runs by (default: condition)")
+    p.add_argument("--group-by", help="index column or config key to group runs by (default: {default})")
     p.set_defaults(func=cmd_report)
 
 
