@@ -43,7 +43,7 @@ BAR = 0.5
 """k3* is where at least this fraction of a dose's seeds collapse."""
 REALISTIC_K3 = 1e-3
 """The extrapolation target: the K3 KL of a bf16 rollout against an fp32 trainer (dense model)."""
-REFERENCE_SLOPES = {"T^2 bound, k3 ~ Delta^2": -4.0, "fixed sequence KL": -1.0}
+THEORY_SLOPES = {"T^2 bound, k3 ~ Delta^2": -4.0, "fixed sequence KL": -1.0}
 
 
 @dataclass
@@ -160,7 +160,7 @@ def format_threshold(result: ThresholdResult) -> str:
              result.summary().to_string(index=False, float_format=fmt, na_rep="-")]
     if result.fits:
         lines.append("")
-        refs = ", ".join(f"{k}: {v:g}" for k, v in REFERENCE_SLOPES.items())
+        refs = ", ".join(f"{k}: {v:g}" for k, v in THEORY_SLOPES.items())
         for f in result.fits:
             lines.append(f"fit {f.family} lr={f.lr:g}: k3* ~ T^{f.slope:.2f} over {f.n_cells} cells ({refs}); "
                          f"k3* = {REALISTIC_K3:g} at T ~ {f.T_at_realistic:.3g}")
@@ -208,4 +208,4 @@ def plot_threshold(result: ThresholdResult, out_png: str | Path) -> Path:
 
 
 __all__ = ["threshold_study", "format_threshold", "plot_threshold", "bracket", "ThresholdResult", "Cell", "Fit",
-           "BAR", "REALISTIC_K3", "REFERENCE_SLOPES"]
+           "BAR", "REALISTIC_K3", "THEORY_SLOPES"]
