@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timlab.errors import UsageError
 from timlab.model.ops import fixed_length_attention, invariant_linear, triton_kernels
 
 ARCHITECTURES = {
@@ -76,7 +77,7 @@ class ModelConfig:
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope_type={rope_type!r}; valid choices: {', '.join(ROPE_TYPES)}")
+            raise UsageError(f"unsupported rope_type={rope_type!r}; valid choices: {', '.join(ROPE_TYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UsageError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -210,7 +211,7 @@ def rope_table(cfg: ModelConfig, length: int, device=None) -> tuple[torch.Tensor
     """cos, sin of shape (length, head_dim), fp32, the config's RoPE type (values do not depend
     on length; a dynamic one is refused past max_position_embeddings)."""
     if cfg.rope_type == "dynamic" and length > cfg.max_position_embeddings:
-        raise ValueError(  # engines refuse such lengths before (max_position_embeddings)
+        raise UsageError(  # engines refuse such lengths before (max_position_embeddings)
             f"dynamic RoPE scaling past max_position_embeddings={cfg.max_position_embeddings} (here {length} "
             "positions) changes every frequency with the sequence length, which a KV cache cannot reproduce"
         )
