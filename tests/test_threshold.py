@@ -70,6 +70,20 @@ def test_threshold_cli_prints_writes_and_plots(tmp_path, capsys):
     assert out_png.stat().st_size > 10_000
 
 
+def test_threshold_reads_several_sweeps_together(tmp_path):
+    """A cell's doses may sit in different sweep directories (e.g. a dose-response sweep and a
+    threshold sweep): split the synthetic sweep in two and get the same result."""
+    _fake_sweep(tmp_path / "all")
+    index = pd.read_parquet(tmp_path / "all" / "index.parquet")
+    for part, rows in (("a", index.iloc[::2]), ("b", index.iloc[1::2])):
+        (tmp_path / part).mkdir()
+        for d in rows["run_dir"]:
+            (tmp_path / "all" / d).rename(tmp_path / part / d)
+        rows.to_parquet(tmp_path / part / "index.parquet", index=False)
+    res = threshold_study([tmp_path / "a", tmp_path / "b"])
+    assert res.fits[0].slope == pytest.approx(-2.0) and len(res.table()) == 6
+
+
 def test_threshold_unknown_scale_is_one_line(tmp_path, capsys):
     _fake_sweep(tmp_path)
     assert main(["threshold", str(tmp_path), "--scale", "task.kwargs.max_len"]) == 2

@@ -97,8 +97,8 @@ class ThresholdResult:
                               "k3*_hi": c.hi, "k3*": c.k3_star} for c in self.cells])
 
 
-def _run_length(sweep_dir: Path, run_dir: str) -> float:
-    df = RunDir(sweep_dir / run_dir).read_metrics()
+def _run_length(run_dir: Path) -> float:
+    df = RunDir(run_dir).read_metrics()
     if df is None or "train/response_length_mean" not in df.columns:
         return math.nan
     x = pd.to_numeric(df["train/response_length_mean"], errors="coerce").to_numpy(dtype=float)
@@ -116,17 +116,23 @@ def bracket(doses: pd.DataFrame, bar: float = BAR) -> tuple[float, float]:
     return lo, hi
 
 
-def threshold_study(sweep_dir: str | Path, *, scale: str = "task.kwargs.max_digits", bar: float = BAR,
-                    target_k3: float = REALISTIC_K3) -> ThresholdResult:
-    """Per-cell dose tables, k3* intervals and the k3*(T) fit of a threshold sweep."""
-    sweep_dir = Path(sweep_dir)
-    index = read_index(sweep_dir)
-    for col in (scale, DOSE, FAMILY, LR):
-        if col not in index.columns:
-            raise UsageError(f"{sweep_dir}: index has no column {col!r}; valid choices: "
-                             f"{', '.join(c for c in index.columns if '.' in c)}")
+def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "task.kwargs.max_digits",
+                    bar: float = BAR, target_k3: float = REALISTIC_K3) -> ThresholdResult:
+    """Per-cell dose tables, k3* intervals and the k3*(T) fit of one or more threshold sweeps
+    (read together: a cell's doses may come from different sweeps)."""
+    dirs = [Path(d) for d in (sweep_dirs if isinstance(sweep_dirs, (list, tuple)) else [sweep_dirs])]
+    frames = []
+    for sweep_dir in dirs:
+        index = read_index(sweep_dir)
+        for col in (scale, DOSE, FAMILY, LR):
+            if col not in index.columns:
+                raise UsageError(f"{sweep_dir}: index has no column {col!r}; valid choices: "
+                                 f"{', '.join(c for c in index.columns if '.' in c)}")
+        index["run_path"] = [sweep_dir / str(d) for d in index["run_dir"]]
+        frames.append(index)
+    index = pd.concat(frames, ignore_index=True)
     done = index[index["state"].isin(COMPLETE_STATES)].copy()
-    done["T"] = [_run_length(sweep_dir, d) for d in done["run_dir"]]
+    done["T"] = [_run_length(p) for p in done["run_path"]]
     cells = []
     for (family, lr, sc), g in done.groupby([FAMILY, LR, scale], sort=True):
         rows = []
