@@ -275,3 +275,38 @@ def test_standalone_factor_schedule_follows_algorithm_1_without_warnings():
             factors.append(s.get_last_lr()[0])
             s.step(response_length=10.0)
     assert factors == [1.0, 0.5, 0.5, 0.25, 0.25, 0.125, 0.125, 0.1, 0.1]
+
+
+def test_every_schedule_builds_from_the_config_section():
+    """Each registered schedule builds itself from a run's scheduler section; the trainer names none."""
+    import dataclasses
+
+    from timlab.config import SchedulerSection
+    from timlab.schedulers import SCHEDULERS, scheduler_from_config
+
+    for name in SCHEDULERS.names():
+        s = scheduler_from_config(_opt(), SchedulerSection(name=name), total_steps=10)
+        assert isinstance(s, SCHEDULERS.get(name))
+    auto = scheduler_from_config(_opt(), SchedulerSection(name="length_decay"), total_steps=10)
+    assert auto.decay_period is None  # decay_period 0 in a config: from the surge
+    fixed = SchedulerSection(name="length_decay", decay_period=7, surge_window=4)
+    s = scheduler_from_config(_opt(), fixed, total_steps=10)
+    assert (s.decay_period, s.detector.window) == (7, 4)
+    assert math.isnan(auto.metrics()["scheduler/surge_step"]) and s.metrics()["scheduler/decay_period"] == 7.0
+    assert build_scheduler("constant", _opt()).metrics() == {}
+    cos = scheduler_from_config(_opt(), dataclasses.replace(fixed, name="cosine", warmup_steps=2), total_steps=10)
+    assert (cos.total_steps, cos.warmup_steps) == (10, 2)
+
+
+def test_config_section_defaults_are_the_schedules_defaults():
+    """SchedulerSection records the schedules' own defaults (so config.yaml shows every value a
+    run used); they must not drift from the classes' signatures."""
+    import inspect
+
+    from timlab.config import SchedulerSection
+
+    section = SchedulerSection()
+    for cls in (LengthDecayLR, CosineWithFloorLR):
+        for key, p in inspect.signature(cls.__init__).parameters.items():
+            if hasattr(section, key) and p.default is not inspect.Parameter.empty:
+                assert getattr(section, key) == (0 if p.default is None else p.default), (cls.__name__, key)

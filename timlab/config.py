@@ -103,6 +103,11 @@ class OptimSection:
 
 @dataclass(frozen=True)
 class SchedulerSection:
+    """The schedule picks the keys its ``__init__`` takes (``FactorLR.from_config``). The values
+    below are the schedules' own defaults, kept here so a run's config.yaml records every value
+    it used (tests/test_schedulers.py fails if they drift from ``LengthDecayLR`` and
+    ``CosineWithFloorLR``); their meaning is documented there."""
+
     name: str = "constant"
     """LR schedule: constant, cosine (with a floor), length_decay (Beyond-Precision Algorithm 1)."""
     decay_period: int = 0

@@ -21,6 +21,12 @@ def build_scheduler(name: str, optimizer: Optimizer, **kwargs) -> FactorLR:
     return SCHEDULERS.get(name)(optimizer, **kwargs)
 
 
+def scheduler_from_config(optimizer: Optimizer, section, *, total_steps: int) -> FactorLR:
+    """The schedule a run's scheduler section names (``section.name``), built from that section
+    by the schedule itself (``FactorLR.from_config``)."""
+    return SCHEDULERS.get(section.name).from_config(optimizer, section, total_steps=total_steps)
+
+
 __all__ = [
     "SCHEDULERS",
     "FactorLR",
@@ -29,4 +35,5 @@ __all__ = [
     "LengthDecayLR",
     "SurgeDetector",
     "build_scheduler",
+    "scheduler_from_config",
 ]

@@ -21,11 +21,11 @@ Resume like torch: build optimizer and scheduler, then load both state dicts.
 
 from __future__ import annotations
 
+import inspect
+import math
 import warnings
 
 import torch
-
-import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -78,6 +78,26 @@ class FactorLR(LRScheduler):
                 super().step()
             else:  # deprecated torch path, still used by SequentialLR in older torch
                 super().step(epoch)
+
+    @classmethod
+    def config_kwargs(cls, section, *, total_steps: int) -> dict:
+        """The keyword arguments a run's scheduler section gives this schedule: the section's
+        fields that ``__init__`` takes, and the run's length as ``total_steps`` where it is taken."""
+        params = inspect.signature(cls.__init__).parameters
+        kwargs = {k: getattr(section, k) for k in params if k not in ("self", "optimizer", "last_epoch")
+                  and hasattr(section, k)}
+        if "total_steps" in params:
+            kwargs["total_steps"] = total_steps
+        return kwargs
+
+    @classmethod
+    def from_config(cls, optimizer: Optimizer, section, *, total_steps: int) -> "FactorLR":
+        """This schedule on ``optimizer``, built from a run's scheduler section (``config_kwargs``)."""
+        return cls(optimizer, **cls.config_kwargs(section, total_steps=total_steps))
+
+    def metrics(self) -> dict[str, float]:
+        """What this schedule reports after a step, beside ``train/lr`` (none by default)."""
+        return {}
 
     @classmethod
     def standalone(cls, **kwargs):

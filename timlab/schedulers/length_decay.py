@@ -35,6 +35,10 @@ METRIC_KEYS = ("train/lr", "scheduler/lr_factor", "scheduler/response_length", "
 fed in, the detected surge step and the period (NaN until known)."""
 
 
+def _nan_if_none(x: int | None) -> float:
+    return float("nan") if x is None else float(x)
+
+
 class SurgeDetector:
     """Online detector of the response-length surge.
 
@@ -152,9 +156,20 @@ class LengthDecayLR(FactorLR):
         self.detector = SurgeDetector(surge_ratio, surge_window, surge_smoothing, surge_min_history)
         super().__init__(optimizer, last_epoch)
 
+    @classmethod
+    def config_kwargs(cls, section, *, total_steps: int) -> dict:
+        kwargs = super().config_kwargs(section, total_steps=total_steps)
+        kwargs["decay_period"] = kwargs["decay_period"] or None  # 0 in a config: automatic
+        return kwargs
+
     @property
     def surge_step(self) -> int | None:
         return self.detector.surge_step
+
+    def metrics(self) -> dict[str, float]:
+        """``scheduler/surge_step`` and ``scheduler/decay_period``, NaN until known."""
+        return {"scheduler/surge_step": _nan_if_none(self.surge_step),
+                "scheduler/decay_period": _nan_if_none(self.decay_period)}
 
     def lr_factor(self, t: int) -> float:
         if self.decay_period is None:

@@ -41,7 +41,7 @@ from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
 from timlab.remedies import IS_LEVELS, IS_MODES, is_weights
-from timlab.schedulers import SCHEDULERS, build_scheduler
+from timlab.schedulers import SCHEDULERS, scheduler_from_config
 from timlab.tasks import TASKS, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
@@ -139,15 +139,25 @@ def rollout_sampling(cfg: Config) -> SamplingParams:
     return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
 
 
-def scheduler_kwargs(cfg: Config) -> dict:
-    """The scheduler section's keys that the chosen schedule takes."""
-    s = cfg.scheduler
-    if s.name == "cosine":
-        return {"total_steps": cfg.run.steps, "min_lr_ratio": s.min_lr_ratio, "warmup_steps": s.warmup_steps}
-    if s.name == "length_decay":
-        return {"decay_period": s.decay_period or None, "min_lr_ratio": s.min_lr_ratio, "surge_factor": s.surge_factor,
-                "surge_ratio": s.surge_ratio, "surge_window": s.surge_window}
-    return {}
+@dataclass
+class UpdateBatch:
+    """One step's inputs to the PPO update: (B, L) tensors unless noted."""
+
+    tokens: torch.Tensor
+    key_valid: torch.Tensor
+    old_logp: torch.Tensor
+    """The trainer's log-probs under the rollout weights (pi_old), no autograd."""
+    advantages: torch.Tensor
+    """(B,): one advantage per sequence."""
+    loss_mask: torch.Tensor
+    """Response tokens of the sequences kept for the loss (float)."""
+    kv_len: int
+    """Key width of the rollout grid (the exact attention pads its keys back to it)."""
+    logp: torch.Tensor | None = None
+    """The same log-probs with autograd, when one update uses them (epochs = mini_batches = 1)."""
+    is_weights: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    """The frozen reference policy's log-probs, for the KL penalty."""
 
 
 @dataclass
@@ -199,7 +209,7 @@ class RLRun:
         self.optimizer = torch.optim.AdamW(
             self.precision.master.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay
         )
-        self.scheduler = build_scheduler(cfg.scheduler.name, self.optimizer, **scheduler_kwargs(cfg))
+        self.scheduler = scheduler_from_config(self.optimizer, cfg.scheduler, total_steps=cfg.run.steps)
         self.injector = build_injector(cfg.mismatch, self.model, default_engine=cfg.rollout.engine,
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
@@ -376,9 +386,10 @@ class RLRun:
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(self.ref_model, tokens, key_valid, mode="exact", kv_len=S, score_mask=mask)
-        loss_metrics, grad_norm, updated = self._update(
-            tokens, key_valid, logp if single_update else None, old_logp, adv, loss_mask, use_weights, ref_logp, S
-        )
+        loss_metrics, grad_norm, updated = self._update(UpdateBatch(
+            tokens, key_valid, old_logp, adv, loss_mask, kv_len=S, logp=logp if single_update else None,
+            is_weights=use_weights, ref_logp=ref_logp,
+        ))
         metrics.update(loss_metrics)
         lengths = rollout.lengths.float()
         mean_len = self.world.mean(float(lengths.mean()))
@@ -414,11 +425,7 @@ class RLRun:
             "time/metrics_s": t_metrics,
         })
         metrics.update(grad_metrics)
-        if self.cfg.scheduler.name == "length_decay":
-            sp = getattr(self.scheduler, "surge_step", None)
-            metrics["scheduler/surge_step"] = float(sp) if sp is not None else float("nan")
-            dp = getattr(self.scheduler, "decay_period", None)
-            metrics["scheduler/decay_period"] = float(dp) if dp is not None else float("nan")
+        metrics.update(self.scheduler.metrics())
         return StepOutput(metrics, dists)
 
     def gradient_check(self) -> dict:
@@ -457,9 +464,11 @@ class RLRun:
         if not torch.isfinite(t).all():
             raise NonFiniteError(f"step {self.step}: non-finite values in {name}")
 
-    def _update(self, tokens, key_valid, logp, old_logp, adv, loss_mask, is_w, ref_logp, kv_len):
+    def _update(self, batch: UpdateBatch) -> tuple[dict, float, bool]:
         """Epochs x mini-batches of PPO updates. Returns (metrics, last grad norm, whether any update ran)."""
         a = self.cfg.algorithm
+        tokens, key_valid, logp, loss_mask, is_w, ref_logp = (batch.tokens, batch.key_valid, batch.logp, batch.loss_mask,
+                                                              batch.is_weights, batch.ref_logp)
         B = tokens.shape[0]
         total_tokens = self.world.sum(float(loss_mask.sum()))
         if total_tokens == 0:
@@ -473,12 +482,12 @@ class RLRun:
                 if logp is not None:
                     lp = logp[rows]
                 else:
-                    lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact", kv_len=kv_len,
+                    lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact", kv_len=batch.kv_len,
                                            score_mask=loss_mask[rows] > 0)
                 mb_tokens = self.world.sum(float(loss_mask[rows].sum()))
                 denom = mb_tokens if a.loss_agg == "token_mean" else self.world.sum(float((loss_mask[rows].sum(-1) > 0).sum()))
                 loss, m = ppo_clip_loss(
-                    lp, old_logp[rows], adv[rows], loss_mask[rows], clip_low=a.clip_low, clip_high=a.clip_high,
+                    lp, batch.old_logp[rows], batch.advantages[rows], loss_mask[rows], clip_low=a.clip_low, clip_high=a.clip_high,
                     loss_agg=a.loss_agg, is_weights=None if is_w is None else is_w[rows],
                     kl_coef=a.kl_coef, ref_logp=None if ref_logp is None else ref_logp[rows], denom=max(denom, 1.0),
                 )
