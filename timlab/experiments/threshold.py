@@ -58,7 +58,11 @@ class Cell:
 
     @property
     def T(self) -> float:
-        return float(self.doses["T"].mean()) if len(self.doses) else math.nan
+        """Response length at the threshold: the mean T of the doses that bracket k3* (of every
+        dose when none does), since collapsing runs answer shorter than learning ones."""
+        at = self.doses[self.doses["k3"].isin([self.lo, self.hi])]
+        rows = at if len(at) else self.doses
+        return float(rows["T"].mean()) if len(rows) else math.nan
 
     @property
     def k3_star(self) -> float:
