@@ -15,7 +15,8 @@ from timlab.model.hf_io import load_model
 from timlab.tasks import make_splits
 from timlab.tokenizer import load_tokenizer
 from timlab.trainer.gradcheck import GradcheckError, gradcheck, length_buckets
-from timlab.trainer.pretrain import build_task, ensure_warm_start
+from timlab.trainer.policy import build_task
+from timlab.trainer.pretrain import ensure_warm_start
 
 
 def smoke(*sets: str):

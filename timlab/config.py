@@ -191,6 +191,10 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_flat_dict(self) -> dict:
+        """Every field under its dotted key (``task.kwargs.max_len``), as ``--set`` names it."""
+        return flatten(self.to_dict())
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
@@ -203,6 +207,18 @@ class Config:
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested mapping as one level of dotted keys; an empty sub-mapping contributes nothing."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        elif not isinstance(v, dict):
+            out[key] = v
+    return out
 
 PRESETS: dict[str, dict] = {
     "smoke": {

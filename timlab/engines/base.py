@@ -72,6 +72,24 @@ class NonFiniteLogitsError(TimlabError, ValueError):
     """The model produced NaN/Inf logits while decoding (diverged weights, overflow)."""
 
 
+def truncate(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k, then top-p, on temperature-scaled logits z (B, V): the dropped tokens set to -inf.
+
+    Top-k keeps every token tied with the k-th largest value; top-p keeps the shortest run of
+    tokens (largest first) whose probability reaches ``top_p``, and always the first one.
+    """
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_z, idx = torch.sort(z, dim=-1, descending=True)
+        p = torch.softmax(sorted_z, dim=-1)  # (B, V), largest first
+        drop_sorted = p.cumsum(-1) - p >= params.top_p  # keep the first token always
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,16 +107,7 @@ def sample_next(
         lp = logp_model.gather(-1, token[:, None]).squeeze(-1)
         return token, lp, torch.zeros_like(lp)
     z = logits / params.temperature if params.temperature != 1.0 else logits
-    if params.top_k and params.top_k < z.shape[-1]:
-        kth = torch.topk(z, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        z = z.masked_fill(z < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_z, idx = torch.sort(z, dim=-1, descending=True)
-        cum = torch.softmax(sorted_z, dim=-1).cumsum(-1)
-        drop_sorted = cum - torch.softmax(sorted_z, dim=-1) >= params.top_p  # keep the first token always
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
-    logp_sample = torch.log_softmax(z, dim=-1)  # (B, V)
+    logp_sample = torch.log_softmax(truncate(z, params), dim=-1)  # (B, V)
     token = torch.multinomial(logp_sample.exp(), 1, generator=generator).squeeze(-1)
     return (
         token,
@@ -124,6 +133,20 @@ class Engine:
 
     def sync_weights(self) -> None:
         """Called after each optimizer step; engines that keep their own copy refresh it."""
+
+    copies_weights = False
+    """True for engines that serve their own copy of the weights (hf, vllm): ``sync_weights``
+    records ``_fingerprint()`` in ``_synced``, and a call finding the model changed since syncs again."""
+
+    _synced: tuple | None = None
+
+    def _fingerprint(self) -> tuple:
+        """Identity of the model's current weights; any in-place update changes a ``_version``."""
+        return tuple((p.data_ptr(), p.dtype, p.device, p._version) for p in self.model.parameters())
+
+    def _sync_if_stale(self) -> None:
+        if self.copies_weights and self._fingerprint() != self._synced:
+            self.sync_weights()
 
     # -- layout ---------------------------------------------------------------------------
     def pack(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -169,7 +192,10 @@ class Engine:
         """Keep only the rows ``keep`` (bool, (n,)) of the decode state."""
         raise NotImplementedError
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- generation ---------------------------------------------------------------------
+    refuses_logits_processor: str | None = None
+    """The one-line error for an engine that cannot apply a timlab ``LogitsProcessor`` (None: it can)."""
+
     @torch.no_grad()
     def generate(
         self,
@@ -180,8 +206,34 @@ class Engine:
         generator: torch.Generator | None = None,
         logits_processor: LogitsProcessor | None = None,
     ) -> Rollout:
+        """Up to ``max_new_tokens`` sampled after each prompt (token ids), drawn with ``generator``
+        (default: a fresh one seeded 0) and, where given, ``logits_processor`` applied to the logits."""
+        if logits_processor is not None and self.refuses_logits_processor:
+            raise UsageError(self.refuses_logits_processor)
         generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self._sync_if_stale()
         tokens, key_valid, P = self.pack(prompts, max_new_tokens)
+        return self._generate(prompts, tokens, key_valid, P, max_new_tokens=max_new_tokens, sampling=sampling,
+                              generator=generator, logits_processor=logits_processor)
+
+    def _rollout(self, tokens, key_valid, P: int, *, response_mask, logprobs, sampling_logprobs, finished) -> Rollout:
+        """The Rollout of a filled (B, S) grid, on the model's device."""
+        dev = self.model.device
+        return Rollout(
+            tokens=tokens.to(dev),
+            key_valid=key_valid.to(dev),
+            response_mask=response_mask.to(dev),
+            logprobs=logprobs.to(dev),
+            sampling_logprobs=sampling_logprobs.to(dev),
+            lengths=response_mask.sum(-1).to(dev),
+            finished=finished.to(dev),
+            prompt_width=P,
+        )
+
+    def _generate(self, prompts: list[list[int]], tokens: torch.Tensor, key_valid: torch.Tensor, P: int, *,
+                  max_new_tokens: int, sampling: SamplingParams, generator: torch.Generator,
+                  logits_processor: LogitsProcessor | None) -> Rollout:
+        """The decode loop on the packed (B, S) grid (``_prefill``, then ``_decode`` per token)."""
         B, S = tokens.shape
         dev = tokens.device
         logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
@@ -213,17 +265,8 @@ class Engine:
                 rows = rows[keep]
             held = tokens if len(rows) == B else tokens[rows]
             logits = self._decode(state, held, key_valid if len(rows) == B else key_valid[rows], col)
-        lengths = mask.sum(-1)
-        return Rollout(
-            tokens=tokens,
-            key_valid=key_valid,
-            response_mask=mask,
-            logprobs=logp,
-            sampling_logprobs=logp_s,
-            lengths=lengths,
-            finished=finished,
-            prompt_width=P,
-        )
+        return self._rollout(tokens, key_valid, P, response_mask=mask, logprobs=logp, sampling_logprobs=logp_s,
+                             finished=finished)
 
 
 @contextlib.contextmanager

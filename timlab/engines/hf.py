@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from timlab.engines.base import ENGINES, Engine, LogitsProcessor, Rollout, SamplingParams
+from timlab.engines.base import ENGINES, Engine, LogitsProcessor, SamplingParams
 from timlab.errors import TimlabError, UsageError
-from timlab.model.forward import positions_from_valid
+from timlab.model.forward import gather_logprobs, positions_from_valid
 from timlab.model.hf_io import config_to_hf
 from timlab.model.llama import CausalLM
 
@@ -115,8 +115,7 @@ class HFEngine(Engine):
         self.sync_weights()
 
     # -- weights --------------------------------------------------------------------------
-    def _fingerprint(self) -> tuple:
-        return tuple((p.data_ptr(), p.dtype, p.device, p._version) for p in self.model.parameters())
+    copies_weights = True
 
     def sync_weights(self) -> None:
         """Re-copy the timlab weights (rebuild the HF model if dtype or device changed)."""
@@ -126,10 +125,6 @@ class HFEngine(Engine):
         else:
             copy_weights(self.model, hf)
         self._synced = self._fingerprint()
-
-    def _sync_if_stale(self) -> None:
-        if self._fingerprint() != self._synced:
-            self.sync_weights()
 
     # -- teacher-forced scoring -----------------------------------------------------------
     @torch.no_grad()
@@ -146,9 +141,7 @@ class HFEngine(Engine):
             position_ids=positions_from_valid(key_valid),
             use_cache=False,
         )
-        logp_all = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)  # (B, S-1, V)
-        logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, S-1)
-        return torch.cat([logp.new_zeros(tokens.shape[0], 1), logp], dim=1)  # (B, S)
+        return gather_logprobs(out.logits.float(), tokens)[0]  # (B, S)
 
     # -- generation -----------------------------------------------------------------------
     def _generation_config(self, sampling: SamplingParams, max_new_tokens: int):
@@ -173,19 +166,7 @@ class HFEngine(Engine):
             use_cache=True,
         )
 
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        sampling: SamplingParams = SamplingParams(),
-        generator: torch.Generator | None = None,
-        logits_processor: LogitsProcessor | None = None,
-    ) -> Rollout:
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self._sync_if_stale()
-        tokens, key_valid, P = self.pack(prompts, max_new_tokens)
+    def _generate(self, prompts, tokens, key_valid, P, *, max_new_tokens, sampling, generator, logits_processor):
         B, S = tokens.shape
         dev = tokens.device
         processors = self.transformers.LogitsProcessorList()
@@ -224,13 +205,5 @@ class HFEngine(Engine):
         logp_s = torch.zeros(B, S, dtype=torch.float32, device=dev)
         logp[:, P : P + n] = torch.where(before_eos, lp, 0.0)
         logp_s[:, P : P + n] = torch.where(before_eos, lps, 0.0)
-        return Rollout(
-            tokens=tokens,
-            key_valid=key_valid,
-            response_mask=resp,
-            logprobs=logp,
-            sampling_logprobs=logp_s,
-            lengths=resp.sum(-1),
-            finished=is_eos.any(-1),
-            prompt_width=P,
-        )
+        return self._rollout(tokens, key_valid, P, response_mask=resp, logprobs=logp, sampling_logprobs=logp_s,
+                             finished=is_eos.any(-1))

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from timlab.engines.base import ENGINES, Engine, LogitsProcessor, Rollout, SamplingParams
+from timlab.engines.base import ENGINES, Engine, SamplingParams, truncate
 from timlab.errors import TimlabError, UsageError
 from timlab.model.hf_io import save_model
 from timlab.model.llama import CausalLM
@@ -89,15 +89,7 @@ def _sampling_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: Sampling
     Temperature, top-k, top-p in ``timlab.engines.base.sample_next``'s order and tie rules.
     """
     z = raw / params.temperature  # (n, V); a constant shift of the logits changes nothing
-    if params.top_k and params.top_k < z.shape[-1]:
-        kth = torch.topk(z, params.top_k, dim=-1).values[:, -1:]  # (n, 1)
-        z = z.masked_fill(z < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_z, idx = torch.sort(z, dim=-1, descending=True)
-        p = torch.softmax(sorted_z, dim=-1)
-        drop_sorted = p.cumsum(-1) - p >= params.top_p  # keep the first token always
-        z = z.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), float("-inf"))
-    return torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # (n,)
+    return torch.log_softmax(truncate(z, params), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # (n,)
 
 
 @ENGINES.register("vllm")
@@ -141,8 +133,7 @@ class VLLMEngine(Engine):
         self.sync_weights()
 
     # -- weights --------------------------------------------------------------------------
-    def _fingerprint(self) -> tuple:
-        return tuple((p.data_ptr(), p.dtype, p.device, p._version) for p in self.model.parameters())
+    copies_weights = True
 
     def _build_llm(self):
         dtype = self.model.dtype
@@ -183,10 +174,6 @@ class VLLMEngine(Engine):
                 self.llm.reset_prefix_cache()
         self._synced = self._fingerprint()
 
-    def _sync_if_stale(self) -> None:
-        if self._fingerprint() != self._synced:
-            self.sync_weights()
-
     def _shutdown(self) -> None:
         if self.llm is None:
             return
@@ -218,24 +205,10 @@ class VLLMEngine(Engine):
             detokenize=False,
         )
 
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        sampling: SamplingParams = SamplingParams(),
-        generator: torch.Generator | None = None,
-        logits_processor: LogitsProcessor | None = None,
-    ) -> Rollout:
-        if logits_processor is not None:
-            raise UsageError(
-                "the vllm engine does not take a timlab logits_processor (an injected mismatch); "
-                "use exact, fast or hf"
-            )
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self._sync_if_stale()
-        tokens, key_valid, P = self.pack(prompts, max_new_tokens)  # checks vocab and context
+    refuses_logits_processor = ("the vllm engine does not take a timlab logits_processor (an injected mismatch); "
+                                "use exact, fast or hf")
+
+    def _generate(self, prompts, tokens, key_valid, P, *, max_new_tokens, sampling, generator, logits_processor):
         tokens, key_valid = tokens.cpu(), key_valid.cpu()
         B, S = tokens.shape
         V = self.model.config.vocab_size
@@ -275,14 +248,5 @@ class VLLMEngine(Engine):
                 logp_s[b, P : P + n] = _sampling_logprobs(raw, torch.tensor(ids), sampling)
             else:
                 logp_s[b, P : P + n] = math.nan  # vocabulary too large to rebuild the distribution
-        dev = self.model.device
-        return Rollout(
-            tokens=tokens.to(dev),
-            key_valid=key_valid.to(dev),
-            response_mask=resp.to(dev),
-            logprobs=logp.to(dev),
-            sampling_logprobs=logp_s.to(dev),
-            lengths=resp.sum(-1).to(dev),
-            finished=finished.to(dev),
-            prompt_width=P,
-        )
+        return self._rollout(tokens, key_valid, P, response_mask=resp, logprobs=logp, sampling_logprobs=logp_s,
+                             finished=finished)

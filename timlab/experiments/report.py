@@ -20,9 +20,7 @@ building a report does not touch the global backend of the caller's process.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ import pandas as pd
 
 from timlab.config import ConfigError, load_run_config
 from timlab.errors import UsageError
+from timlab.experiments import page
 from timlab.files import atomic_write_text
 from timlab.experiments.collapse import (
     DEFAULT_FRAC, DEFAULT_MIN_PEAK, DEFAULT_WINDOW, condition_table, describe_rule, read_metrics, run_summary,
@@ -78,21 +77,6 @@ GRAD_PLOTS: tuple[tuple[str, str, str], ...] = (
      "The same for the gradient the run actually follows (rollouts with the injector)."),
 )
 """Per-step plots drawn when runs logged in-run gradcheck metrics (not required of every run)."""
-_STYLE = """
-body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1100px;
-       margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
-h1 { border-bottom: 2px solid #444; padding-bottom: .2em; }
-h2 { margin-top: 2em; border-bottom: 1px solid #bbb; }
-table { border-collapse: collapse; font-size: 13px; margin: .5em 0 1em; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
-th { background: #f0f0f0; } td.l, th.l { text-align: left; }
-img { max-width: 100%; display: block; margin: .5em 0 1.5em; }
-p.note { color: #555; font-size: 14px; }
-div.wide { overflow-x: auto; }
-.rule { background: #f7f7f0; border-left: 4px solid #c9a400; padding: .5em 1em; }
-"""
-
-
 @dataclass
 class ReportResult:
     path: Path
@@ -114,12 +98,12 @@ class _Run:
 def _config_labels(dirs: list[Path], group_by: str) -> list[str]:
     """Group label of each run directory: a config key's value, or (``condition``) the config
     keys that differ between the runs, the seed excepted."""
-    from timlab.experiments.sweep import IGNORED_CONFIG_KEYS, SEED_KEY, _flatten
+    from timlab.experiments.sweep import IGNORED_CONFIG_KEYS, SEED_KEY
 
     flat = []
     for d in dirs:
         try:
-            flat.append(_flatten(load_run_config(d).to_dict()))
+            flat.append(load_run_config(d).to_flat_dict())
         except (FileNotFoundError, ConfigError):
             flat.append({})
     if group_by != "condition":
@@ -180,22 +164,6 @@ def _missing(run: _Run) -> list[str]:
 
 
 # ------------------------------------------------------------------------------- plots
-def _new_figure(w: float = 9.0, h: float = 3.6):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(w, h))
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _png_uri(fig) -> str:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def _colors(groups: list[str]) -> dict[str, tuple]:
     from matplotlib import colormaps
 
@@ -223,7 +191,7 @@ def _decay_steps(run: _Run) -> list[float]:
 
 
 def _metric_plot(runs: list[_Run], groups: list[str], colors: dict, metric: str, title: str) -> str | None:
-    fig = _new_figure()
+    fig = page.new_figure()
     ax = fig.add_subplot()
     drew = False
     marks = {"surge": False, "decay": False}
@@ -272,7 +240,7 @@ def _metric_plot(runs: list[_Run], groups: list[str], colors: dict, metric: str,
     ax.set_ylabel(metric)
     ax.set_title(title + " (line: mean over seeds; band: min-max)", fontsize=10)
     ax.grid(alpha=0.3)
-    return _png_uri(fig)
+    return page.png_uri(fig)
 
 
 def _collapse_aligned_plot(runs: list[_Run], colors: dict) -> str | None:
@@ -283,7 +251,7 @@ def _collapse_aligned_plot(runs: list[_Run], colors: dict) -> str | None:
               and _series(r, keys[0]) is not None]
     if not chosen:
         return None
-    fig = _new_figure(11.0, 3.4)
+    fig = page.new_figure(11.0, 3.4)
     axes = fig.subplots(1, len(keys))
     for ax, key in zip(axes, keys):
         log = key != "gradcheck/rel_bias"
@@ -312,14 +280,14 @@ def _collapse_aligned_plot(runs: list[_Run], colors: dict) -> str | None:
         if log:
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
-    return _png_uri(fig)
+    return page.png_uri(fig)
 
 
 def _dose_response_plot(table: pd.DataFrame, colors: dict) -> str | None:
     t = table[np.isfinite(table["k3_kl_mean"].to_numpy(dtype=float))]
     if t.empty:
         return None
-    fig = _new_figure(11, 3.8)
+    fig = page.new_figure(11, 3.8)
     x = t["k3_kl_mean"].to_numpy(dtype=float)
     pos = x[x > 0]
     axes = fig.subplots(1, 2, sharex=True)
@@ -342,26 +310,10 @@ def _dose_response_plot(table: pd.DataFrame, colors: dict) -> str | None:
 
     handles = [Line2D([], [], marker="o", ls="", color=colors.get(g, "k")) for g in t["group"]]
     fig.axes[1].legend(handles, [str(g) for g in t["group"]], fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
-    return _png_uri(fig)
+    return page.png_uri(fig)
 
 
 # ------------------------------------------------------------------------------- html
-def _cell(v) -> str:
-    if isinstance(v, (bool, np.bool_)):
-        return "yes" if v else "no"
-    if isinstance(v, (float, np.floating)):
-        return "&ndash;" if not np.isfinite(v) else (f"{int(v)}" if float(v).is_integer() and abs(v) >= 1 else f"{v:.3g}")
-    return html.escape(str(v))
-
-
-def _table(df: pd.DataFrame, left: tuple[str, ...] = ()) -> str:
-    head = "".join(f'<th class="{"l" if c in left else ""}">{html.escape(str(c))}</th>' for c in df.columns)
-    body = "".join(
-        "<tr>" + "".join(f'<td class="{"l" if c in left else ""}">{_cell(v)}</td>' for c, v in zip(df.columns, row))
-        + "</tr>" for row in df.itertuples(index=False))
-    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
-
-
 def _pm(mean: float, std: float) -> str:
     if not np.isfinite(mean):
         return "-"
@@ -385,12 +337,6 @@ def _condition_view(table: pd.DataFrame) -> pd.DataFrame:
     })
 
 
-def _img(uri: str | None, alt: str) -> str:
-    if uri is None:
-        return '<p class="note"><em>No run has data for this plot.</em></p>'
-    return f'<img src="{uri}" alt="{html.escape(alt)}">'
-
-
 def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *, group_by: str = "condition",
                  title: str = "timlab report") -> ReportResult:
     """Write one self-contained HTML report of ONE sweep directory or a list of run directories."""
@@ -406,7 +352,7 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
 
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<title>{html.escape(title)}</title><style>{page.STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f'<p>{len(runs)} runs in {len(groups)} condition{"s" if len(groups) != 1 else ""}, from {html.escape(source)}; '
         f"grouped by <code>{html.escape(group_by)}</code>. Seeds of a condition are summarized as a mean line "
@@ -419,17 +365,17 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         "steps to collapse over the runs that collapsed; accuracies are greedy val/accuracy, mean \u00b1 std over "
         "seeds (AUC: the average accuracy over the run); realized mismatch = each run's mean over steps of "
         "rollout_corr/k3_kl and rollout_corr/log_ppl_abs_diff, averaged over seeds.</p>",
-        _table(_condition_view(table), left=("condition",)),
+        page.table(_condition_view(table), left=("condition",)),
         "<h2>Dose-response</h2>",
         '<p class="note">Collapse fraction and median steps-to-collapse of each condition against its realized '
         "K3 KL. Claim P2: the larger the mismatch, the more often and the sooner runs collapse.</p>",
-        _img(_dose_response_plot(table, colors), "dose-response"),
+        page.img(_dose_response_plot(table, colors), "dose-response"),
         "<h2>Training curves</h2>",
     ]
     for metric, heading, text in PLOTS:
         parts += [f"<h3>{html.escape(heading)} <code>{html.escape(metric)}</code></h3>",
                   f'<p class="note">{html.escape(text)}</p>',
-                  _img(_metric_plot(runs, groups, colors, metric, heading), metric)]
+                  page.img(_metric_plot(runs, groups, colors, metric, heading), metric)]
     if any(_series(r, GRAD_PLOTS[0][0]) is not None for r in runs):
         parts += ["<h2>Gradient diagnostics</h2>",
                   '<p class="note">From the in-run gradcheck (run.gradcheck_every): the policy gradient under exact '
@@ -438,15 +384,15 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         for metric, heading, text in GRAD_PLOTS:
             parts += [f"<h3>{html.escape(heading)} <code>{html.escape(metric)}</code></h3>",
                       f'<p class="note">{html.escape(text)}</p>',
-                      _img(_metric_plot(runs, groups, colors, metric, heading), metric)]
+                      page.img(_metric_plot(runs, groups, colors, metric, heading), metric)]
         aligned = _collapse_aligned_plot(runs, colors)
         if aligned is not None:
             parts += ["<h3>Before a collapse</h3>",
                       '<p class="note">Each collapsed run (faint), aligned on its collapse step (dashed line), and the '
                       "median over runs in 10-step bins (bold): relative gradient bias, gradient SNR under the "
                       "injector (log scale; checks with a zero estimate left out), and the realized K3 KL. A rise "
-                      "before 0 is the early warning claims P3 and P7 describe.</p>", _img(aligned, "aligned on collapse")]
-    parts += ["<h2>Runs</h2>", _table(index_df[[c for c in run_cols if c in index_df.columns]], left=("run", "group", "state"))]
+                      "before 0 is the early warning claims P3 and P7 describe.</p>", page.img(aligned, "aligned on collapse")]
+    parts += ["<h2>Runs</h2>", page.table(index_df[[c for c in run_cols if c in index_df.columns]], left=("run", "group", "state"))]
     parts.append("<h2>Runs with missing metrics</h2>")
     if missing:
         parts.append('<p class="note">These runs lack the metrics listed (absent or never finite); the plots '

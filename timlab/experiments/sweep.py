@@ -270,19 +270,6 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
 
 
 # ------------------------------------------------------------------------------- planning
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        elif isinstance(v, dict):
-            continue
-        else:
-            out[key] = v
-    return out
-
-
 def plan_run(run: RunSpec, run_dir: Path) -> str:
     """What a (re)run does with this run: fresh, skip, resume (from its newest usable checkpoint,
     or from step 0 when it has none) or restart (no config.yaml: timlab's files are cleared,
@@ -297,10 +284,10 @@ def plan_run(run: RunSpec, run_dir: Path) -> str:
         return "fresh"
     if rd.config.exists():
         try:
-            old = _flatten(load_run_config(run_dir).to_dict())
+            old = load_run_config(run_dir).to_flat_dict()
         except (ConfigError, ValueError, yaml.YAMLError) as e:
             raise SweepError(f"{run_dir}: unreadable config.yaml ({str(e).splitlines()[0]})") from None
-        new = _flatten(run.config.to_dict())
+        new = run.config.to_flat_dict()
         diff = [k for k in sorted(set(old) | set(new)) if k not in IGNORED_CONFIG_KEYS and old.get(k) != new.get(k)]
         if diff:
             k = diff[0]
@@ -490,7 +477,7 @@ def _index_row(run: RunSpec, out_dir: Path) -> dict:
         "run_dir": run.run_id,
         "overrides": json.dumps(run.overrides, sort_keys=True, default=str),
         **{k: summary[k] for k in SUMMARY_KEYS},
-        **_flatten(run.config.to_dict()),
+        **run.config.to_flat_dict(),
     }
 
 

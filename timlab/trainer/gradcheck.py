@@ -58,7 +58,7 @@ from timlab.model.llama import CausalLM
 from timlab.tasks import Example, Task
 from timlab.tokenizer import Tokenizer
 from timlab.trainer.advantages import rloo
-from timlab.trainer.pretrain import rollout_rewards
+from timlab.trainer.policy import rollout_rewards
 
 __all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "gradcheck", "length_buckets", "select_params"]
 

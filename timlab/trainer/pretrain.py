@@ -24,27 +24,18 @@ from typing import Callable
 import torch
 
 from timlab.config import Config
-from timlab.engines import Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
-from timlab.model.forward import token_logprobs
 from timlab.files import foreign_entries, remove_owned
-from timlab.model.hf_io import TOKENIZER_FILES, load_model, save_model
+from timlab.model.forward import token_logprobs
+from timlab.model.hf_io import TOKENIZER_FILES, save_model
 from timlab.model.llama import CausalLM, ModelConfig
-from timlab.tasks import Example, Task, get_task, make_splits
+from timlab.tasks import Example, Task, make_splits
 from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
-from timlab.trainer.precision import Precision
+from timlab.trainer.policy import build_task, greedy_accuracy
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("TIMLAB_CACHE", Path.home() / ".cache" / "timlab"))
-
-
-def build_task(cfg: Config) -> Task:
-    """The configured task; bad options become one-line errors naming task.kwargs."""
-    try:
-        return get_task(cfg.task.name, **cfg.task.kwargs)
-    except TypeError as e:
-        raise UsageError(f"task.kwargs: {e}") from None
 
 
 MAX_WARM_START_CONTEXT = 8192
@@ -108,42 +99,6 @@ def sft_batch(tok: Tokenizer, examples: list[Example], targets: list[str] | None
         tokens[b, P : P + len(a)] = torch.tensor(a)
         loss_mask[b, P : P + len(a)] = True
     return tokens, key_valid, loss_mask
-
-
-@torch.no_grad()
-def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Example], *,
-                    max_new_tokens: int, batch_size: int = 128) -> tuple[float, float]:
-    """Exact-match accuracy and mean response length of greedy decoding (exact engine)."""
-    engine = build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    correct, lengths = 0.0, 0.0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        r = engine.generate([tok.encode(e.prompt) for e in chunk], max_new_tokens=max_new_tokens,
-                            sampling=SamplingParams(temperature=0.0))
-        correct += float(rollout_rewards(task, tok, chunk, r).sum())
-        lengths += float(r.lengths.sum())
-    return correct / len(examples), lengths / len(examples)
-
-
-def rollout_rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout: Rollout, *,
-                    dense: bool = False) -> torch.Tensor:
-    """(B,) float32: each response's task reward against its example (one example per row); a
-    response that ran out of tokens before EOS gets 0."""
-    texts = [tok.decode(ids) for ids in rollout.responses()]
-    done = rollout.finished.tolist()
-    return torch.tensor([task.reward(e, t, dense=dense) if f else 0.0 for e, t, f in zip(examples, texts, done)],
-                        dtype=torch.float32)
-
-
-def load_policy(model_dir: str | Path, cfg: Config, *, device: str | torch.device) -> tuple[Tokenizer, Precision]:
-    """A model folder as the trainer holds it: its tokenizer, and fp32 master weights with the
-    ``model.dtype`` compute copy (``Precision``). A tokenizer larger than the model is an error."""
-    tok = load_tokenizer(model_dir)
-    master = load_model(model_dir, dtype="float32", device=device)
-    if tok.vocab_size > master.config.vocab_size:
-        raise UsageError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
-                         f"(vocab_size {master.config.vocab_size})")
-    return tok, Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
 
 
 @dataclass
@@ -288,5 +243,4 @@ def ensure_warm_start(cfg: Config, progress=None) -> PretrainResult:
     return pretrain(cfg, progress=progress)
 
 
-__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "build_task", "greedy_accuracy", "sft_batch",
-           "rollout_rewards", "load_policy"]
+__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "sft_batch"]

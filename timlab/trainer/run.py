@@ -49,8 +49,8 @@ from timlab.trainer.checkpoint import checkpoints_newest_first, load_state, save
 from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
 from timlab.trainer.logging import MetricsLog, atomic_write_text
 from timlab.trainer.losses import LOSS_AGGREGATIONS, ppo_clip_loss
-from timlab.trainer.pretrain import (build_task, check_warm_start, ensure_warm_start, greedy_accuracy, load_policy,
-                                    rollout_rewards)
+from timlab.trainer.policy import build_task, greedy_accuracy, load_policy, rollout_rewards
+from timlab.trainer.pretrain import check_warm_start, ensure_warm_start
 from timlab.trainer.precision import PRECISIONS
 from timlab.trainer.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
 

@@ -1,0 +1,76 @@
+"""Pieces of the self-contained HTML pages that report, analyze and probe write.
+
+Plots are matplotlib ``Figure`` objects on the Agg canvas, never pyplot, so drawing one does not
+touch the global backend of the caller's process; ``png_uri`` embeds a figure as a base64
+``data:`` URI. ``STYLE`` is the pages' inline style sheet; ``table`` and ``img`` are the HTML
+they are built from. Nothing is fetched when a page is opened.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+import numpy as np
+import pandas as pd
+
+STYLE = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1100px;
+       margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
+h1 { border-bottom: 2px solid #444; padding-bottom: .2em; }
+h2 { margin-top: 2em; border-bottom: 1px solid #bbb; }
+table { border-collapse: collapse; font-size: 13px; margin: .5em 0 1em; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f0f0f0; } td.l, th.l { text-align: left; }
+img { max-width: 100%; display: block; margin: .5em 0 1.5em; }
+p.note { color: #555; font-size: 14px; }
+div.wide { overflow-x: auto; }
+.rule { background: #f7f7f0; border-left: 4px solid #c9a400; padding: .5em 1em; }
+"""
+
+
+def new_figure(w: float = 9.0, h: float = 3.6):
+    """A matplotlib Figure of w x h inches on its own Agg canvas (pyplot untouched)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def png_uri(fig) -> str:
+    """The figure as a PNG ``data:`` URI (90 dpi, tight layout)."""
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def cell(v) -> str:
+    """A table cell's text: yes/no, 3 significant digits, an en dash for NaN/Inf."""
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (float, np.floating)):
+        return "&ndash;" if not np.isfinite(v) else (f"{int(v)}" if float(v).is_integer() and abs(v) >= 1 else f"{v:.3g}")
+    return html.escape(str(v))
+
+
+def table(df: pd.DataFrame, left: tuple[str, ...] = ()) -> str:
+    """An HTML table of ``df`` (columns named in ``left`` left-aligned), scrolling when wide."""
+    head = "".join(f'<th class="{"l" if c in left else ""}">{html.escape(str(c))}</th>' for c in df.columns)
+    body = "".join(
+        "<tr>" + "".join(f'<td class="{"l" if c in left else ""}">{cell(v)}</td>' for c, v in zip(df.columns, row))
+        + "</tr>" for row in df.itertuples(index=False))
+    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def img(uri: str | None, alt: str) -> str:
+    """An embedded image, or a note that no run has data for it (``uri`` None)."""
+    if uri is None:
+        return '<p class="note"><em>No run has data for this plot.</em></p>'
+    return f'<img src="{uri}" alt="{html.escape(alt)}">'
+
+
+__all__ = ["STYLE", "new_figure", "png_uri", "cell", "table", "img"]

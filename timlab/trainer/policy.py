@@ -1,0 +1,68 @@
+"""The policy and its task as the trainer, the warm start and gradcheck all hold them.
+
+``build_task`` (the configured task), ``load_policy`` (a model folder as tokenizer + fp32 master
+with its compute copy), ``rollout_rewards`` (task rewards of a rollout's responses) and
+``greedy_accuracy`` (exact-match accuracy of greedy decoding, the validation metric).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from timlab.config import Config
+from timlab.engines import Rollout, SamplingParams, build_engine
+from timlab.errors import UsageError
+from timlab.model.hf_io import load_model
+from timlab.model.llama import CausalLM
+from timlab.tasks import Example, Task, get_task
+from timlab.tokenizer import Tokenizer, load_tokenizer
+from timlab.trainer.precision import Precision
+
+
+def build_task(cfg: Config) -> Task:
+    """The configured task; bad options become one-line errors naming task.kwargs."""
+    try:
+        return get_task(cfg.task.name, **cfg.task.kwargs)
+    except TypeError as e:
+        raise UsageError(f"task.kwargs: {e}") from None
+
+
+def load_policy(model_dir: str | Path, cfg: Config, *, device: str | torch.device) -> tuple[Tokenizer, Precision]:
+    """A model folder as the trainer holds it: its tokenizer, and fp32 master weights with the
+    ``model.dtype`` compute copy (``Precision``). A tokenizer larger than the model is an error."""
+    tok = load_tokenizer(model_dir)
+    master = load_model(model_dir, dtype="float32", device=device)
+    if tok.vocab_size > master.config.vocab_size:
+        raise UsageError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
+                         f"(vocab_size {master.config.vocab_size})")
+    return tok, Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
+
+
+def rollout_rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout: Rollout, *,
+                    dense: bool = False) -> torch.Tensor:
+    """(B,) float32: each response's task reward against its example (one example per row); a
+    response that ran out of tokens before EOS gets 0."""
+    texts = [tok.decode(ids) for ids in rollout.responses()]
+    done = rollout.finished.tolist()
+    return torch.tensor([task.reward(e, t, dense=dense) if f else 0.0 for e, t, f in zip(examples, texts, done)],
+                        dtype=torch.float32)
+
+
+@torch.no_grad()
+def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Example], *,
+                    max_new_tokens: int, batch_size: int = 128) -> tuple[float, float]:
+    """Exact-match accuracy and mean response length of greedy decoding (exact engine)."""
+    engine = build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    correct, lengths = 0.0, 0.0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        r = engine.generate([tok.encode(e.prompt) for e in chunk], max_new_tokens=max_new_tokens,
+                            sampling=SamplingParams(temperature=0.0))
+        correct += float(rollout_rewards(task, tok, chunk, r).sum())
+        lengths += float(r.lengths.sum())
+    return correct / len(examples), lengths / len(examples)
+
+
+__all__ = ["build_task", "load_policy", "rollout_rewards", "greedy_accuracy"]
