@@ -399,7 +399,7 @@ def write_probe_html(result: dict, path: str | Path) -> Path:
     """One self-contained HTML page: summary, divergence through the layers, |r| breakdowns."""
     import html
 
-    from timlab.experiments.report import _new_figure, _png_uri
+    from timlab.experiments.page import new_figure, png_uri
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,7 +414,7 @@ def write_probe_html(result: dict, path: str | Path) -> Path:
              f"<h2>Summary</h2><table>{rows}</table>"]
     ops = result.get("ops")
     if ops:
-        fig = _new_figure(10, 3.8)
+        fig = new_figure(10, 3.8)
         ax = fig.add_subplot(1, 1, 1)
         x = list(range(len(ops)))
         floor = 1e-12  # bitwise-equal ops are drawn at the floor of the log axis
@@ -430,7 +430,7 @@ def write_probe_html(result: dict, path: str | Path) -> Path:
         ax.legend(fontsize=8)
         parts.append("<h2>Where the two paths diverge</h2>"
                      f"<p>First op that is not bitwise equal: <b>{html.escape(str(first))}</b>.</p>"
-                     f"<img alt='divergence by op' src='{_png_uri(fig)}'>")
+                     f"<img alt='divergence by op' src='{png_uri(fig)}'>")
         op_rows = "".join(
             f"<tr><td>{html.escape(o['name'])}</td><td>{_fmt(o['max_abs_diff'])}</td><td>{_fmt(o['mean_abs_diff'])}</td>"
             f"<td>{_fmt(o.get('rel_diff', float('nan')))}</td><td>{'yes' if o['bitwise_equal'] else 'no'}</td></tr>"
@@ -442,7 +442,7 @@ def write_probe_html(result: dict, path: str | Path) -> Path:
         b = result.get(key)
         if not b:
             continue
-        fig = _new_figure(7, 3.0)
+        fig = new_figure(7, 3.0)
         ax = fig.add_subplot(1, 1, 1)
         labels = [f"[{b['edges'][i]:g}, {b['edges'][i + 1]:g})" for i in range(len(b["counts"]))]
         ax.bar(range(len(labels)), b["mean_abs_diff"])
@@ -450,7 +450,7 @@ def write_probe_html(result: dict, path: str | Path) -> Path:
         ax.set_xticklabels(labels, rotation=30, fontsize=7)
         ax.set_ylabel("mean |r|")
         ax.set_title(f"|r| by {label} (token counts: {', '.join(map(str, b['counts']))})", fontsize=9)
-        parts.append(f"<h2>|r| by {html.escape(label)}</h2><img alt='|r| by {html.escape(label)}' src='{_png_uri(fig)}'>")
+        parts.append(f"<h2>|r| by {html.escape(label)}</h2><img alt='|r| by {html.escape(label)}' src='{png_uri(fig)}'>")
     style = "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                     f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
