@@ -100,13 +100,16 @@ def attack_train(t: Tally, work: Path, rng: random.Random, kills: int) -> None:
     assert p.returncode == 0, p.stderr
     for k in range(kills):
         run = work / f"train_{k}"
-        args = ["train", "--preset", "smoke", "--run-dir", str(run), "--quiet", *TRAIN_SETS]
+        fresh = ["train", "--preset", "smoke", "--run-dir", str(run), "--quiet", *TRAIN_SETS]
+        args = fresh
         n = 0
         while kill_at_random(args, rng, 1.0, 7.0 + n):  # kill, then resume, until a session finishes
             if (run / "status.json").exists() and json.loads((run / "status.json").read_text())["state"] == "finished":
                 break  # killed while exiting, after the run had finished: not a kill of the run
             n += 1
-            args = ["train", "--run-dir", str(run), "--resume", "--quiet"]
+            # what a user does: --resume once the run wrote its config.yaml; killed before that
+            # (while Python and torch load), nothing was started, so the same command again
+            args = ["train", "--run-dir", str(run), "--resume", "--quiet"] if (run / "config.yaml").exists() else fresh
         if not (run / "metrics.parquet").exists():  # a session that exited on its own without a run
             p = sh(args)
             t.one_line(f"train session {k} exited before writing a run", p, rc=(0,))

@@ -107,6 +107,57 @@ def test_metrics_equal_all_metrics_on_the_padded_batch():
     assert analyze_file(SAMPLE)["per_step"][0]["metrics"] == all_metrics(train[step1], roll[step1], mask[step1])
 
 
+def _same_up_to_rounding(a, b, path=""):
+    """Equal structure, exact ints/strings, floats equal to the last bits (sums regrouped by chunk)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _same_up_to_rounding(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_up_to_rounding(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, rel=1e-12, abs=1e-14), path
+    else:
+        assert a == b, path
+
+
+def _mixed_file(tmp_path: Path) -> Path:
+    """Rows without a step, then rows with one, and bad rows on both sides of the first step."""
+    rng = random.Random(0)
+    rows = [good_row(i, rng.randint(1, 30), offset=rng.uniform(0, 0.02)) for i in range(6)]
+    rows[2]["reward"] = "x"  # invalid either way; with steps it also lacks one
+    rows[3]["rollout_logprobs"] = rows[3]["rollout_logprobs"][:-1]  # ragged: checked before the step
+    rows += [good_row(10 + i, rng.randint(1, 30), step=i // 3) for i in range(9)] + [good_row(20)]
+    return write_jsonl(tmp_path / "mixed.jsonl", rows)
+
+
+@pytest.mark.parametrize("name", ["sample", "mixed", "truncated"])
+def test_streamed_chunks_give_the_one_batch_result(tmp_path, monkeypatch, name):
+    # the default chunk holds these files whole; 32-cell chunks cut them into many pieces
+    import timlab.experiments.analyze as analyze
+
+    if name == "sample":
+        path = SAMPLE
+    elif name == "mixed":
+        path = _mixed_file(tmp_path)
+    else:
+        text = SAMPLE.read_text()
+        path = tmp_path / "cut.jsonl"
+        path.write_text(text[: text.rindex("}", 0, len(text) - 2)])  # the last line cut off
+    whole = analyze_file(path)
+    assert whole == analyze_records(read_records(path)[0], read_errors=read_records(path)[1],
+                                    source=str(path)) | {"format": "jsonl"}  # the in-memory path agrees
+    monkeypatch.setattr(analyze, "CHUNK_CELLS", 32)
+    _same_up_to_rounding(whole, analyze_file(path))
+    if name == "mixed":  # rows before the first step lack one, so they are invalid, with check_row's errors
+        assert whole["num_valid"] == 9 and [s["num_sequences"] for s in whole["per_step"]] == [3, 3, 3]
+        assert [(e["row"], e["column"]) for e in whole["errors"]] == [
+            (0, "step"), (1, "step"), (2, "step"), (2, "reward"), (3, "rollout_logprobs"), (4, "step"), (5, "step"),
+            (15, "step")]
+
+
 def test_parquet_and_jsonl_agree(tmp_path):
     records, _, _ = read_records(SAMPLE)
     pq_path = write_rows(records, tmp_path / "sample.parquet")

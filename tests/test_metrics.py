@@ -341,3 +341,44 @@ def test_mismatch_by_length_hand_computed():
     assert out["counts"] == [1, 1]  # the empty row is left out
     assert out["mean_abs_sum_diff"] == pytest.approx([0.2, 0.4])  # |-0.2|, |-(0.1-0.1+0.2+0.2)|
     assert out["mean_abs_diff"] == pytest.approx([0.1, 0.15])
+
+
+def test_sums_merged_over_batches_give_the_one_batch_metrics():
+    # metric_sums / breakdown_sums of row blocks, merged in order, give all_metrics and the four
+    # breakdowns of the whole batch: exactly for one block, to the last bits for several
+    from timlab.metrics import (
+        breakdown_sums,
+        breakdowns_from_sums,
+        merge_breakdown_sums,
+        merge_metric_sums,
+        metric_sums,
+        metrics_from_sums,
+        mismatch_by_length,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    train = -torch.rand(11, 9, generator=g, dtype=torch.float64) * 3  # (B, T)
+    roll = train + torch.randn(11, 9, generator=g, dtype=torch.float64) * 1e-2
+    roll[:, :2] = train[:, :2]  # some bitwise-equal tokens
+    mask = (torch.rand(11, 9, generator=g) > 0.3).int()
+    mask[4] = 0  # a row with no valid token
+    whole = {"histogram": ratio_histogram(train, roll, mask), "by_position": mismatch_by_position(train, roll, mask),
+             "by_prob": mismatch_by_prob_bucket(train, roll, mask), "by_length": mismatch_by_length(train, roll, mask)}
+    for k in (1, 4):
+        assert metrics_from_sums(metric_sums(train, roll, mask), num_micro_batches=k) == all_metrics(
+            train, roll, mask, num_micro_batches=k)
+    assert breakdowns_from_sums(breakdown_sums(train, roll, mask), num_position_buckets=8) == whole
+    blocks = [(0, 3), (3, 4), (4, 5), (5, 11)]  # a block may hold no valid token
+    parts = [(train[a:b], roll[a:b], mask[a:b]) for a, b in blocks]
+    ms, bs = metric_sums(*parts[0]), breakdown_sums(*parts[0])
+    for p in parts[1:]:
+        ms, bs = merge_metric_sums(ms, metric_sums(*p)), merge_breakdown_sums(bs, breakdown_sums(*p))
+    for k in (1, 4):
+        got, want = metrics_from_sums(ms, num_micro_batches=k), all_metrics(train, roll, mask, num_micro_batches=k)
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    got = breakdowns_from_sums(bs, num_position_buckets=8)
+    for key, w in whole.items():
+        assert got[key]["counts"] == w["counts"]
+        for field in ("mean_abs_diff", "mean_abs_sum_diff"):
+            if field in w:
+                assert got[key][field] == pytest.approx(w[field], rel=1e-12)

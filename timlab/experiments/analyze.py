@@ -28,19 +28,21 @@ from __future__ import annotations
 import html
 import json
 import math
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from timlab.errors import TimlabError, UsageError
 from timlab.metrics import (
-    all_metrics,
-    mismatch_by_length,
-    mismatch_by_position,
-    mismatch_by_prob_bucket,
-    ratio_histogram,
+    breakdown_sums,
+    breakdowns_from_sums,
+    merge_breakdown_sums,
+    merge_metric_sums,
+    metric_sums,
+    metrics_from_sums,
 )
 
 REQUIRED = ("trainer_logprobs", "rollout_logprobs")
@@ -54,10 +56,19 @@ POSITIVE_LOGP_TOL = 1e-3
 """A log-prob above this at a valid position is an error (log-probs are <= 0; a positive value
 usually means probabilities or negative log-probs were stored)."""
 
+STEP_MISSING = "step is missing or null (other rows have one)"
+
 POSITION_BUCKETS = 8
 STEP_COLUMNS = ("rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "mismatch/abs_diff_mean",
                 "mismatch/max_abs_diff", "mismatch/frac_bitwise_equal", "mismatch/probs_diff_mean")
 """Metrics shown per step in the text summary and plotted against step in the report."""
+
+CHUNK_CELLS = 1 << 16
+"""Valid rows are turned into tensors and folded into the running metrics in chunks of at most
+about this many (row x position) cells, so memory holds one chunk, not the file (plus 8 bytes per
+valid token: the |r| values the exact 99th percentile needs)."""
+
+PARQUET_BATCH_ROWS = 1024
 
 PARQUET_EXT = (".parquet", ".pq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
@@ -82,50 +93,60 @@ def _error(row: int, column: str | None, problem: str) -> dict:
     return {"row": row, "column": column, "problem": problem}
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict | None], list[dict]]:
-    """Records (None where a line is unusable) and the errors of unusable lines."""
+def _jsonl_rows(path: Path) -> Iterator[tuple[dict | None, dict | None]]:
+    """``(record, None)`` per usable non-blank line, ``(None, error)`` per unusable one, in file
+    order, reading one line at a time (universal newlines, like ``Path.read_text``)."""
+    failed = None  # (row, lineno, JSONDecodeError): whether it was the last line is known at the next one
+    row, ends_with_newline = 0, True
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                ends_with_newline = line.endswith("\n")
+                if not line.strip():
+                    continue
+                if failed is not None:
+                    r, n, e = failed
+                    yield None, _error(r, None, f"line {n}: invalid JSON: {e.msg} at character {e.colno}")
+                    failed = None
+                try:
+                    obj = json.loads(line[:-1] if ends_with_newline else line)
+                except json.JSONDecodeError as e:
+                    failed = (row, lineno, e)
+                else:
+                    if isinstance(obj, dict):
+                        yield obj, None
+                    else:
+                        yield None, _error(row, None, f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
+                row += 1
     except UnicodeDecodeError:
         raise AnalyzeError(f"{path}: not UTF-8 text, so not JSONL (a Parquet file needs a .parquet name)") from None
-    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
-    records: list[dict | None] = []
-    errors: list[dict] = []
-    for row, (lineno, line) in enumerate(lines):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            if row == len(lines) - 1 and not text.endswith("\n"):
-                problem = f"line {lineno}: truncated JSON on the last line (file cut off while being written?): {e.msg}"
-            else:
-                problem = f"line {lineno}: invalid JSON: {e.msg} at character {e.colno}"
-            records.append(None)
-            errors.append(_error(row, None, problem))
-            continue
-        if not isinstance(obj, dict):
-            records.append(None)
-            errors.append(_error(row, None, f"line {lineno}: expected a JSON object, got {type(obj).__name__}"))
-            continue
-        records.append(obj)
-    return records, errors
+    if failed is not None:
+        r, n, e = failed
+        problem = (f"line {n}: truncated JSON on the last line (file cut off while being written?): {e.msg}"
+                   if not ends_with_newline else f"line {n}: invalid JSON: {e.msg} at character {e.colno}")
+        yield None, _error(r, None, problem)
 
 
-def _read_parquet(path: Path) -> list[dict]:
+def _parquet_rows(path: Path) -> Iterator[tuple[dict | None, dict | None]]:
+    """``(record, None)`` per row, read ``PARQUET_BATCH_ROWS`` rows at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for rec in batch.to_pylist():
+                yield rec, None
     except (pa.ArrowException, OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise AnalyzeError(f"{path}: not a readable Parquet file ({msg})") from None
-    return table.to_pylist()
 
 
-def read_records(path: str | Path) -> tuple[list[dict | None], list[dict], str]:
-    """``(records, errors, format)``: the raw rows of a Parquet/JSONL file, unchecked.
+def iter_records(path: str | Path) -> tuple[Iterator[tuple[dict | None, dict | None]], str]:
+    """``(rows, format)``: an iterator over the file's rows in order, each ``(record, None)`` or,
+    for an unusable JSONL line, ``(None, error)``; unchecked. Holds one line (JSONL) or one batch
+    of rows (Parquet) at a time.
 
-    Raises ``AnalyzeError`` for a missing, empty or unreadable file.
+    Raises ``AnalyzeError`` for a missing or empty file; an unreadable one raises while iterating.
     """
     path = Path(path)
     if not path.is_file():
@@ -133,7 +154,21 @@ def read_records(path: str | Path) -> tuple[list[dict | None], list[dict], str]:
     if path.stat().st_size == 0:
         raise AnalyzeError(f"{path}: empty file (expected {SCHEMA})")
     fmt = _format(path)
-    records, errors = _read_jsonl(path) if fmt == "jsonl" else (_read_parquet(path), [])
+    return (_jsonl_rows(path) if fmt == "jsonl" else _parquet_rows(path)), fmt
+
+
+def read_records(path: str | Path) -> tuple[list[dict | None], list[dict], str]:
+    """``(records, errors, format)``: the raw rows of a Parquet/JSONL file, unchecked, all in
+    memory (``iter_records`` streams them).
+
+    Raises ``AnalyzeError`` for a missing, empty or unreadable file.
+    """
+    rows, fmt = iter_records(path)
+    records, errors = [], []
+    for rec, err in rows:
+        records.append(rec)
+        if err is not None:
+            errors.append(err)
     if not records:
         raise AnalyzeError(f"{path}: no rows (expected {SCHEMA})")
     return records, errors, fmt
@@ -238,7 +273,7 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
     step = rec.get("step")
     if has_step:
         if step is None:
-            errs.append(_error(row, "step", "step is missing or null (other rows have one)"))
+            errs.append(_error(row, "step", STEP_MISSING))
         elif isinstance(step, bool) or not isinstance(step, (int, float)) or not float(step).is_integer():
             errs.append(_error(row, "step", f"step = {step!r} is not an integer"))
     reward = rec.get("reward")
@@ -249,26 +284,6 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
         return None, errs
     return _Seq(row, train, rollout, mask, int(step) if has_step else None,
                 None if reward is None else float(reward)), []
-
-
-def check_records(records: list[dict | None], *, source: str = "rows") -> tuple[list[_Seq], list[dict], list[str]]:
-    """``(valid sequences, errors, columns)``. Raises ``AnalyzeError`` when a required column is
-    absent from every record."""
-    columns = sorted({k for rec in records if rec is not None for k in rec})
-    for col in REQUIRED:
-        if col not in columns and any(rec is not None for rec in records):
-            raise AnalyzeError(f"{source}: missing column {col!r} (columns: {', '.join(columns) or 'none'}); "
-                               f"expected {SCHEMA}")
-    has_step = "step" in columns
-    valid, errors = [], []
-    for row, rec in enumerate(records):
-        if rec is None:
-            continue  # its read error is already listed
-        seq, errs = check_row(row, rec, has_step=has_step)
-        errors.extend(errs)
-        if seq is not None:
-            valid.append(seq)
-    return valid, errors, columns
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -287,50 +302,154 @@ def _pack(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return train, rollout, mask
 
 
-def _summary(seqs: list[_Seq], train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict:
-    rewards = [s.reward for s in seqs if s.reward is not None]
-    return {
-        "num_sequences": len(seqs),
-        "num_tokens": int(mask.sum()),
-        "response_length_mean": sum(len(s.train) for s in seqs) / len(seqs),
-        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-        "metrics": all_metrics(train, rollout, mask),
-    }
+class _Group:
+    """Running statistics of one group of valid rows (the file, or one step), fed chunk by chunk."""
+
+    def __init__(self, *, breakdowns: bool):
+        self.breakdowns = breakdowns
+        self.num_sequences = self.num_tokens = self.length_sum = 0
+        self.reward_sum, self.num_rewards = 0, 0  # summed in row order, as sum() over the rows would
+        self.metrics: dict | None = None
+        self.shapes: dict | None = None
+
+    def add(self, seqs: list[_Seq], train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
+        self.num_sequences += len(seqs)
+        self.num_tokens += int(mask.sum())
+        self.length_sum += sum(len(s.train) for s in seqs)
+        for s in seqs:
+            if s.reward is not None:
+                self.reward_sum += s.reward
+                self.num_rewards += 1
+        m = metric_sums(train, rollout, mask)
+        self.metrics = m if self.metrics is None else merge_metric_sums(self.metrics, m)
+        if self.breakdowns:
+            b = breakdown_sums(train, rollout, mask)
+            self.shapes = b if self.shapes is None else merge_breakdown_sums(self.shapes, b)
+
+    def summary(self) -> dict:
+        return {
+            "num_sequences": self.num_sequences,
+            "num_tokens": self.num_tokens,
+            "response_length_mean": self.length_sum / self.num_sequences,
+            "reward_mean": self.reward_sum / self.num_rewards if self.num_rewards else None,
+            "metrics": metrics_from_sums(self.metrics),
+        }
+
+
+
+class _Analysis:
+    """Checks rows as they arrive and folds the valid ones, ``CHUNK_CELLS`` at a time, into the
+    file's and each step's running statistics.
+
+    Whether ``step`` is required is known only at the end (any row with a ``step`` key makes it
+    required for all). Rows lacking it before the first row that has one are kept apart: if a
+    later row has a step, they become invalid (with the same errors ``check_row`` gives) and their
+    statistics are dropped, which is why the chunk is cut where the first step appears.
+    """
+
+    def __init__(self, source: str):
+        self.source = source
+        self.num_rows = 0
+        self.any_record = False
+        self.columns: set[str] = set()
+        self.errors: list[dict] = []
+        self.has_step = False
+        self.chunk: list[_Seq] = []
+        self.chunk_len = 0
+        self.total = _Group(breakdowns=True)
+        self.steps: dict[int, _Group] = {}
+        self.stepless_valid = array("q")  # rows valid only if no row has a step
+        self.stepless_invalid: dict[int, list[dict]] = {}  # row -> its errors if some row has a step
+
+    def add(self, rec: dict | None, error: dict | None = None) -> None:
+        row = self.num_rows
+        self.num_rows += 1
+        if error is not None:
+            self.errors.append(error)
+        if rec is None:
+            return
+        self.any_record = True
+        self.columns.update(rec)
+        if "step" in rec and not self.has_step:
+            self._flush()
+            self.has_step = True
+            if self.stepless_valid:  # what came before belongs to rows that are invalid now
+                self.total = _Group(breakdowns=True)
+        seq, errs = check_row(row, rec, has_step=self.has_step)
+        if not self.has_step:
+            if seq is not None:
+                self.stepless_valid.append(row)
+            elif errs:
+                self.stepless_invalid[row] = check_row(row, rec, has_step=True)[1]
+        self.errors.extend(errs)
+        if seq is not None:
+            self.chunk.append(seq)
+            self.chunk_len = max(self.chunk_len, len(seq.train))
+            if len(self.chunk) * self.chunk_len >= CHUNK_CELLS:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.chunk:
+            return
+        train, rollout, mask = _pack(self.chunk)  # (B, T) each
+        self.total.add(self.chunk, train, rollout, mask)
+        if self.has_step:
+            for step in sorted({s.step for s in self.chunk}):
+                idx = [b for b, s in enumerate(self.chunk) if s.step == step]
+                group = self.steps.setdefault(step, _Group(breakdowns=False))
+                group.add([self.chunk[b] for b in idx], train[idx], rollout[idx], mask[idx])
+        self.chunk, self.chunk_len = [], 0
+
+    def _final_errors(self) -> list[dict]:
+        errors = self.errors
+        if self.has_step and (self.stepless_valid or self.stepless_invalid):
+            errors = [e for e in errors if e["row"] not in self.stepless_invalid]
+            errors += [e for errs in self.stepless_invalid.values() for e in errs]
+            errors += [_error(r, "step", STEP_MISSING) for r in self.stepless_valid]
+        return sorted(errors, key=lambda e: e["row"])  # stable: a row's problems keep their order
+
+    def result(self, *, out_html: str | Path | None = None) -> dict:
+        self._flush()
+        if not self.num_rows:
+            raise AnalyzeError(f"{self.source}: no rows (expected {SCHEMA})")
+        columns = sorted(self.columns)
+        for col in REQUIRED:
+            if col not in columns and self.any_record:
+                raise AnalyzeError(f"{self.source}: missing column {col!r} (columns: {', '.join(columns) or 'none'}); "
+                                   f"expected {SCHEMA}")
+        errors = self._final_errors()
+        num_valid = self.total.num_sequences
+        if not num_valid:
+            first = errors[0] if errors else _error(0, None, "no rows")
+            where = f"row {first['row']}" + (f", column {first['column']}" if first["column"] else "")
+            raise AnalyzeError(f"{self.source}: no valid rows ({self.num_rows} invalid); "
+                               f"first problem: {where}: {first['problem']}")
+        result = {
+            "source": self.source,
+            "columns": columns,
+            "num_rows": self.num_rows,
+            "num_valid": num_valid,
+            "num_invalid": self.num_rows - num_valid,
+            "errors": errors,
+        }
+        result.update(self.total.summary())
+        T = self.total.shapes["position_counts"].numel()  # the longest valid row
+        result.update(breakdowns_from_sums(self.total.shapes, num_position_buckets=min(POSITION_BUCKETS, T)))
+        result["per_step"] = [{"step": step, **self.steps[step].summary()} for step in sorted(self.steps)]
+        result["report"] = None
+        if out_html is not None:
+            result["report"] = str(write_report(result, out_html))
+        return result
 
 
 def analyze_records(records: list[dict | None], *, read_errors: list[dict] | None = None, source: str = "rows",
                     out_html: str | Path | None = None) -> dict:
     """Check records, compute the metrics on the valid ones; see ``analyze_file``."""
-    valid, errors, columns = check_records(records, source=source)
-    errors = sorted((read_errors or []) + errors, key=lambda e: e["row"])
-    if not valid:
-        first = errors[0] if errors else _error(0, None, "no rows")
-        where = f"row {first['row']}" + (f", column {first['column']}" if first["column"] else "")
-        raise AnalyzeError(f"{source}: no valid rows ({len(records)} invalid); first problem: {where}: {first['problem']}")
-    train, rollout, mask = _pack(valid)  # (B, T) each
-    result = {
-        "source": source,
-        "columns": columns,
-        "num_rows": len(records),
-        "num_valid": len(valid),
-        "num_invalid": len(records) - len(valid),
-        "errors": errors,
-    }
-    result.update(_summary(valid, train, rollout, mask))
-    result["histogram"] = ratio_histogram(train, rollout, mask)
-    result["by_position"] = mismatch_by_position(train, rollout, mask, num_buckets=min(POSITION_BUCKETS, train.shape[1]))
-    result["by_prob"] = mismatch_by_prob_bucket(train, rollout, mask)
-    result["by_length"] = mismatch_by_length(train, rollout, mask)
-    result["per_step"] = []
-    if valid[0].step is not None:
-        for step in sorted({s.step for s in valid}):
-            idx = [b for b, s in enumerate(valid) if s.step == step]
-            sub = [valid[b] for b in idx]
-            result["per_step"].append({"step": step, **_summary(sub, train[idx], rollout[idx], mask[idx])})
-    result["report"] = None
-    if out_html is not None:
-        result["report"] = str(write_report(result, out_html))
-    return result
+    analysis = _Analysis(source)
+    for rec in records:
+        analysis.add(rec)  # a None record's problem is in read_errors
+    analysis.errors.extend(read_errors or [])
+    return analysis.result(out_html=out_html)
 
 
 def analyze_file(path: str | Path, *, out_html: str | Path | None = None) -> dict:
@@ -343,9 +462,19 @@ def analyze_file(path: str | Path, *, out_html: str | Path | None = None) -> dic
     ``num_invalid``, ``errors`` (``[{row, column, problem}]``), ``num_tokens``,
     ``response_length_mean``, ``reward_mean``, ``columns``, ``format``, ``report`` (the HTML path
     or None). Raises ``AnalyzeError`` (a ``ValueError``) when nothing can be analyzed.
+
+    The file is streamed: rows are read one line (JSONL) or one batch (Parquet) at a time and
+    folded into running statistics ``CHUNK_CELLS`` cells at a time, so memory holds one chunk
+    plus 8 bytes per valid token, not the file. A file that fits in one chunk gives exactly what
+    ``all_metrics`` and the breakdowns give on its padded batch; across chunks, sums are added
+    chunk by chunk, so float results can differ from the one-batch value in the last bits (counts,
+    max/min, the 99th percentile and histograms are exact).
     """
-    records, read_errors, fmt = read_records(path)
-    result = analyze_records(records, read_errors=read_errors, source=str(path), out_html=out_html)
+    rows, fmt = iter_records(path)
+    analysis = _Analysis(str(path))
+    for rec, err in rows:
+        analysis.add(rec, err)
+    result = analysis.result(out_html=out_html)
     result["format"] = fmt
     return result
 
@@ -405,9 +534,9 @@ HEADLINE = (
 
 def _bar_plot(labels: list[str], values: list[float], counts: list[int] | None, *, title: str, ylabel: str,
               logy: bool = False, w: float = 9.0) -> str:
-    from timlab.experiments.report import _new_figure, _png_uri
+    from timlab.experiments.page import new_figure, png_uri
 
-    fig = _new_figure(w, 3.4)
+    fig = new_figure(w, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     x = list(range(len(labels)))
     values = [v if math.isfinite(v) else math.nan for v in values]  # an infinite bar has no height to draw
@@ -428,7 +557,7 @@ def _bar_plot(labels: list[str], values: list[float], counts: list[int] | None, 
                             color="#555")
     ax.set_title(title)
     ax.set_ylabel(ylabel)
-    return _png_uri(fig)
+    return png_uri(fig)
 
 
 def _edge(x: float) -> str:
@@ -454,9 +583,9 @@ def _bucket_uri(b: dict, *, title: str, label, key: str = "mean_abs_diff", ylabe
 def _steps_uri(per_step: list[dict]) -> str:
     from matplotlib.ticker import MaxNLocator
 
-    from timlab.experiments.report import _new_figure, _png_uri
+    from timlab.experiments.page import new_figure, png_uri
 
-    fig = _new_figure(10.0, 5.6)
+    fig = new_figure(10.0, 5.6)
     steps = [s["step"] for s in per_step]
     for k, key in enumerate(STEP_COLUMNS[:4]):
         ax = fig.add_subplot(2, 2, k + 1)
@@ -466,14 +595,14 @@ def _steps_uri(per_step: list[dict]) -> str:
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    return _png_uri(fig)
+    return png_uri(fig)
 
 
 def write_report(result: dict, out_html: str | Path) -> Path:
     """Write the self-contained HTML report of an ``analyze_*`` result; returns the path."""
     import pandas as pd
 
-    from timlab.experiments.report import _STYLE, _img, _table
+    from timlab.experiments.page import STYLE, img, table
 
     out = Path(out_html)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -481,30 +610,30 @@ def write_report(result: dict, out_html: str | Path) -> Path:
     esc = html.escape
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>timlab analyze: {esc(Path(result['source']).name)}</title>", f"<style>{_STYLE}</style></head><body>",
+        f"<title>timlab analyze: {esc(Path(result['source']).name)}</title>", f"<style>{STYLE}</style></head><body>",
         f"<h1>Training-inference mismatch: {esc(Path(result['source']).name)}</h1>",
         f"<p>{esc(result['source'])}: {result['num_valid']} of {result['num_rows']} rows valid, "
         f"{result['num_tokens']} valid tokens, mean response length {result['response_length_mean']:.1f}"
         + (f", mean reward {result['reward_mean']:.3g}" if result["reward_mean"] is not None else "") + ". "
         "r = log pi (trainer) - log mu (rollout engine) at every valid response token.</p>",
         "<h2>Summary</h2>",
-        _table(pd.DataFrame({"metric": [k for k, _ in HEADLINE], "value": [m[k] for k, _ in HEADLINE],
+        table(pd.DataFrame({"metric": [k for k, _ in HEADLINE], "value": [m[k] for k, _ in HEADLINE],
                              "meaning": [d for _, d in HEADLINE]}), left=("metric", "meaning")),
         "<details><summary>All metrics</summary>",
-        _table(pd.DataFrame({"metric": list(m), "value": list(m.values())}), left=("metric",)),
+        table(pd.DataFrame({"metric": list(m), "value": list(m.values())}), left=("metric",)),
         "</details>",
         "<h2>Histogram of r</h2>",
         '<p class="note">Symmetric log-spaced bins; the middle bin [-1e-06, 1e-06) holds the (near-)equal tokens. '
         "Values beyond +-20 are counted in the outer bins.</p>",
-        _img(_histogram_uri(result["histogram"]), "histogram of r"),
+        img(_histogram_uri(result["histogram"]), "histogram of r"),
         "<h2>Where the mismatch lives</h2>",
-        _img(_bucket_uri(result["by_position"], title="mean |r| by response position",
+        img(_bucket_uri(result["by_position"], title="mean |r| by response position",
                          label=lambda lo, hi: f"[{lo}, {hi})"), "mean |r| by position"),
-        _img(_bucket_uri(result["by_prob"], title="mean |r| by trainer probability exp(log pi)",
+        img(_bucket_uri(result["by_prob"], title="mean |r| by trainer probability exp(log pi)",
                          label=lambda lo, hi: f"[{lo:g}, {hi:g})"), "mean |r| by probability"),
-        _img(_bucket_uri(result["by_length"], title="mean per-token |r| by response length (valid tokens)",
+        img(_bucket_uri(result["by_length"], title="mean per-token |r| by response length (valid tokens)",
                          label=lambda lo, hi: f"[{lo:g}, {hi:g})"), "mean |r| by length"),
-        _img(_bucket_uri(result["by_length"], title="mean |sum_t r| per sequence by response length",
+        img(_bucket_uri(result["by_length"], title="mean |sum_t r| per sequence by response length",
                          label=lambda lo, hi: f"[{lo:g}, {hi:g})", key="mean_abs_sum_diff", ylabel="mean |sum r|"),
              "mean |sum r| by length"),
     ]
@@ -513,12 +642,12 @@ def write_report(result: dict, out_html: str | Path) -> Path:
                  "mean length": s["response_length_mean"],
                  **({"mean reward": s["reward_mean"]} if result["reward_mean"] is not None else {}),
                  **{k: s["metrics"][k] for k in STEP_COLUMNS}} for s in result["per_step"]]
-        parts += ["<h2>Per step</h2>", _img(_steps_uri(result["per_step"]), "metrics per step"),
-                  _table(pd.DataFrame(rows))]
+        parts += ["<h2>Per step</h2>", img(_steps_uri(result["per_step"]), "metrics per step"),
+                  table(pd.DataFrame(rows))]
     if result["errors"]:
         shown = result["errors"][:200]
         parts += [f"<h2>Invalid rows ({result['num_invalid']}, left out)</h2>",
-                  _table(pd.DataFrame({"row": [e["row"] for e in shown],
+                  table(pd.DataFrame({"row": [e["row"] for e in shown],
                                        "column": [e["column"] or "" for e in shown],
                                        "problem": [e["problem"] for e in shown]}), left=("column", "problem"))]
         if len(result["errors"]) > len(shown):

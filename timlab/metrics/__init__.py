@@ -8,6 +8,8 @@ Inputs everywhere are (B, T) tensors: ``train_logp`` = log pi (trainer), ``rollo
 - ``all_metrics``: both, as ``rollout_corr/*`` and ``mismatch/*``; this is what trainers log.
 - ``ratio_histogram``, ``mismatch_by_position``, ``mismatch_by_prob_bucket``: JSON-ready
   breakdowns for reports.
+- ``metric_sums`` / ``merge_metric_sums`` / ``metrics_from_sums`` and ``breakdown_sums`` /
+  ``merge_breakdown_sums`` / ``breakdowns_from_sums``: the same, batch by batch (streamed files).
 
 Departures from verl are listed in ``timlab.metrics.offpolicy``'s docstring.
 """
@@ -16,6 +18,9 @@ from timlab.metrics._inputs import PPL_LOG_BOUND, SAFETY_BOUND
 from timlab.metrics.distribution import (
     DEFAULT_PROB_EDGES,
     DEFAULT_RATIO_EDGES,
+    breakdown_sums,
+    breakdowns_from_sums,
+    merge_breakdown_sums,
     mismatch_by_length,
     mismatch_by_position,
     mismatch_by_prob_bucket,
@@ -26,6 +31,9 @@ from timlab.metrics.offpolicy import (
     MISMATCH_KEYS,
     VERL_KEYS,
     all_metrics,
+    merge_metric_sums,
+    metric_sums,
+    metrics_from_sums,
     mismatch_metrics,
     offpolicy_metrics,
 )
@@ -45,4 +53,10 @@ __all__ = [
     "ratio_histogram",
     "mismatch_by_position",
     "mismatch_by_prob_bucket",
+    "metric_sums",
+    "merge_metric_sums",
+    "metrics_from_sums",
+    "breakdown_sums",
+    "merge_breakdown_sums",
+    "breakdowns_from_sums",
 ]

@@ -4,6 +4,8 @@
 (verl/trainer/ppo/rollout_corr_helper.py) key for key; ``mismatch_metrics`` adds the numbers other
 stacks and the Beyond-Precision paper report (TRL, TorchTitan, slime, verl's probs-diff);
 ``all_metrics`` namespaces both (``rollout_corr/*``, ``mismatch/*``) and is what trainers log.
+``metric_sums`` / ``merge_metric_sums`` / ``metrics_from_sums`` compute the same over batches
+streamed one at a time (``timlab analyze`` on files larger than memory).
 
 Notation: r = log pi - log mu per valid token (trainer minus rollout), w = exp(clamp(r, +-20)).
 
@@ -70,49 +72,104 @@ DIFFERENT_TOKEN_TOL = 1e-6
 """|r| above this counts a token as different (TorchTitan's ``ratio_tokens_different``)."""
 
 
-def _seq_mean(x: torch.Tensor, has: torch.Tensor, n_seq: torch.Tensor) -> torch.Tensor:
-    """Mean of per-sequence values x (B,) over sequences with >= 1 valid token."""
-    return torch.where(has, x, torch.zeros_like(x)).sum() / n_seq
-
-
-def _verl_values(p: Prepared) -> dict[str, torch.Tensor]:
+def _sums(p: Prepared) -> dict[str, torch.Tensor]:
+    """Every metric's statistics over the rows of ``p``, in a form that ``merge_metric_sums``
+    combines across batches: sums, counts, max/min, and the per-row and per-token values the
+    micro-batch variance and the 99th percentile need."""
     n_b = p.validf.sum(-1)  # (B,) valid tokens per sequence
     has = n_b > 0  # (B,)
-    n_seq = has.sum().clamp(min=1).to(torch.float64)
-    n_tok = p.validf.sum().clamp(min=1)
+    zero = torch.zeros((), dtype=torch.float64, device=n_b.device)
+
+    def seq_sum(x: torch.Tensor) -> torch.Tensor:  # sum of per-sequence values x (B,) over sequences with a token
+        return torch.where(has, x, zero).sum()
 
     mean_lp = p.train.sum(-1) / n_b.clamp(min=1)  # (B,) mean_t log pi
     mean_lq = p.rollout.sum(-1) / n_b.clamp(min=1)  # (B,) mean_t log mu
     r = p.train - p.rollout  # (B, T), 0 off-mask
     rc = r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-
+    a = r.abs()
+    w = torch.exp(rc) * p.validf  # (B, T) token ratios, 0 off-mask
     log_ppl_diff = mean_lq - mean_lp  # (B,) = log(training_ppl_b / rollout_ppl_b)
-    neg_inf = torch.full_like(log_ppl_diff, float("-inf"))
-    seq_r_sum = r.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B,)
-
+    seq_r_sum = r.sum(-1)  # (B,)
+    probs_diff = (
+        torch.exp(p.train.clamp(max=PPL_LOG_BOUND)) - torch.exp(p.rollout.clamp(max=PPL_LOG_BOUND))
+    ).abs() * p.validf  # (B, T)
+    n_tok = p.validf.sum()
+    probs_mean = probs_diff.sum() / n_tok.clamp(min=1)
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=n_b.device)
     return {
-        "training_ppl": _seq_mean(torch.exp((-mean_lp).clamp(max=PPL_LOG_BOUND)), has, n_seq),
-        "training_log_ppl": _seq_mean(-mean_lp, has, n_seq),
-        "rollout_ppl": _seq_mean(torch.exp((-mean_lq).clamp(max=PPL_LOG_BOUND)), has, n_seq),
-        "rollout_log_ppl": _seq_mean(-mean_lq, has, n_seq),
-        "kl": (-r).sum() / n_tok,
-        "k3_kl": ((torch.exp(rc) - rc - 1.0) * p.validf).sum() / n_tok,
-        "log_ppl_diff": _seq_mean(log_ppl_diff, has, n_seq),
-        "log_ppl_abs_diff": _seq_mean(log_ppl_diff.abs(), has, n_seq),
-        "log_ppl_diff_max": torch.where(has, log_ppl_diff, neg_inf).max(),
-        "log_ppl_diff_min": torch.where(has, log_ppl_diff, -neg_inf).min(),
-        "ppl_ratio": _seq_mean(torch.exp(log_ppl_diff.clamp(max=PPL_LOG_BOUND)), has, n_seq),
-        "chi2_token": (torch.exp(2.0 * rc) * p.validf).sum() / n_tok - 1.0,
-        "chi2_seq": _seq_mean(torch.exp(2.0 * seq_r_sum), has, n_seq) - 1.0,
+        "num_seqs": has.sum(),
+        "num_tokens": n_tok,
+        "training_ppl": seq_sum(torch.exp((-mean_lp).clamp(max=PPL_LOG_BOUND))),
+        "training_log_ppl": seq_sum(-mean_lp),
+        "rollout_ppl": seq_sum(torch.exp((-mean_lq).clamp(max=PPL_LOG_BOUND))),
+        "rollout_log_ppl": seq_sum(-mean_lq),
+        "kl": (-r).sum(),
+        "k3_kl": ((torch.exp(rc) - rc - 1.0) * p.validf).sum(),
+        "log_ppl_diff": seq_sum(log_ppl_diff),
+        "log_ppl_abs_diff": seq_sum(log_ppl_diff.abs()),
+        "log_ppl_diff_max": torch.cat([torch.where(has, log_ppl_diff, -inf), -inf[None]]).max(),  # -inf: no sequence
+        "log_ppl_diff_min": torch.cat([torch.where(has, log_ppl_diff, inf), inf[None]]).min(),
+        "ppl_ratio": seq_sum(torch.exp(log_ppl_diff.clamp(max=PPL_LOG_BOUND))),
+        "chi2_token": (torch.exp(2.0 * rc) * p.validf).sum(),
+        "chi2_seq": seq_sum(torch.exp(2.0 * seq_r_sum.clamp(-SAFETY_BOUND, SAFETY_BOUND))),
+        "abs_diff": a.sum(),
+        "abs_values": a[p.valid],  # (N,) for the percentile
+        "diff": r.sum(),
+        "probs_diff": probs_diff.sum(),
+        "probs_diff_m2": (((probs_diff - probs_mean) ** 2) * p.validf).sum(),  # about this batch's mean
+        "probs_diff_max": probs_diff.max() if probs_diff.numel() else zero,
+        "bitwise_equal": ((p.train == p.rollout) & p.valid).sum(),
+        "max_abs_diff": a.max() if a.numel() else zero,  # a >= 0 and 0 off-mask, so no masking needed
+        "log_ppl_abs_diff_sum": seq_sum(seq_r_sum.abs()),
+        "tokens_different": ((a > DIFFERENT_TOKEN_TOL) & p.valid).sum(),
+        "w": w.sum(),
+        "w2": (w * w).sum(),
+        "row_w": w.sum(-1),  # (B,) for the micro-batch variance
+        "row_tokens": n_b,  # (B,)
     }
 
 
-def _quantile_of_valid(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:
-    """Linear-interpolated q-quantile (numpy's default) of x over valid entries.
+_MERGE_MAX = ("log_ppl_diff_max", "probs_diff_max", "max_abs_diff")
+_MERGE_MIN = ("log_ppl_diff_min",)
+_MERGE_CAT = ("abs_values", "row_w", "row_tokens")
+
+
+def merge_metric_sums(a: dict, b: dict) -> dict:
+    """The statistics of two batches' rows together (b's rows after a's); ``metric_sums`` says
+    what they are. Sums are added, so merged values can differ from one batch's in the last bits."""
+    out = {}
+    for k, x in a.items():
+        y = b[k]
+        if k in _MERGE_MAX:
+            out[k] = torch.maximum(x, y)
+        elif k in _MERGE_MIN:
+            out[k] = torch.minimum(x, y)
+        elif k in _MERGE_CAT:  # kept as a list of pieces, joined once by metrics_from_sums
+            out[k] = (x if isinstance(x, list) else [x]) + (y if isinstance(y, list) else [y])
+        elif k == "probs_diff_m2":  # Chan et al.'s pairwise update of the sum of squared deviations
+            na, nb = a["num_tokens"], b["num_tokens"]
+            delta = b["probs_diff"] / nb.clamp(min=1) - a["probs_diff"] / na.clamp(min=1)
+            out[k] = x + y + delta * delta * na * nb / (na + nb).clamp(min=1)
+        else:
+            out[k] = x + y
+    return out
+
+
+def metric_sums(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mergeable statistics of ``all_metrics`` for one (B, T) batch: merge batches with
+    ``merge_metric_sums``, turn the result into metrics with ``metrics_from_sums``. For one batch,
+    ``metrics_from_sums(metric_sums(...))`` is ``all_metrics(...)`` bit for bit. Holds 8 bytes per
+    valid token (|r|, for the exact 99th percentile) and 16 per row; the rest are scalars."""
+    with torch.no_grad():
+        return _sums(check_inputs(train_logp, rollout_logp, mask))
+
+
+def _quantile(vals: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolated q-quantile (numpy's default) of vals (N,), N >= 1.
 
     Uses two kthvalue calls instead of torch.quantile, which refuses inputs over 2**24 elements.
     """
-    vals = x[valid]  # (N,)
     n = vals.numel()
     pos = q * (n - 1)
     lo = int(pos)
@@ -122,20 +179,21 @@ def _quantile_of_valid(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.
     return v_lo + (pos - lo) * (v_hi - v_lo)
 
 
-def _micro_batch_ratio_var(w: torch.Tensor, validf: torch.Tensor, num_micro_batches: int) -> torch.Tensor:
+def _micro_batch_ratio_var(row_w: torch.Tensor, row_tokens: torch.Tensor, num_micro_batches: int) -> torch.Tensor:
     """Population variance, across contiguous row chunks, of each chunk's mean token ratio.
 
+    ``row_w`` (B,) is each row's sum of w over valid tokens, ``row_tokens`` (B,) its valid tokens.
     Rows are split like ``torch.tensor_split(B, num_micro_batches)``; chunks with no valid token
     are left out; one (non-empty) chunk gives 0.
     """
-    B = w.shape[0]
+    B = row_w.shape[0]
     k = num_micro_batches
     sizes = [B // k + 1] * (B % k) + [B // k] * (k - B % k)
-    sizes_t = torch.tensor(sizes, device=w.device)  # (k,)
-    ids = torch.repeat_interleave(torch.arange(k, device=w.device), sizes_t)  # (B,) chunk of each row
-    zeros = torch.zeros(k, dtype=torch.float64, device=w.device)
-    chunk_sum = zeros.index_add(0, ids, (w * validf).sum(-1))  # (k,)
-    chunk_n = zeros.index_add(0, ids, validf.sum(-1))  # (k,)
+    sizes_t = torch.tensor(sizes, device=row_w.device)  # (k,)
+    ids = torch.repeat_interleave(torch.arange(k, device=row_w.device), sizes_t)  # (B,) chunk of each row
+    zeros = torch.zeros(k, dtype=torch.float64, device=row_w.device)
+    chunk_sum = zeros.index_add(0, ids, row_w)  # (k,)
+    chunk_n = zeros.index_add(0, ids, row_tokens)  # (k,)
     nonempty = (chunk_n > 0).to(torch.float64)  # (k,)
     n_chunks = nonempty.sum().clamp(min=1)
     chunk_mean = chunk_sum / chunk_n.clamp(min=1)  # (k,)
@@ -143,38 +201,41 @@ def _micro_batch_ratio_var(w: torch.Tensor, validf: torch.Tensor, num_micro_batc
     return (((chunk_mean - grand) ** 2) * nonempty).sum() / n_chunks
 
 
-def _extra_values(p: Prepared, num_micro_batches: int) -> dict[str, torch.Tensor]:
-    n_b = p.validf.sum(-1)  # (B,)
-    has = n_b > 0
-    n_seq = has.sum().clamp(min=1).to(torch.float64)
-    n_tok_raw = p.validf.sum()
-    n_tok = n_tok_raw.clamp(min=1)
+def _verl_values(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    n_seq = s["num_seqs"].clamp(min=1).to(torch.float64)
+    n_tok = s["num_tokens"].clamp(min=1)
+    values = {k: s[k] / n_seq for k in ("training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl",
+                                         "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio")}
+    values.update({
+        "kl": s["kl"] / n_tok,
+        "k3_kl": s["k3_kl"] / n_tok,
+        "log_ppl_diff_max": s["log_ppl_diff_max"],
+        "log_ppl_diff_min": s["log_ppl_diff_min"],
+        "chi2_token": s["chi2_token"] / n_tok - 1.0,
+        "chi2_seq": s["chi2_seq"] / n_seq - 1.0,
+    })
+    return {k: values[k] for k in VERL_KEYS}
 
-    r = p.train - p.rollout  # (B, T), 0 off-mask
-    a = r.abs()
-    w = torch.exp(r.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * p.validf  # (B, T) token ratios, 0 off-mask
-    probs_diff = (
-        torch.exp(p.train.clamp(max=PPL_LOG_BOUND)) - torch.exp(p.rollout.clamp(max=PPL_LOG_BOUND))
-    ).abs() * p.validf  # (B, T)
-    probs_mean = probs_diff.sum() / n_tok
-    probs_var = (((probs_diff - probs_mean) ** 2) * p.validf).sum() / (n_tok_raw - 1).clamp(min=1)
-    w_mean = w.sum() / n_tok
-    w2_mean = (w * w).sum() / n_tok
 
+def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int) -> dict[str, torch.Tensor]:
+    n_seq = s["num_seqs"].clamp(min=1).to(torch.float64)
+    n_tok = s["num_tokens"].clamp(min=1)
+    w_mean = s["w"] / n_tok
+    w2_mean = s["w2"] / n_tok
     return {
-        "abs_diff_mean": a.sum() / n_tok,
-        "abs_diff_p99": _quantile_of_valid(a, p.valid, 0.99),
-        "diff_mean": r.sum() / n_tok,
-        "probs_diff_mean": probs_mean,
-        "probs_diff_max": probs_diff.max(),
-        "probs_diff_std": probs_var.sqrt(),
-        "frac_bitwise_equal": ((p.train == p.rollout) & p.valid).sum() / n_tok,
-        "max_abs_diff": a.max(),  # a >= 0 and 0 off-mask, so no masking needed
-        "log_ppl_abs_diff_sum": _seq_mean(r.sum(-1).abs(), has, n_seq),
-        "num_tokens": n_tok_raw,
-        "frac_tokens_different": ((a > DIFFERENT_TOKEN_TOL) & p.valid).sum() / n_tok,
+        "abs_diff_mean": s["abs_diff"] / n_tok,
+        "abs_diff_p99": _quantile(s["abs_values"], 0.99),
+        "diff_mean": s["diff"] / n_tok,
+        "probs_diff_mean": s["probs_diff"] / n_tok,
+        "probs_diff_max": s["probs_diff_max"],
+        "probs_diff_std": (s["probs_diff_m2"] / (s["num_tokens"] - 1).clamp(min=1)).sqrt(),
+        "frac_bitwise_equal": s["bitwise_equal"] / n_tok,
+        "max_abs_diff": s["max_abs_diff"],
+        "log_ppl_abs_diff_sum": s["log_ppl_abs_diff_sum"] / n_seq,
+        "num_tokens": s["num_tokens"],
+        "frac_tokens_different": s["tokens_different"] / n_tok,
         "ess": w_mean * w_mean / w2_mean,
-        "ratio_var_across_micro_batches": _micro_batch_ratio_var(w, p.validf, num_micro_batches),
+        "ratio_var_across_micro_batches": _micro_batch_ratio_var(s["row_w"], s["row_tokens"], num_micro_batches),
     }
 
 
@@ -205,7 +266,7 @@ def offpolicy_metrics(
         p = check_inputs(train_logp, rollout_logp, mask)
         if not p.valid.any():
             return {k: 0.0 for k in VERL_KEYS}
-        return _to_floats(_verl_values(p))
+        return _to_floats(_verl_values(_sums(p)))
 
 
 def mismatch_metrics(
@@ -235,7 +296,7 @@ def mismatch_metrics(
         p = check_inputs(train_logp, rollout_logp, mask)
         if not p.valid.any():
             return {k: 0.0 for k in MISMATCH_KEYS}
-        return _to_floats(_extra_values(p, num_micro_batches))
+        return _to_floats(_extra_values(_sums(p), num_micro_batches))
 
 
 def all_metrics(
@@ -248,11 +309,19 @@ def all_metrics(
     """Both sets, namespaced: ``rollout_corr/<VERL_KEYS>`` and ``mismatch/<MISMATCH_KEYS>``."""
     _check_micro_batches(num_micro_batches)
     with torch.no_grad():
-        p = check_inputs(train_logp, rollout_logp, mask)
-        if not p.valid.any():
+        return metrics_from_sums(_sums(check_inputs(train_logp, rollout_logp, mask)), num_micro_batches=num_micro_batches)
+
+
+def metrics_from_sums(sums: dict, *, num_micro_batches: int = 1) -> dict[str, float]:
+    """``all_metrics`` from the (merged) statistics of ``metric_sums``; the micro-batches split
+    the merged rows in order."""
+    _check_micro_batches(num_micro_batches)
+    with torch.no_grad():
+        sums = {k: torch.cat(v) if isinstance(v, list) else v for k, v in sums.items()}
+        if not sums["num_tokens"]:
             values = {f"rollout_corr/{k}": 0.0 for k in VERL_KEYS}
             values.update({f"mismatch/{k}": 0.0 for k in MISMATCH_KEYS})
             return values
-        tensors = {f"rollout_corr/{k}": v for k, v in _verl_values(p).items()}
-        tensors.update({f"mismatch/{k}": v for k, v in _extra_values(p, num_micro_batches).items()})
+        tensors = {f"rollout_corr/{k}": v for k, v in _verl_values(sums).items()}
+        tensors.update({f"mismatch/{k}": v for k, v in _extra_values(sums, num_micro_batches).items()})
         return _to_floats(tensors)
