@@ -203,6 +203,62 @@ class GradcheckResult:
 
 
 # ------------------------------------------------------------------------------------ the estimator
+def _check_settings(*, samples: int, micro_batch: int, rollout_batch: int, buckets: int, estimator: str,
+                    group_size: int, score_seqs: int, n_boot: int, pool: list[Example]) -> tuple[int, int, int]:
+    """One-line errors for settings gradcheck cannot run with. Returns (sequences per prompt G,
+    the rollout batch rounded to whole micro-batches, the number K of micro-batches)."""
+    if buckets < 1:
+        raise GradcheckError(f"buckets must be >= 1, got {buckets}")
+    if score_seqs < 0:
+        raise GradcheckError(f"score_seqs must be >= 0, got {score_seqs}")
+    if n_boot < 100:
+        raise GradcheckError(f"n_boot must be >= 100 for a bootstrap interval, got {n_boot}")
+    if estimator not in ESTIMATORS:
+        raise GradcheckError(f"unknown estimator {estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
+    G = group_size if estimator == "rloo" else 1
+    if estimator == "rloo" and group_size < 2:
+        raise GradcheckError(f"estimator rloo needs group_size >= 2, got {group_size}")
+    if micro_batch < 1 or micro_batch % G:
+        raise GradcheckError(f"micro_batch ({micro_batch}) must be a positive multiple of group_size ({G})")
+    if samples < 1 or samples % micro_batch:
+        raise GradcheckError(f"samples ({samples}) must be a positive multiple of micro_batch ({micro_batch})")
+    if rollout_batch < micro_batch:
+        rollout_batch = micro_batch
+    rollout_batch -= rollout_batch % micro_batch
+    K = samples // micro_batch
+    need = MIN_MICRO_BATCHES * micro_batch * buckets
+    if K % buckets or K // buckets < MIN_MICRO_BATCHES:
+        raise GradcheckError(
+            f"samples={samples} gives {K // buckets} micro-batches of {micro_batch} per length bucket; a "
+            f"confidence interval needs >= {MIN_MICRO_BATCHES} per bucket (samples a multiple of {micro_batch * buckets}"
+            f", at least {need})")
+    if not pool:
+        raise GradcheckError("no prompts to draw from")
+    return G, rollout_batch, K
+
+
+def _sample_pair(pi_engine: Engine, injector: RolloutInjector, prompts: list[list[int]], *, max_new_tokens: int,
+                 sampling: SamplingParams, seed: int):
+    """The same prompts sampled from pi (the exact engine) and from mu (the injector) with equal
+    generator seeds and full-batch decodes, so the two are coupled row by row. Returns
+    (pi's rollout, mu's rollout, mu's logits (B, V) per grid column)."""
+    recorded: dict[int, torch.Tensor] = {}
+
+    def observe(logits: torch.Tensor, col: torch.Tensor) -> None:
+        recorded[int(col[0])] = logits.detach().float().clone()  # (B, V): mu's distribution at col
+
+    device = pi_engine.model.device
+    try:
+        with full_batch_decode(pi_engine, injector.engine):
+            r_pi = pi_engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      generator=torch.Generator(device=device).manual_seed(seed))
+            r_mu = injector.rollout(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    generator=torch.Generator(device=device).manual_seed(seed), observe=observe)
+    except NonFiniteLogitsError:
+        raise NonFiniteLogitsError("gradcheck: non-finite logits while sampling (diverged weights?)") from None
+    return r_pi, r_mu, recorded
+
+
 def gradcheck(
     model: CausalLM,
     tok: Tokenizer,
@@ -236,33 +292,9 @@ def gradcheck(
     restored afterwards, so a training run that calls this stays bitwise on its own trajectory.
     """
     t_start = time.perf_counter()
-    if buckets < 1:
-        raise GradcheckError(f"buckets must be >= 1, got {buckets}")
-    if score_seqs < 0:
-        raise GradcheckError(f"score_seqs must be >= 0, got {score_seqs}")
-    if n_boot < 100:
-        raise GradcheckError(f"n_boot must be >= 100 for a bootstrap interval, got {n_boot}")
-    if estimator not in ESTIMATORS:
-        raise GradcheckError(f"unknown estimator {estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
-    G = group_size if estimator == "rloo" else 1
-    if estimator == "rloo" and group_size < 2:
-        raise GradcheckError(f"estimator rloo needs group_size >= 2, got {group_size}")
-    if micro_batch < 1 or micro_batch % G:
-        raise GradcheckError(f"micro_batch ({micro_batch}) must be a positive multiple of group_size ({G})")
-    if samples < 1 or samples % micro_batch:
-        raise GradcheckError(f"samples ({samples}) must be a positive multiple of micro_batch ({micro_batch})")
-    if rollout_batch < micro_batch:
-        rollout_batch = micro_batch
-    rollout_batch -= rollout_batch % micro_batch
-    K = samples // micro_batch
-    need = MIN_MICRO_BATCHES * micro_batch * buckets
-    if K % buckets or K // buckets < MIN_MICRO_BATCHES:
-        raise GradcheckError(
-            f"samples={samples} gives {K // buckets} micro-batches of {micro_batch} per length bucket; a "
-            f"confidence interval needs >= {MIN_MICRO_BATCHES} per bucket (samples a multiple of {micro_batch * buckets}"
-            f", at least {need})")
-    if not pool:
-        raise GradcheckError("no prompts to draw from")
+    G, rollout_batch, K = _check_settings(samples=samples, micro_batch=micro_batch, rollout_batch=rollout_batch,
+                                          buckets=buckets, estimator=estimator, group_size=group_size,
+                                          score_seqs=score_seqs, n_boot=n_boot, pool=pool)
     bucket_pools = length_buckets(pool, buckets)
     named = select_params(model, param_filter)
     params = [p for _, p in named]
@@ -296,23 +328,10 @@ def gradcheck(
                 for _ in range(micro_batch // G):
                     ex = bp[prompt_rng.randrange(len(bp))]
                     examples.extend([ex] * G)
-            prompts = [tok.encode(ex.prompt) for ex in examples]
-            gen_seed = seed * 1_000_003 + 7919 * c + 1
-            recorded: dict[int, torch.Tensor] = {}
-
-            def observe(logits: torch.Tensor, col: torch.Tensor) -> None:
-                recorded[int(col[0])] = logits.detach().float().clone()  # (B, V): mu's distribution at col
-
             t0 = time.perf_counter()
-            try:
-                with full_batch_decode(pi_engine, injector.engine):
-                    r_pi = pi_engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                              generator=torch.Generator(device=model.device).manual_seed(gen_seed))
-                    r_mu = injector.rollout(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                            generator=torch.Generator(device=model.device).manual_seed(gen_seed),
-                                            observe=observe)
-            except NonFiniteLogitsError:
-                raise NonFiniteLogitsError("gradcheck: non-finite logits while sampling (diverged weights?)") from None
+            r_pi, r_mu, recorded = _sample_pair(pi_engine, injector, [tok.encode(ex.prompt) for ex in examples],
+                                                max_new_tokens=max_new_tokens, sampling=sampling,
+                                                seed=seed * 1_000_003 + 7919 * c + 1)
             t_roll += time.perf_counter() - t0
             pi_side = _score_side(r_pi, rollout_rewards(task, tok, examples, r_pi, dense=dense_reward), estimator, G)
             mu_side = _score_side(r_mu, rollout_rewards(task, tok, examples, r_mu, dense=dense_reward), estimator, G)
@@ -369,49 +388,15 @@ def gradcheck(
         model.train(was_training)
 
     t0 = time.perf_counter()
-    gxx, gyy, gdd, gxy = pair_grams(X, Y)
     gzz = gram(Z) if Z is not None and not is_overflow else None
-    kw = dict(micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
-    pooled = gradient_stats(gxx, gyy, gdd, gxy, strata=strata, gzz=gzz, **kw)
-    bucket_rows = []
-    for b in range(buckets):
-        idx = torch.nonzero(strata == b).flatten()
-        sub = [g[idx][:, idx] for g in (gxx, gyy, gdd, gxy)]
-        stats = gradient_stats(*sub, gzz=None if gzz is None else gzz[idx][:, idx], **kw) if buckets > 1 else dict(pooled)
-        st = per_bucket[b]
-        ans = [len(ex.answer) for ex in bucket_pools[b]]
-        tv = torch.tensor(st["tv"] or [0.0], dtype=torch.float64)
-        bucket_rows.append({
-            "bucket": b, "answer_len_min": min(ans), "answer_len_max": max(ans),
-            "T_mean": float(sum(st["lengths"]) / max(len(st["lengths"]), 1)), "T_max": int(max(st["lengths"] or [0])),
-            "tv_max": float(tv.max()), "tv_mean": float(tv.mean()),
-            "tv_seq_mean": float(sum(st["tv_seq"]) / max(len(st["tv_seq"]), 1)),
-            "same_response_frac": st["same"] / max(st["n"], 1),
-            **stats,
-        })
+    pooled, bucket_rows = _statistics(X, Y, gzz, strata=strata, per_bucket=per_bucket, bucket_pools=bucket_pools,
+                                      micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
     t_stats = time.perf_counter() - t0
 
-    all_tv = [v for st in per_bucket for v in st["tv"]]
-    delta = max(all_tv) if all_tv else 0.0
-    B_hat = max(tok_norms) if tok_norms else float("nan")
-    bound: dict = {"applies": estimator == "reinforce" and bool(tok_norms), "delta_max": delta,
-                   "delta_mean": sum(all_tv) / max(len(all_tv), 1), "score_norm_max": B_hat,
-                   "score_norm_mean": sum(tok_norms) / max(len(tok_norms), 1),
-                   "seq_score_norm_max": max(seq_norms) if seq_norms else float("nan"),
-                   "score_tokens": len(tok_norms), "reward_max": REWARD_MAX}
-    C = 2 * REWARD_MAX * B_hat * delta
-    bound["C"] = C if bound["applies"] else float("nan")
-    for row in bucket_rows:
-        if bound["applies"]:
-            row["bound"] = C * row["T_max"] ** 2
-            row["tightness"] = row["bias_norm"] / row["bound"] if row["bound"] > 0 else 0.0  # 0 / 0: no mismatch
-            row["tightness_hi"] = row["bias_norm_hi"] / row["bound"] if row["bound"] > 0 else 0.0
-        else:
-            row["bound"] = row["tightness"] = row["tightness_hi"] = float("nan")
+    bound = _bound(bucket_rows, [v for st in per_bucket for v in st["tv"]], tok_norms, seq_norms,
+                   reinforce=estimator == "reinforce")
+    delta = bound["delta_max"]
     resolved = buckets > 2 and all(r["bias_norm_lo"] > 0 for r in bucket_rows)
-    bound["bias_exponent"] = fit_power_law([r["T_mean"] for r in bucket_rows], [r["bias_norm"] for r in bucket_rows]) \
-        if resolved else float("nan")
-    bound["holds"] = all(not (r["bias_norm"] > r["bound"]) for r in bucket_rows) if bound["applies"] else None
 
     mismatch = {k: float(v) for k, v in all_metrics(_pad_cat(trainer_lp), _pad_cat(rollout_lp), _pad_cat(masks)).items()
                 if k in ("rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "mismatch/max_abs_diff",
@@ -453,6 +438,62 @@ def gradcheck(
               "score_norm_s": t_score, "stats_s": t_stats, "vector_bytes": (2 + (Z is not None)) * K * D * 4},
         notes=notes,
     )
+
+
+def _statistics(X: torch.Tensor, Y: torch.Tensor, gzz: torch.Tensor | None, *, strata: torch.Tensor,
+                per_bucket: list[dict], bucket_pools: list[list[Example]], micro_batch: int, n_boot: int, ci: float,
+                seed: int) -> tuple[dict, list[dict]]:
+    """Pooled statistics of the (K, D) micro-batch gradients X (exact) and Y (mismatched), and one
+    row per length bucket (its own statistics, lengths, TV and identical-response fraction)."""
+    gxx, gyy, gdd, gxy = pair_grams(X, Y)
+    kw = dict(micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
+    pooled = gradient_stats(gxx, gyy, gdd, gxy, strata=strata, gzz=gzz, **kw)
+    buckets = len(per_bucket)
+    bucket_rows = []
+    for b in range(buckets):
+        idx = torch.nonzero(strata == b).flatten()
+        sub = [g[idx][:, idx] for g in (gxx, gyy, gdd, gxy)]
+        stats = gradient_stats(*sub, gzz=None if gzz is None else gzz[idx][:, idx], **kw) if buckets > 1 else dict(pooled)
+        st = per_bucket[b]
+        ans = [len(ex.answer) for ex in bucket_pools[b]]
+        tv = torch.tensor(st["tv"] or [0.0], dtype=torch.float64)
+        bucket_rows.append({
+            "bucket": b, "answer_len_min": min(ans), "answer_len_max": max(ans),
+            "T_mean": float(sum(st["lengths"]) / max(len(st["lengths"]), 1)), "T_max": int(max(st["lengths"] or [0])),
+            "tv_max": float(tv.max()), "tv_mean": float(tv.mean()),
+            "tv_seq_mean": float(sum(st["tv_seq"]) / max(len(st["tv_seq"]), 1)),
+            "same_response_frac": st["same"] / max(st["n"], 1),
+            **stats,
+        })
+    return pooled, bucket_rows
+
+
+def _bound(bucket_rows: list[dict], all_tv: list[float], tok_norms: list[float], seq_norms: list[float], *,
+           reinforce: bool) -> dict:
+    """The T^2 bound ||g_tim - g_exact|| <= 2 R_max B delta T^2 (module docstring) from the largest
+    per-token TV ``all_tv`` and score norm ``tok_norms``; each bucket row gets its bound and
+    tightness, and the bias's power law in T is fitted where every bucket resolves the bias."""
+    delta = max(all_tv) if all_tv else 0.0
+    B_hat = max(tok_norms) if tok_norms else float("nan")
+    bound: dict = {"applies": reinforce and bool(tok_norms), "delta_max": delta,
+                   "delta_mean": sum(all_tv) / max(len(all_tv), 1), "score_norm_max": B_hat,
+                   "score_norm_mean": sum(tok_norms) / max(len(tok_norms), 1),
+                   "seq_score_norm_max": max(seq_norms) if seq_norms else float("nan"),
+                   "score_tokens": len(tok_norms), "reward_max": REWARD_MAX}
+    C = 2 * REWARD_MAX * B_hat * delta
+    bound["C"] = C if bound["applies"] else float("nan")
+    for row in bucket_rows:
+        if bound["applies"]:
+            row["bound"] = C * row["T_max"] ** 2
+            row["tightness"] = row["bias_norm"] / row["bound"] if row["bound"] > 0 else 0.0  # 0 / 0: no mismatch
+            row["tightness_hi"] = row["bias_norm_hi"] / row["bound"] if row["bound"] > 0 else 0.0
+        else:
+            row["bound"] = row["tightness"] = row["tightness_hi"] = float("nan")
+    resolved = len(bucket_rows) > 2 and all(r["bias_norm_lo"] > 0 for r in bucket_rows)
+    bound["bias_exponent"] = fit_power_law([r["T_mean"] for r in bucket_rows], [r["bias_norm"] for r in bucket_rows]) \
+        if resolved else float("nan")
+    bound["holds"] = all(not (r["bias_norm"] > r["bound"]) for r in bucket_rows) if bound["applies"] else None
+    return bound
 
 
 def _tv_rows(logits: torch.Tensor, recorded: dict[int, torch.Tensor], side: _Side, rows: slice) -> list[torch.Tensor]:
