@@ -1,7 +1,7 @@
 """Benchmark: RL steps/s and generated tokens/s of timlab's training step, and the FLOP rate it reaches.
 
     OMP_NUM_THREADS=1 python bench/steps.py [--json OUT] [--settings smoke,demo,default,long]
-                                            [--steps 8] [--width] [--width-threads 1,2]
+                                            [--steps 8] [--compare] [--width] [--width-threads 1,2]
 
 For each setting a fresh ``RLRun`` (temporary run directory, SFT warm start built and cached on
 first use, so set ``TIMLAB_CACHE``) runs ``--steps`` calls of ``train_step()`` with one torch
@@ -24,6 +24,11 @@ which counts the matmul FLOPs actually executed (padding rows included; elementw
 counted). Achieved rate = those FLOPs of the kept steps / their measured time. The machine's
 fp32 GEMM peak is measured in the same process: the best of several 1024^3 and 2048^3
 ``torch.mm`` calls on one thread, in wall time and in CPU time; each fraction divides like by like.
+
+``--compare``: per setting, two fresh runs in this process stepping alternately, one as the code
+is and one with the two work-skipping features off (``ExactEngine.share_prefill`` and the
+trainer's position skipping, ``forward.MIN_SKIP_MACS``): their speed-up, measured under the same
+background load.
 
 ``--width``: a random Qwen3-0.6B-width model (hidden 1024, MLP 3072, 16 heads / 8 KV heads,
 head_dim 128, 2 layers, vocabulary cut to 4096) built by timlab: an exact-engine rollout
@@ -48,8 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+import timlab.model.forward as forward  # noqa: E402
 from timlab.config import resolve  # noqa: E402
 from timlab.engines import SamplingParams, build_engine  # noqa: E402
+from timlab.engines.native import ExactEngine  # noqa: E402
 from timlab.model.forward import token_logprobs  # noqa: E402
 from timlab.model.llama import CausalLM, ModelConfig  # noqa: E402
 from timlab.trainer.pretrain import pretrain  # noqa: E402
@@ -148,6 +155,33 @@ def bench_setting(name: str, steps: int, peak: tuple[float, float]) -> dict:
     return out
 
 
+def compare_skipping(name: str, steps: int) -> dict:
+    """Median step time with and without the shared prefill and the trainer's position skipping,
+    two runs of the same setting stepping alternately (the first step of each dropped)."""
+    cfg = setting_config(name, steps)
+    on = forward.MIN_SKIP_MACS, True
+    off = 1 << 62, False
+    t = {"on": {"wall": [], "cpu": []}, "off": {"wall": [], "cpu": []}}
+    with tempfile.TemporaryDirectory(prefix="timlab-compare-") as d:
+        runs = {k: RLRun(cfg, Path(d) / k) for k in t}
+        try:
+            for i in range(steps):
+                for k in ("on", "off") if i % 2 else ("off", "on"):
+                    forward.MIN_SKIP_MACS, ExactEngine.share_prefill = on if k == "on" else off
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    runs[k].train_step()
+                    if i > 0:
+                        t[k]["wall"].append(time.perf_counter() - w0)
+                        t[k]["cpu"].append(time.process_time() - c0)
+        finally:
+            forward.MIN_SKIP_MACS, ExactEngine.share_prefill = on
+            for r in runs.values():
+                r.close()
+    med = {k: {m: statistics.median(v[m]) for m in v} for k, v in t.items()}
+    return {"median_s": med, "speedup": med["off"]["wall"] / med["on"]["wall"],
+            "cpu_speedup": med["off"]["cpu"] / med["on"]["cpu"]}
+
+
 # ----------------------------------------------------------------------------- real width
 def real_width_model(seed: int = 0) -> CausalLM:
     """Qwen3-0.6B's widths, 2 layers, vocabulary 4096, random weights (std 0.02, norms 1)."""
@@ -218,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {', '.join(SETTINGS)}")
     ap.add_argument("--steps", type=int, default=8, help="train_step calls per setting (the first is dropped)")
+    ap.add_argument("--compare", action="store_true", help="also time each setting with the work skipping off")
     ap.add_argument("--width", action="store_true", help="also time a real-width model per thread count")
     ap.add_argument("--width-threads", default="1,2", help="thread counts for --width")
     args = ap.parse_args(argv)
@@ -240,6 +275,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<8} {r['steps_per_s']:>8.2f} {r['cpu_steps_per_s']:>9.2f} {r['tokens_per_s']:>8.0f} "
               f"{r['cpu_tokens_per_s']:>10.0f} {r['mean_response_length']:>9.2f} {r['matmul_flops_per_step'] / 1e6:>11.1f} "
               f"{100 * r['peak_fraction']:>6.2f}% {100 * r['cpu_peak_fraction']:>9.2f}%", flush=True)
+    if args.compare:
+        for name in names:
+            c = compare_skipping(name, args.steps)
+            out["settings"][name]["compare_skipping"] = c
+            print(f"{name}: skipping on vs off, median step {c['median_s']['on']['wall']:.3f} vs "
+                  f"{c['median_s']['off']['wall']:.3f} s: {c['speedup']:.2f}x wall, {c['cpu_speedup']:.2f}x CPU", flush=True)
     if args.width:
         threads = [int(t) for t in args.width_threads.split(",")]
         w = bench_width(threads)
