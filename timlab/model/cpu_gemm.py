@@ -16,8 +16,9 @@ the exact path never lets MKL thread a GEMM:
   parallelize over rows and sequences, never inside a reduction.
 
 A row's bits are therefore those of the one-thread GEMM for any T. bf16/fp16 GEMMs go through
-oneDNN, which does not split the reduction across threads (measured invariant at 1-4 threads),
-and are called as they are. Without MKL's thread-local control (a torch build without MKL) the
+oneDNN, which does not split the reduction across threads (measured: the same bits on 1, 2 and
+4 threads for every row count 1-40, K = 1024, and for the q.k GEMM at head_dim 128), and are
+called as they are. Without MKL's thread-local control (a torch build without MKL) the
 GEMMs run with torch set to one thread for the call, unsplit. Gradients are not covered: the
 backward GEMMs run threaded, so gradient bits may differ between thread counts (they stay
 deterministic for a given count).
