@@ -1,0 +1,139 @@
+"""The sweep index: one row per run (ids, condition, state, summary, flattened config) in
+``DIR/index.parquet``, written atomically as runs finish, read back with live run states
+(``read_index``) and queried with SQL through DuckDB (``filter_index``, ``query_index``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from timlab.errors import UsageError
+from timlab.experiments.collapse import SUMMARY_KEYS, run_summary
+from timlab.experiments.sweep_spec import RunSpec
+from timlab.experiments.sweep_workers import _one_line
+from timlab.trainer.rundir import RunDir
+
+INDEX_FILE = "index.parquet"
+
+
+def _index_row(run: RunSpec, out_dir: Path) -> dict:
+    summary = run_summary(out_dir / run.run_id)
+    return {
+        "run_id": run.run_id,
+        "condition": run.condition,
+        "spec_condition": run.spec_condition,
+        "run_dir": run.run_id,
+        "overrides": json.dumps(run.overrides, sort_keys=True, default=str),
+        **{k: summary[k] for k in SUMMARY_KEYS},
+        **run.config.to_flat_dict(),
+    }
+
+
+def _index_frame(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    for col in df.columns:  # parquet needs one type per column
+        if df[col].dtype == object:
+            types = {type(v) for v in df[col] if v is not None and not (isinstance(v, float) and math.isnan(v))}
+            if len(types) > 1 or (types and not types <= {str, bool}):
+                df[col] = df[col].map(lambda v: v if isinstance(v, str) else json.dumps(v, default=str))
+    return df
+
+
+def _write_index(out_dir: Path, rows: list[dict]) -> pd.DataFrame:
+    df = _index_frame(rows)
+    tmp = out_dir / (INDEX_FILE + ".tmp")
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, out_dir / INDEX_FILE)  # atomic: readers never see a half-written index
+    return df
+
+
+def read_index(sweep_dir: str | Path) -> pd.DataFrame:
+    """The sweep's index.parquet: one row per run (ids, condition, status, summary, flattened config).
+
+    ``state`` and ``last_step`` are read live from each run's status.json, so a sweep that is
+    running, or was killed, shows where its runs are rather than where they were at the last
+    index write."""
+    p = Path(sweep_dir) / INDEX_FILE
+    if not p.exists():
+        raise FileNotFoundError(f"{sweep_dir}: no {INDEX_FILE} (not a sweep directory; run `timlab sweep` first)")
+    df = pd.read_parquet(p)
+    if "run_dir" in df.columns and "state" in df.columns:
+        for i, d in enumerate(df["run_dir"]):
+            status = RunDir(Path(sweep_dir) / str(d)).read_status()
+            if status.get("state"):
+                df.loc[i, "state"] = status["state"]
+            step, old = status.get("step"), df["last_step"].iloc[i] if "last_step" in df.columns else None
+            if isinstance(step, int) and old is not None:
+                df.loc[i, "last_step"] = step if pd.isna(old) else max(step, old)
+    return df
+
+
+def _quote_columns(where: str, columns: list[str]) -> str:
+    """Double-quote column names with dots or slashes (``mismatch.magnitude > 0.5``) outside
+    string literals and already-quoted names, so SQL does not read them as table.column."""
+    special = sorted((c for c in columns if re.search(r"[^A-Za-z0-9_]", c)), key=len, reverse=True)
+    if not special:
+        return where
+    pat = re.compile(r"(?<![\w.\"/])(" + "|".join(map(re.escape, special)) + r")(?![\w\"/])")
+    parts = re.split(r"('(?:[^']|'')*'|\"(?:[^\"]|\"\")*\")", where)
+    return "".join(p if i % 2 else pat.sub(lambda m: f'"{m.group(1)}"', p) for i, p in enumerate(parts))
+
+
+def filter_index(df: pd.DataFrame, where: str) -> pd.DataFrame:
+    """Rows of an index matching a SQL condition (DuckDB; pandas.query when DuckDB is absent).
+
+    Column names with dots or slashes may be written bare (``mismatch.magnitude > 0.5``) or
+    double-quoted (``"val/accuracy" > 0.3``).
+    """
+    sql = _quote_columns(where, list(df.columns))
+    try:
+        import duckdb
+    except ImportError:
+        expr = re.sub(r'"([^"]+)"', r"`\1`", sql)
+        expr = re.sub(r"(?<![<>!=])=(?!=)", "==", expr).replace("<>", "!=")
+        try:
+            return df.query(expr).reset_index(drop=True)
+        except Exception as e:
+            raise UsageError(f"--where {where!r}: {_one_line(e)}") from None
+    con = duckdb.connect()
+    try:
+        con.register("runs", df)
+        return con.execute(f"SELECT * FROM runs WHERE {sql}").df()
+    except duckdb.Error as e:
+        raise UsageError(f"--where {where!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        con.close()
+
+
+LIST_COLUMNS = ("run_id", "condition", "state", "last_step", "peak_accuracy", "final_accuracy",
+                "collapsed", "steps_to_collapse", "k3_kl_mean")
+
+
+def default_columns(df: pd.DataFrame) -> list[str]:
+    """What ``timlab runs`` shows by default: ids, status, the key summaries, and every config
+    key whose value differs between runs (the swept keys)."""
+    base = [c for c in LIST_COLUMNS if c in df.columns]
+    config_cols = [c for c in df.columns if "." in c and c not in base and df[c].astype(str).nunique() > 1]
+    return base[:4] + config_cols + base[4:]
+
+
+def query_index(sweep_dir: str | Path, *, where: str | None = None, columns: list[str] | None = None,
+                sort: str | None = None, descending: bool = False) -> pd.DataFrame:
+    """The index of a sweep, filtered (SQL ``where``), with chosen columns, sorted."""
+    df = read_index(sweep_dir)
+    cols = list(columns) if columns else default_columns(df)
+    unknown = [c for c in cols + ([sort] if sort else []) if c not in df.columns]
+    if unknown:
+        raise UsageError(f"unknown column {unknown[0]!r}; valid choices: {', '.join(df.columns)}")
+    if where:
+        df = filter_index(df, where)
+    if sort:
+        df = df.sort_values(sort, ascending=not descending, kind="stable")
+    return df[cols].reset_index(drop=True)
+
