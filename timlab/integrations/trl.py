@@ -58,7 +58,7 @@ from trl import GRPOTrainer
 
 from timlab.metrics import all_metrics
 from timlab.schedulers import LengthDecayLR
-from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS
+from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
 
 LENGTH_KEY = "completions/mean_length"
 """TRL's metric for the mean completion length of a generation batch (TRL 1.16)."""
@@ -75,7 +75,7 @@ def _nan_if_none(x: float | int | None) -> float:
     return float("nan") if x is None else float(x)
 
 
-class TimlabCallback(TrainerCallback):
+class TimlabCallback(LengthDecayView, TrainerCallback):
     """Beyond-Precision length-decay LR for TRL's ``GRPOTrainer`` (see the module docstring).
 
     ``schedule_kwargs`` are ``LengthDecayLR``'s keyword arguments, with its defaults: halve the
@@ -101,14 +101,6 @@ class TimlabCallback(TrainerCallback):
 
     def _advance(self, response_length: float | None) -> None:
         self.schedule.step(response_length=response_length)
-
-    @property
-    def surge_step(self) -> int | None:
-        return self.schedule.surge_step
-
-    @property
-    def decay_period(self) -> int | None:
-        return self.schedule.decay_period
 
     def lr_factor(self, update: int) -> float:
         """LR of optimizer update ``update`` (from 1) over ``learning_rate``."""

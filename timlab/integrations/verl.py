@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from timlab.errors import UsageError
 from timlab.metrics import all_metrics
 from timlab.schedulers import LengthDecayLR
-from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS
+from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
 
 OLD_LOGP_KEY = "old_log_probs"
 ROLLOUT_LOGP_KEY = "rollout_log_probs"
@@ -133,7 +133,7 @@ def apply_lr_factor(optimizer: Optimizer, factor: float, *, scheduler: Any = Non
     return lrs
 
 
-class LengthDecayHook:
+class LengthDecayHook(LengthDecayView):
     """Driver-side length-decay LR for verl: the factor for the next actor update, fed with
     ``response_length/mean`` once per training step.
 
@@ -158,14 +158,6 @@ class LengthDecayHook:
     def num_steps(self) -> int:
         """Training steps fed so far."""
         return self.schedule.last_epoch
-
-    @property
-    def surge_step(self) -> int | None:
-        return self.schedule.surge_step
-
-    @property
-    def decay_period(self) -> int | None:
-        return self.schedule.decay_period
 
     def update_from_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Feed one training step's ``metrics[length_key]`` (missing or non-finite: no signal)

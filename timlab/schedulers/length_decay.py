@@ -195,3 +195,18 @@ class LengthDecayLR(FactorLR):
         self.detector.load_state_dict(state.pop("detector"))
         state.pop("surge_step", None)
         super().load_state_dict(state)
+
+
+class LengthDecayView:
+    """``surge_step`` / ``decay_period`` of an object that runs a ``LengthDecayLR`` as
+    ``self.schedule`` (the TRL callback and the verl hook): None until known."""
+
+    schedule: LengthDecayLR
+
+    @property
+    def surge_step(self) -> int | None:
+        return self.schedule.surge_step
+
+    @property
+    def decay_period(self) -> int | None:
+        return self.schedule.decay_period
