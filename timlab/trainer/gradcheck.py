@@ -259,6 +259,63 @@ def _sample_pair(pi_engine: Engine, injector: RolloutInjector, prompts: list[lis
     return r_pi, r_mu, recorded
 
 
+@dataclass
+class _Gradients:
+    """What the gradient loop accumulates over the K micro-batches."""
+
+    X: torch.Tensor  # (K, D) exact-side micro-batch means
+    Y: torch.Tensor  # (K, D) mismatched side
+    Z: torch.Tensor | None  # (K, D) (1-rho) w s on the mismatched side; None: no importance-weighted estimate
+    per_bucket: list[dict]  # per length bucket: lengths, per-token TV, per-sequence TV, identical responses
+    rhos: list[torch.Tensor] = field(default_factory=list)  # sequence ratios pi(y)/mu(y)
+    is_overflow: bool = False  # a ratio overflowed float64
+    trainer_lp: list[torch.Tensor] = field(default_factory=list)  # mu's samples: log pi, log mu, mask
+    rollout_lp: list[torch.Tensor] = field(default_factory=list)
+    masks: list[torch.Tensor] = field(default_factory=list)
+
+
+def _gradients(acc: _Gradients, model: CausalLM, params: list[torch.nn.Parameter], pi_side: _Side, mu_side: _Side,
+               recorded: dict[int, torch.Tensor], same: list[bool], js: list[int], *, micro_batch: int) -> None:
+    """The micro-batch gradients of one chunk (micro-batches ``js``): (1/m) sum_i w_i grad log pi(y_i)
+    on pi's samples into X[j] and on mu's into Y[j], (1/m) sum_i (1 - rho_i) w_i grad log pi(y_i)
+    into Z[j], and each bucket's lengths, TV and identical-response count."""
+    buckets = len(acc.per_bucket)
+    for i, j in enumerate(js):
+        rows = slice(i * micro_batch, (i + 1) * micro_batch)
+        st = acc.per_bucket[j % buckets]
+        for out, side in ((acc.X, pi_side), (acc.Y, mu_side)):
+            logp, logits = sequence_logprobs(model, side.tokens[rows], side.key_valid[rows], side.mask[rows],
+                                             side.kv_len)
+            w = side.weights[rows]
+            v = None
+            if side is mu_side and acc.Z is not None:
+                # (1 - rho) w with rho = pi(y) / mu(y): E_mu[(1 - rho) w s] = g_tim - g_exact, unbiased
+                log_rho = (logp.detach().double() - side.rollout_logp[rows].double()).sum(-1)  # (m,)
+                rho = torch.exp(log_rho)
+                if torch.isfinite(rho).all():
+                    v = (1.0 - rho).float() * w
+                    acc.rhos.append(rho)
+                else:
+                    acc.is_overflow = True
+            need_v = v is not None and bool((v != 0).any())
+            if bool((w != 0).any()):
+                obj = (w[:, None] * logp).sum() / micro_batch  # (1/m) sum_i w_i log pi(y_i)
+                out[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True, retain_graph=need_v), params)
+            if need_v:
+                obj = (v[:, None] * logp).sum() / micro_batch
+                acc.Z[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True), params)
+            st["lengths"].extend(side.lengths[rows].tolist())
+            if side is mu_side:
+                tv_rows = _tv_rows(logits.detach(), recorded, side, rows)
+                st["tv"].extend(torch.cat(tv_rows).tolist() if tv_rows else [])
+                st["tv_seq"].extend(float(t.sum()) for t in tv_rows)
+                acc.trainer_lp.append(logp.detach())
+                acc.rollout_lp.append(side.rollout_logp[rows])
+                acc.masks.append(side.mask[rows])
+        st["same"] += sum(same[rows])
+        st["n"] += micro_batch
+
+
 def gradcheck(
     model: CausalLM,
     tok: Tokenizer,
@@ -304,18 +361,15 @@ def gradcheck(
     was_training = model.training
     model.eval()
 
-    X = torch.zeros(K, D, dtype=torch.float32)  # exact-side micro-batch means
-    Y = torch.zeros(K, D, dtype=torch.float32)  # mismatched side
     default_sampling = sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
-    Z = torch.zeros(K, D, dtype=torch.float32) if importance_weighted and default_sampling else None  # (1-rho) w s
-    is_overflow = False
-    rhos: list[torch.Tensor] = []
+    acc = _Gradients(
+        X=torch.zeros(K, D, dtype=torch.float32), Y=torch.zeros(K, D, dtype=torch.float32),
+        Z=torch.zeros(K, D, dtype=torch.float32) if importance_weighted and default_sampling else None,
+        per_bucket=[dict(lengths=[], tv=[], tv_seq=[], same=0, n=0) for _ in range(buckets)])
     strata = torch.tensor([j % buckets for j in range(K)])
     prompt_rng = random.Random(seed)
-    per_bucket = [dict(lengths=[], tv=[], tv_seq=[], same=0, n=0) for _ in range(buckets)]
     tok_norms: list[float] = []
     seq_norms: list[float] = []
-    trainer_lp, rollout_lp, masks = [], [], []
     per = rollout_batch // micro_batch
     chunks = math.ceil(K / per)
     t_roll = t_grad = t_score = 0.0
@@ -338,40 +392,7 @@ def gradcheck(
             same = [a == b for a, b in zip(r_pi.responses(), r_mu.responses())]
 
             t0 = time.perf_counter()
-            for i, j in enumerate(js):
-                rows = slice(i * micro_batch, (i + 1) * micro_batch)
-                st = per_bucket[j % buckets]
-                for out, side in ((X, pi_side), (Y, mu_side)):
-                    logp, logits = sequence_logprobs(model, side.tokens[rows], side.key_valid[rows], side.mask[rows],
-                                                     side.kv_len)
-                    w = side.weights[rows]
-                    v = None
-                    if side is mu_side and Z is not None:
-                        # (1 - rho) w with rho = pi(y) / mu(y): E_mu[(1 - rho) w s] = g_tim - g_exact, unbiased
-                        log_rho = (logp.detach().double() - side.rollout_logp[rows].double()).sum(-1)  # (m,)
-                        rho = torch.exp(log_rho)
-                        if torch.isfinite(rho).all():
-                            v = (1.0 - rho).float() * w
-                            rhos.append(rho)
-                        else:
-                            is_overflow = True
-                    need_v = v is not None and bool((v != 0).any())
-                    if bool((w != 0).any()):
-                        obj = (w[:, None] * logp).sum() / micro_batch  # (1/m) sum_i w_i log pi(y_i)
-                        out[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True, retain_graph=need_v), params)
-                    if need_v:
-                        obj = (v[:, None] * logp).sum() / micro_batch
-                        Z[j] = _flat(torch.autograd.grad(obj, params, allow_unused=True), params)
-                    st["lengths"].extend(side.lengths[rows].tolist())
-                    if side is mu_side:
-                        tv_rows = _tv_rows(logits.detach(), recorded, side, rows)
-                        st["tv"].extend(torch.cat(tv_rows).tolist() if tv_rows else [])
-                        st["tv_seq"].extend(float(t.sum()) for t in tv_rows)
-                        trainer_lp.append(logp.detach())
-                        rollout_lp.append(side.rollout_logp[rows])
-                        masks.append(side.mask[rows])
-                st["same"] += sum(same[rows])
-                st["n"] += micro_batch
+            _gradients(acc, model, params, pi_side, mu_side, recorded, same, js, micro_batch=micro_batch)
             t_grad += time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -388,45 +409,24 @@ def gradcheck(
         model.train(was_training)
 
     t0 = time.perf_counter()
-    gzz = gram(Z) if Z is not None and not is_overflow else None
-    pooled, bucket_rows = _statistics(X, Y, gzz, strata=strata, per_bucket=per_bucket, bucket_pools=bucket_pools,
-                                      micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
+    gzz = gram(acc.Z) if acc.Z is not None and not acc.is_overflow else None
+    pooled, bucket_rows = _statistics(acc.X, acc.Y, gzz, strata=strata, per_bucket=acc.per_bucket,
+                                      bucket_pools=bucket_pools, micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
     t_stats = time.perf_counter() - t0
 
-    bound = _bound(bucket_rows, [v for st in per_bucket for v in st["tv"]], tok_norms, seq_norms,
+    bound = _bound(bucket_rows, [v for st in acc.per_bucket for v in st["tv"]], tok_norms, seq_norms,
                    reinforce=estimator == "reinforce")
-    delta = bound["delta_max"]
-    resolved = buckets > 2 and all(r["bias_norm_lo"] > 0 for r in bucket_rows)
 
-    mismatch = {k: float(v) for k, v in all_metrics(_pad_cat(trainer_lp), _pad_cat(rollout_lp), _pad_cat(masks)).items()
+    mismatch = {k: float(v) for k, v in all_metrics(_pad_cat(acc.trainer_lp), _pad_cat(acc.rollout_lp),
+                                                    _pad_cat(acc.masks)).items()
                 if k in ("rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "mismatch/max_abs_diff",
                          "mismatch/abs_diff_mean", "mismatch/frac_bitwise_equal")}
-    notes = []
-    if all(r["same_response_frac"] == 1.0 for r in bucket_rows) and pooled["bias_norm_plugin"] == 0.0:
-        notes.append("zero mismatch: mu and pi gave identical distributions, responses and gradients" if delta == 0.0 else
-                     f"no sampled token differed between mu and pi (per-token TV max {delta:.2g}), so the gradients are "
-                     f"identical: this mismatch is below what {samples} samples can see")
-    if buckets > 2 and not resolved:
-        notes.append("the bias is not resolved (interval reaching 0) in every length bucket: no T-exponent is fitted")
-    if not pooled["grad_norm_exact_lo"] > 0 and pooled["bias_norm_plugin"] > 0:
-        notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
-                     f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
-                     f"draw more samples")
-    if rhos and gzz is not None:
-        r = torch.cat(rhos)
-        ess = float(r.sum() ** 2 / (r.numel() * (r * r).sum()))
-        pooled["is_ess_frac"] = ess
-        if ess < ESS_MIN:
-            notes.append(f"the sequence ratios pi/mu are heavy-tailed (effective sample size {ess:.0%} of the samples): "
-                         f"the importance-weighted bias and its interval are unreliable here; read the paired estimate")
-    if importance_weighted and not default_sampling:
-        notes.append("the importance-weighted bias estimate needs temperature 1 and no top-k/top-p; not computed")
-    if is_overflow:
-        notes.append("a sequence ratio pi(y)/mu(y) overflowed float64: no importance-weighted bias estimate")
-    if estimator != "reinforce":
-        notes.append("the T^2 bound is stated for REINFORCE with R in [0, 1]; it is not evaluated for rloo")
-    elif not tok_norms:
-        notes.append("score_seqs=0: no score norms measured, so the T^2 bound is not evaluated")
+    if acc.rhos and gzz is not None:  # effective sample size of the sequence ratios pi/mu
+        r = torch.cat(acc.rhos)
+        pooled["is_ess_frac"] = float(r.sum() ** 2 / (r.numel() * (r * r).sum()))
+    notes = _notes(pooled, bucket_rows, bound, samples=samples, buckets=buckets, estimator=estimator,
+                   importance_weighted=importance_weighted, default_sampling=default_sampling,
+                   is_overflow=acc.is_overflow, scored=bool(tok_norms))
     return GradcheckResult(
         settings={"samples": samples, "micro_batch": micro_batch, "dense_reward": dense_reward, "micro_batches": K, "buckets": buckets,
                   "estimator": estimator, "group_size": G, "max_new_tokens": max_new_tokens, "seed": seed,
@@ -435,7 +435,7 @@ def gradcheck(
                   "sampling": asdict(sampling), "importance_weighted": gzz is not None},
         pooled=pooled, buckets=bucket_rows, bound=bound, mismatch=mismatch,
         cost={"total_s": time.perf_counter() - t_start, "rollout_s": t_roll, "gradient_s": t_grad,
-              "score_norm_s": t_score, "stats_s": t_stats, "vector_bytes": (2 + (Z is not None)) * K * D * 4},
+              "score_norm_s": t_score, "stats_s": t_stats, "vector_bytes": (2 + (acc.Z is not None)) * K * D * 4},
         notes=notes,
     )
 
@@ -494,6 +494,38 @@ def _bound(bucket_rows: list[dict], all_tv: list[float], tok_norms: list[float],
         if resolved else float("nan")
     bound["holds"] = all(not (r["bias_norm"] > r["bound"]) for r in bucket_rows) if bound["applies"] else None
     return bound
+
+
+def _notes(pooled: dict, bucket_rows: list[dict], bound: dict, *, samples: int, buckets: int, estimator: str,
+           importance_weighted: bool, default_sampling: bool, is_overflow: bool, scored: bool) -> list[str]:
+    """What the numbers of a gradcheck cannot say, in words: an unseen mismatch, unresolved
+    intervals, heavy-tailed ratios, estimates or bounds that were not computed."""
+    delta = bound["delta_max"]
+    resolved = buckets > 2 and all(r["bias_norm_lo"] > 0 for r in bucket_rows)
+    notes = []
+    if all(r["same_response_frac"] == 1.0 for r in bucket_rows) and pooled["bias_norm_plugin"] == 0.0:
+        notes.append("zero mismatch: mu and pi gave identical distributions, responses and gradients" if delta == 0.0 else
+                     f"no sampled token differed between mu and pi (per-token TV max {delta:.2g}), so the gradients are "
+                     f"identical: this mismatch is below what {samples} samples can see")
+    if buckets > 2 and not resolved:
+        notes.append("the bias is not resolved (interval reaching 0) in every length bucket: no T-exponent is fitted")
+    if not pooled["grad_norm_exact_lo"] > 0 and pooled["bias_norm_plugin"] > 0:
+        notes.append(f"the exact gradient is not resolved at {samples} samples (the interval of ||g_exact|| reaches 0; "
+                     f"SNR per sequence {pooled['snr_exact']:.2g}): relative bias and cosine are noise-dominated; "
+                     f"draw more samples")
+    ess = pooled.get("is_ess_frac")
+    if ess is not None and ess < ESS_MIN:
+        notes.append(f"the sequence ratios pi/mu are heavy-tailed (effective sample size {ess:.0%} of the samples): "
+                     f"the importance-weighted bias and its interval are unreliable here; read the paired estimate")
+    if importance_weighted and not default_sampling:
+        notes.append("the importance-weighted bias estimate needs temperature 1 and no top-k/top-p; not computed")
+    if is_overflow:
+        notes.append("a sequence ratio pi(y)/mu(y) overflowed float64: no importance-weighted bias estimate")
+    if estimator != "reinforce":
+        notes.append("the T^2 bound is stated for REINFORCE with R in [0, 1]; it is not evaluated for rloo")
+    elif not scored:
+        notes.append("score_seqs=0: no score norms measured, so the T^2 bound is not evaluated")
+    return notes
 
 
 def _tv_rows(logits: torch.Tensor, recorded: dict[int, torch.Tensor], side: _Side, rows: slice) -> list[torch.Tensor]:
