@@ -27,6 +27,13 @@ def _random_number(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1), 10**digits - 1)
 
 
+def check_digit_range(task: str, min_digits: int, max_digits: int, most: int) -> None:
+    """One-line error unless 1 <= min_digits <= max_digits <= most (a digit task's operand sizes)."""
+    if not 1 <= min_digits <= max_digits <= most:
+        raise UsageError(f"{task}: need 1 <= min_digits <= max_digits <= {most}, got "
+                         f"min_digits={min_digits}, max_digits={max_digits}")
+
+
 @TASKS.register("addition")
 @dataclass(frozen=True)
 class AdditionTask(Task):
@@ -40,9 +47,7 @@ class AdditionTask(Task):
     name: ClassVar[str] = "addition"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_digits <= self.max_digits <= MAX_DIGITS:
-            raise UsageError(f"addition: need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got "
-                             f"min_digits={self.min_digits}, max_digits={self.max_digits}")
+        check_digit_range("addition", self.min_digits, self.max_digits, MAX_DIGITS)
 
     @property
     def alphabet(self) -> str:

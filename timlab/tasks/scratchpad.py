@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from timlab.errors import UsageError
-from timlab.tasks.arithmetic import _random_number
+from timlab.tasks.arithmetic import _random_number, check_digit_range
 from timlab.tasks.base import TASKS, Example, Task, positional_match, unique_chars
 
 ANSWER_MARK = ">"
@@ -74,9 +74,7 @@ class ScratchAddTask(Task):
     name: ClassVar[str] = "scratch_add"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_digits <= self.max_digits <= MAX_DIGITS:
-            raise UsageError(f"scratch_add: need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got "
-                             f"min_digits={self.min_digits}, max_digits={self.max_digits}")
+        check_digit_range("scratch_add", self.min_digits, self.max_digits, MAX_DIGITS)
         if not 0.0 <= self.scratch_frac <= 1.0:
             raise UsageError(f"scratch_add: scratch_frac must be in [0, 1], got {self.scratch_frac}")
 
