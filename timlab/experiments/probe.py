@@ -303,7 +303,7 @@ def run_probe(
     for name, value in (("num_prompts", num_prompts), ("samples_per_prompt", samples_per_prompt),
                         ("max_new_tokens", max_new_tokens)):
         if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise UsageError(f"{name} must be >= 1, got {value}")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
 
     from timlab.tokenizer import load_tokenizer
