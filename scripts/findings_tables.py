@@ -58,14 +58,15 @@ def _surge_step(df: pd.DataFrame, row: pd.Series) -> float:
     return float("nan")
 
 
-def learning(index: pd.DataFrame, gain: float = 0.15) -> str:
+def learning(index: pd.DataFrame, gain: float = 0.15, learned_at: float = 0.6) -> str:
     """Does RL learn, and do answers surge? Per condition, mean (min-max) over seeds of: greedy
     accuracy at the start and at the end, the seeds whose final accuracy gained >= ``gain``,
     training reward and mean response length over the first and the last 10 steps, and the step
-    at which the surge detector (the run's scheduler settings) fires on the response length."""
+    at which the surge detector (the run's scheduler settings) fires on the response length, and
+    the first evaluation with greedy accuracy >= ``learned_at`` (how fast the run learns)."""
     rows = []
     for cond, g in index.groupby("condition", sort=False):
-        rec: dict[str, list] = {k: [] for k in ("start", "final", "rew0", "rew1", "len0", "len1", "surge")}
+        rec: dict[str, list] = {k: [] for k in ("start", "final", "rew0", "rew1", "len0", "len1", "surge", "learned")}
         for d, (_, row) in zip(g["run_dir"], g.iterrows()):
             df = pd.read_parquet(Path(d) / "metrics.parquet").sort_values("step")
             acc = df["val/accuracy"].dropna()
@@ -77,8 +78,12 @@ def learning(index: pd.DataFrame, gain: float = 0.15) -> str:
             rec["len0"].append(train["train/response_length_mean"].iloc[:10].mean())
             rec["len1"].append(train["train/response_length_mean"].iloc[-10:].mean())
             rec["surge"].append(_surge_step(train, row))
+            ev = df.dropna(subset=["val/accuracy"])
+            hit = ev.loc[ev["val/accuracy"] >= learned_at, "step"]
+            rec["learned"].append(float(hit.iloc[0]) if len(hit) else float("nan"))
         a = {k: np.array(v, dtype=float) for k, v in rec.items()}
         fired = a["surge"][np.isfinite(a["surge"])]
+        learned = a["learned"][np.isfinite(a["learned"])]
         rows.append({
             "condition": cond, "n": len(g),
             "greedy acc start": f"{a['start'].mean():.2f}",
@@ -89,6 +94,7 @@ def learning(index: pd.DataFrame, gain: float = 0.15) -> str:
             "length ratio": f"{(a['len1'] / a['len0']).mean():.2f} ({(a['len1'] / a['len0']).min():.2f}-"
                             f"{(a['len1'] / a['len0']).max():.2f})",
             "surge detected": f"{len(fired)}/{len(g)}" + (f", median step {np.median(fired):g}" if len(fired) else ""),
+            f"acc >= {learned_at:g}": f"{len(learned)}/{len(g)}" + (f", median step {np.median(learned):g}" if len(learned) else ""),
         })
     return pd.DataFrame(rows).to_markdown(index=False)
 
@@ -133,6 +139,7 @@ def main() -> None:
         idx["run_dir"] = [str(Path(d) / r) if not Path(r).is_absolute() else r for r in idx["run_dir"]]
         frames.append(idx)
     index = pd.concat(frames, ignore_index=True)
+    index = index[index["state"].isin(["finished", "diverged"])]  # complete runs only
     print("## Conditions\n")
     print(conditions(index))
     print("\n## Learning and response length\n")
