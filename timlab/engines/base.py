@@ -11,6 +11,7 @@ lengths. Truncation is a separate, non-numerical source of mismatch, so both are
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -70,6 +71,15 @@ class Rollout:
 
 class NonFiniteLogitsError(TimlabError, ValueError):
     """The model produced NaN/Inf logits while decoding (diverged weights, overflow)."""
+
+
+def import_backend(module: str, error: type[Exception], message: str):
+    """``import module`` for an engine built on an optional package; ``error(message)`` (one line,
+    no traceback chain) when the package is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise error(message) from None
 
 
 def truncate(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:

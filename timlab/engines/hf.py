@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from timlab.engines.base import ENGINES, Engine, LogitsProcessor, SamplingParams
+from timlab.engines.base import ENGINES, Engine, LogitsProcessor, SamplingParams, import_backend
 from timlab.errors import TimlabError, UsageError
 from timlab.model.forward import gather_logprobs, positions_from_valid
 from timlab.model.hf_io import config_to_hf
@@ -41,11 +41,7 @@ class MissingTransformersError(TimlabError, ImportError, ValueError):
 
 
 def _import_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingTransformersError(MISSING_TRANSFORMERS) from None
-    return transformers
+    return import_backend("transformers", MissingTransformersError, MISSING_TRANSFORMERS)
 
 
 def build_hf_model(model: CausalLM, *, attn_implementation: str = "sdpa"):

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from timlab.engines.base import ENGINES, Engine, SamplingParams, truncate
+from timlab.engines.base import ENGINES, Engine, SamplingParams, import_backend, truncate
 from timlab.errors import TimlabError, UsageError
 from timlab.model.hf_io import save_model
 from timlab.model.llama import CausalLM
@@ -67,11 +67,7 @@ class MissingVLLMError(TimlabError, ImportError, ValueError):
 
 
 def _import_vllm():
-    try:
-        import vllm
-    except ImportError:
-        raise MissingVLLMError(MISSING_VLLM) from None
-    return vllm
+    return import_backend("vllm", MissingVLLMError, MISSING_VLLM)
 
 
 def _engine_arg_names() -> set[str]:
