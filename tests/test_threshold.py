@@ -70,6 +70,24 @@ def test_threshold_cli_prints_writes_and_plots(tmp_path, capsys):
     assert out_png.stat().st_size > 10_000
 
 
+def test_runs_with_a_remedy_are_cells_of_their_own(tmp_path):
+    _fake_sweep(tmp_path)
+    index = pd.read_parquet(tmp_path / "index.parquet")
+    index["correction.mode"] = "none"
+    index["scheduler.name"] = "constant"
+    tis = index.copy()
+    tis["run_id"] = tis["run_id"] + "_tis"
+    tis["correction.mode"] = "truncate"
+    tis["correction.level"] = "token"
+    tis["collapsed"] = False  # the remedy prevents every collapse
+    pd.concat([index, tis]).to_parquet(tmp_path / "index.parquet", index=False)
+    res = threshold_study(tmp_path)
+    plain = [c for c in res.cells if c.family == "logit_noise"]
+    assert len(plain) == 3 and all(math.isfinite(c.k3_star) for c in plain)  # not diluted by the TIS runs
+    with_tis = [c for c in res.cells if c.family == "logit_noise+token_truncate"]
+    assert len(with_tis) == 3 and all(math.isnan(c.hi) for c in with_tis)
+
+
 def test_threshold_reads_several_sweeps_together(tmp_path):
     """A cell's doses may sit in different sweep directories (e.g. a dose-response sweep and a
     threshold sweep): split the synthetic sweep in two and get the same result."""

@@ -2,7 +2,9 @@
 
 A threshold study is a sweep whose runs vary the injector's magnitude (the dose) within cells
 that differ in response-length scale (a config column such as ``task.kwargs.max_digits``), and
-optionally in injector family and learning rate (docs/examples/threshold.yaml). For each cell:
+optionally in injector family and learning rate (docs/examples/threshold.yaml). Runs with a
+remedy (an IS correction or a non-constant LR schedule) form families of their own, e.g.
+``head_perturb+token_truncate``. For each cell:
 
 - per dose: the number of complete runs, how many collapsed (``timlab.experiments.collapse``'s
   rule), the realized K3 KL (median over seeds of each run's mean ``rollout_corr/k3_kl``) and the
@@ -110,6 +112,17 @@ def _run_length(run_dir: Path) -> float:
     return float(x.mean()) if x.size else math.nan
 
 
+def _family(row: pd.Series) -> str:
+    """The injector, plus any remedy the run used (a run with TIS or a decaying LR is a cell of
+    its own, never pooled with the plain injector's doses)."""
+    parts = [str(row[FAMILY])]
+    if str(row.get("scheduler.name", "constant")) != "constant":
+        parts.append(str(row["scheduler.name"]))
+    if str(row.get("correction.mode", "none")) != "none":
+        parts.append(f"{row.get('correction.level', 'token')}_{row['correction.mode']}")
+    return "+".join(parts)
+
+
 def bracket(doses: pd.DataFrame, bar: float = BAR) -> tuple[float, float]:
     """(lo, hi) of k3* from per-dose rows with ``k3`` and ``collapse_frac`` (NaN where unknown)."""
     d = doses.dropna(subset=["k3"]).sort_values("k3")
@@ -136,9 +149,10 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
         frames.append(index)
     index = pd.concat(frames, ignore_index=True)
     done = index[index["state"].isin(COMPLETE_STATES)].copy()
+    done["family"] = [_family(r) for _, r in done.iterrows()]
     done["T"] = [_run_length(p) for p in done["run_path"]]
     cells = []
-    for (family, lr, sc), g in done.groupby([FAMILY, LR, scale], sort=True):
+    for (family, lr, sc), g in done.groupby(["family", LR, scale], sort=True):
         rows = []
         for dose, gd in g.groupby(DOSE, sort=True):
             collapsed = gd["collapsed"].astype(bool)
