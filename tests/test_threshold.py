@@ -107,3 +107,23 @@ def test_threshold_unknown_scale_is_one_line(tmp_path, capsys):
     assert main(["threshold", str(tmp_path), "--scale", "task.kwargs.max_len"]) == 2
     err = capsys.readouterr().err
     assert "no column 'task.kwargs.max_len'; valid choices:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_min_peak_counts_only_falls_after_learning(tmp_path):
+    """A dip below half of a low warm-start accuracy before learning is a collapse under the
+    default rule but not with min_peak=0.5; a fall after learning is one under both."""
+    curves = {"dip_then_learn": [0.3, 0.1, 0.1, 0.1, 0.9, 0.9], "learn_then_fall": [0.3, 0.9, 0.9, 0.2, 0.2, 0.2]}
+    rows = []
+    for dose, (name, acc) in enumerate(curves.items()):
+        rd = RunDir(tmp_path / name)
+        rd.path.mkdir()
+        steps = list(range(0, 60, 10))
+        pd.DataFrame({"step": steps, "val/accuracy": acc, "train/response_length_mean": [10.0] * 6}).to_parquet(rd.metrics_file)
+        rd.write_status("finished", step=50, total_steps=50)
+        rows.append({"run_id": name, "run_dir": name, "state": "finished", "collapsed": True, "k3_kl_mean": 0.1 * (dose + 1),
+                     "final_accuracy": acc[-1], "mismatch.injector": "head_perturb", "mismatch.magnitude": float(dose),
+                     "optim.lr": 2e-4, "task.kwargs.max_digits": 4})
+    pd.DataFrame(rows).to_parquet(tmp_path / "index.parquet", index=False)
+    default = threshold_study(tmp_path, min_peak=0.05).table().set_index("dose")["collapsed"]
+    learned = threshold_study(tmp_path, min_peak=0.5).table().set_index("dose")["collapsed"]
+    assert list(default) == ["1/1", "1/1"] and list(learned) == ["0/1", "1/1"]

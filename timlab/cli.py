@@ -416,7 +416,7 @@ def cmd_threshold(args: argparse.Namespace) -> int:
 
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot")
-    res = threshold_study(args.dirs, **_given(args, ("scale",)))
+    res = threshold_study(args.dirs, **_given(args, ("scale", "min_peak")))
     print(format_threshold(res))
     _write_json(args.json, {"table": res.table().to_dict("records"), "summary": res.summary().to_dict("records"),
                             "fits": [vars(f) for f in res.fits]})
@@ -430,6 +430,8 @@ def _add_threshold(sub) -> None:
                                          "(docs/examples/threshold.yaml)")
     p.add_argument("dirs", nargs="+", metavar="SWEEP_DIR", help="sweep directories (each holds index.parquet), read together")
     p.add_argument("--scale", help="index column that sets the response-length scale (default task.kwargs.max_digits)")
+    p.add_argument("--min-peak", type=float, help="count only collapses from a running peak of at least this accuracy "
+                                                  "(e.g. 0.5: runs that had learned; default: the sweep's own rule)")
     p.add_argument("--json", help="write the per-dose table, k3* intervals and fits as JSON here")
     p.add_argument("--plot", metavar="PNG", help="draw k3* against the response length here")
     p.set_defaults(func=cmd_threshold)

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from timlab.errors import UsageError
-from timlab.experiments.collapse import COMPLETE_STATES
+from timlab.experiments.collapse import COMPLETE_STATES, run_summary
 from timlab.experiments.sweep import read_index
 from timlab.trainer.rundir import RunDir
 
@@ -134,9 +134,14 @@ def bracket(doses: pd.DataFrame, bar: float = BAR) -> tuple[float, float]:
 
 
 def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "task.kwargs.max_digits",
-                    bar: float = BAR, target_k3: float = REALISTIC_K3) -> ThresholdResult:
+                    bar: float = BAR, target_k3: float = REALISTIC_K3, min_peak: float | None = None
+                    ) -> ThresholdResult:
     """Per-cell dose tables, k3* intervals and the k3*(T) fit of one or more threshold sweeps
-    (read together: a cell's doses may come from different sweeps)."""
+    (read together: a cell's doses may come from different sweeps).
+
+    ``min_peak``: re-judge every run with the collapse rule's ``min_peak`` set to this, e.g. 0.5
+    to count only runs that fell after they had learned (None: the sweep's own verdicts, whose
+    rule also counts a fall below half of the warm start's accuracy)."""
     dirs = [Path(d) for d in (sweep_dirs if isinstance(sweep_dirs, (list, tuple)) else [sweep_dirs])]
     frames = []
     for sweep_dir in dirs:
@@ -151,6 +156,8 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
     done = index[index["state"].isin(COMPLETE_STATES)].copy()
     done["family"] = [_family(r) for _, r in done.iterrows()]
     done["T"] = [_run_length(p) for p in done["run_path"]]
+    if min_peak is not None:
+        done["collapsed"] = [run_summary(p, min_peak=min_peak)["collapsed"] for p in done["run_path"]]
     cells = []
     for (family, lr, sc), g in done.groupby(["family", LR, scale], sort=True):
         rows = []
