@@ -19,7 +19,6 @@ Target: "well under a minute on 2 cores" for the default settings (256 samples, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
+from timlab.files import write_json  # noqa: E402
 from timlab.config import resolve
 from timlab.experiments.gradcheck import run_gradcheck
 from timlab.trainer.pretrain import ensure_warm_start
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     for n in res.notes:
         print(f"note: {n}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return out
 
 

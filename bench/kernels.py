@@ -14,7 +14,6 @@ Qwen3-0.6B layer's. Without CUDA or Triton, ``--device cuda`` is a one-line erro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from timlab.files import write_json  # noqa: E402
 from timlab.errors import UsageError  # noqa: E402
 from timlab.kernels import check_device  # noqa: E402
 
@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{dtype:<9} {name:<12} max|err| {r['err']:.3g} (torch {r['torch_err']:.3g})  "
                   f"rows invariant: {r['rows_invariant']}{t}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return out
 
 

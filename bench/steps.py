@@ -39,7 +39,6 @@ in ``--width-threads`` (interleaved, 3 rounds, median), and checked bitwise acro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -54,6 +53,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import timlab.model.forward as forward  # noqa: E402
+from timlab.files import write_json  # noqa: E402
 from timlab.config import resolve  # noqa: E402
 from timlab.engines import SamplingParams, build_engine  # noqa: E402
 from timlab.engines.native import ExactEngine  # noqa: E402
@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"CPU {p['cpu_s']:.2f} s, speed-up {p['speedup']:.2f}x, rollout == trainer: "
                   f"{p['rollout_equals_trainer']}, == {threads[0]} thread(s): {p['rollout_equals_first_thread_count']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return out
 
 

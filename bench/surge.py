@@ -17,7 +17,6 @@ for a 5-seed x 6-condition study in one session on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timlab.config import resolve  # noqa: E402
+from timlab.files import write_json  # noqa: E402
 from timlab.trainer.pretrain import ensure_warm_start  # noqa: E402
 from timlab.trainer.run import train  # noqa: E402
 
@@ -76,7 +76,7 @@ def main() -> None:
               f"CPU-min ({r['wall_minutes']:.2f} min wall; target <= {TARGETS['cpu_minutes']}: ratio "
               f"{r['cpu_minutes'] / TARGETS['cpu_minutes']:.2f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"warm_start": sft, "runs": runs, "targets": TARGETS}, indent=2))
+        write_json(args.json, {"warm_start": sft, "runs": runs, "targets": TARGETS})
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ Target: timlab >= 3 x TRL steps/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -48,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
+from timlab.files import write_json  # noqa: E402
 from timlab.config import resolve  # noqa: E402
 from timlab.model.hf_io import load_model  # noqa: E402
 from timlab.tasks import make_splits  # noqa: E402
@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"speedup timlab/TRL: {out['speedup']:.2f}x (CPU time: {out['cpu_speedup']:.2f}x); target >= 3x: "
           f"{'met' if out['target_met'] else 'NOT met'}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return out
 
 
