@@ -236,10 +236,10 @@ class RLRun:
             if not d.config.exists():
                 raise FileNotFoundError(f"--resume: {d.path} is not a run directory (no config.yaml)")
             return
-        if d.has_run():
-            raise UsageError(f"run directory {d.path} already holds a run; pass --resume to continue it "
-                             "or choose a new --run-dir")
-        if self.world.is_main:
+        if self.world.is_main:  # the other ranks would see the config.yaml rank 0 has just written
+            if d.has_run():
+                raise UsageError(f"run directory {d.path} already holds a run; pass --resume to continue it "
+                                 "or choose a new --run-dir")
             d.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(d.config, self.cfg.to_yaml())
             self._wrote_config = True
