@@ -241,10 +241,10 @@ PRESETS: dict[str, dict] = {
         "run": {"steps": 150, "eval_every": 10, "checkpoint_every": 50},
     },
     # The surge testbed: addition of up to 4-digit numbers, which the 0.15M-parameter SFT warm start
-    # gets right 99% of the time when it works the sum out on a scratchpad and 26% of the time when
+    # gets right 99% of the time when it works the sum out on a scratchpad and 33% of the time when
     # it answers tersely. SFT shows the scratchpad on 20% of examples, so the warm start samples it
-    # ~18% of the time and answers tersely under greedy decoding. RL that learns to work it out
-    # raises greedy accuracy (0.33 -> ~0.98) and makes answers ~2x longer: a response-length surge.
+    # ~19% of the time and answers tersely under greedy decoding. RL that learns to work it out
+    # raises greedy accuracy (0.33 -> ~0.97) and makes answers ~2.4x longer: a response-length surge.
     "surge": {
         "model": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": 192, "pretrain_steps": 1500, "pretrain_batch": 64},
