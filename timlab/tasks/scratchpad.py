@@ -8,15 +8,16 @@ completion in one of two forms, both ending in ``>`` followed by the sum:
 - scratchpad: ``:7502,4813,>132`` for 47+85, one 5-character unit per column from the least
   significant: the two digits (0 where an operand has run out), the carry in, the sum digit and
   a comma; then ``>`` and the sum. Each unit needs only the previous unit and two digit
-  look-ups, so a small model gets it right far more often, at about 6x the length.
+  look-ups, so a small model gets it right far more often, at about 5x the length (21 vs 4.4
+  tokens on the surge preset's 1-4-digit sums).
 
 The SFT warm start (``demonstration``) writes the scratchpad for a ``scratch_frac`` share of
-examples and the terse form for the rest, so the starting policy mostly answers tersely (and
-greedy decoding always does: the first token ``>`` outweighs ``:``). Only the final answer is
+examples and the terse form for the rest, so with a small ``scratch_frac`` the starting policy
+mostly answers tersely, and greedy decoding does (the first token ``>`` outweighs ``:``). Only the final answer is
 rewarded: 1 if the text after the last ``>`` is exactly the decimal sum, else 0; dense reward is
 ``positional_match`` on that text. The scratchpad is never checked, as with chain-of-thought in
-reasoning models. RL that learns to work it out raises accuracy and makes answers several times
-longer within a few steps: a response-length surge.
+reasoning models. RL that learns to work it out raises accuracy and makes answers longer (2.4x
+over ~40 updates on the surge preset): a response-length surge.
 """
 
 from __future__ import annotations
