@@ -18,14 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from timlab.kernels.runtime import INTERPRETED, check_launchable, dot_acc, with_reference_backward
+from timlab.kernels.runtime import INTERPRETED, check_launchable, dot_acc, jit_unspecialized, with_reference_backward
 
 BLOCK_M, BLOCK_N = 32, 64
 """Stacked query rows per program and keys per step of the walk over the buffer."""
 NUM_WARPS, NUM_STAGES = 4, 2
 
 
-@triton.jit
+@jit_unspecialized("H_KV", "REP", "M", "S", "D", "sq_b", "sq_h", "sq_m", "sq_d", "sk_b", "sk_h", "sk_s", "sk_d",
+                   "sv_b", "sv_h", "sv_s", "sv_d", "sa_b", "sa_m", "sa_s", "so_b", "so_h", "so_m", "so_d")
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, scale, H_KV, REP, M, S, D,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timlab.kernels.runtime import INTERPRETED, check_launchable, dot_acc
+from timlab.kernels.runtime import INTERPRETED, check_launchable, dot_acc, jit_unspecialized
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 """The one tile configuration (rows, output columns, reduction chunk)."""
@@ -23,7 +23,7 @@ NUM_WARPS, NUM_STAGES = 4, 3
 """Launch settings on a GPU; they schedule the work and do not change the arithmetic."""
 
 
-@triton.jit
+@jit_unspecialized("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_ym", "stride_yn")
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,

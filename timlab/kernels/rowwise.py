@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timlab.kernels.runtime import INTERPRETED, check_launchable, with_reference_backward
+from timlab.kernels.runtime import INTERPRETED, check_launchable, jit_unspecialized, with_reference_backward
 
 MAX_BLOCK = 1024
 """Lanes per row: the row length rounded up to a power of two, at most this."""
@@ -26,7 +26,7 @@ def _block(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 16)), MAX_BLOCK)
 
 
-@triton.jit
+@jit_unspecialized("R", "N", "stride_x", "stride_y")
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, R, N, stride_x, stride_y, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, BLOCK)
@@ -77,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     )
 
 
-@triton.jit
+@jit_unspecialized("R", "N", "stride_x", "stride_y")
 def _log_softmax_kernel(x_ptr, y_ptr, R, N, stride_x, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, BLOCK)

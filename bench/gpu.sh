@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every GPU measurement the project has, in one command (for a machine with a CUDA GPU, torch,
+# triton and transformers; timlab runs from the checkout). Logs and JSON go to ${OUT:-/tmp/gpu}.
+#   bash bench/gpu.sh            # about 5-8 minutes on one H100
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+PY=${PY:-python3}
+step() { echo; echo "=== $1"; shift; "$@" 2>&1 | tee -a "$OUT/gpu.log"; echo "rc ${PIPESTATUS[0]}"; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/gpu.log"
+step "kernel tests, compiled" env TRITON_INTERPRET=0 timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
+step "kernels vs cuBLAS/SDPA" timeout 300 $PY bench/kernels.py --device cuda --json "$OUT/kernels.json"
+step "exact engine at Qwen3-0.6B width" timeout 400 $PY bench/gpu_exact.py --device cuda --json "$OUT/gpu_exact.json"
+step "engine throughput, tiny model" timeout 300 $PY bench/engines.py --device cuda --dtype bfloat16 --engines exact,fast,hf --repeats 5 --json "$OUT/engines_tiny.json"
+step "GRPO on CUDA, guard on" timeout 400 $PY -m timlab train --preset smoke --set run.device=cuda --run-dir /tmp/train_smoke --quiet
+step "its metrics" $PY -c "import pandas as pd; m = pd.read_parquet('/tmp/train_smoke/metrics.parquet'); cols = [c for c in m.columns if 'k3' in c or c in ('step', 'mismatch/max_abs_diff', 'train/reward_mean', 'train/step_time_s')]; print(m[cols].describe().T.to_string())"
+step "GRPO on CUDA, default preset, 30 steps" timeout 300 $PY -m timlab train --preset default --set run.device=cuda --set run.steps=30 --run-dir /tmp/train_default --quiet
+step "its metrics" $PY -c "import pandas as pd; m = pd.read_parquet('/tmp/train_default/metrics.parquet'); cols = [c for c in m.columns if 'k3' in c or c in ('step', 'mismatch/max_abs_diff', 'train/reward_mean', 'train/step_time_s')]; print(m[cols].describe().T.to_string())"
+exit 0
