@@ -154,7 +154,8 @@ def accuracy_auc(df: pd.DataFrame) -> float:
 SUMMARY_KEYS = (
     "state", "message", "last_step", "total_steps", "peak_accuracy", "final_accuracy", "auc_accuracy",
     "collapsed", "steps_to_collapse", "k3_kl_mean", "log_ppl_abs_diff_mean", "abs_diff_mean",
-    "grad_norm_max", "response_length_final", "response_length_peak", "surge_step", "decay_period",
+    "grad_norm_max", "response_length_mean", "response_length_final", "response_length_peak", "surge_step",
+    "decay_period",
 )
 """The keys of ``run_summary`` (and the summary columns of a sweep's index.parquet)."""
 
@@ -199,6 +200,7 @@ def run_summary(run_dir: str | Path, *, frac: float = DEFAULT_FRAC, window: int 
         "log_ppl_abs_diff_mean": _mean(_col(df, "rollout_corr/log_ppl_abs_diff")),
         "abs_diff_mean": _mean(_col(df, "mismatch/abs_diff_mean")),
         "grad_norm_max": _max(_col(df, "train/grad_norm")),
+        "response_length_mean": _mean(length),
         "response_length_final": _last(length),
         "response_length_peak": _max(length),
         "surge_step": _last(_col(df, "scheduler/surge_step")),

@@ -36,7 +36,6 @@ import pandas as pd
 from timlab.errors import UsageError
 from timlab.experiments.collapse import COMPLETE_STATES, run_summary
 from timlab.experiments.sweep import read_index
-from timlab.trainer.rundir import RunDir
 
 DOSE = "mismatch.magnitude"
 FAMILY = "mismatch.injector"
@@ -103,15 +102,6 @@ class ThresholdResult:
                               "k3*_hi": c.hi, "k3*": c.k3_star} for c in self.cells])
 
 
-def _run_length(run_dir: Path) -> float:
-    df = RunDir(run_dir).read_metrics()
-    if df is None or "train/response_length_mean" not in df.columns:
-        return math.nan
-    x = pd.to_numeric(df["train/response_length_mean"], errors="coerce").to_numpy(dtype=float)
-    x = x[np.isfinite(x)]
-    return float(x.mean()) if x.size else math.nan
-
-
 def _family(row: pd.Series) -> str:
     """The injector, plus any remedy the run used (a run with TIS or a decaying LR is a cell of
     its own, never pooled with the plain injector's doses)."""
@@ -155,9 +145,11 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
     index = pd.concat(frames, ignore_index=True)
     done = index[index["state"].isin(COMPLETE_STATES)].copy()
     done["family"] = [_family(r) for _, r in done.iterrows()]
-    done["T"] = [_run_length(p) for p in done["run_path"]]
+    rule = {} if min_peak is None else {"min_peak": min_peak}
+    summaries = [run_summary(p, **rule) for p in done["run_path"]]  # one read of each run's metrics
+    done["T"] = [s["response_length_mean"] for s in summaries]
     if min_peak is not None:
-        done["collapsed"] = [run_summary(p, min_peak=min_peak)["collapsed"] for p in done["run_path"]]
+        done["collapsed"] = [s["collapsed"] for s in summaries]
     cells = []
     for (family, lr, sc), g in done.groupby(["family", LR, scale], sort=True):
         rows = []
