@@ -100,30 +100,52 @@ def truncate(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return z
 
 
+_U_MAX = 1.0 - 2.0**-22
+"""Upper end of the uniform draws of ``draw_tokens``: with u <= _U_MAX in fp32, u * total < total
+for every positive finite total (the rounding error of the product is below total * 2^-24)."""
+
+
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` (B, V) (non-negative, unnormalized is fine) by inverse CDF.
+
+    Row b takes the b-th of B uniform numbers from ``generator``, u in [0, _U_MAX], scales it by
+    the row's total mass and picks the first token whose cumulative mass exceeds it. Since
+    u * total < total, that token exists and has a cumulative mass above the previous token's,
+    so a token of zero probability is never drawn (cumsum rounding cannot land on one). Same
+    generator state, same tokens; row b's token depends only on row b and its number.
+    """
+    cdf = probs.cumsum(-1)  # (B, V)
+    u = torch.empty(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device).uniform_(0.0, _U_MAX, generator=generator)
+    token = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True)  # (B, 1): first with cdf > u
+    return token.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # the clamp only matters for NaN rows
+
+
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: (B, V) fp32.
 
     Returns token (B,), its log-prob under the model's distribution log_softmax(logits) (B,),
     and its log-prob under the sampling distribution (B,). Order: temperature, top-k, top-p
-    (the order HF applies them in).
+    (the order HF applies them in); the draw is ``draw_tokens``. ``check_finite=False`` skips the
+    NaN/Inf check (and its host sync): the decode loop checks the log-probs of a rollout once
+    instead (non-finite logits make a row's log-probs NaN).
     """
-    if not bool(torch.isfinite(logits).all()):
+    if check_finite and not bool(torch.isfinite(logits).all()):
         raise NonFiniteLogitsError("non-finite values in the rollout's logits")
     logp_model = log_softmax(logits, dim=-1)  # (B, V): the same kernel as the trainer's
     if params.temperature == 0:
         token = logits.argmax(-1)
         lp = logp_model.gather(-1, token[:, None]).squeeze(-1)
         return token, lp, torch.zeros_like(lp)
-    z = logits / params.temperature if params.temperature != 1.0 else logits
-    logp_sample = torch.log_softmax(truncate(z, params), dim=-1)  # (B, V)
-    token = torch.multinomial(logp_sample.exp(), 1, generator=generator).squeeze(-1)
-    return (
-        token,
-        logp_model.gather(-1, token[:, None]).squeeze(-1),
-        logp_sample.gather(-1, token[:, None]).squeeze(-1),
-    )
+    if params.temperature == 1.0 and not params.top_k and params.top_p >= 1.0:
+        logp_sample = logp_model  # nothing changes the distribution: the same log-probs
+    else:
+        z = logits / params.temperature if params.temperature != 1.0 else logits
+        logp_sample = torch.log_softmax(truncate(z, params), dim=-1)  # (B, V)
+    token = draw_tokens(logp_sample.exp(), generator)
+    lp = logp_model.gather(-1, token[:, None]).squeeze(-1)
+    return token, lp, lp if logp_sample is logp_model else logp_sample.gather(-1, token[:, None]).squeeze(-1)
 
 
 class Engine:
@@ -243,38 +265,56 @@ class Engine:
     def _generate(self, prompts: list[list[int]], tokens: torch.Tensor, key_valid: torch.Tensor, P: int, *,
                   max_new_tokens: int, sampling: SamplingParams, generator: torch.Generator,
                   logits_processor: LogitsProcessor | None) -> Rollout:
-        """The decode loop on the packed (B, S) grid (``_prefill``, then ``_decode`` per token)."""
+        """The decode loop on the packed (B, S) grid (``_prefill``, then ``_decode`` per token).
+
+        Per step it only writes column ``col`` of the grids (finished rows get pad, log-prob 0,
+        mask False) and reads the host once (are all rows done?); the non-finite check runs once,
+        on the rollout's log-probs."""
         B, S = tokens.shape
         dev = tokens.device
         logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
         logp_s = torch.zeros(B, S, dtype=torch.float32, device=dev)
         mask = torch.zeros(B, S, dtype=torch.bool, device=dev)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        rows = torch.arange(B, device=dev)  # the full-batch rows the decode state holds, in order
+        rows = None  # the full-batch rows the decode state holds, in order (None: all B)
+        live = ~finished  # (n,): held rows still generating
+        held_valid = key_valid
         logits, state = self._prefill(tokens, key_valid, P)
         for i in range(max_new_tokens):
             col = P + i
             if logits_processor is not None:
-                logits = logits_processor(logits, torch.full((len(rows),), col, device=dev))
-            tok, lp, lps = sample_next(logits, sampling, generator)  # (n,) each
-            live = ~finished[rows]  # (n,): held rows still generating
-            tok = torch.where(live, tok, torch.full_like(tok, self.pad_token_id))
-            tokens[rows, col] = tok
-            r = rows[live]
-            logp[r, col] = lp[live]
-            logp_s[r, col] = lps[live]
-            mask[r, col] = True
-            finished[r[tok[live] == self.eos_token_id]] = True
-            if bool(finished.all()) or i == max_new_tokens - 1:
+                logits = logits_processor(logits, torch.full((logits.shape[0],), col, device=dev))
+            tok, lp, lps = sample_next(logits, sampling, generator, check_finite=False)  # (n,) each
+            tok = torch.where(live, tok, self.pad_token_id)
+            ended = live & (tok == self.eos_token_id)
+            if rows is None:
+                tokens[:, col] = tok
+                logp[:, col] = torch.where(live, lp, 0.0)
+                logp_s[:, col] = torch.where(live, lps, 0.0)
+                mask[:, col] = live
+                finished |= ended
+            else:
+                tokens[rows, col] = tok
+                logp[rows, col] = torch.where(live, lp, 0.0)
+                logp_s[rows, col] = torch.where(live, lps, 0.0)
+                mask[rows, col] = live
+                finished[rows] |= ended
+            live = live & ~ended
+            if i == max_new_tokens - 1:
                 break
-            keep = ~finished[rows]
-            if self.compact_below > 0 and int(keep.sum()) <= self.compact_below * len(rows):
+            n_live = int(live.sum())  # the step's one host read
+            if n_live == 0:  # rows not held are finished
+                break
+            if self.compact_below > 0 and n_live <= self.compact_below * live.shape[0]:
                 # Drop finished rows from the decode batch. Exactness is unaffected: every op
                 # of the exact path gives a row the same bits whatever rows share its batch.
-                state = self._select(state, keep)
-                rows = rows[keep]
-            held = tokens if len(rows) == B else tokens[rows]
-            logits = self._decode(state, held, key_valid if len(rows) == B else key_valid[rows], col)
+                state = self._select(state, live)
+                rows = (torch.arange(B, device=dev) if rows is None else rows)[live]
+                held_valid = key_valid[rows]
+                live = live[live]
+            logits = self._decode(state, tokens if rows is None else tokens[rows], held_valid, col)
+        if not bool(torch.isfinite(logp[mask]).all()):  # NaN/Inf logits make a row's log-probs NaN
+            raise NonFiniteLogitsError("non-finite values in the rollout's logits")
         return self._rollout(tokens, key_valid, P, response_mask=mask, logprobs=logp, sampling_logprobs=logp_s,
                              finished=finished)
 
