@@ -15,12 +15,52 @@ from timlab.model.forward import MIN_SKIP_MACS, attention_mask, positions_from_v
 from timlab.model.llama import KVCache, Step
 
 
+MAX_MASK_ELEMENTS = 1 << 26
+"""Build a rollout's whole (B, 1, S, S) attention mask once when it has at most this many elements
+(64 MiB of bool); above it each decode step builds its (B, 1, 1, S) row."""
+
+
+class _DecodeState:
+    """What the decode steps of one rollout share: the KV cache and, built once per rollout, the
+    positions, RoPE cos/sin and attention mask of every column, which each step slices (views)."""
+
+    __slots__ = ("cache", "key_valid", "positions", "cos", "sin", "allowed")
+
+    def __init__(self, cache: KVCache, key_valid, positions, cos, sin, allowed):
+        self.cache, self.key_valid, self.positions = cache, key_valid, positions
+        self.cos, self.sin, self.allowed = cos, sin, allowed
+
+    @classmethod
+    def build(cls, model, cache: KVCache, key_valid: torch.Tensor) -> "_DecodeState":
+        B, S = key_valid.shape
+        positions = positions_from_valid(key_valid)  # (B, S)
+        cos, sin = model.rope_at(positions, model.dtype)  # (B, 1, S, D)
+        allowed = attention_mask(key_valid, 0, S) if B * S * S <= MAX_MASK_ELEMENTS else None  # (B, 1, S, S)
+        return cls(cache, key_valid, positions, cos, sin, allowed)
+
+    def select(self, keep: torch.Tensor) -> "_DecodeState":
+        c = self.cache
+        return _DecodeState(KVCache([k[keep] for k in c.keys], [v[keep] for v in c.values]), self.key_valid[keep],
+                            self.positions[keep], self.cos[keep], self.sin[keep],
+                            None if self.allowed is None else self.allowed[keep])
+
+    def step(self, col: int, exact: bool) -> Step:
+        """The Step of the decode call at column ``col``: the same values as ``_step(key_valid, col, 1)``."""
+        width = self.key_valid.shape[1] if exact else col + 1
+        if self.allowed is not None:
+            allowed = self.allowed[:, :, col : col + 1, :width]  # (B, 1, 1, width)
+        else:
+            allowed = attention_mask(self.key_valid, col, 1, width)
+        return Step(positions=self.positions[:, col : col + 1], start=col, allowed=allowed,
+                    cos=self.cos[:, :, col : col + 1], sin=self.sin[:, :, col : col + 1])
+
+
 class _KVCachedEngine(Engine):
     mode = "exact"
     compact_below = 0.75
 
-    def _select(self, cache: KVCache, keep: torch.Tensor) -> KVCache:
-        return KVCache([k[keep] for k in cache.keys], [v[keep] for v in cache.values])
+    def _select(self, state: _DecodeState, keep: torch.Tensor) -> _DecodeState:
+        return state.select(keep)
 
     def _step(self, key_valid: torch.Tensor, start: int, num: int) -> Step:
         width = key_valid.shape[1] if self.mode == "exact" else start + num
@@ -35,6 +75,7 @@ class _KVCachedEngine(Engine):
     def _prefill(self, tokens, key_valid, P):
         B, S = tokens.shape
         first, inverse = None, None
+        full_valid = key_valid
         if self.share_prefill and not self.model.hooks:  # op hooks record one row per sequence
             key = torch.cat([tokens[:, :P], key_valid[:, :P].long()], dim=1)  # (B, 2P): a row's prompt
             _, inverse = torch.unique(key, dim=0, return_inverse=True)  # (B,): which distinct prompt
@@ -47,11 +88,14 @@ class _KVCachedEngine(Engine):
         h = self.model.hidden_states(tokens[:, :P], self._step(key_valid, 0, P), cache, self.mode)
         logits = self.model.logits_from_hidden(h[:, -1], self.mode)  # (n, V)
         if first is not None:  # back to one row per sequence: (B, ...)
-            logits, cache = logits[inverse], self._select(cache, inverse)
-        return logits, cache  # (B, V)
+            logits = logits[inverse]
+            cache = KVCache([k[inverse] for k in cache.keys], [v[inverse] for v in cache.values])
+        return logits, _DecodeState.build(self.model, cache, full_valid)  # (B, V), the decode state
 
-    def _decode(self, cache, tokens, key_valid, col):
-        h = self.model.hidden_states(tokens[:, col : col + 1], self._step(key_valid, col, 1), cache, self.mode)
+    def _decode(self, state: _DecodeState, tokens, key_valid, col):
+        """Logits (B, V) after column ``col``; the held rows' ``key_valid`` is the state's own."""
+        step = state.step(col, self.mode == "exact")
+        h = self.model.hidden_states(tokens[:, col : col + 1], step, state.cache, self.mode)
         return self.model.logits_from_hidden(h[:, -1], self.mode)  # (B, V)
 
 

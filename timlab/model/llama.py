@@ -266,6 +266,9 @@ class Step:
       runs on the (B, M) grid with zero queries, keys and values at the skipped positions. The
       caller skips only keys that no computed query may see, so computed positions get the same
       bits as without ``rows``; outputs at skipped positions are zeros.
+    cos, sin: optional (B, 1, M, D) RoPE values at ``positions`` in the model's dtype, as
+      ``CausalLM.rope_at`` gives them (a decode loop slices them from one table per rollout);
+      computed from ``positions`` when None. Not used with ``rows``.
     """
 
     positions: torch.Tensor
@@ -273,6 +276,8 @@ class Step:
     allowed: torch.Tensor
     rows: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -315,7 +320,8 @@ class Attention(nn.Module):
             keys, values = (cache_k, cache_v) if mode == "exact" else (cache_k[:, :, :end], cache_v[:, :, :end])
         rep = self.n_heads // self.n_kv
         if mode == "exact":  # handles grouped-query attention itself, without copying the KV buffer
-            out = fixed_length_attention(q, keys, values, step.allowed, self.scale)
+            out = fixed_length_attention(q, keys, values, step.allowed, self.scale, start=step.start,
+                                         cache=step.extras)  # the layers share the block masks
         else:
             if rep > 1:  # grouped-query attention: (B, H_kv, S, D) -> (B, H, S, D)
                 keys = keys.repeat_interleave(rep, dim=1)
@@ -393,6 +399,11 @@ class CausalLM(nn.Module):
             self._rope[device] = rope_table(self.config, n, device)
         return self._rope[device]
 
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, M, D) in ``dtype`` at ``positions`` (B, M)."""
+        cos_t, sin_t = self.rope(positions.device, int(positions.max()) + 1)
+        return cos_t[positions].to(dtype).unsqueeze(1), sin_t[positions].to(dtype).unsqueeze(1)
+
     def refresh_rope(self) -> None:
         self._rope.clear()
 
@@ -416,10 +427,10 @@ class CausalLM(nn.Module):
             x = x.reshape(-1, x.shape[-1])[step.rows][None]  # (1, N, hidden)
             positions = positions.reshape(-1)[step.rows][None]  # (1, N)
         self._emit("embed", x)
-        dtype = x.dtype
-        cos_t, sin_t = self.rope(x.device, int(step.positions.max()) + 1)
-        cos = cos_t[positions].to(dtype).unsqueeze(1)  # (B, 1, M, D)
-        sin = sin_t[positions].to(dtype).unsqueeze(1)
+        if step.cos is not None and step.rows is None:
+            cos, sin = step.cos, step.sin  # (B, 1, M, D)
+        else:
+            cos, sin = self.rope_at(positions, x.dtype)  # (B, 1, M, D)
         for i, layer in enumerate(self.model.layers):
             ck = cache.keys[i] if cache is not None else None
             cv = cache.values[i] if cache is not None else None
