@@ -160,6 +160,19 @@ class UpdateBatch:
     """The frozen reference policy's log-probs, for the KL penalty."""
 
 
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(params, **kwargs)``, fused (one kernel over every parameter) where torch
+    has the fused kernel for the parameters' device and dtype, else torch's default implementation.
+    The fused step is deterministic and keeps the same state_dict layout (resume works either way);
+    its bits differ from the per-parameter loop's in the last place (a different operation order),
+    and it is ~4x faster on the small models here (0.17 vs 0.72 ms per step on the demo preset)."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError):  # no fused kernel for this device / dtype
+        return torch.optim.AdamW(params, **kwargs)
+
+
 @dataclass
 class StepOutput:
     metrics: dict
@@ -206,9 +219,8 @@ class RLRun:
         if cfg.algorithm.kl_coef > 0:  # frozen copy of the starting policy for the KL penalty
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         c = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.precision.master.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay
-        )
+        self.optimizer = adamw(self.precision.master.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+                               weight_decay=c.weight_decay)
         self.scheduler = scheduler_from_config(self.optimizer, cfg.scheduler, total_steps=cfg.run.steps)
         self.injector = build_injector(cfg.mismatch, self.model, default_engine=cfg.rollout.engine,
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
@@ -357,7 +369,7 @@ class RLRun:
         maskf = mask.float()
         metrics = all_metrics(old_logp, rollout_logp, maskf, num_micro_batches=max(1, cfg.algorithm.mini_batches))
         dists = None
-        if cfg.run.distributions_every and self.step % cfg.run.distributions_every == 0:
+        if cfg.run.distributions_every and self.step % cfg.run.distributions_every == 0 and self.log is not None:
             dists = {
                 "histogram": ratio_histogram(old_logp, rollout_logp, maskf),
                 "by_position": mismatch_by_position(old_logp, rollout_logp, maskf),
