@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from timlab.model.ops import ATTN_MIN_ROWS, MIN_ROWS, fixed_length_attention, invariant_linear, pad_rows
+from timlab.model.forward import attention_mask
+from timlab.model.ops import (ATTN_MIN_ROWS, MIN_ROWS, attention_keys, attention_quantum, fixed_length_attention,
+                              invariant_linear, pad_rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,6 +54,66 @@ def test_one_query_equals_its_row_in_the_full_forward(dtype, H, H_kv, D):
     for t in (0, 1, 6, 20, 47):
         one = fixed_length_attention(q[:, :, t : t + 1], k, v, allowed[:, :, t : t + 1], D**-0.5)
         assert torch.equal(one, full[:, :, t : t + 1]), t
+
+
+def _qkv_mask(B, H, H_kv, S, D, L, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
+    key_valid = torch.ones(B, S, dtype=torch.bool)
+    for b in range(B):
+        key_valid[b, : int(torch.randint(0, max(1, L // 2), (1,), generator=g))] = False  # left padding
+    return q, k, v, key_valid
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H, H_kv, D, S, L", [
+    (4, 2, 16, 48, 33), (4, 2, 16, 48, 48), (4, 4, 12, 16, 9), (8, 1, 32, 96, 71), (2, 2, 64, 256, 250),
+    (16, 8, 128, 208, 150), (4, 1, 16, 512, 400), (4, 2, 16, 64, 1),
+])
+def test_key_blocks_decode_equals_trainer(threads, dtype, H, H_kv, D, S, L):
+    """With ``start``, a query runs against attention_keys(col, S) keys whatever the call: a prefill
+    plus one decode call per column gives the trainer's bits (one call over all L columns)."""
+    q, k, v, key_valid = _qkv_mask(3, H, H_kv, S, D, L, dtype, seed=S + L)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        trainer = fixed_length_attention(q, k, v, attention_mask(key_valid, 0, L, S), D**-0.5, start=0, cache={})
+        P = max(1, L // 3)
+        prefill = fixed_length_attention(q[:, :, :P], k, v, attention_mask(key_valid, 0, P, S), D**-0.5, start=0)
+        assert torch.equal(prefill, trainer[:, :, :P])
+        for c in sorted({P, P + 1, (P + L) // 2, L - 1} & set(range(P, L))):
+            one = fixed_length_attention(q[:, :, c : c + 1], k, v, attention_mask(key_valid, c, 1, S), D**-0.5, start=c)
+            assert torch.equal(one, trainer[:, :, c : c + 1]), c
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H, H_kv, D, S, L", [(4, 2, 16, 48, 33), (8, 2, 12, 96, 90), (4, 4, 64, 512, 300)])
+def test_key_blocks_are_the_same_attention(dtype, H, H_kv, D, S, L):
+    """The key-block path computes the all-keys attention (close, not bitwise: a GEMM's bits may
+    depend on its key count), and without ``start`` the bits of scale-then-masked_fill."""
+    q, k, v, key_valid = _qkv_mask(2, H, H_kv, S, D, L, dtype, seed=7)
+    allowed = attention_mask(key_valid, 0, L, S)
+    full = fixed_length_attention(q, k, v, allowed, D**-0.5)
+    blocks = fixed_length_attention(q, k, v, allowed, D**-0.5, start=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(blocks.float(), full.float(), atol=tol, rtol=tol)
+    rep = H // H_kv  # the formulation before the additive mask: scores * scale, then masked_fill
+    scores = torch.matmul(q.reshape(2, H_kv, rep * L, D), k.transpose(-1, -2)) * D**-0.5
+    mask = allowed.unsqueeze(2).expand(2, 1, rep, L, S).reshape(2, 1, rep * L, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32).to(dtype)
+    assert torch.equal(full, torch.matmul(probs, v).reshape(2, H, L, D))
+
+
+def test_attention_keys():
+    assert [attention_keys(c, 48) for c in (0, 15, 16, 31, 32, 47)] == [16, 16, 32, 32, 48, 48]
+    assert attention_keys(40, 40) == 40  # never past the buffer
+    assert attention_quantum(64) == 16 and attention_quantum(80) == 32 and attention_quantum(512) == 128
+    assert all(-(-S // attention_quantum(S)) <= 4 for S in range(16, 2049, 16))
 
 
 def test_pad_rows():

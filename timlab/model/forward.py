@@ -70,7 +70,8 @@ def full_step(key_valid: torch.Tensor, kv_len: int | None = None, needed: torch.
     ``kv_len`` (>= L) is the attention buffer length S the rollout decoded with. A trainer that
     scores only the first L columns (the realized lengths) passes it, and the exact attention
     zero-pads its keys and values to S: keys past L are masked for every query, so they add
-    exact zeros and the reduction over keys keeps the length S the decode steps used.
+    exact zeros, and the query at column c runs against the first ``ops.attention_keys(c, S)``
+    keys, the count its decode step used.
     ``needed`` (B, L) bool: compute only these positions (see ``Step.rows``).
     """
     L = key_valid.shape[1]

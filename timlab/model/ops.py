@@ -12,8 +12,10 @@ rules hold (checked in tests/test_ops.py) and the GEMMs are kept off MKL's threa
    widths, so there MIN_ROWS = 16 has no margin. Decode steps have few rows, so they are padded.
    The batched attention GEMMs use the same rule per batch item with ``ATTN_MIN_ROWS`` rows.
 2. Attention is ``softmax(mask(q @ k^T)) @ v`` over a KV buffer of one fixed length ``S`` in both
-   the decode step and the trainer's forward, so every reduction over keys has the same length
-   and the same order. Future and padded keys are masked with -inf and contribute exact zeros.
+   the decode step and the trainer's forward, and the query at column c runs against the
+   buffer's first ``attention_keys(c, S)`` keys in both, so every reduction over keys has the
+   same length and the same order. Future and padded keys are masked with -inf and contribute
+   exact zeros.
 3. With more than one torch thread, MKL's fp32 GEMM splits small row counts differently from its
    one-thread kernel (rows 5-7 and 9-11 differ with 2 threads on the AVX-512 machine; cut-offs
    up to 1024 rows at K = 8192 were reported on another VM), so no padding fixes it. The exact
@@ -154,8 +156,8 @@ def fixed_length_attention(
     ATTN_MIN_ROWS rows, so a single decode query takes the same GEMM path as the trainer's many rows;
     the padding rows are sliced off before the mask and the softmax (row-wise, so invariant)
     and enter the second GEMM as zero probabilities. Softmax runs in fp32 like HF's eager kernel.
-    The mask is added as a 0 / -inf bias (``add(bias, scores, alpha=scale)``: the bits of
-    ``scores * scale`` where allowed, -inf elsewhere, ~7x cheaper than ``masked_fill``).
+    The mask is added as a 0 / -inf bias: the bits of ``scores * scale`` where allowed, -inf
+    elsewhere, as ``masked_fill`` gave them, ~7x cheaper.
 
     ``start`` (CPU path): the queries sit at buffer columns start..start+M-1 and may see no key
     past their own column (the causal masks of ``timlab.model.forward``). The query at column c
@@ -184,8 +186,11 @@ def fixed_length_attention(
             b = min(start + M, (a // Q + 1) * Q)  # this block: columns a..b-1, one key count
             blocks.append((a - start, b - start, attention_keys(b - 1, S)))
             a = b
+    # split, not sliced: the backward concatenates the blocks' query gradients (a slice's
+    # backward zero-fills a whole q-sized tensor per block)
+    q_blocks = q.split([b - a for a, b, _ in blocks], dim=2) if len(blocks) > 1 else (q,)
     outs = []
-    for a, b, K in blocks:
+    for (a, b, K), qb in zip(blocks, q_blocks):
         m = b - a
         n = rep * m
         key = ("attention_bias", a, b, K, rep, q.dtype)
@@ -194,11 +199,14 @@ def fixed_length_attention(
             bias = _attention_bias(allowed[:, :, a:b, :K], rep, q.dtype)  # (B, 1, n, K)
             if cache is not None:
                 cache[key] = bias
-        qb = q if m == M else q[:, :, a:b]
         qb = qb.reshape(B, H_kv, n, D)  # (B, H_kv, rep*m, D): head g*rep + r -> KV group g, row r*m + i
         kb, vb = (k, v) if K == S else (k[:, :, :K], v[:, :, :K])
         scores = cpu_gemm.matmul(pad_rows(qb, ATTN_MIN_ROWS, dim=2), kb.transpose(-1, -2))  # (B, H_kv, n', K)
-        scores = torch.add(bias, scores[:, :, :n], alpha=scale)  # (B, H_kv, n, K): padding rows dropped
+        scores = scores[:, :, :n]  # (B, H_kv, n, K): padding rows dropped
+        if scores.dtype == torch.float32:  # fma(s, scale, 0) = s * scale; in bf16 alpha is rounded to bf16
+            scores = torch.add(bias, scores, alpha=scale)
+        else:
+            scores = torch.add(bias, scores * scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # (B, H_kv, n, K)
         out = cpu_gemm.matmul(pad_rows(probs, ATTN_MIN_ROWS, dim=2), vb)  # (B, H_kv, max(n, ATTN_MIN_ROWS), D)
         outs.append(out[:, :, :n].reshape(B, H, m, D))
