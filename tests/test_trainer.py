@@ -308,3 +308,19 @@ def test_surge_testbed_runs_with_a_mixed_warm_start(tmp_path):
 
     info = json.loads((warm_start_dir(cfg) / "pretrain.json").read_text())
     assert info["task_kwargs"] == {"max_digits": 2, "scratch_frac": 0.2}
+
+
+def test_progress_bar_of_a_phase_that_starts_at_zero_never_counts_below_zero(capsys):
+    """The sweep phase reports 0 runs done first (a training phase reports step 1 first)."""
+    from timlab.cli import Progress
+
+    prog = Progress()
+    prog("sweep", 0, 8, {})
+    assert prog.bars["sweep"].n == 0
+    prog("sweep", 3, 8, {})
+    assert prog.bars["sweep"].n == 3
+    prog("train:r", 1, 4, {"train/reward_mean": 0.5})
+    assert prog.bars["train:r"].n == 1
+    prog.close()
+    err = capsys.readouterr().err
+    assert "-1/8" not in err and "clamping" not in err and "3/8" in err

@@ -131,7 +131,7 @@ class Progress:
 
         bar = self.bars.get(phase)
         if bar is None:
-            bar = self.bars[phase] = tqdm(total=n, desc=phase, initial=i - 1, dynamic_ncols=True, file=sys.stderr)
+            bar = self.bars[phase] = tqdm(total=n, desc=phase, initial=max(i - 1, 0), dynamic_ncols=True, file=sys.stderr)
         last = self.last.setdefault(phase, {})  # per phase: pretraining's loss never shows on an RL bar
         for k, short in self.KEYS.items():
             if k in metrics and metrics[k] == metrics[k]:
