@@ -287,18 +287,12 @@ class Engine:
             tok, lp, lps = sample_next(logits, sampling, generator, check_finite=False)  # (n,) each
             tok = torch.where(live, tok, self.pad_token_id)
             ended = live & (tok == self.eos_token_id)
-            if rows is None:
-                tokens[:, col] = tok
-                logp[:, col] = torch.where(live, lp, 0.0)
-                logp_s[:, col] = torch.where(live, lps, 0.0)
-                mask[:, col] = live
-                finished |= ended
-            else:
-                tokens[rows, col] = tok
-                logp[rows, col] = torch.where(live, lp, 0.0)
-                logp_s[rows, col] = torch.where(live, lps, 0.0)
-                mask[rows, col] = live
-                finished[rows] |= ended
+            held = slice(None) if rows is None else rows  # the grid rows the decode batch holds
+            tokens[held, col] = tok
+            logp[held, col] = torch.where(live, lp, 0.0)
+            logp_s[held, col] = torch.where(live, lps, 0.0)
+            mask[held, col] = live
+            finished[held] |= ended
             live = live & ~ended
             if i == max_new_tokens - 1:
                 break

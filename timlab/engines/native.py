@@ -39,8 +39,7 @@ class _DecodeState:
         return cls(cache, key_valid, positions, cos, sin, allowed)
 
     def select(self, keep: torch.Tensor) -> "_DecodeState":
-        c = self.cache
-        return _DecodeState(KVCache([k[keep] for k in c.keys], [v[keep] for v in c.values]), self.key_valid[keep],
+        return _DecodeState(self.cache.rows(keep), self.key_valid[keep],
                             self.positions[keep], self.cos[keep], self.sin[keep],
                             None if self.allowed is None else self.allowed[keep])
 
@@ -89,7 +88,7 @@ class _KVCachedEngine(Engine):
         logits = self.model.logits_from_hidden(h[:, -1], self.mode)  # (n, V)
         if first is not None:  # back to one row per sequence: (B, ...)
             logits = logits[inverse]
-            cache = KVCache([k[inverse] for k in cache.keys], [v[inverse] for v in cache.values])
+            cache = cache.rows(inverse)
         return logits, _DecodeState.build(self.model, cache, full_valid)  # (B, V), the decode state
 
     def _decode(self, state: _DecodeState, tokens, key_valid, col):

@@ -252,6 +252,10 @@ class KVCache:
     def length(self) -> int:
         return self.keys[0].shape[2]
 
+    def rows(self, idx: torch.Tensor) -> "KVCache":
+        """The buffers of the sequences ``idx`` selects (a bool mask or indices, repeats allowed)."""
+        return KVCache([k[idx] for k in self.keys], [v[idx] for v in self.values])
+
 
 @dataclass
 class Step:

@@ -36,7 +36,6 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from timlab.model import cpu_gemm
 
@@ -104,12 +103,13 @@ def invariant_linear(
 
     ``x`` is (..., K); it is flattened to (M, K) and padded to at least MIN_ROWS rows.
     """
-    if _backend == "triton" or (_backend == "auto" and x.is_cuda):  # triton_kernels(x), inlined (hot path)
-        return triton_kernels(x).linear(x, weight, bias)
+    kernels = triton_kernels(x)
+    if kernels is not None:
+        return kernels.linear(x, weight, bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
     m = x2.shape[0]
     if m >= MIN_ROWS:  # no padding: the GEMM as it is (one thread: F.linear itself)
-        y = F.linear(x2, weight, bias) if torch.get_num_threads() == 1 else cpu_gemm.linear(x2, weight, bias, MIN_ROWS)
+        y = cpu_gemm.linear(x2, weight, bias, MIN_ROWS)
         return y if x2 is x else y.view(*x.shape[:-1], weight.shape[0])
     y = cpu_gemm.linear(pad_rows(x2), weight, bias, MIN_ROWS)  # (MIN_ROWS, N)
     return y[:m].reshape(*x.shape[:-1], weight.shape[0])
