@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timlab.errors import UsageError
-from timlab.model.ops import fixed_length_attention, invariant_linear, triton_kernels
+from timlab.model.ops import fixed_length_attention, invariant_linear, silu, triton_kernels
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -345,7 +345,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
-        gate = F.silu(_linear(mode, x, self.gate_proj))
+        gate = _linear(mode, x, self.gate_proj)
+        gate = silu(gate) if mode == "exact" else F.silu(gate)
         return _linear(mode, gate * _linear(mode, x, self.up_proj), self.down_proj)
 
 

@@ -36,6 +36,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from timlab.model import cpu_gemm
 
@@ -115,6 +116,41 @@ def invariant_linear(
     return y[:m].reshape(*x.shape[:-1], weight.shape[0])
 
 
+SILU_ALIGN = {torch.float32: 32, torch.float64: 32}
+"""Row length (elements) that ``silu`` pads to, per dtype; 64 for the others (bf16, fp16)."""
+
+ELEMENTWISE_GRAIN = 32768
+"""ATen splits an elementwise op over threads only from this many elements (``at::internal::GRAIN_SIZE``)."""
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu`` whose bits per element do not depend on how many rows are computed together.
+
+    ATen computes an elementwise op over the flattened tensor in SIMD vectors, unrolled twice,
+    and the last ``numel % (2 * vector width)`` elements with the scalar function; with threads,
+    each thread's chunk has such a tail. For SiLU the scalar ``std::exp`` and the vectorized exp
+    round differently (about 4% of fp32 inputs differ in the last bit), so an element's bits
+    would depend on the row count. Here every row is padded to a multiple of ``SILU_ALIGN``
+    elements (no copy when it already is), and with several threads the rows are computed in
+    blocks that ATen does not split, so every element takes the vectorized path.
+    """
+    n = x.shape[-1]
+    align = SILU_ALIGN.get(x.dtype, 64)
+    pad = -n % align
+    threads = torch.get_num_threads()
+    if pad == 0 and (threads == 1 or x.numel() <= ELEMENTWISE_GRAIN):
+        return F.silu(x)
+    x2 = x.reshape(-1, n)  # (R, N)
+    if pad:
+        x2 = F.pad(x2, (0, pad))  # (R, N + pad): every row a whole number of vector pairs
+    if threads > 1 and x2.numel() > ELEMENTWISE_GRAIN:
+        rows = max(1, ELEMENTWISE_GRAIN // x2.shape[1])
+        y = torch.cat([F.silu(b) for b in x2.split(rows)])
+    else:
+        y = F.silu(x2)
+    return (y[:, :n] if pad else y).reshape(x.shape)
+
+
 ATTN_SEGMENTS = 4
 """At most this many query segments per call (see ``attention_quantum``)."""
 
@@ -178,6 +214,10 @@ def fixed_length_attention(
     B, H, M, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     rep = H // H_kv
+    # One memory layout for the buffers whatever the caller's (a teacher-forced k, v is a view
+    # of (B, S, H_kv, D)): a GEMM's operand layout picks the kernel (transposed or not), and in
+    # bf16/fp16 the two kernels round differently.
+    k, v = k.contiguous(), v.contiguous()
     if start is None:
         blocks = [(0, M, S)]
     else:
@@ -199,7 +239,7 @@ def fixed_length_attention(
             bias = _attention_bias(allowed[:, :, a:b, :K], rep, q.dtype)  # (B, 1, n, K)
             if cache is not None:
                 cache[key] = bias
-        qb = qb.reshape(B, H_kv, n, D)  # (B, H_kv, rep*m, D): head g*rep + r -> KV group g, row r*m + i
+        qb = qb.reshape(B, H_kv, n, D).contiguous()  # (B, H_kv, rep*m, D): head g*rep + r -> KV group g, row r*m + i
         kb, vb = (k, v) if K == S else (k[:, :, :K], v[:, :, :K])
         scores = cpu_gemm.matmul(pad_rows(qb, ATTN_MIN_ROWS, dim=2), kb.transpose(-1, -2))  # (B, H_kv, n', K)
         scores = scores[:, :, :n]  # (B, H_kv, n, K): padding rows dropped
