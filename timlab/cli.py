@@ -510,6 +510,28 @@ def _add_gradcheck(sub) -> None:
 _EXTRA_COMMANDS.append(_add_gradcheck)
 
 
+# ---------------------------------------------------------------------------------- export
+def cmd_export(args: argparse.Namespace) -> int:
+    from timlab.experiments.export import export_checkpoint
+
+    res = export_checkpoint(args.run_dir, args.out, step=args.step)
+    print(f"exported step {res.step} of {args.run_dir} to {res.path} ({', '.join(res.files)}); "
+          f"start a run from it with --set model.path={res.path}")
+    return 0
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a run's checkpoint as a plain HF model folder (start RL from a "
+                                      "learned policy with model.path=DIR)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory")
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest; 0 = the warm start)")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    p.set_defaults(func=cmd_export)
+
+
+_EXTRA_COMMANDS.append(_add_export)
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"timlab: warning: {message}", file=sys.stderr if file is None else file)
 
