@@ -77,7 +77,8 @@ def frac_ci(k: int, n: int) -> str:
 
 def perm(a, b) -> str:
     r = permutation_test(a, b)
-    return f"{r.diff:+.3f}, p = {fmt_p(r.p)}" + (" (the floor)" if r.p <= r.floor + 1e-12 else "")
+    diff = f"{r.diff:+.1f}" if all(float(v).is_integer() for v in [*a, *b]) and abs(r.diff) > 1 else f"{r.diff:+.3f}"
+    return f"{diff}, p = {fmt_p(r.p)}" + (" (the floor)" if r.p <= r.floor + 1e-12 else "")
 
 
 def sig(x: float) -> str:
@@ -179,8 +180,9 @@ def surge_conditions(R: pd.DataFrame) -> str:
 
 def _test_row(claim: str, what: str, a: pd.DataFrame, b: pd.DataFrame, col: str, note: str = "") -> dict:
     x, y = a[col].dropna().to_numpy(), b[col].dropna().to_numpy()
-    return {"claim": claim, "comparison (A vs B)": what, "A per seed (mean)": f"{seeds(x)} ({fmt(x.mean(), 3)})",
-            "B per seed (mean)": f"{seeds(y)} ({fmt(y.mean(), 3)})",
+    d = 1 if all(float(v).is_integer() for v in [*x, *y]) and col != "collapsed" else 3  # steps: one decimal
+    return {"claim": claim, "comparison (A vs B)": what, "A per seed (mean)": f"{seeds(x)} ({fmt(x.mean(), d)})",
+            "B per seed (mean)": f"{seeds(y)} ({fmt(y.mean(), d)})",
             "mean A - mean B, exact permutation p": perm(x, y), "note": note}
 
 

@@ -215,3 +215,37 @@ def test_plateau_rule_bad_options_are_one_line_errors():
     with pytest.raises(UsageError, match="valid choices: peak, plateau"):
         judge(df, rule="late")
     assert "Plateau rule" in describe_rule(rule="plateau") and "2 consecutive" in describe_rule(rule="plateau")
+
+
+def test_plateau_rule_rejudges_a_committed_sweep(capsys):
+    """`timlab runs/threshold --rule plateau` on sweeps/threshold_d16: the sweeps' rule counts 10
+    collapses, all early falls or a fall at the last evaluation; none is a sustained fall from
+    a learned level."""
+    from pathlib import Path
+
+    from timlab.cli import main
+    from timlab.experiments.sweep import query_index
+    from timlab.experiments.threshold import threshold_study
+
+    sweep = Path(__file__).resolve().parents[1] / "sweeps" / "threshold_d16"
+    stored = query_index(sweep, columns=["run_id", "collapsed"])
+    plateau = query_index(sweep, columns=["run_id", "collapsed"], rule={"rule": "plateau"})
+    assert int(stored["collapsed"].sum()) == 10 and int(plateau["collapsed"].sum()) == 0
+    res = threshold_study(sweep, rule="plateau")
+    assert all(d == 0 for c in res.cells for d in c.doses["n_collapsed"])
+    assert main(["runs", str(sweep), "--rule", "plateau", "--where", "collapsed"]) == 0
+    assert "no runs match (of 20)" in capsys.readouterr().out
+    assert main(["runs", str(sweep), "--rule", "late"]) == 2
+    assert "valid choices: peak, plateau" in capsys.readouterr().err
+
+
+def test_report_states_the_plateau_rule(tmp_path):
+    from pathlib import Path
+
+    from timlab.experiments.report import build_report
+
+    runs = sorted((Path(__file__).resolve().parents[1] / "sweeps" / "threshold_d16").glob("head_d16_m0.75__seed[12]*"))
+    html = build_report(runs, tmp_path / "r.html", rule="plateau").path.read_text()
+    assert "Plateau rule" in html
+    with pytest.raises(UsageError, match="valid choices"):
+        build_report(runs, tmp_path / "s.html", rule="late")
