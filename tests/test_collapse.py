@@ -249,3 +249,13 @@ def test_report_states_the_plateau_rule(tmp_path):
     assert "Plateau rule" in html
     with pytest.raises(UsageError, match="valid choices"):
         build_report(runs, tmp_path / "s.html", rule="late")
+
+
+def test_rule_options_refuse_the_other_rules_knob():
+    from timlab.experiments.collapse import rule_options
+
+    assert rule_options() == {} and rule_options(rule="plateau", learned_at=0.6) == {"rule": "plateau", "learned_at": 0.6}
+    with pytest.raises(UsageError, match="belongs to the peak rule"):
+        rule_options(rule="plateau", min_peak=0.5)
+    with pytest.raises(UsageError, match="add --rule plateau"):
+        rule_options(learned_at=0.6)

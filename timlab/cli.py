@@ -342,7 +342,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
     sort, desc = args.sort, args.desc
     if sort and sort.startswith("-"):  # --sort=-COL
         sort, desc = sort[1:], True
-    rule = _given(args, ("rule", "learned_at"))
+    from timlab.experiments.collapse import rule_options
+
+    rule = rule_options(**_given(args, ("rule", "learned_at")))
     df = query_index(args.dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
     total = len(read_index(args.dir))
     if df.empty:

@@ -85,6 +85,19 @@ def check_rule(rule: str) -> str:
     return rule
 
 
+def rule_options(*, rule: str | None = None, min_peak: float | None = None, learned_at: float | None = None) -> dict:
+    """The ``run_summary`` keyword arguments for a re-judged collapse (None: not given), with a
+    one-line error for an option the chosen rule does not take (``min_peak`` belongs to the
+    peak rule, ``learned_at`` to the plateau rule)."""
+    name = check_rule(rule or DEFAULT_RULE)
+    if name == "plateau" and min_peak is not None:
+        raise UsageError("min_peak (--min-peak) belongs to the peak rule; the plateau rule takes learned_at (--learned-at)")
+    if name == "peak" and learned_at is not None:
+        raise UsageError("learned_at (--learned-at) belongs to the plateau rule; add --rule plateau")
+    given = {"rule": rule, "min_peak": min_peak, "learned_at": learned_at}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def describe_rule(*, rule: str = DEFAULT_RULE, frac: float = DEFAULT_FRAC, window: int | None = None,
                   min_peak: float = DEFAULT_MIN_PEAK, allow_truncated: bool = True,
                   learned_at: float = DEFAULT_LEARNED_AT, level_window: int = DEFAULT_LEVEL_WINDOW) -> str:
@@ -366,6 +379,6 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
     return pd.DataFrame(rows)
 
 
-__all__ = ["collapse_step", "plateau_collapse_step", "plateau_levels", "judge", "check_rule", "RULES", "DEFAULT_RULE",
+__all__ = ["collapse_step", "plateau_collapse_step", "plateau_levels", "judge", "check_rule", "rule_options", "RULES", "DEFAULT_RULE",
            "DEFAULT_LEARNED_AT", "DEFAULT_LEVEL_WINDOW", "DEFAULT_PLATEAU_WINDOW", "run_summary", "condition_table", "accuracy_auc", "describe_rule", "read_metrics",
            "SUMMARY_KEYS", "COMPLETE_STATES", "DEFAULT_FRAC", "DEFAULT_WINDOW", "DEFAULT_MIN_PEAK"]

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from timlab.errors import UsageError
-from timlab.experiments.collapse import COMPLETE_STATES, run_summary
+from timlab.experiments.collapse import COMPLETE_STATES, rule_options, run_summary
 from timlab.experiments.sweep import read_index
 
 DOSE = "mismatch.magnitude"
@@ -147,8 +147,7 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
     index = pd.concat(frames, ignore_index=True)
     done = index[index["state"].isin(COMPLETE_STATES)].copy()
     done["family"] = [_family(r) for _, r in done.iterrows()]
-    options = {"min_peak": min_peak, "rule": rule, "learned_at": learned_at}
-    options = {k: v for k, v in options.items() if v is not None}
+    options = rule_options(rule=rule, min_peak=min_peak, learned_at=learned_at)
     summaries = [run_summary(p, **options) for p in done["run_path"]]  # one read of each run's metrics
     done["T"] = [s["response_length_mean"] for s in summaries]
     if options:
