@@ -124,7 +124,8 @@ def load_runs() -> pd.DataFrame:
                          "learned_step": learned, "slope": slope,
                          "len0": train["train/response_length_mean"].iloc[:10].mean(),
                          "len1": train["train/response_length_mean"].iloc[-10:].mean(),
-                         "grad_norm_ema": train["train/grad_norm_ema"].mean()})
+                         "grad_norm_ema": train["train/grad_norm_ema"].mean(),
+                         "seconds": df["train/step_time_s"].sum() + df["time/eval_s"].fillna(0).sum()})
     return pd.DataFrame(rows)
 
 
@@ -175,7 +176,9 @@ def surge_conditions(R: pd.DataFrame) -> str:
             "response length first / last 10 steps": f"{g['len0'].mean():.1f} / {g['len1'].mean():.1f}",
             "surge detector fired": f"{int(g['surge_fired'].notna().sum())}/{n}",
         })
-    return md_table(rows)
+    sec = R.loc[R["sweep"] == "surge", "seconds"]
+    return md_table(rows) + (f"\n\nA run's logged step and evaluation times (`train/step_time_s` + `time/eval_s`) sum "
+                             f"to {sec.min():.0f}-{sec.max():.0f} s on the shared machine (one thread per run).")
 
 
 def _test_row(claim: str, what: str, a: pd.DataFrame, b: pd.DataFrame, col: str, note: str = "") -> dict:
