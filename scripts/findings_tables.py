@@ -1,26 +1,397 @@
-"""Numbers behind docs/FINDINGS.md, computed from a demo (or any sweep) directory.
+"""The numbers behind docs/FINDINGS.md, recomputed from the committed sweeps under sweeps/.
 
-    python scripts/findings_tables.py demo_out/runs [more sweep dirs...]
+    python scripts/findings_tables.py            # print every generated table
+    python scripts/findings_tables.py --write    # rewrite the generated blocks of docs/FINDINGS.md
+    python scripts/findings_tables.py --check    # exit 1 if docs/FINDINGS.md differs from the data
+    python scripts/findings_tables.py DIR...     # the generic per-condition tables of any sweeps
 
-Prints markdown: the per-condition table (collapse fraction, steps to collapse, peak/final/AUC
-accuracy, realized k3), the gradient-norm comparison behind P3, and the mismatch-by-length
-table behind P7 (aggregated over every step of every run with a non-zero mismatch).
+docs/FINDINGS.md holds each table between ``<!-- findings:NAME -->`` and
+``<!-- /findings:NAME -->``; ``tests/test_findings.py`` fails when the committed text differs
+from what this script computes. Statistics (``timlab.experiments.stats``): two-sided exact
+permutation tests of a difference in means (every relabeling enumerated: 252 for 5 vs 5, whose
+smallest possible p is 2/252 = 0.008), and 95% Clopper-Pearson intervals for collapse fractions.
+Collapses follow the sweeps' rule (``timlab.experiments.collapse``) unless a column says
+``plateau`` (the plateau rule, a sustained fall from the learned level).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import re
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.collapse import condition_table  # noqa: E402
+from timlab.experiments.collapse import condition_table, judge, read_metrics, run_summary  # noqa: E402
+from timlab.experiments.stats import clopper_pearson, permutation_test  # noqa: E402
 from timlab.experiments.sweep import read_index  # noqa: E402
+from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
+
+FINDINGS = ROOT / "docs" / "FINDINGS.md"
+SWEEPS = ROOT / "sweeps"
+LEARNED_AT = 0.6
+"""A surge-testbed run has learned once greedy accuracy reaches this (the scratchpad switch)."""
+SLOPE_LAG = 20
+"""The post-learning slope starts this many steps after a run first reaches ``LEARNED_AT``."""
+PRE = 20
+"""Steps in each window of the before-a-collapse comparison (P3)."""
+INDICATORS = {"k3": "rollout_corr/k3_kl", "log-ppl abs diff": "rollout_corr/log_ppl_abs_diff",
+              "sum form": "mismatch/log_ppl_abs_diff_sum", "grad norm": "train/grad_norm"}
+
+
+# ------------------------------------------------------------------------------- formatting
+def fmt(x: float, digits: int = 2) -> str:
+    """A number as FINDINGS writes it: fixed decimals, or 2 significant digits below 0.01."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if x != 0 and abs(x) < 0.01:
+        return f"{x:.1e}"
+    return f"{x:.{digits}f}"
+
+
+def fmt_p(p: float) -> str:
+    return f"{p:.3f}"
+
+
+def md_table(rows: list[dict]) -> str:
+    """A markdown table of rows (dicts with the same keys); text columns left, the rest right."""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def frac_ci(k: int, n: int) -> str:
+    lo, hi = clopper_pearson(k, n)
+    return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"
+
+
+def perm(a, b) -> str:
+    r = permutation_test(a, b)
+    diff = f"{r.diff:+.1f}" if all(float(v).is_integer() for v in [*a, *b]) and abs(r.diff) > 1 else f"{r.diff:+.3f}"
+    return f"{diff}, p = {fmt_p(r.p)}" + (" (the floor)" if r.p <= r.floor + 1e-12 else "")
+
+
+def sig(x: float) -> str:
+    """Two significant digits (realized k3 spans 1e-4 to 7)."""
+    return "0" if x == 0 else f"{x:.2g}"
+
+
+def seeds(x) -> str:
+    x = list(x)
+    if all(float(v).is_integer() for v in x):
+        return ", ".join(f"{int(v)}" for v in x)
+    return ", ".join(fmt(v) for v in x)
+
+
+# ------------------------------------------------------------------------------- data
+def load_runs() -> pd.DataFrame:
+    """One row per run of the committed sweeps: sweep, condition, seed, the run summary (default
+    rule) and the plateau rule's verdict, the post-learning slope and a few curve statistics."""
+    rows = []
+    for sweep in ("surge", "threshold", "threshold_d16", "threshold_d16_300"):
+        for d in sorted((SWEEPS / sweep).glob("*__seed*")):
+            cond, rest = d.name.split("__seed")
+            s = run_summary(d)
+            df = read_metrics(d)
+            div = {"diverged": s["state"] == "diverged"}  # a diverged run's step: status.json, as run_summary
+            ev = df.dropna(subset=["val/accuracy"])
+            train = df[df["step"] > 0]
+            hit = ev.loc[ev["val/accuracy"] >= LEARNED_AT, "step"]
+            learned = float(hit.iloc[0]) if len(hit) else math.nan
+            slope = math.nan
+            if math.isfinite(learned):
+                w = ev[ev["step"] >= learned + SLOPE_LAG]
+                if len(w) >= 3:
+                    slope = float(np.polyfit(w["step"], w["val/accuracy"], 1)[0] * 100)
+            cfg = yaml.safe_load((d / "config.yaml").read_text())
+            k3 = train["rollout_corr/k3_kl"]
+            rows.append({"sweep": sweep, "condition": cond, "seed": int(rest.split("__")[0]), "dir": d, **s,
+                         "start_accuracy": float(ev["val/accuracy"].iloc[0]),
+                         "surge_fired": _surge_step(train, cfg["scheduler"]),
+                         "k3_first": k3.iloc[:10].mean(), "k3_last": k3.iloc[-10:].mean(),
+                         "collapsed_plateau": judge(df, rule="plateau", **div) is not None,
+                         "collapsed_min_peak": judge(df, min_peak=0.5, **div) is not None,
+                         "learned_step": learned, "slope": slope,
+                         "len0": train["train/response_length_mean"].iloc[:10].mean(),
+                         "len1": train["train/response_length_mean"].iloc[-10:].mean(),
+                         "grad_norm_ema": train["train/grad_norm_ema"].mean(),
+                         "seconds": df["train/step_time_s"].sum() + df["time/eval_s"].fillna(0).sum()})
+    return pd.DataFrame(rows)
+
+
+def _surge_step(train: pd.DataFrame, sched: dict) -> float:
+    """The step at which the run's own surge-detector settings fire on its mean response length
+    (NaN: never)."""
+    det = SurgeDetector(float(sched["surge_ratio"]), int(sched["surge_window"]))
+    for step, length in zip(train["step"], train["train/response_length_mean"]):
+        if np.isfinite(length) and det.update(int(step), float(length)):
+            return float(step)
+    return math.nan
+
+
+def runs_of(R: pd.DataFrame, sweep: str, cond: str) -> pd.DataFrame:
+    g = R[(R["sweep"] == sweep) & (R["condition"] == cond)].sort_values("seed")
+    if g.empty:
+        raise KeyError(f"no runs of {sweep}/{cond}")
+    return g
+
+
+# ------------------------------------------------------------------------------- blocks
+SURGE = [  # (condition, label) in the order FINDINGS lists them
+    ("zero_mismatch", "zero mismatch"), ("bf16_rollout", "bf16 rollout"), ("head_0.5", "head_perturb 0.5"),
+    ("head_1", "head_perturb 1"), ("head_1.5", "head_perturb 1.5"), ("head_2", "head_perturb 2"),
+    ("zero_mismatch+lr_2e-5", "zero mismatch, lr 2e-5"), ("head_1+lr_2e-5", "head_perturb 1, lr 2e-5"),
+    ("head_1+length_decay_P60", "head_perturb 1 + length decay, P = 60"),
+    ("head_1+token_tis", "head_perturb 1 + token TIS"),
+    ("head_1+length_decay_P60+token_tis", "head_perturb 1 + length decay P = 60 + token TIS"),
+]
+
+
+def surge_conditions(R: pd.DataFrame) -> str:
+    rows = []
+    for cond, label in SURGE:
+        g = runs_of(R, "surge", cond)
+        n, k = len(g), int(g["collapsed"].sum())
+        steps = g.loc[g["collapsed"], "steps_to_collapse"]
+        learned = g["learned_step"].dropna()
+        k3 = g["k3_kl_mean"].mean()
+        rows.append({
+            "condition": label,
+            "realized k3": "0 (bitwise)" if k3 == 0 and cond == "zero_mismatch" else sig(k3),
+            "collapsed [95% CI] (steps)": frac_ci(k, n) + (f" ({', '.join(f'{s:g}' for s in sorted(steps))})" if k else ""),
+            "final accuracy (range)": f"{fmt(g['final_accuracy'].mean())} ({fmt(g['final_accuracy'].min())}-"
+                                      f"{fmt(g['final_accuracy'].max())})",
+            "peak accuracy": fmt(g["peak_accuracy"].mean(), 3),
+            f"accuracy >= {LEARNED_AT:g} (median step)": f"{len(learned)}/{n}" + (f" ({learned.median():g})" if len(learned) else ""),
+            "response length first / last 10 steps": f"{g['len0'].mean():.1f} / {g['len1'].mean():.1f}",
+            "surge detector fired": f"{int(g['surge_fired'].notna().sum())}/{n}",
+        })
+    sec = R.loc[R["sweep"] == "surge", "seconds"]
+    return md_table(rows) + (f"\n\nA run's logged step and evaluation times (`train/step_time_s` + `time/eval_s`) sum "
+                             f"to {sec.min():.0f}-{sec.max():.0f} s on the shared machine (one thread per run).")
+
+
+def _test_row(claim: str, what: str, a: pd.DataFrame, b: pd.DataFrame, col: str, note: str = "") -> dict:
+    x, y = a[col].dropna().to_numpy(), b[col].dropna().to_numpy()
+    d = 1 if all(float(v).is_integer() for v in [*x, *y]) and col != "collapsed" else 3  # steps: one decimal
+    return {"claim": claim, "comparison (A vs B)": what, "A per seed (mean)": f"{seeds(x)} ({fmt(x.mean(), d)})",
+            "B per seed (mean)": f"{seeds(y)} ({fmt(y.mean(), d)})",
+            "mean A - mean B, exact permutation p": perm(x, y), "note": note}
+
+
+def verdict_tests(R: pd.DataFrame) -> str:
+    s = lambda c: runs_of(R, "surge", c)  # noqa: E731
+    t = lambda c: runs_of(R, "threshold", c)  # noqa: E731
+    rows = [
+        _test_row("P1", "final accuracy: zero mismatch vs head_perturb 2", s("zero_mismatch"), s("head_2"),
+                  "final_accuracy"),
+        _test_row("P1", "collapsed (1/0): head_perturb 2 vs zero mismatch", s("head_2"), s("zero_mismatch"),
+                  "collapsed", "4/5 vs 0/5"),
+        _test_row("P2 sooner", "collapse step: head_perturb 1.5 (k3 0.78) vs 2 (k3 2.5), collapsed runs only",
+                  s("head_1.5"), s("head_2"), "steps_to_collapse", "4 vs 4: the smallest possible p is 2/70 = 0.029"),
+        _test_row("P2 more damage", "final accuracy: head_perturb 1.5 vs 2", s("head_1.5"), s("head_2"), "final_accuracy"),
+        _test_row("P4", "final accuracy: head_perturb 1, lr 2e-5 vs 2e-4", s("head_1+lr_2e-5"), s("head_1"),
+                  "final_accuracy", "neither LR collapses at this dose"),
+        _test_row("P4", "collapsed (1/0): head_perturb 1.5, lr 1e-4 vs 2e-4", t("head_d4_lr1e-4_m1.5"), s("head_1.5"),
+                  "collapsed", "half the LR, not 10x lower"),
+        _test_row("P4", "final accuracy: head_perturb 1.5, lr 1e-4 vs 2e-4", t("head_d4_lr1e-4_m1.5"), s("head_1.5"),
+                  "final_accuracy"),
+        _test_row("P5", "final accuracy: head_perturb 1, length decay P = 60 vs constant LR",
+                  s("head_1+length_decay_P60"), s("head_1"), "final_accuracy",
+                  "no zero-mismatch + decay control was run"),
+        _test_row("P5", "peak accuracy: head_perturb 1, length decay P = 60 vs constant LR",
+                  s("head_1+length_decay_P60"), s("head_1"), "peak_accuracy"),
+        _test_row("P6", "final accuracy: head_perturb 1, token TIS vs no remedy", s("head_1+token_tis"), s("head_1"),
+                  "final_accuracy"),
+        _test_row("P6", "final accuracy: head_perturb 1, TIS + length decay vs TIS", s("head_1+length_decay_P60+token_tis"),
+                  s("head_1+token_tis"), "final_accuracy", "one seed of A never learned (0.30)"),
+        _test_row("small TIM", "final accuracy: head_perturb 0.5 (k3 0.022) vs zero mismatch", s("head_0.5"),
+                  s("zero_mismatch"), "final_accuracy"),
+        _test_row("small TIM", f"post-learning slope (accuracy per 100 steps): head_perturb 1 vs zero mismatch",
+                  s("head_1"), s("zero_mismatch"), "slope"),
+        _test_row("small TIM", "post-learning slope: head_perturb 0.5 vs zero mismatch", s("head_0.5"),
+                  s("zero_mismatch"), "slope"),
+        _test_row("realistic TIM", "final accuracy: bf16 rollout vs zero mismatch", s("bf16_rollout"),
+                  s("zero_mismatch"), "final_accuracy"),
+    ]
+    return md_table(rows)
+
+
+def _pre_collapse_ratios(R: pd.DataFrame) -> pd.DataFrame:
+    """Per collapsed head_perturb run at 4-16 digits (lr 2e-4) with an early window to compare:
+    each indicator's mean over the PRE steps before the collapse step over its mean over the PRE
+    steps before those (> 1: the indicator rose before the collapse)."""
+    rows = []
+    for r in R[(R["sweep"] != "threshold_d16_300") & R["collapsed"]].itertuples():
+        if not r.condition.startswith("head_") or "_d2_" in r.condition or "lr" in r.condition:
+            continue
+        c = r.steps_to_collapse
+        if c < 2 * PRE + 1:
+            continue
+        df = read_metrics(r.dir)
+        late = df[(df["step"] >= c - PRE) & (df["step"] < c)]
+        early = df[(df["step"] >= c - 2 * PRE) & (df["step"] < c - PRE)]
+        rows.append({"run": f"{r.condition} seed {r.seed}", "step": c,
+                     **{k: late[m].mean() / early[m].mean() for k, m in INDICATORS.items()}})
+    return pd.DataFrame(rows)
+
+
+def p3(R: pd.DataFrame) -> str:
+    rows = []
+    for cond, label in SURGE[:6]:
+        g = runs_of(R, "surge", cond)
+        corr = []
+        for d in g["dir"]:
+            df = read_metrics(d)
+            df = df[df["step"] > 0]
+            k3, gn = df["rollout_corr/k3_kl"], df["train/grad_norm"]
+            if k3.std() > 0 and gn.std() > 0:
+                corr.append(float(np.corrcoef(k3, gn)[0, 1]))
+        rows.append({"condition": label, "train/grad_norm_ema, run mean (range)":
+                     f"{fmt(g['grad_norm_ema'].mean())} ({fmt(g['grad_norm_ema'].min())}-{fmt(g['grad_norm_ema'].max())})",
+                     "per-step corr(k3, grad norm) per run": seeds(corr) if corr else "- (k3 constant 0)"})
+    out = md_table(rows)
+    mism = R[(R["sweep"] != "threshold_d16_300") & (R["k3_kl_mean"] > 0)]
+    fell = mism["k3_last"] < mism["k3_first"]
+    h15 = runs_of(R, "surge", "head_1.5")
+    out += (f"\n\nRealized k3 over the last 10 steps is below the first 10 steps' in {int(fell.sum())} of {len(mism)} "
+            f"mismatched runs (surge, threshold, threshold_d16); at head_perturb 1.5: {fmt(h15['k3_first'].mean())} -> "
+            f"{fmt(h15['k3_last'].min())}-{fmt(h15['k3_last'].max())}.")
+    ratios = _pre_collapse_ratios(R)
+    rows = [{"run (collapse step)": f"{r['run']} ({r['step']:g})",
+             **{k: fmt(r[k]) for k in INDICATORS}} for _, r in ratios.iterrows()]
+    rose = {k: int((ratios[k] > 1).sum()) for k in INDICATORS}
+    summary = ", ".join(f"{k} {rose[k]}/{len(ratios)} ({fmt(ratios[k].min())}-{fmt(ratios[k].max())})" for k in INDICATORS)
+    return (out + "\n\nBefore each collapse at step >= 41 (head_perturb, lr 2e-4, 4-16 digits): each indicator's mean "
+            f"over the {PRE} steps before the collapse step / its mean over the {PRE} steps before those "
+            "(> 1 = it rose):\n\n" + md_table(rows) + f"\n\nRose before the collapse: {summary}.")
+
+
+def _cell_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    x, y = np.log10([p[0] for p in points]), np.log10([p[1] for p in points])
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope), float(intercept)
+
+
+def threshold(R: pd.DataFrame) -> str:
+    res = threshold_study([SWEEPS / "surge", SWEEPS / "threshold", SWEEPS / "threshold_d16"])
+    plateau = R[R["sweep"] != "threshold_d16_300"]
+    rows = []
+    for c in res.cells:
+        if c.family not in ("head_perturb", "logit_noise") or (c.family == "logit_noise" and c.lr != 2e-4):
+            continue
+        if c.family == "head_perturb" and c.lr not in (1e-4, 2e-4):
+            continue
+        doses = "; ".join(f"{sig(d.k3)} ({d.n_collapsed}/{d.n})" for d in c.doses.itertuples() if d.dose > 0)
+        lo_hi = f"[{sig(c.lo)}, {sig(c.hi)}]" if math.isfinite(c.hi) else f"> {sig(c.lo)}"
+        rows.append({"cell": f"{c.family}, {c.scale} digits, lr {c.lr:g}", "realized k3 per dose (collapsed)": doses,
+                     "k3* bracket": lo_hi, "T at the bracket": f"{c.T:.1f}"})
+    out = md_table(rows)
+    controls = []
+    for sweep, cond, digits in (("threshold", "zero_d2", 2), ("surge", "zero_mismatch", 4), ("threshold", "zero_d8", 8),
+                                ("threshold_d16", "zero_d16", 16)):
+        g = runs_of(R, sweep, cond)
+        controls.append({"zero-mismatch control": f"{digits} digits", "greedy accuracy at step 0": fmt(g["start_accuracy"].mean()),
+                         "final (range)": f"{fmt(g['final_accuracy'].mean())} ({fmt(g['final_accuracy'].min())}-"
+                                          f"{fmt(g['final_accuracy'].max())})",
+                         "peak (range)": f"{fmt(g['peak_accuracy'].min())}-{fmt(g['peak_accuracy'].max())}",
+                         "response length first / last 10 steps": f"{g['len0'].mean():.1f} / {g['len1'].mean():.1f}",
+                         "T (mean over the run)": f"{g['response_length_mean'].mean():.1f}",
+                         "surge detector fired": f"{int(g['surge_fired'].notna().sum())}/{len(g)}"})
+    out += "\n\n" + md_table(controls)
+    # fits over the head_perturb lr 2e-4 cells with both bounds: through the geometric midpoints, and over
+    # every choice of one end of each bracket (how far the bracket widths alone move the slope)
+    cells = {c.scale: c for c in res.cells if c.family == "head_perturb" and c.lr == 2e-4
+             and math.isfinite(c.lo) and math.isfinite(c.hi)}
+    lines = []
+    for scales in ((2, 4, 8), (2, 4, 8, 16)):
+        pts = [(cells[s].T, cells[s].k3_star) for s in scales]
+        slope, icpt = _cell_fit(pts)
+        t_star = 10 ** ((math.log10(REALISTIC_K3) - icpt) / slope)
+        ends = []
+        for pick in np.ndindex(*([2] * len(scales))):
+            e = [(cells[s].T, (cells[s].lo, cells[s].hi)[i]) for s, i in zip(scales, pick)]
+            sl, ic = _cell_fit(e)
+            ends.append((sl, 10 ** ((math.log10(REALISTIC_K3) - ic) / sl)))
+        sl = [e[0] for e in ends]
+        ts = [e[1] for e in ends]
+        line = (f"- {len(scales)} cells ({', '.join(map(str, scales))} digits): k3* ~ T^{slope:.2f} through the bracket "
+                f"midpoints, k3* = {REALISTIC_K3:g} at T ~ {t_star:.0f}; over every choice of one end of each bracket "
+                f"the slope spans {min(sl):.2f} to {max(sl):.2f} and the T at k3* = {REALISTIC_K3:g} spans "
+                f"{min(ts):.0f}-{max(ts):.0f}.")
+        if scales == (2, 4, 8):
+            pred = [10 ** (icpt + slope * math.log10(T)) for T in (60, 50)]
+            line += f" Its prediction at T 50-60 (the 16-digit cell): k3* {pred[0]:.3f}-{pred[1]:.3f}."
+        lines.append(line)
+    counts = []
+    for sweep, label in (("surge", "surge (4 digits)"), ("threshold", "threshold (2, 4, 8 digits)"),
+                         ("threshold_d16", "threshold_d16 (16 digits)")):
+        g = plateau[plateau["sweep"] == sweep]
+        d2 = g["condition"].str.contains("_d2_")
+        counts.append(f"{label}: {int(g['collapsed'].sum())} of {len(g)} runs collapsed under the default rule, "
+                      f"{int(g['collapsed_plateau'].sum())} under the plateau rule"
+                      + (f" (all {int(g.loc[d2, 'collapsed_plateau'].sum())} at 2 digits)" if d2.any() else ""))
+    return out + "\n\n" + "\n".join(lines) + "\n- Plateau rule (learned at 0.5; `timlab runs DIR --rule plateau`): " + \
+        "; ".join(counts) + "."
+
+
+def d16_300(R: pd.DataFrame) -> str:
+    rows = []
+    for cond, label in (("zero_d16", "zero mismatch"), ("head_d16_m0.5", "head_perturb 0.5"),
+                        ("head_d16_m0.75", "head_perturb 0.75")):
+        g = runs_of(R, "threshold_d16_300", cond)
+        at150, span = [], []
+        for d in g["dir"]:
+            ev = read_metrics(d).dropna(subset=["val/accuracy"]).set_index("step")["val/accuracy"]
+            at150.append(ev.loc[150])
+            late = ev[ev.index >= 60]
+            span.append((late.min(), late.max()))
+        rows.append({
+            "condition": label, "realized k3 (300 steps)": sig(g["k3_kl_mean"].mean()),
+            "accuracy at step 150 per seed": seeds(at150), "at step 300 per seed": seeds(g["final_accuracy"]),
+            "range over steps 60-300": f"{fmt(min(s[0] for s in span))}-{fmt(max(s[1] for s in span))}",
+            "collapsed: default rule / min-peak 0.5 / plateau": f"{int(g['collapsed'].sum())}/5 / "
+                                                                 f"{int(g['collapsed_min_peak'].sum())}/5 / "
+                                                                 f"{int(g['collapsed_plateau'].sum())}/5",
+        })
+    return md_table(rows)
+
+
+BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
+          "d16-300": d16_300}
+"""The generated blocks of docs/FINDINGS.md, by marker name."""
+
+
+def render(R: pd.DataFrame | None = None) -> dict[str, str]:
+    R = load_runs() if R is None else R
+    return {name: fn(R) for name, fn in BLOCKS.items()}
+
+
+def splice(text: str, blocks: dict[str, str]) -> str:
+    """``text`` with each ``<!-- findings:NAME -->...<!-- /findings:NAME -->`` body replaced."""
+    for name, body in blocks.items():
+        pat = re.compile(rf"(<!-- findings:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /findings:{re.escape(name)} -->)", re.S)
+        if not pat.search(text):
+            raise KeyError(f"{FINDINGS}: no block <!-- findings:{name} -->")
+        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+# ------------------------------------------------------------------------------- generic tables
+def _df_md(df: pd.DataFrame, floatfmt: str = "") -> str:
+    """A DataFrame as a markdown table (pandas' to_markdown needs tabulate; this does not)."""
+    cell = lambda v: (format(v, floatfmt) if floatfmt and isinstance(v, (float, np.floating)) else str(v))  # noqa: E731
+    return md_table([{c: cell(v) for c, v in r.items()} for r in df.to_dict("records")])
 
 
 def conditions(index: pd.DataFrame) -> str:
@@ -28,7 +399,7 @@ def conditions(index: pd.DataFrame) -> str:
     cols = ["condition", "n", "n_collapsed", "median_steps_to_collapse", "peak_accuracy_mean", "final_accuracy_mean",
             "final_accuracy_std", "auc_accuracy_mean", "k3_kl_mean"]
     t = t[[c for c in cols if c in t.columns]]
-    return t.to_markdown(index=False, floatfmt=".3g")
+    return _df_md(t, ".3g")
 
 
 def grad_norms(index: pd.DataFrame) -> str:
@@ -46,16 +417,7 @@ def grad_norms(index: pd.DataFrame) -> str:
                 corr.append(np.corrcoef(k3, gn)[0, 1])
         rows.append({"condition": cond, "grad_norm_ema steps 1-20": np.mean(early), "grad_norm_ema all steps": np.mean(whole),
                      "corr(k3, grad_norm) per step": np.mean(corr) if corr else float("nan")})
-    return pd.DataFrame(rows).to_markdown(index=False, floatfmt=".3g")
-
-
-def _surge_step(df: pd.DataFrame, row: pd.Series) -> float:
-    """Where the run's own surge detector settings fire on its mean response length (NaN: never)."""
-    det = SurgeDetector(float(row["scheduler.surge_ratio"]), int(row["scheduler.surge_window"]))
-    for step, length in zip(df["step"], df["train/response_length_mean"]):
-        if np.isfinite(length) and det.update(int(step), float(length)):
-            return float(step)
-    return float("nan")
+    return _df_md(pd.DataFrame(rows), ".3g")
 
 
 def learning(index: pd.DataFrame, gain: float = 0.15, learned_at: float = 0.6) -> str:
@@ -77,7 +439,7 @@ def learning(index: pd.DataFrame, gain: float = 0.15, learned_at: float = 0.6) -
             rec["rew1"].append(train["train/reward_mean"].iloc[-10:].mean())
             rec["len0"].append(train["train/response_length_mean"].iloc[:10].mean())
             rec["len1"].append(train["train/response_length_mean"].iloc[-10:].mean())
-            rec["surge"].append(_surge_step(train, row))
+            rec["surge"].append(_surge_step(train, {"surge_ratio": row["scheduler.surge_ratio"], "surge_window": row["scheduler.surge_window"]}))
             ev = df.dropna(subset=["val/accuracy"])
             hit = ev.loc[ev["val/accuracy"] >= learned_at, "step"]
             rec["learned"].append(float(hit.iloc[0]) if len(hit) else float("nan"))
@@ -96,7 +458,7 @@ def learning(index: pd.DataFrame, gain: float = 0.15, learned_at: float = 0.6) -
             "surge detected": f"{len(fired)}/{len(g)}" + (f", median step {np.median(fired):g}" if len(fired) else ""),
             f"acc >= {learned_at:g}": f"{len(learned)}/{len(g)}" + (f", median step {np.median(learned):g}" if len(learned) else ""),
         })
-    return pd.DataFrame(rows).to_markdown(index=False)
+    return _df_md(pd.DataFrame(rows))
 
 
 def by_length(index: pd.DataFrame) -> str:
@@ -129,27 +491,51 @@ def by_length(index: pd.DataFrame) -> str:
     y = t["mean abs sum-form diff (Eq. 8)"].to_numpy()
     ok = (y > 0) & (mids > 0)
     slope = np.polyfit(np.log(mids[ok]), np.log(y[ok]), 1)[0] if ok.sum() >= 2 else float("nan")
-    return t.to_markdown(index=False, floatfmt=".4g") + f"\n\nlog-log slope of the sum form against length: {slope:.2f}"
+    return _df_md(t, ".4g") + f"\n\nlog-log slope of the sum form against length: {slope:.2f}"
 
 
-def main() -> None:
+def generic(dirs: list[str]) -> str:
+    """The per-condition tables of any sweep directories: conditions, learning and response
+    length, the gradient norm, and mismatch by response length (from distributions.jsonl)."""
     frames = []
-    for d in sys.argv[1:]:
+    for d in dirs:
         idx = read_index(d)
         idx["run_dir"] = [str(Path(d) / r) if not Path(r).is_absolute() else r for r in idx["run_dir"]]
         frames.append(idx)
     index = pd.concat(frames, ignore_index=True)
     index = index[index["state"].isin(["finished", "diverged"])]  # complete runs only
-    print("## Conditions\n")
-    print(conditions(index))
-    print("\n## Learning and response length\n")
-    print(learning(index))
-    print("\n## Gradient norm (P3)\n")
-    print(grad_norms(index))
     mismatched = index[index["mismatch.injector"] != "none"]
-    print("\n## Mismatch by response length (P7), runs with an injected mismatch\n")
-    print(by_length(mismatched))
+    return "\n".join(["## Conditions\n", conditions(index), "\n## Learning and response length\n", learning(index),
+                      "\n## Gradient norm (P3)\n", grad_norms(index),
+                      "\n## Mismatch by response length (P7), runs with an injected mismatch\n", by_length(mismatched)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="*", help="sweep directories for the generic tables (default: FINDINGS' blocks)")
+    ap.add_argument("--write", action="store_true", help="rewrite the generated blocks of docs/FINDINGS.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/FINDINGS.md differs from the data")
+    args = ap.parse_args(argv)
+    if args.dirs:
+        print(generic(args.dirs))
+        return 0
+    blocks = render()
+    if not (args.write or args.check):
+        for name, body in blocks.items():
+            print(f"## {name}\n\n{body}\n")
+        return 0
+    text = FINDINGS.read_text()
+    new = splice(text, blocks)
+    if args.write:
+        FINDINGS.write_text(new)
+        print(f"wrote {len(blocks)} blocks to {FINDINGS}")
+    elif args.check:
+        if new != text:
+            print(f"{FINDINGS} differs from the committed sweeps; run python scripts/findings_tables.py --write")
+            return 1
+        print(f"{FINDINGS}: every generated block matches the data")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

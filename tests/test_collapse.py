@@ -152,3 +152,110 @@ def test_condition_table_hand_computed():
 def test_describe_rule_states_the_parameters():
     text = describe_rule(frac=0.4, window=5, min_peak=0.1)
     assert "0.4 x its running peak" in text and "5 consecutive evaluations" in text and "0.1" in text
+
+
+# ------------------------------------------------------------------------------- plateau rule
+from timlab.experiments.collapse import judge, plateau_collapse_step, plateau_levels  # noqa: E402
+from timlab.errors import UsageError  # noqa: E402
+
+
+def test_plateau_levels_hand_computed():
+    acc = np.array([0.1, 0.6, 0.8, 0.7, 0.9, 0.2])
+    lv = plateau_levels(acc, learned=1, level_window=3)
+    assert np.isnan(lv[0])
+    # partial means 0.6, 0.7; then best of full windows: (0.6+0.8+0.7)/3=0.7, (0.8+0.7+0.9)/3=0.8, max(0.8, 0.6)=0.8
+    assert np.allclose(lv[1:], [0.6, 0.7, 0.7, 0.8, 0.8])
+
+
+def test_plateau_rule_needs_a_sustained_fall_from_the_learned_level():
+    # learned at step 2 (0.6 >= 0.5); plateau after step 8 = mean(0.8, 0.8, 0.8) = 0.8, line 0.4;
+    # steps 10, 12 below -> collapse at 10
+    df = evals([0.3, 0.6, 0.8, 0.8, 0.8, 0.3, 0.35, 0.8])
+    assert plateau_collapse_step(df) == 10
+    assert plateau_collapse_step(df, window=3) is None  # 0.8 at step 14 ends the fall after two
+    assert plateau_collapse_step(df, frac=0.3) is None  # line 0.24: nothing below it
+    # a single evaluation below the line never collapses, not even the last one
+    assert plateau_collapse_step(evals([0.3, 0.6, 0.8, 0.8, 0.8, 0.1, 0.8, 0.1])) is None
+    # a window cut short by the end of the run is not a collapse (the peak rule's allow_truncated counts it)
+    late = evals([0.3, 0.6, 0.8, 0.8, 0.8, 0.1])
+    assert plateau_collapse_step(late) is None
+    assert collapse_step(late) == 10
+
+
+def test_plateau_rule_ignores_falls_before_learning_and_one_lucky_evaluation():
+    # an early-exploration fall (0.33 -> 0.1 for three evaluations) that the peak rule counts
+    early = evals([0.33, 0.1, 0.1, 0.1, 0.7, 0.9, 0.95, 0.9])
+    assert collapse_step(early) == 2
+    assert plateau_collapse_step(early) is None
+    # never learned: cannot collapse, whatever happens
+    assert plateau_collapse_step(evals([0.4, 0.45, 0.0, 0.0, 0.0])) is None
+    # the level is a mean over evaluations, not one lucky evaluation: a spike to 1.0 among 0.55s
+    # gives plateau max(mean(0.55, 1, 0.55)) = 0.70, line 0.35; 0.4 twice is a dip, not a collapse
+    spike = evals([0.55, 1.0, 0.55, 0.55, 0.4, 0.4, 0.55])
+    assert plateau_collapse_step(spike) is None
+    assert collapse_step(spike, window=2) == 8  # the peak rule measures from the spike (line 0.5)
+
+
+def test_plateau_rule_learned_at_start_and_divergence():
+    # learn-then-inject: learned at step 0 (0.97); level after step 0 is 0.97, line 0.485
+    df = evals([0.97, 0.96, 0.4, 0.3, 0.9])
+    assert plateau_collapse_step(df) == 4
+    assert plateau_collapse_step(df, learned_at=0.98) is None
+    ok = evals([0.2, 0.6, 0.7])
+    assert plateau_collapse_step(ok, diverged=True, diverged_step=5) == 5  # after learning: a collapse
+    assert plateau_collapse_step(ok, diverged=True, diverged_step=1) is None  # before learning (step 2): not
+    assert judge(ok, rule="plateau", diverged=True, diverged_step=5) == 5
+    assert judge(evals([0.33, 0.1, 0.1, 0.1]), rule="peak") == 2
+
+
+def test_plateau_rule_bad_options_are_one_line_errors():
+    df = evals([0.6, 0.6])
+    with pytest.raises(UsageError, match="window must be >= 2"):
+        plateau_collapse_step(df, window=1)
+    with pytest.raises(UsageError, match="valid choices: peak, plateau"):
+        judge(df, rule="late")
+    assert "Plateau rule" in describe_rule(rule="plateau") and "2 consecutive" in describe_rule(rule="plateau")
+
+
+def test_plateau_rule_rejudges_a_committed_sweep(capsys):
+    """`timlab runs/threshold --rule plateau` on sweeps/threshold_d16: the sweeps' rule counts 10
+    collapses, all early falls or a fall at the last evaluation; none is a sustained fall from
+    a learned level."""
+    from pathlib import Path
+
+    from timlab.cli import main
+    from timlab.experiments.sweep import query_index
+    from timlab.experiments.threshold import threshold_study
+
+    sweep = Path(__file__).resolve().parents[1] / "sweeps" / "threshold_d16"
+    stored = query_index(sweep, columns=["run_id", "collapsed"])
+    plateau = query_index(sweep, columns=["run_id", "collapsed"], rule={"rule": "plateau"})
+    assert int(stored["collapsed"].sum()) == 10 and int(plateau["collapsed"].sum()) == 0
+    res = threshold_study(sweep, rule="plateau")
+    assert all(d == 0 for c in res.cells for d in c.doses["n_collapsed"])
+    assert main(["runs", str(sweep), "--rule", "plateau", "--where", "collapsed"]) == 0
+    assert "no runs match (of 20)" in capsys.readouterr().out
+    assert main(["runs", str(sweep), "--rule", "late"]) == 2
+    assert "valid choices: peak, plateau" in capsys.readouterr().err
+
+
+def test_report_states_the_plateau_rule(tmp_path):
+    from pathlib import Path
+
+    from timlab.experiments.report import build_report
+
+    runs = sorted((Path(__file__).resolve().parents[1] / "sweeps" / "threshold_d16").glob("head_d16_m0.75__seed[12]*"))
+    html = build_report(runs, tmp_path / "r.html", rule="plateau").path.read_text()
+    assert "Plateau rule" in html
+    with pytest.raises(UsageError, match="valid choices"):
+        build_report(runs, tmp_path / "s.html", rule="late")
+
+
+def test_rule_options_refuse_the_other_rules_knob():
+    from timlab.experiments.collapse import rule_options
+
+    assert rule_options() == {} and rule_options(rule="plateau", learned_at=0.6) == {"rule": "plateau", "learned_at": 0.6}
+    with pytest.raises(UsageError, match="belongs to the peak rule"):
+        rule_options(rule="plateau", min_peak=0.5)
+    with pytest.raises(UsageError, match="add --rule plateau"):
+        rule_options(learned_at=0.6)

@@ -342,7 +342,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
     sort, desc = args.sort, args.desc
     if sort and sort.startswith("-"):  # --sort=-COL
         sort, desc = sort[1:], True
-    df = query_index(args.dir, where=args.where, columns=columns or None, sort=sort, descending=desc)
+    from timlab.experiments.collapse import rule_options
+
+    rule = rule_options(**_given(args, ("rule", "learned_at")))
+    df = query_index(args.dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
     total = len(read_index(args.dir))
     if df.empty:
         print(f"no runs match (of {total})")
@@ -354,6 +357,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_rule_args(p) -> None:
+    """--rule / --learned-at: re-judge collapses with another rule (timlab.experiments.collapse)."""
+    p.add_argument("--rule", help="re-judge collapses with this rule: peak (the sweep's default: a fall below half "
+                                  "the running peak) or plateau (a fall from the learned level, sustained over >= 2 "
+                                  "evaluations; docs/sweeps.md)")
+    p.add_argument("--learned-at", type=float, help="plateau rule: a run has learned once val/accuracy reaches "
+                                                    "this (default 0.5)")
+
+
 def _add_runs(sub) -> None:
     p = sub.add_parser("runs", help="list the runs of a sweep directory (filter with SQL over index.parquet)")
     p.add_argument("dir", help="sweep directory (holds index.parquet)")
@@ -361,6 +373,7 @@ def _add_runs(sub) -> None:
     p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
     p.add_argument("--sort", metavar="COL", help="sort by this column (--sort=-COL or --desc: descending)")
     p.add_argument("--desc", action="store_true", help="sort descending")
+    _add_rule_args(p)
     p.set_defaults(func=cmd_runs)
 
 
@@ -368,7 +381,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from timlab.experiments.report import build_report
 
     check_output_file(args.out, "--out")
-    res = build_report(args.inputs, args.out, **_given(args, ("group_by",)))
+    res = build_report(args.inputs, args.out, **_given(args, ("group_by", "rule")))
     print(f"wrote {res.path}: {res.n_runs} runs" + (
         f"; {len(res.missing)} with missing metrics ({', '.join(name for name, _ in res.missing)})" if res.missing else ""))
     return 0
@@ -380,6 +393,8 @@ def _add_report(sub) -> None:
     p.add_argument("inputs", nargs="+", metavar="RUN_DIR|SWEEP_DIR", help="one sweep directory, or run directories")
     p.add_argument("--out", required=True, help="HTML file to write")
     p.add_argument("--group-by", help="index column or config key to group runs by (default: {default})")
+    p.add_argument("--rule", help="collapse rule: peak (default: a fall below half the running peak) or plateau "
+                                  "(a fall from the learned level; docs/sweeps.md)")
     p.set_defaults(func=cmd_report)
 
 
@@ -416,7 +431,7 @@ def cmd_threshold(args: argparse.Namespace) -> int:
 
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot")
-    res = threshold_study(args.dirs, **_given(args, ("scale", "min_peak")))
+    res = threshold_study(args.dirs, **_given(args, ("scale", "min_peak", "rule", "learned_at")))
     print(format_threshold(res))
     _write_json(args.json, {"table": res.table().to_dict("records"), "summary": res.summary().to_dict("records"),
                             "fits": [vars(f) for f in res.fits]})
@@ -432,6 +447,7 @@ def _add_threshold(sub) -> None:
     p.add_argument("--scale", help="index column that sets the response-length scale (default task.kwargs.max_digits)")
     p.add_argument("--min-peak", type=float, help="count only collapses from a running peak of at least this accuracy "
                                                   "(e.g. 0.5: runs that had learned; default: the sweep's own rule)")
+    _add_rule_args(p)
     p.add_argument("--json", help="write the per-dose table, k3* intervals and fits as JSON here")
     p.add_argument("--plot", metavar="PNG", help="draw k3* against the response length here")
     p.set_defaults(func=cmd_threshold)
@@ -508,6 +524,28 @@ def _add_gradcheck(sub) -> None:
 
 
 _EXTRA_COMMANDS.append(_add_gradcheck)
+
+
+# ---------------------------------------------------------------------------------- export
+def cmd_export(args: argparse.Namespace) -> int:
+    from timlab.experiments.export import export_checkpoint
+
+    res = export_checkpoint(args.run_dir, args.out, step=args.step)
+    print(f"exported step {res.step} of {args.run_dir} to {res.path} ({', '.join(res.files)}); "
+          f"start a run from it with --set model.path={res.path}")
+    return 0
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a run's checkpoint as a plain HF model folder (start RL from a "
+                                      "learned policy with model.path=DIR)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory")
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest; 0 = the warm start)")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    p.set_defaults(func=cmd_export)
+
+
+_EXTRA_COMMANDS.append(_add_export)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

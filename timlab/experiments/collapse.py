@@ -23,6 +23,22 @@ Choices worth knowing:
 - A divergence's step is status.json's ``step`` (the step whose loss/logits/gradients were
   non-finite; its row is never logged), else the last logged step + 1.
 
+A second rule, ``plateau`` (``rule="plateau"``; ``--rule plateau`` in ``timlab runs``,
+``timlab threshold`` and ``timlab report``), is keyed to the level a run has *learned*, for
+runs that start from or reach a good policy (learn-then-inject, ``timlab export``):
+
+    The run has learned at its first evaluation L with val/accuracy >= learned_at. Its plateau
+    after evaluation e >= L is the best mean of ``level_window`` consecutive evaluations within
+    L..e (the mean of L..e while fewer have passed). It collapses at the first evaluation i > L
+    whose accuracy is below frac x (plateau after i - 1) and stays below that same line for
+    ``window`` (>= 2) consecutive evaluations, all of which must exist (no truncated window,
+    so a single evaluation never makes a collapse, not even the last one); OR it diverges after
+    it has learned. A run that never reaches ``learned_at`` cannot collapse under this rule.
+
+Under it a fall before learning (the early exploration falls the ``peak`` rule counts at
+head_perturb >= 1.5 on the surge testbed) is not a collapse, and a level is one the run held
+for ``level_window`` evaluations, not one lucky evaluation.
+
 Departure from the papers: the seed papers call a collapse by eye from training curves (reward,
 K3 KL, gradient norm); this rule uses the deployed policy's own greedy accuracy so that a
 sampler that learns to pre-compensate for its bias (docs/claims.md) is not mistaken for
@@ -47,14 +63,53 @@ DEFAULT_WINDOW = 3
 DEFAULT_MIN_PEAK = 0.05
 """... once the running peak is at least this (an untrained model cannot collapse)."""
 
+RULES = ("peak", "plateau")
+"""The collapse rules: ``peak`` (the default, above) and ``plateau`` (a fall from the learned level)."""
+DEFAULT_RULE = "peak"
+DEFAULT_LEARNED_AT = 0.5
+"""plateau rule: a run has learned once val/accuracy reaches this."""
+DEFAULT_LEVEL_WINDOW = 3
+"""plateau rule: the learned level is the best mean of this many consecutive evaluations."""
+DEFAULT_PLATEAU_WINDOW = 2
+"""plateau rule: a fall must last this many consecutive evaluations (at least 2)."""
+
 # COMPLETE_STATES (finished, diverged): run states whose outcome counts in per-condition
 # statistics (failed, guard_failed, running and pending runs are counted separately, never as
 # collapsed or stable).
 
 
-def describe_rule(*, frac: float = DEFAULT_FRAC, window: int = DEFAULT_WINDOW, min_peak: float = DEFAULT_MIN_PEAK,
-                  allow_truncated: bool = True) -> str:
+def check_rule(rule: str) -> str:
+    """``rule`` if it names a collapse rule, else a one-line error listing the valid ones."""
+    if rule not in RULES:
+        raise UsageError(f"collapse rule {rule!r} is unknown; valid choices: {', '.join(RULES)}")
+    return rule
+
+
+def rule_options(*, rule: str | None = None, min_peak: float | None = None, learned_at: float | None = None) -> dict:
+    """The ``run_summary`` keyword arguments for a re-judged collapse (None: not given), with a
+    one-line error for an option the chosen rule does not take (``min_peak`` belongs to the
+    peak rule, ``learned_at`` to the plateau rule)."""
+    name = check_rule(rule or DEFAULT_RULE)
+    if name == "plateau" and min_peak is not None:
+        raise UsageError("min_peak (--min-peak) belongs to the peak rule; the plateau rule takes learned_at (--learned-at)")
+    if name == "peak" and learned_at is not None:
+        raise UsageError("learned_at (--learned-at) belongs to the plateau rule; add --rule plateau")
+    given = {"rule": rule, "min_peak": min_peak, "learned_at": learned_at}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def describe_rule(*, rule: str = DEFAULT_RULE, frac: float = DEFAULT_FRAC, window: int | None = None,
+                  min_peak: float = DEFAULT_MIN_PEAK, allow_truncated: bool = True,
+                  learned_at: float = DEFAULT_LEARNED_AT, level_window: int = DEFAULT_LEVEL_WINDOW) -> str:
     """The collapse rule as one sentence (the report and the docs state it)."""
+    if check_rule(rule) == "plateau":
+        window = DEFAULT_PLATEAU_WINDOW if window is None else window
+        return (f"Plateau rule: a run has learned at its first evaluation with val/accuracy >= {learned_at:g}; its "
+                f"plateau is the best mean of {level_window} consecutive evaluations since then. It collapses at the "
+                f"first later evaluation below {frac:g} x the plateau reached before it that stays below that line for "
+                f"{window} consecutive evaluations (never a single evaluation, never a window cut short by the end of "
+                f"the run), or when it diverges after learning; a run that never learned cannot collapse.")
+    window = DEFAULT_WINDOW if window is None else window
     tail = (" (or until the run ends, if fewer evaluations remain)" if allow_truncated else "")
     return (f"A run collapses at the first evaluation where val/accuracy falls below {frac:g} x its running peak "
             f"(the best val/accuracy so far, required to be at least {min_peak:g}) and stays below it for "
@@ -112,6 +167,77 @@ def collapse_step(df: pd.DataFrame, *, frac: float = DEFAULT_FRAC, window: int =
     return min(candidates) if candidates else None
 
 
+def plateau_levels(acc: np.ndarray, learned: int, level_window: int = DEFAULT_LEVEL_WINDOW) -> np.ndarray:
+    """(E,) the plateau after each evaluation (NaN before ``learned``, the index of the first
+    learned evaluation): the best mean of ``level_window`` consecutive evaluations within
+    learned..e, or the mean of learned..e while fewer than ``level_window`` have passed."""
+    level = np.full(len(acc), math.nan)
+    best = -math.inf
+    for e in range(learned, len(acc)):
+        n = e - learned + 1
+        if n < level_window:
+            level[e] = float(acc[learned : e + 1].mean())
+            continue
+        best = max(best, float(acc[e - level_window + 1 : e + 1].mean()))
+        level[e] = best
+    return level
+
+
+def plateau_collapse_step(df: pd.DataFrame, *, frac: float = DEFAULT_FRAC, window: int = DEFAULT_PLATEAU_WINDOW,
+                          learned_at: float = DEFAULT_LEARNED_AT, level_window: int = DEFAULT_LEVEL_WINDOW,
+                          diverged: bool = False, diverged_step: int | None = None) -> int | None:
+    """The step at which the run fell from its learned plateau (the module's ``plateau`` rule),
+    or None. ``df``, ``diverged`` and ``diverged_step`` as in ``collapse_step``."""
+    if window < 2:
+        raise UsageError(f"plateau rule: window must be >= 2 (no single-evaluation collapses), got {window}")
+    if level_window < 1:
+        raise UsageError(f"plateau rule: level_window must be >= 1, got {level_window}")
+    if not 0 < frac <= 1:
+        raise UsageError(f"frac must be in (0, 1], got {frac}")
+    df = df.sort_values("step") if "step" in df.columns else df
+    steps, acc = np.array([], dtype=np.int64), np.array([], dtype=float)
+    if "val/accuracy" in df.columns:
+        ev = df.loc[df["val/accuracy"].notna(), ["step", "val/accuracy"]]
+        ev = ev[np.isfinite(ev["val/accuracy"].to_numpy(dtype=float))]
+        steps, acc = ev["step"].to_numpy(), ev["val/accuracy"].to_numpy(dtype=float)
+    hit = np.flatnonzero(acc >= learned_at)
+    if not hit.size:
+        return None  # never learned: nothing to fall from
+    first = int(hit[0])
+    candidates: list[int] = []
+    level = plateau_levels(acc, first, level_window)  # (E,)
+    for i in range(first + 1, len(acc) - window + 1):
+        line = frac * level[i - 1]
+        if (acc[i : i + window] < line).all():
+            candidates.append(int(steps[i]))
+            break
+    learned_step = int(steps[first])
+    nonfinite = _diverged_at(df)
+    if nonfinite is not None and nonfinite > learned_step:
+        candidates.append(nonfinite)
+    if diverged:
+        if diverged_step is None:
+            diverged_step = int(df["step"].max()) + 1 if len(df) and "step" in df.columns else 0
+        if diverged_step > learned_step:
+            candidates.append(int(diverged_step))
+    return min(candidates) if candidates else None
+
+
+def judge(df: pd.DataFrame, *, rule: str = DEFAULT_RULE, frac: float = DEFAULT_FRAC, window: int | None = None,
+          min_peak: float = DEFAULT_MIN_PEAK, allow_truncated: bool = True, learned_at: float = DEFAULT_LEARNED_AT,
+          level_window: int = DEFAULT_LEVEL_WINDOW, diverged: bool = False, diverged_step: int | None = None
+          ) -> int | None:
+    """The collapse step of a metrics table under ``rule`` (``peak``: ``collapse_step`` with
+    frac, window, min_peak, allow_truncated; ``plateau``: ``plateau_collapse_step`` with frac,
+    window, learned_at, level_window). ``window=None``: the rule's default."""
+    if check_rule(rule) == "plateau":
+        return plateau_collapse_step(df, frac=frac, window=DEFAULT_PLATEAU_WINDOW if window is None else window,
+                                     learned_at=learned_at, level_window=level_window, diverged=diverged,
+                                     diverged_step=diverged_step)
+    return collapse_step(df, frac=frac, window=DEFAULT_WINDOW if window is None else window, min_peak=min_peak,
+                         diverged=diverged, diverged_step=diverged_step, allow_truncated=allow_truncated)
+
+
 # ------------------------------------------------------------------------------- one run
 def _col(df: pd.DataFrame | None, name: str) -> np.ndarray:
     """Finite values of a column (empty if absent)."""
@@ -165,9 +291,11 @@ def read_metrics(run_dir: str | Path) -> pd.DataFrame | None:
     return RunDir(run_dir).read_metrics()
 
 
-def run_summary(run_dir: str | Path, *, frac: float = DEFAULT_FRAC, window: int = DEFAULT_WINDOW,
-                min_peak: float = DEFAULT_MIN_PEAK, allow_truncated: bool = True) -> dict:
+def run_summary(run_dir: str | Path, *, rule: str = DEFAULT_RULE, frac: float = DEFAULT_FRAC, window: int | None = None,
+                min_peak: float = DEFAULT_MIN_PEAK, allow_truncated: bool = True,
+                learned_at: float = DEFAULT_LEARNED_AT, level_window: int = DEFAULT_LEVEL_WINDOW) -> dict:
     """Summary statistics of one run directory (keys: ``SUMMARY_KEYS``; NaN where unknown).
+    ``collapsed`` and ``steps_to_collapse`` follow ``rule`` and its options (see ``judge``).
 
     Realized mismatch is the mean over logged steps of ``rollout_corr/k3_kl``,
     ``rollout_corr/log_ppl_abs_diff`` and ``mismatch/abs_diff_mean``; ``surge_step`` and
@@ -181,11 +309,12 @@ def run_summary(run_dir: str | Path, *, frac: float = DEFAULT_FRAC, window: int 
     length = _col(df, "train/response_length_mean")
     steps = _col(df, "step")
     if df is not None:
-        cstep = collapse_step(df, frac=frac, window=window, min_peak=min_peak, diverged=state == "diverged",
-                              diverged_step=status.get("step") if state == "diverged" else None,
-                              allow_truncated=allow_truncated)
+        cstep = judge(df, rule=rule, frac=frac, window=window, min_peak=min_peak, allow_truncated=allow_truncated,
+                      learned_at=learned_at, level_window=level_window, diverged=state == "diverged",
+                      diverged_step=status.get("step") if state == "diverged" else None)
     else:
-        cstep = status.get("step", 0) if state == "diverged" else None
+        check_rule(rule)
+        cstep = status.get("step", 0) if state == "diverged" and rule == "peak" else None
     return {
         "state": state,
         "message": str(status.get("message", "")),
@@ -250,5 +379,6 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
     return pd.DataFrame(rows)
 
 
-__all__ = ["collapse_step", "run_summary", "condition_table", "accuracy_auc", "describe_rule", "read_metrics",
+__all__ = ["collapse_step", "plateau_collapse_step", "plateau_levels", "judge", "check_rule", "rule_options", "RULES", "DEFAULT_RULE",
+           "DEFAULT_LEARNED_AT", "DEFAULT_LEVEL_WINDOW", "DEFAULT_PLATEAU_WINDOW", "run_summary", "condition_table", "accuracy_auc", "describe_rule", "read_metrics",
            "SUMMARY_KEYS", "COMPLETE_STATES", "DEFAULT_FRAC", "DEFAULT_WINDOW", "DEFAULT_MIN_PEAK"]

@@ -33,7 +33,8 @@ from timlab.errors import UsageError
 from timlab.experiments import page
 from timlab.files import atomic_write_text
 from timlab.experiments.collapse import (
-    DEFAULT_FRAC, DEFAULT_MIN_PEAK, DEFAULT_WINDOW, condition_table, describe_rule, read_metrics, run_summary,
+    DEFAULT_FRAC, DEFAULT_MIN_PEAK, DEFAULT_RULE, check_rule, condition_table, describe_rule, read_metrics,
+    run_summary,
 )
 
 PLOTS: tuple[tuple[str, str, str], ...] = (
@@ -118,7 +119,7 @@ def _config_labels(dirs: list[Path], group_by: str) -> list[str]:
     return [lab or "all runs" for lab in labels]
 
 
-def _collect(inputs: list[str | Path] | str | Path, group_by: str) -> tuple[list[_Run], str]:
+def _collect(inputs: list[str | Path] | str | Path, group_by: str, rule: dict) -> tuple[list[_Run], str]:
     from timlab.experiments.sweep import INDEX_FILE, read_index
 
     paths = [Path(inputs)] if isinstance(inputs, (str, Path)) else [Path(p) for p in inputs]
@@ -149,7 +150,7 @@ def _collect(inputs: list[str | Path] | str | Path, group_by: str) -> tuple[list
             names = [str(p) for p in paths]
         labels = _config_labels(paths, group_by)
         source = f"{len(paths)} run director{'y' if len(paths) == 1 else 'ies'}"
-    runs = [_Run(n, d, g, read_metrics(d), run_summary(d)) for n, d, g in zip(names, dirs, labels)]
+    runs = [_Run(n, d, g, read_metrics(d), run_summary(d, **rule)) for n, d, g in zip(names, dirs, labels)]
     return runs, source
 
 
@@ -338,9 +339,10 @@ def _condition_view(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *, group_by: str = "condition",
-                 title: str = "timlab report") -> ReportResult:
-    """Write one self-contained HTML report of ONE sweep directory or a list of run directories."""
-    runs, source = _collect(inputs, group_by)
+                 title: str = "timlab report", rule: str = DEFAULT_RULE) -> ReportResult:
+    """Write one self-contained HTML report of ONE sweep directory or a list of run directories.
+    ``rule``: the collapse rule its verdicts use (``collapse.RULES``)."""
+    runs, source = _collect(inputs, group_by, {"rule": check_rule(rule)})
     groups = list(dict.fromkeys(r.group for r in runs))
     colors = _colors(groups)
     missing = [(r.name, m) for r in runs if (m := _missing(r))]
@@ -358,7 +360,7 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         f"grouped by <code>{html.escape(group_by)}</code>. Seeds of a condition are summarized as a mean line "
         "and a min-max band.</p>",
         "<h2>Collapse rule</h2>",
-        f'<p class="rule">{html.escape(describe_rule(frac=DEFAULT_FRAC, window=DEFAULT_WINDOW, min_peak=DEFAULT_MIN_PEAK))}</p>',
+        f'<p class="rule">{html.escape(describe_rule(rule=rule, frac=DEFAULT_FRAC, min_peak=DEFAULT_MIN_PEAK))}</p>',
         "<h2>Conditions</h2>",
         '<p class="note">Per condition: runs = runs that finished or diverged (incomplete: failed, guard_failed, '
         "running or pending runs, left out of the statistics); collapsed = how many of those collapsed; median "

@@ -123,10 +123,25 @@ def default_columns(df: pd.DataFrame) -> list[str]:
     return base[:4] + config_cols + base[4:]
 
 
+def rejudge(index: pd.DataFrame, sweep_dir: str | Path, **rule) -> pd.DataFrame:
+    """The index with ``collapsed`` and ``steps_to_collapse`` recomputed from each run's metrics
+    under another collapse rule (``rule`` as ``collapse.run_summary`` takes it, e.g.
+    ``rule="plateau"``); the sweep's own files are not changed."""
+    out = index.copy()
+    summaries = [run_summary(Path(sweep_dir) / str(d), **rule) for d in out["run_dir"]]
+    out["collapsed"] = [bool(s["collapsed"]) for s in summaries]
+    out["steps_to_collapse"] = [s["steps_to_collapse"] for s in summaries]
+    return out
+
+
 def query_index(sweep_dir: str | Path, *, where: str | None = None, columns: list[str] | None = None,
-                sort: str | None = None, descending: bool = False) -> pd.DataFrame:
-    """The index of a sweep, filtered (SQL ``where``), with chosen columns, sorted."""
+                sort: str | None = None, descending: bool = False, rule: dict | None = None) -> pd.DataFrame:
+    """The index of a sweep, filtered (SQL ``where``), with chosen columns, sorted. ``rule``:
+    judge collapses with these ``run_summary`` options (e.g. ``{"rule": "plateau"}``) instead of
+    the verdicts stored in the index."""
     df = read_index(sweep_dir)
+    if rule:
+        df = rejudge(df, sweep_dir, **rule)
     cols = list(columns) if columns else default_columns(df)
     unknown = [c for c in cols + ([sort] if sort else []) if c not in df.columns]
     if unknown:

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from timlab.errors import UsageError
-from timlab.experiments.collapse import COMPLETE_STATES, run_summary
+from timlab.experiments.collapse import COMPLETE_STATES, rule_options, run_summary
 from timlab.experiments.sweep import read_index
 
 DOSE = "mismatch.magnitude"
@@ -124,14 +124,16 @@ def bracket(doses: pd.DataFrame, bar: float = BAR) -> tuple[float, float]:
 
 
 def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "task.kwargs.max_digits",
-                    bar: float = BAR, target_k3: float = REALISTIC_K3, min_peak: float | None = None
-                    ) -> ThresholdResult:
+                    bar: float = BAR, target_k3: float = REALISTIC_K3, min_peak: float | None = None,
+                    rule: str | None = None, learned_at: float | None = None) -> ThresholdResult:
     """Per-cell dose tables, k3* intervals and the k3*(T) fit of one or more threshold sweeps
     (read together: a cell's doses may come from different sweeps).
 
     ``min_peak``: re-judge every run with the collapse rule's ``min_peak`` set to this, e.g. 0.5
     to count only runs that fell after they had learned (None: the sweep's own verdicts, whose
-    rule also counts a fall below half of the warm start's accuracy)."""
+    rule also counts a fall below half of the warm start's accuracy). ``rule="plateau"`` (with
+    ``learned_at``): re-judge every run with the plateau rule, a fall from the learned level
+    (``collapse.plateau_collapse_step``)."""
     dirs = [Path(d) for d in (sweep_dirs if isinstance(sweep_dirs, (list, tuple)) else [sweep_dirs])]
     frames = []
     for sweep_dir in dirs:
@@ -145,10 +147,10 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
     index = pd.concat(frames, ignore_index=True)
     done = index[index["state"].isin(COMPLETE_STATES)].copy()
     done["family"] = [_family(r) for _, r in done.iterrows()]
-    rule = {} if min_peak is None else {"min_peak": min_peak}
-    summaries = [run_summary(p, **rule) for p in done["run_path"]]  # one read of each run's metrics
+    options = rule_options(rule=rule, min_peak=min_peak, learned_at=learned_at)
+    summaries = [run_summary(p, **options) for p in done["run_path"]]  # one read of each run's metrics
     done["T"] = [s["response_length_mean"] for s in summaries]
-    if min_peak is not None:
+    if options:
         done["collapsed"] = [s["collapsed"] for s in summaries]
     cells = []
     for (family, lr, sc), g in done.groupby(["family", LR, scale], sort=True):

@@ -1,0 +1,87 @@
+"""docs/FINDINGS.md against the committed sweeps, and the statistics behind its verdicts.
+
+The generated blocks of FINDINGS (``<!-- findings:NAME -->``) are recomputed from sweeps/ by
+scripts/findings_tables.py; the committed text must equal them, so a number that drifts from
+the data (or data that change under a number) fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from timlab.experiments.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("findings_tables", REPO / "scripts" / "findings_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------- statistics
+def test_clopper_pearson_known_values():
+    # reference values: scipy.stats.beta.ppf(0.025, k, n - k + 1) / beta.ppf(0.975, k + 1, n - k)
+    cases = {(0, 5): (0.0, 0.5218237501), (1, 5): (0.0050507634, 0.7164179361), (4, 5): (0.2835820639, 0.9949492366),
+             (5, 5): (0.4781762499, 1.0), (2, 10): (0.0252107263, 0.5560954623), (7, 20): (0.1539092048, 0.5921885345)}
+    for (k, n), (lo, hi) in cases.items():
+        got = clopper_pearson(k, n)
+        assert got[0] == pytest.approx(lo, abs=1e-8) and got[1] == pytest.approx(hi, abs=1e-8), (k, n, got)
+    # 0 successes: the upper end is 1 - (alpha/2)^(1/n) in closed form
+    assert clopper_pearson(0, 10)[1] == pytest.approx(1 - 0.025 ** 0.1, abs=1e-10)
+    assert binom_cdf(2, 4, 0.5) == pytest.approx(11 / 16)
+    with pytest.raises(ValueError):
+        clopper_pearson(6, 5)
+
+
+def test_exact_permutation_test_hand_counted():
+    # complete separation, 5 vs 5: only the observed labeling and its mirror reach |diff| = 5 -> 2/252
+    r = permutation_test([6, 7, 8, 9, 10], [1, 2, 3, 4, 5])
+    assert r.exact and r.n_relabelings == 252 and r.diff == 5 and r.p == pytest.approx(2 / 252) == r.floor
+    assert permutation_floor(4, 4) == pytest.approx(2 / 70)
+    # identical groups: every relabeling is at least as extreme
+    assert permutation_test([1, 1], [1, 1]).p == 1
+    # 2 vs 2, a = {3, 4}, b = {1, 2}: relabelings of {1,2,3,4} into pairs give |diff| 2 (x2), 1 (x2), 0 (x2) -> 2/6
+    assert permutation_test([3, 4], [1, 2]).p == pytest.approx(2 / 6)
+    # Monte Carlo when enumeration is capped: close to the exact p, and it says it is not exact
+    a, b = [0.81, 0.83, 0.80, 0.80, 0.82], [0.70, 0.70, 0.80, 0.79, 0.77]
+    exact = permutation_test(a, b)
+    mc = permutation_test(a, b, max_exact=10, n_mc=20_000)
+    assert exact.p == pytest.approx(6 / 252) and not mc.exact and abs(mc.p - exact.p) < 0.006
+    with pytest.raises(ValueError):
+        permutation_test([], [1.0])
+
+
+# ------------------------------------------------------------------------------- FINDINGS
+def test_findings_blocks_match_the_committed_sweeps():
+    mod = _script()
+    text = mod.FINDINGS.read_text()
+    blocks = mod.render()
+    for name in mod.BLOCKS:
+        assert f"<!-- findings:{name} -->" in text, name
+    regenerated = mod.splice(text, blocks)
+    if regenerated != text:
+        import difflib
+
+        diff = "\n".join(difflib.unified_diff(text.splitlines(), regenerated.splitlines(), "committed", "data", lineterm="", n=0))
+        pytest.fail("docs/FINDINGS.md drifted from sweeps/ (python scripts/findings_tables.py --write):\n" + diff[:4000])
+    # a few anchors the verdicts rest on, independent of the formatting
+    assert "p = 0.429" in blocks["verdict-tests"]  # P2 sooner: collapse steps 1.5 vs 2 are not separable
+    assert "-2.29 to -1.41" in blocks["threshold"] and "229-1310" in blocks["threshold"]
+    assert "0.023-0.035" in blocks["threshold"]
+
+
+def test_generic_tables_run_without_tabulate(monkeypatch):
+    """The generic mode (any sweep directory) must not need pandas' to_markdown (tabulate)."""
+    import pandas as pd
+
+    def refuse(*a, **k):
+        raise ImportError("tabulate missing")
+
+    monkeypatch.setattr(pd.DataFrame, "to_markdown", refuse)
+    out = _script().generic([str(REPO / "sweeps" / "threshold_d16")])
+    assert "| zero_d16 | 5 | 0 |" in out and "(no by_length data)" in out
