@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cases with 2-4 threads on a shared machine: no spinning
 
 CHILD = "TIMLAB_EXACTNESS_CHILD"
 
@@ -46,17 +47,17 @@ def run_here(args, isa: str) -> dict:
     failures, results, t0 = [], [], time.perf_counter()
     for n, case in enumerate(cases, 1):
         try:
-            res = ex.run_case(case, args.cache)
+            res = ex.run_case(case, args.cache, backend=args.backend)
         except Exception as e:  # a crash is a finding too: report it with its command
             failures.append({"index": case.index, "case": case.summary(), "error": f"{type(e).__name__}: {e}",
-                             "command": ex.case_command(args.seed, case.index, isa)})
+                             "command": ex.case_command(args.seed, case.index, isa, args.backend)})
             print(f"[{isa}] case {case.index}: ERROR {type(e).__name__}: {e}", flush=True)
             continue
         results.append(res)
         if not res.ok:
             failures.append({"index": case.index, "case": case.summary(), "bad_tokens": res.bad,
                              "tokens": res.tokens, "max_abs_diff": res.max_abs_diff,
-                             "command": ex.case_command(args.seed, case.index, isa)})
+                             "command": ex.case_command(args.seed, case.index, isa, args.backend)})
         if args.case is not None or not res.ok or args.verbose:
             print(f"[{isa}] case {case.index}: {'ok' if res.ok else 'FAIL'} {case.summary()} tokens {res.tokens} "
                   f"bad {res.bad} max|r| {res.max_abs_diff:.3g} ({res.seconds:.1f} s)", flush=True)
@@ -64,7 +65,7 @@ def run_here(args, isa: str) -> dict:
             print(f"[{isa}] {n}/{len(cases)} cases, {len(failures)} failed, {time.perf_counter() - t0:.0f} s",
                   flush=True)
     summary = {
-        "isa": isa, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+        "isa": isa, "backend": args.backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
         "seed": args.seed, "cases": len(cases), "failed": len(failures),
         "tokens_checked": sum(r.tokens for r in results), "seconds": round(time.perf_counter() - t0, 1),
         "failures": failures, "coverage": ex.coverage(cases), "max_abs_diff_histogram": ex.log_ratio_histogram(results),
@@ -81,7 +82,7 @@ def run_child(args, isa: str) -> dict:
     out = Path(args.cache) / f"child-{os.getpid()}.json"
     argv = [sys.executable, __file__, "--seed", str(args.seed), "--cases", str(args.cases), "--start", str(args.start),
             "--cache", args.cache, "--json", str(out), "--every", str(args.every),
-            "--real-width-frac", str(args.real_width_frac), "--isa", "native"]
+            "--real-width-frac", str(args.real_width_frac), "--isa", "native", "--backend", args.backend]
     if args.case is not None:
         argv += ["--case", str(args.case)]
     env = {**os.environ, **ISA_ENV, CHILD: isa}
@@ -109,7 +110,11 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=25, help="print progress every this many cases")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--verbose", action="store_true", help="a line per case")
+    ap.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                    help="the exact path's kernels; triton on a CPU runs the GPU kernels in Triton's interpreter")
     args = ap.parse_args()
+    if args.backend == "triton":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton loads; a GPU run sets it to 0
     if args.cases < 1:
         ap.error("--cases must be >= 1")
     isa_name = os.environ.get(CHILD, "native")
