@@ -155,7 +155,7 @@ def _config_from_args(args: argparse.Namespace):
 def _add_config_args(p) -> None:
     from timlab.config import PRESETS
 
-    p.add_argument("--preset", help=f"named preset: {', '.join(PRESETS)}")
+    p.add_argument("--preset", help=f"named preset(s), joined with '+' (e.g. surge+decoupled_k3_rs): {', '.join(PRESETS)}")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
 
 
