@@ -85,3 +85,13 @@ def test_seeded_padding_free_and_streamable():
     for key in ("sum", "abs_sum"):
         assert torch.allclose(merged[key], whole[key], rtol=1e-12, atol=0, equal_nan=True)
     assert length_scaling_from_sums(merged, seed=1) == length_scaling_from_sums(whole, seed=1)
+
+
+def test_analyze_reports_the_reading():
+    from timlab.experiments.analyze import analyze_records, format_analysis
+
+    lp, lq, mask = _data("bias", B=64, T=32)
+    rows = [{"trainer_logprobs": a[m].tolist(), "rollout_logprobs": b[m].tolist()} for a, b, m in zip(lp, lq, mask)]
+    res = analyze_records(rows)
+    assert res["length_scaling"]["reading"] == "bias-like (T^1)"
+    assert "length scaling: bias-like (T^1)" in format_analysis(res)
