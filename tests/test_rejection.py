@@ -158,3 +158,40 @@ def test_is_weights_match_verl(verl_rc, level, threshold, normalize):
     if level == "token":
         assert m["is/ratio_frac_high"] == pytest.approx(v["rollout_is_ratio_fraction_high"], abs=1e-9)
         assert m["is/ratio_frac_low"] == pytest.approx(v["rollout_is_ratio_fraction_low"], abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------- the plug-ins
+def test_verl_plugin_correction_metrics(verl_rc):
+    from timlab.integrations.verl import correction_metrics
+
+    lp, lq, mask = _random(seed=2)
+    batch = {"old_log_probs": lp, "rollout_log_probs": lq, "response_mask": mask}
+    cfg = {"rollout_is": "sequence", "rollout_is_threshold": "0.8_1.25", "rollout_is_batch_normalize": True,
+           "rollout_rs": "seq_max_k3,token_k1", "rollout_rs_threshold": "0.2,0.5_2.0"}
+    m = correction_metrics(batch, cfg)
+    _, mask_v, v = verl_rc.compute_rollout_correction_and_rejection_mask(
+        lp, lq, mask, rollout_is="sequence", rollout_is_threshold="0.8_1.25", rollout_is_batch_normalize=True,
+        rollout_rs="seq_max_k3,token_k1", rollout_rs_threshold="0.2,0.5_2.0")
+    assert m["rs/masked_frac"] == pytest.approx(v["rollout_corr/rollout_rs_masked_fraction"], abs=1e-9)
+    assert m["is/batch_norm_factor"] == pytest.approx(v["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-7)
+    assert 0 < m["is/frac_masked_seqs"] < 1 and m["is/ratio_max_before"] > 1.25
+    assert not any(k.startswith("is/") for k in correction_metrics(batch, {"rollout_rs": "token_k2",
+                                                                           "rollout_rs_threshold": 0.1}))
+
+
+def test_trl_plugin_raw_ratios():
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from timlab.integrations.trl import raw_ratio_metrics
+
+    lp, lq, mask = _random(seed=4, scale=0.5)
+    args = SimpleNamespace(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.5,
+                           vllm_importance_sampling_clip_min=0.9)
+    m = raw_ratio_metrics(lp, lq, mask, args)
+    rho = torch.exp(lp - lq)[mask.bool()]
+    assert m["is/ratio_max_before"] == pytest.approx(float(rho.max())) and m["is/ratio_min_before"] == pytest.approx(float(rho.min()))
+    assert m["is/ratio_frac_high"] == pytest.approx(float((rho > 1.5).double().mean()))
+    assert m["is/ratio_frac_low"] == pytest.approx(float((rho < 0.9).double().mean()))
+    seq = raw_ratio_metrics(lp, lq, mask, SimpleNamespace(vllm_importance_sampling_mode="sequence_mask"))
+    assert seq["is/ratio_max_before"] == pytest.approx(float(torch.exp(((lp - lq) * mask).sum(-1)).max()))

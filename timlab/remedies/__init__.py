@@ -15,6 +15,7 @@ from timlab.remedies.importance import (
     IS_LEVELS,
     IS_MODES,
     METRIC_KEYS,
+    RAW_RATIO_KEYS,
     SAFETY_BOUND,
     is_weights,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "IS_LEVELS",
     "IS_MODES",
     "METRIC_KEYS",
+    "RAW_RATIO_KEYS",
     "RS_RULES",
     "RS_SUMMARY_KEYS",
     "SAFETY_BOUND",

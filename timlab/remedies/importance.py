@@ -68,6 +68,11 @@ METRIC_KEYS = (
     "is/ess",
 )
 
+RAW_RATIO_KEYS = ("is/ratio_mean_before", "is/ratio_max_before", "is/ratio_min_before", "is/ratio_frac_high",
+                  "is/ratio_frac_low")
+"""The ``METRIC_KEYS`` that describe the raw ratios, before any truncation or masking: the
+same whatever the mode, so a plug-in can log them for a host that applies its own correction."""
+
 BATCH_NORM_MIN = 1e-8
 """Self-normalization divides by the batch mean weight only above this (verl's guard)."""
 
