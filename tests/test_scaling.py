@@ -34,6 +34,7 @@ def test_iid_noise_reads_as_noise(ragged, seed):
     res = length_scaling(*_data("noise", seed, ragged=ragged))
     assert res["reading"] == "noise-like (T^0.5)"
     assert 0.4 < res["sum_exponent"] < 0.6 and res["sum_exponent_lo"] < res["sum_exponent"] < res["sum_exponent_hi"]
+    assert 0.44 < res["normalized_exponent"] < 0.56 and res["normalized_exponent_hi"] < 0.6
     assert 0.95 < res["abs_sum_exponent"] < 1.05  # sum |r| grows like T for any stationary mismatch
 
 
@@ -42,6 +43,22 @@ def test_systematic_bias_reads_as_bias(kind):
     res = length_scaling(*_data(kind))
     assert res["reading"] == "bias-like (T^1)"
     assert 0.95 < res["sum_exponent"] < 1.02 and res["sum_exponent_lo"] > 0.9
+    assert 0.95 < res["normalized_exponent"] < 1.02
+
+
+def test_noise_that_shrinks_along_the_response_still_reads_as_noise():
+    """sigma_t ~ t^-0.4: the raw exponents fall (S ~ T^0.1, A ~ T^0.6 for long T), the variance ratio does not."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 512, 64
+    lq = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    t = torch.arange(1, T + 1, dtype=torch.float64)
+    r = 0.2 * t ** -0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    res = length_scaling(lq + r, lq, torch.ones(B, T))
+    assert res["sum_exponent"] < 0.35 and 0.5 < res["abs_sum_exponent"] < 0.8
+    assert 0.45 < res["normalized_exponent"] < 0.55 and res["reading"] == "noise-like (T^0.5)"
+    # the same shrinking profile as a bias: reads as bias
+    res = length_scaling(lq + 0.2 * t ** -0.4, lq, torch.ones(B, T))
+    assert res["normalized_exponent"] == pytest.approx(1.0, abs=0.1) and res["reading"] == "bias-like (T^1)"
 
 
 def test_exact_bias_and_noise_curves_by_hand():
@@ -51,6 +68,9 @@ def test_exact_bias_and_noise_curves_by_hand():
     assert res["lengths"] == [1, 2, 3, 4, 6, 8, 11, 16]
     assert res["rms_sum"] == pytest.approx([0.1 * t for t in res["lengths"]], rel=1e-12)
     assert res["sum_exponent"] == pytest.approx(1.0, abs=1e-12) and res["abs_sum_exponent"] == pytest.approx(1.0, abs=1e-12)
+    # RMS Q = 0.1 sqrt(t): the variance ratio grows like sqrt(t), normalized exponent 0.5 + 0.5
+    assert res["rms_sq_sum"] == pytest.approx([0.1 * t ** 0.5 for t in res["lengths"]], rel=1e-12)
+    assert res["normalized_exponent"] == pytest.approx(1.0, abs=1e-12)
     # alternating +-0.1: S(t) is 0.1 or 0 -> not a power law; sum |r| = 0.1 t
     alt = torch.tensor([0.1, -0.1] * 8, dtype=torch.float64).expand(4, 16)
     res = length_scaling(lq + alt, lq, torch.ones(4, 16))
@@ -82,7 +102,7 @@ def test_seeded_padding_free_and_streamable():
     merged = merge_length_scaling_sums(s1, length_scaling_sums(lp[k:], lq[k:], mask[k:]))
     whole = length_scaling_sums(lp, lq, mask)
     assert s1["sum"].shape[1] < whole["sum"].shape[1]
-    for key in ("sum", "abs_sum"):
+    for key in ("sum", "abs_sum", "sq_sum"):
         assert torch.allclose(merged[key], whole[key], rtol=1e-12, atol=0, equal_nan=True)
     assert length_scaling_from_sums(merged, seed=1) == length_scaling_from_sums(whole, seed=1)
 
