@@ -155,7 +155,7 @@ def _config_from_args(args: argparse.Namespace):
 def _add_config_args(p) -> None:
     from timlab.config import PRESETS
 
-    p.add_argument("--preset", help=f"named preset: {', '.join(PRESETS)}")
+    p.add_argument("--preset", help=f"named preset(s), joined with '+' (e.g. surge+decoupled_k3_rs): {', '.join(PRESETS)}")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
 
 
@@ -423,6 +423,50 @@ def _add_analyze(sub) -> None:
 
 
 _EXTRA_COMMANDS.append(_add_analyze)
+
+
+# ---------------------------------------------------------------------------------- check
+def cmd_check(args: argparse.Namespace) -> int:
+    from timlab.experiments.check import format_check, run_check, write_check_html
+
+    check_output_file(args.json, "--json")
+    check_output_file(args.html, "--html")
+    options = ("rollout", "score", "dtype", "device", "batch_sizes", "lengths", "decoding", "seed", "fail_above",
+               "gate_metric", "n_boot")
+    result = run_check(model_dir=args.model, **_given(args, options))
+    print(format_check(result))
+    _write_json(args.json, result)
+    if args.html:
+        print(f"report: {write_check_html(result, args.html)}")
+    return 1 if result["gate"]["failed"] else 0  # the CI gate; errors exit with 2
+
+
+def _add_check(sub) -> None:
+    p = sub.add_parser("check", help="model onboarding: the mismatch over batch sizes x lengths x greedy/sampling, "
+                                     "with verdicts and a CI gate (exit 1 when --fail-above is exceeded)",
+                       formatter_class=_defaults_of("timlab.experiments.check:run_check"))
+    p.add_argument("--model", required=True, help="HF-format model folder")
+    # defaults are run_check's ({default} is read from its signature): an option not given is not passed
+    p.add_argument("--rollout", help="rollout engine: exact, fast, hf, vllm (default {default})")
+    p.add_argument("--score", help="score path: trainer, exact, fast, hf (default {default})")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default {default}")
+    p.add_argument("--device", help="default {default}")
+    p.add_argument("--batch-sizes", help="comma-separated sequences per rollout batch (default {default})")
+    p.add_argument("--lengths", help="name=PROMPT:ANSWER tokens, comma-separated (default {default})")
+    p.add_argument("--decoding", help="greedy and/or sampling (default {default})")
+    p.add_argument("--seed", type=int, help="default {default}")
+    p.add_argument("--fail-above", type=float, metavar="X",
+                   help="exit 1 if any cell's gate metric exceeds X (0: demand bitwise-equal log-probs)")
+    p.add_argument("--gate-metric", help="the cell number the gate compares (default {default}); one of "
+                                         "mean_abs_diff, max_abs_diff, exp_abs_diff_mean, k3_kl, abs_kl, chi2_token, ...")
+    p.add_argument("--boot", type=int, dest="n_boot", metavar="N",
+                   help="bootstrap resamples for the length-scaling interval (default {default})")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.add_argument("--html", help="write a self-contained HTML page here")
+    p.set_defaults(func=cmd_check)
+
+
+_EXTRA_COMMANDS.append(_add_check)
 
 
 # ---------------------------------------------------------------------------------- threshold

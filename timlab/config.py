@@ -88,6 +88,9 @@ class AlgorithmSection:
     """Passes over each rollout batch; 1 with mini_batches 1 is fully on-policy."""
     mini_batches: int = 1
     """Optimizer updates per epoch (the batch is split into this many mini-batches)."""
+    loss_type: str = "ppo_clip"
+    """Policy loss: ppo_clip (clipped surrogate of pi / pi_old) or reinforce (-A * w * log pi, no
+    clipping; w = the IS weights when correction.mode is not none), verl's loss_type."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,17 @@ class CorrectionSection:
     """two_sided: lower bound of the kept ratio band."""
     veto_threshold: float = 0.0
     """Drop a sequence if any token ratio is below this (0 = off; 1e-4 is the value common in other stacks)."""
+    batch_normalize: bool = False
+    """Self-normalized IS: divide the weights by their batch mean after truncation (verl's rollout_is_batch_normalize)."""
+    rs: str = ""
+    """Rejection sampling, verl's rollout_rs: comma-separated rules, all of which a token must pass
+    (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3; timlab.remedies.rejection); empty = off."""
+    rs_threshold: str = ""
+    """verl's rollout_rs_threshold: one entry for all rules or one per rule, comma-separated; k1 rules
+    take 'lo_hi' ratio bounds (or 'hi', lo = 1/hi), the others one upper bound, e.g. '0.5_2.0,0.01'."""
+    bypass_mode: bool = False
+    """verl's bypass mode: pi_old = pi_rollout, so the PPO ratio is pi / mu (with ppo_clip it is the
+    correction itself, so IS weights must be off) and IS / RS compare pi with mu as usual."""
 
 
 @dataclass(frozen=True)
@@ -274,6 +288,49 @@ PRESETS: dict[str, dict] = {
 }
 
 
+
+def _verl(is_level: str | None = None, is_threshold: float | str = 2.0, rs: str = "", rs_threshold: str = "",
+          bypass: bool = False, loss: str = "ppo_clip") -> dict:
+    """A verl ``RolloutCorrectionConfig`` factory's settings as timlab config sections."""
+    corr: dict = {"level": "token", "mode": "none", "threshold": 2.0, "threshold_low": 0.5, "batch_normalize": False,
+                  "rs": rs, "rs_threshold": rs_threshold, "bypass_mode": bypass}
+    if is_level is not None:
+        if isinstance(is_threshold, str):  # "lo_hi": IcePop
+            lo, hi = is_threshold.split("_")
+            corr.update(level=is_level, mode="two_sided", threshold=float(hi), threshold_low=float(lo))
+        else:
+            corr.update(level=is_level, mode="truncate", threshold=float(is_threshold))
+    return {"correction": corr, "algorithm": {"loss_type": loss}}
+
+
+_GEO, _K3 = ("seq_mean_k1", "0.999_1.001"), ("seq_mean_k3", "0.01")
+VERL_PRESETS: dict[str, dict] = {
+    "disabled": _verl(),
+    "decoupled_token_is": _verl("token"),
+    "decoupled_seq_is": _verl("sequence"),
+    "decoupled_token_icepop": _verl("token", "0.5_5.0"),
+    "decoupled_seq_is_rs": _verl("sequence", rs="seq_sum_k1", rs_threshold="0.5_2.0"),
+    "decoupled_geo_rs": _verl(None, rs=_GEO[0], rs_threshold=_GEO[1]),
+    "decoupled_geo_rs_seq_tis": _verl("sequence", rs=_GEO[0], rs_threshold=_GEO[1]),
+    "decoupled_geo_rs_token_tis": _verl("token", rs=_GEO[0], rs_threshold=_GEO[1]),
+    "decoupled_k3_rs": _verl(None, rs=_K3[0], rs_threshold=_K3[1]),
+    "decoupled_k3_rs_seq_tis": _verl("sequence", rs=_K3[0], rs_threshold=_K3[1]),
+    "decoupled_k3_rs_token_tis": _verl("token", rs=_K3[0], rs_threshold=_K3[1]),
+    "bypass_ppo_clip": _verl(bypass=True),
+    "bypass_ppo_clip_geo_rs": _verl(None, rs=_GEO[0], rs_threshold=_GEO[1], bypass=True),
+    "bypass_ppo_clip_k3_rs": _verl(None, rs=_K3[0], rs_threshold=_K3[1], bypass=True),
+    "bypass_pg_is": _verl("sequence", bypass=True, loss="reinforce"),
+    "bypass_pg_token_icepop": _verl("token", "0.5_5.0", bypass=True, loss="reinforce"),
+    "bypass_pg_geo_rs": _verl(None, rs=_GEO[0], rs_threshold=_GEO[1], bypass=True, loss="reinforce"),
+    "bypass_pg_geo_rs_seq_tis": _verl("sequence", rs=_GEO[0], rs_threshold=_GEO[1], bypass=True, loss="reinforce"),
+    "bypass_pg_geo_rs_token_tis": _verl("token", rs=_GEO[0], rs_threshold=_GEO[1], bypass=True, loss="reinforce"),
+}
+"""verl 0.9.1's ``RolloutCorrectionConfig`` factories by name, with verl's default thresholds; each
+sets every correction field and algorithm.loss_type. Compose with a testbed preset:
+``--preset surge+decoupled_k3_rs`` (later presets override earlier ones)."""
+PRESETS.update(VERL_PRESETS)
+
+
 class ConfigError(TimlabError, ValueError):
     """A bad config key or value; the message is one line naming the key and the valid choices."""
 
@@ -354,6 +411,8 @@ def parse_set(items: list[str]) -> dict:
         if len(parts) < 2:
             raise ConfigError(f"--set {item!r}: expected section.key=value (e.g. optim.lr=1e-4)")
         value = yaml.safe_load(raw) if raw.strip() else ""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and "_" in raw:
+            value = raw.strip()  # YAML 1.1 reads "0.5_2.0" as the number 0.52; keep verl's "lo_hi" text
         node = over
         for p in parts[:-1]:
             node = node.setdefault(p, {})
@@ -383,12 +442,14 @@ def resolve(
     preset: str | None = None,
     overrides: list[str] | dict | None = None,
 ) -> Config:
-    """defaults < preset < YAML file < overrides; every layer validated."""
+    """defaults < preset(s) < YAML file < overrides; every layer validated. ``preset`` may join
+    several names with '+' (``surge+decoupled_k3_rs``), applied left to right."""
     d = Config().to_dict()
-    if preset:
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown preset {preset!r}; valid choices: {', '.join(PRESETS)}")
-        d = _merge(d, PRESETS[preset], f"preset {preset}")
+    for name in preset.split("+") if preset else []:
+        name = name.strip()
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; valid choices: {', '.join(PRESETS)} (combine with '+')")
+        d = _merge(d, PRESETS[name], f"preset {name}")
     if yaml_path:
         p = Path(yaml_path)
         if not p.exists():

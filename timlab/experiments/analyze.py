@@ -39,6 +39,10 @@ from timlab.integrations.logs import from_trl_inputs, from_verl_batch  # re-expo
 from timlab.metrics import (
     breakdown_sums,
     breakdowns_from_sums,
+    format_length_scaling,
+    length_scaling_from_sums,
+    length_scaling_sums,
+    merge_length_scaling_sums,
     merge_breakdown_sums,
     merge_metric_sums,
     metric_sums,
@@ -311,6 +315,7 @@ class _Group:
         self.reward_sum, self.num_rewards = 0, 0  # summed in row order, as sum() over the rows would
         self.metrics: dict | None = None
         self.shapes: dict | None = None
+        self.scaling: dict | None = None
 
     def add(self, seqs: list[_Seq], train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
         self.num_sequences += len(seqs)
@@ -325,6 +330,8 @@ class _Group:
         if self.breakdowns:
             b = breakdown_sums(train, rollout, mask)
             self.shapes = b if self.shapes is None else merge_breakdown_sums(self.shapes, b)
+            ls = length_scaling_sums(train, rollout, mask)
+            self.scaling = ls if self.scaling is None else merge_length_scaling_sums(self.scaling, ls)
 
     def summary(self) -> dict:
         return {
@@ -435,6 +442,7 @@ class _Analysis:
         result.update(self.total.summary())
         T = self.total.shapes["position_counts"].numel()  # the longest valid row
         result.update(breakdowns_from_sums(self.total.shapes, num_position_buckets=min(POSITION_BUCKETS, T)))
+        result["length_scaling"] = length_scaling_from_sums(self.total.scaling)
         result["per_step"] = [{"step": step, **self.steps[step].summary()} for step in sorted(self.steps)]
         result["report"] = None
         if out_html is not None:
@@ -458,7 +466,8 @@ def analyze_file(path: str | Path, *, out_html: str | Path | None = None) -> dic
     Returns a JSON-ready dict: ``metrics`` (``all_metrics`` over every valid token of the file),
     ``per_step`` (a list of ``{step, num_sequences, num_tokens, response_length_mean,
     reward_mean, metrics}``, empty without a ``step`` column), ``histogram``, ``by_position``,
-    ``by_prob``, ``by_length`` (``timlab.metrics`` breakdowns), ``num_rows`` / ``num_valid`` /
+    ``by_prob``, ``by_length`` (``timlab.metrics`` breakdowns), ``length_scaling`` (noise vs bias:
+    ``timlab.metrics.length_scaling`` over every valid row), ``num_rows`` / ``num_valid`` /
     ``num_invalid``, ``errors`` (``[{row, column, problem}]``), ``num_tokens``,
     ``response_length_mean``, ``reward_mean``, ``columns``, ``format``, ``report`` (the HTML path
     or None). Raises ``AnalyzeError`` (a ``ValueError``) when nothing can be analyzed.
@@ -498,6 +507,8 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
         f"kl {_fmt(m['rollout_corr/kl'])}  |log ppl diff| {_fmt(m['rollout_corr/log_ppl_abs_diff'])}  "
         f"probs diff mean {_fmt(m['mismatch/probs_diff_mean'])}  ESS {_fmt(m['mismatch/ess'])}",
     ]
+    if "length_scaling" in result:
+        lines.append("  length scaling: " + format_length_scaling(result["length_scaling"]))
     if result["per_step"]:
         short = [c.split("/")[1] for c in STEP_COLUMNS]
         lines.append("  " + f"{'step':>6} {'seqs':>5} {'tokens':>7} " + " ".join(f"{c:>14}" for c in short))
@@ -637,6 +648,14 @@ def write_report(result: dict, out_html: str | Path) -> Path:
                          label=lambda lo, hi: f"[{lo:g}, {hi:g})", key="mean_abs_sum_diff", ylabel="mean |sum r|"),
              "mean |sum r| by length"),
     ]
+    ls = result.get("length_scaling")
+    if ls is not None:
+        parts += ["<h2>Noise or bias? How the log-ratio grows with length</h2>",
+                  f"<p>{esc(format_length_scaling(ls))}. iid per-token noise makes |sum_t r| grow like T^0.5, a "
+                  "systematic bias like T^1 (timlab.metrics.scaling).</p>"]
+        if ls["lengths"]:
+            parts.append(table(pd.DataFrame({"prefix length T": ls["lengths"], "sequences": ls["seqs_at_length"],
+                                              "RMS of sum_t r": ls["rms_sum"], "mean of sum_t |r|": ls["mean_abs_sum"]})))
     if result["per_step"]:
         rows = [{"step": s["step"], "sequences": s["num_sequences"], "tokens": s["num_tokens"],
                  "mean length": s["response_length_mean"],

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -273,6 +275,52 @@ def attribute_ops(engine: Engine, score: str, model: CausalLM, rollout: Rollout)
 
 
 # ------------------------------------------------------------------------------ the probe
+def load_probe_model(model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu") -> tuple[CausalLM, Any]:
+    """The model and tokenizer of an HF-format folder, checked to fit each other."""
+    from timlab.tokenizer import load_tokenizer
+
+    model = load_model(model_dir, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(model_dir)
+    _check_vocab(tokenizer, model)
+    return model, tokenizer
+
+
+@dataclass
+class ProbeOutput:
+    """One rollout and its rescoring: what ``probe_prompts`` returns."""
+
+    rollout: Rollout
+    score_logp: torch.Tensor
+    """(B, S) log-probs of the grid's tokens under the score path (column 0 = 0), detached."""
+    engine: Engine
+    summary: dict
+    """mean_response_length, frac_finished, rollout_seconds, tokens_per_s."""
+
+
+def probe_prompts(model: CausalLM, tokenizer, prompts: list[list[int]], *, rollout: str, score: str,
+                  sampling: SamplingParams, max_new_tokens: int, seed: int) -> ProbeOutput:
+    """Roll out token-id prompts (one sequence each, one batch) with engine ``rollout`` and rescore
+    the sampled tokens with score path ``score``; the generator is seeded with ``seed``."""
+    _check_names(rollout, score, attribute=False)
+    engine = build_engine(rollout, model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    t0 = time.perf_counter()
+    r = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator)
+    elapsed = time.perf_counter() - t0
+    hf_engine = None
+    if score == "hf":
+        hf_engine = engine if rollout == "hf" else build_engine(
+            "hf", model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    score_logp = score_logprobs(score, model, r.tokens, r.key_valid, hf_engine=hf_engine)
+    summary = {
+        "mean_response_length": float(r.lengths.float().mean()),
+        "frac_finished": float(r.finished.float().mean()),
+        "rollout_seconds": elapsed,
+        "tokens_per_s": r.num_tokens / elapsed if elapsed > 0 else float("inf"),
+    }
+    return ProbeOutput(r, score_logp, engine, summary)
+
+
 def run_probe(
     *,
     model_dir: str | Path,
@@ -306,11 +354,7 @@ def run_probe(
             raise UsageError(f"{name} must be >= 1, got {value}")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
 
-    from timlab.tokenizer import load_tokenizer
-
-    model = load_model(model_dir, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(model_dir)
-    _check_vocab(tokenizer, model)
+    model, tokenizer = load_probe_model(model_dir, dtype=dtype, device=device)
     if prompts_file is not None:
         texts, source = _read_prompts(prompts_file), f"prompts file {str(prompts_file)!r}"
         if num_prompts is not None:
@@ -321,18 +365,9 @@ def run_probe(
         texts, source = _task_prompts(task, num_prompts or TASK_PROMPTS, seed), f"task {task!r}"
     prompt_ids = _encode(tokenizer, texts, model, max_new_tokens, source)
     prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
-
-    engine = build_engine(rollout, model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    t0 = time.perf_counter()
-    r = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator)
-    elapsed = time.perf_counter() - t0
-
-    hf_engine = None
-    if score == "hf":
-        hf_engine = engine if rollout == "hf" else build_engine(
-            "hf", model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    score_logp = score_logprobs(score, model, r.tokens, r.key_valid, hf_engine=hf_engine)
+    out = probe_prompts(model, tokenizer, prompts, rollout=rollout, score=score, sampling=sampling,
+                        max_new_tokens=max_new_tokens, seed=seed)
+    r, score_logp, engine = out.rollout, out.score_logp, out.engine
 
     result = {
         "rollout": rollout,
@@ -347,11 +382,8 @@ def run_probe(
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
-        "mean_response_length": float(r.lengths.float().mean()),
-        "frac_finished": float(r.finished.float().mean()),
-        "rollout_seconds": elapsed,
-        "tokens_per_s": r.num_tokens / elapsed if elapsed > 0 else float("inf"),
     }
+    result.update(out.summary)
     result.update(_mismatch(score_logp, r, max_new_tokens))
     with torch.no_grad():  # the model's own next-token entropy at each sampled token
         _, entropy = token_logprobs(model, r.tokens, r.key_valid, mode="exact", with_entropy=True)

@@ -110,7 +110,22 @@ def _family(row: pd.Series) -> str:
         parts.append(str(row["scheduler.name"]))
     if str(row.get("correction.mode", "none")) != "none":
         parts.append(f"{row.get('correction.level', 'token')}_{row['correction.mode']}")
+    if _set(row.get("correction.batch_normalize")):
+        parts.append("self_normalized")
+    if _set(row.get("correction.rs")):
+        parts.append(f"rs_{row['correction.rs']}")
+    if _set(row.get("correction.bypass_mode")):
+        parts.append("bypass")
+    if str(row.get("algorithm.loss_type", "ppo_clip")) not in ("ppo_clip", "nan", "None"):
+        parts.append(str(row["algorithm.loss_type"]))
     return "+".join(parts)
+
+
+def _set(value) -> bool:
+    """Whether an index column holds a non-default setting (runs indexed before it existed hold NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return False
+    return bool(value) and str(value).lower() not in ("false", "0", "")
 
 
 def bracket(doses: pd.DataFrame, bar: float = BAR) -> tuple[float, float]:

@@ -40,7 +40,11 @@ mask) of every generation batch, logged through TRL's own metric channel. TRL ke
 sampler's per-token log-probs only when the generation backend returns them: vLLM (TRL computes
 the trainer side too when ``vllm_importance_sampling_correction`` is on) or a ``rollout_func``
 that returns ``logprobs``. TRL's plain transformers ``generate`` path (the CPU path) drops them,
-so there is nothing to compare and the mixin logs nothing. When TRL did not compute
+so there is nothing to compare and the mixin logs nothing. It also logs the raw IS ratios of
+TRL's own correction *before* its truncation or masking (``is/ratio_{mean,max,min}_before``,
+``is/ratio_frac_high`` / ``_low``: shares above ``vllm_importance_sampling_clip_max`` and below
+``clip_min``, or 1 / clip_max), at the level of ``vllm_importance_sampling_mode`` (TRL logs its
+ratios only after truncation). When TRL did not compute
 ``old_per_token_logps`` itself, the mixin runs one extra no-grad forward of the current policy.
 Tokens whose sampler log-prob is NaN (vLLM could not score them) are left out of the mask.
 
@@ -57,6 +61,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from timlab.metrics import all_metrics
+from timlab.remedies import RAW_RATIO_KEYS, is_weights
 from timlab.schedulers import LengthDecayLR
 from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
 
@@ -195,6 +200,18 @@ def _reduce_rank_metrics(keys: list[str], per_rank: torch.Tensor) -> dict[str, f
     return out
 
 
+def raw_ratio_metrics(trainer_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, args) -> dict[str, float]:
+    """``RAW_RATIO_KEYS`` at the level of TRL's ``vllm_importance_sampling_mode`` (token_* or
+    sequence_*), with its clip_max / clip_min as the thresholds of the high / low shares."""
+    level = "sequence" if str(getattr(args, "vllm_importance_sampling_mode", "sequence_mask")).startswith("sequence") else "token"
+    hi = getattr(args, "vllm_importance_sampling_clip_max", None) or getattr(args, "vllm_importance_sampling_cap", None) or 3.0
+    lo = getattr(args, "vllm_importance_sampling_clip_min", None)
+    mode = "two_sided" if lo is not None and lo < hi else "none"  # the raw statistics do not depend on the mode
+    _, m = is_weights(trainer_logp, sampling_logp, mask, level=level, mode=mode, threshold=float(hi),
+                      threshold_low=float(lo) if mode == "two_sided" else None)
+    return {k: m[k] for k in RAW_RATIO_KEYS}
+
+
 class TimlabMetricsMixin:
     """Adds timlab's mismatch metrics to a ``GRPOTrainer`` (list it before ``GRPOTrainer``).
 
@@ -235,6 +252,7 @@ class TimlabMetricsMixin:
             mask = mask * batch["tool_mask"]
         mask = mask.bool() & torch.isfinite(sampling_logp)
         metrics = all_metrics(trainer_logp, sampling_logp, mask)
+        metrics.update(raw_ratio_metrics(trainer_logp, sampling_logp, mask, self.args))
         if self.accelerator.num_processes == 1:
             return metrics
         keys = list(metrics)
@@ -259,4 +277,4 @@ class TimlabGRPOTrainer(TimlabMetricsMixin, GRPOTrainer):
     """``GRPOTrainer`` that logs timlab's mismatch metrics (``TimlabMetricsMixin``)."""
 
 
-__all__ = ["LENGTH_KEY", "SCHEDULER_KEYS", "TimlabCallback", "TimlabMetricsMixin", "TimlabGRPOTrainer"]
+__all__ = ["LENGTH_KEY", "SCHEDULER_KEYS", "TimlabCallback", "TimlabMetricsMixin", "TimlabGRPOTrainer", "raw_ratio_metrics"]

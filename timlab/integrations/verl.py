@@ -14,6 +14,11 @@ or a plain dict) with ``old_log_probs`` (log pi_old, recomputed by the actor), `
 ``compute_offpolicy_metrics`` (departures, all in edge cases, are listed in
 ``timlab.metrics.offpolicy``) plus timlab's ``mismatch/*`` extras.
 
+``correction_metrics(batch, rollout_correction)``: timlab's ``is/*`` (raw ratios before truncation,
+truncated / masked shares of tokens and sequences) and ``rs/*`` for verl's own rollout-correction
+settings; timlab's ``is_weights`` and ``rejection_mask`` give verl's weights and masks (tested
+against verl's functions in tests/test_rejection.py).
+
 ``LengthDecayHook``: Beyond-Precision Algorithm 1 for verl. In verl the LR scheduler lives in the
 actor workers while the mean response length (``response_length/mean``) is computed by the
 driver, so the hook runs on the driver and sends the workers a factor:
@@ -40,6 +45,7 @@ from torch.optim import Optimizer
 
 from timlab.errors import UsageError
 from timlab.metrics import all_metrics
+from timlab.remedies import is_weights, rejection_mask
 from timlab.schedulers import LengthDecayLR
 from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
 
@@ -99,6 +105,34 @@ def compute_metrics(batch: Any, *, num_micro_batches: int = 1) -> dict[str, floa
         raise KeyError(f"batch is missing {', '.join(map(repr, missing))}{hint}; keys: {sorted(data.keys())}")
     return all_metrics(data[OLD_LOGP_KEY], data[ROLLOUT_LOGP_KEY], response_mask(batch),
                        num_micro_batches=num_micro_batches)
+
+
+def correction_metrics(batch: Any, rollout_correction: Mapping[str, Any]) -> dict[str, float]:
+    """timlab's ``is/*`` and ``rs/*`` for verl's ``algorithm.rollout_correction`` settings
+    (``rollout_is``, ``rollout_is_threshold``, ``rollout_is_batch_normalize``, ``rollout_rs``,
+    ``rollout_rs_threshold``; a mapping or an omegaconf node) on verl's batch: the raw ratios
+    before truncation (``is/ratio_*_before``, ``is/ratio_frac_*``) and the truncated / masked
+    shares of tokens and sequences, which verl's ``rollout_corr/rollout_is_*`` do not give.
+    ``is/*`` only when ``rollout_is`` is set, ``rs/*`` only when ``rollout_rs`` is.
+    """
+    data = _tensors(batch)
+    train, rollout, mask = data[OLD_LOGP_KEY], data[ROLLOUT_LOGP_KEY], response_mask(batch)
+    get = rollout_correction.get
+    out: dict[str, float] = {}
+    level = get("rollout_is", None)
+    if level:
+        spec = str(get("rollout_is_threshold", 2.0))
+        lo, hi = spec.split("_", 1) if "_" in spec else (None, spec)
+        mode = "truncate" if lo is None else "two_sided"  # verl: one number = TIS, "lo_hi" = IcePop
+        _, m = is_weights(train, rollout, mask, level=level, mode=mode, threshold=float(hi),
+                          threshold_low=None if lo is None else float(lo),
+                          batch_normalize=bool(get("rollout_is_batch_normalize", False)))
+        out.update(m)
+    rules = get("rollout_rs", None)
+    if rules:
+        _, m = rejection_mask(train, rollout, mask, rules=rules, thresholds=get("rollout_rs_threshold", None))
+        out.update(m)
+    return out
 
 
 def make_length_decay_scheduler(optimizer: Optimizer, **schedule_kwargs) -> LengthDecayLR:
@@ -204,6 +238,6 @@ def length_decay_from_config(config: Any) -> LengthDecayHook | None:
 
 __all__ = [
     "OLD_LOGP_KEY", "ROLLOUT_LOGP_KEY", "RESPONSE_MASK_KEY", "LENGTH_KEY", "SCHEDULER_KEYS",
-    "response_mask", "response_length_mean", "compute_metrics",
+    "response_mask", "response_length_mean", "compute_metrics", "correction_metrics",
     "make_length_decay_scheduler", "apply_lr_factor", "LengthDecayHook", "length_decay_from_config",
 ]

@@ -8,6 +8,9 @@ Inputs everywhere are (B, T) tensors: ``train_logp`` = log pi (trainer), ``rollo
 - ``all_metrics``: both, as ``rollout_corr/*`` and ``mismatch/*``; this is what trainers log.
 - ``ratio_histogram``, ``mismatch_by_position``, ``mismatch_by_prob_bucket``: JSON-ready
   breakdowns for reports.
+- ``length_scaling``: noise vs bias, the growth exponents of sum_t r and sum_t |r| with the
+  response length (bootstrap intervals, a one-line reading); ``length_scaling_sums`` /
+  ``merge_length_scaling_sums`` / ``length_scaling_from_sums`` stream it.
 - ``metric_sums`` / ``merge_metric_sums`` / ``metrics_from_sums`` and ``breakdown_sums`` /
   ``merge_breakdown_sums`` / ``breakdowns_from_sums``: the same, batch by batch (streamed files).
 
@@ -26,6 +29,13 @@ from timlab.metrics.distribution import (
     mismatch_by_prob_bucket,
     ratio_histogram,
 )
+from timlab.metrics.scaling import (
+    format_length_scaling,
+    length_scaling,
+    length_scaling_from_sums,
+    length_scaling_sums,
+    merge_length_scaling_sums,
+)
 from timlab.metrics.offpolicy import (
     DIFFERENT_TOKEN_TOL,
     MISMATCH_KEYS,
@@ -39,6 +49,11 @@ from timlab.metrics.offpolicy import (
 )
 
 __all__ = [
+    "length_scaling",
+    "length_scaling_sums",
+    "merge_length_scaling_sums",
+    "length_scaling_from_sums",
+    "format_length_scaling",
     "mismatch_by_length",
     "SAFETY_BOUND",
     "PPL_LOG_BOUND",

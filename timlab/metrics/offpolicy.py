@@ -53,6 +53,7 @@ VERL_KEYS = (
 
 MISMATCH_KEYS = (
     "abs_diff_mean",
+    "exp_abs_diff_mean",
     "abs_diff_p99",
     "diff_mean",
     "probs_diff_mean",
@@ -114,6 +115,7 @@ def _sums(p: Prepared) -> dict[str, torch.Tensor]:
         "chi2_token": (torch.exp(2.0 * rc) * p.validf).sum(),
         "chi2_seq": seq_sum(torch.exp(2.0 * seq_r_sum.clamp(-SAFETY_BOUND, SAFETY_BOUND))),
         "abs_diff": a.sum(),
+        "exp_abs_diff": (torch.exp(a.clamp(max=SAFETY_BOUND)) * p.validf).sum(),
         "abs_values": a[p.valid],  # (N,) for the percentile
         "diff": r.sum(),
         "probs_diff": probs_diff.sum(),
@@ -224,6 +226,7 @@ def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int) -> dict[st
     w2_mean = s["w2"] / n_tok
     return {
         "abs_diff_mean": s["abs_diff"] / n_tok,
+        "exp_abs_diff_mean": s["exp_abs_diff"] / n_tok,
         "abs_diff_p99": _quantile(s["abs_values"], 0.99),
         "diff_mean": s["diff"] / n_tok,
         "probs_diff_mean": s["probs_diff"] / n_tok,
@@ -280,6 +283,8 @@ def mismatch_metrics(
 
     - ``abs_diff_mean`` / ``max_abs_diff`` / ``abs_diff_p99``: mean, max, 99th percentile (linear
       interpolation) of |r| over valid tokens.
+    - ``exp_abs_diff_mean``: mean exp(|r|) (|r| clamped at 20), the quantity NeMo-RL's model
+      onboarding checks against 1.05 (``token_mult_prob_error``).
     - ``diff_mean``: mean r (TorchTitan ``logprob_diff/mean``).
     - ``probs_diff_mean`` / ``_max`` / ``_std``: |exp(log pi) - exp(log mu)| (verl's
       ``training/rollout_probs_diff_*``; std is Bessel-corrected like torch.std, 0 for one token).

@@ -13,6 +13,9 @@ sampled from mu (rollout) but trained under pi (trainer), plus ``is/*`` metrics.
       mask (MIS)        rho * 1[rho <= C]
       two_sided (IcePop) rho * 1[C_low <= rho <= C_high], C_low defaults to 1 / C_high
     veto                whole sequence -> 0 if any token has exp(r_t) < veto_threshold
+    batch_normalize     self-normalized IS: after all of the above, divide by the batch mean weight
+                        (over tokens at token level; over sequences, one weight each, at the
+                        sequence and geometric levels), as verl's ``rollout_is_batch_normalize``
 
 with r_t = log pi - log mu. Defaults follow the seed paper (Table 1: C = 2 for TIS and MIS).
 Veto is opt-in (``veto_threshold=None``, as in verl); ``DEFAULT_VETO_THRESHOLD`` = 1e-4 is the
@@ -25,6 +28,9 @@ Departures / choices:
 - The veto tests the *token* ratio exp(r_t) whatever the level (verl's rollout_token_veto).
 - Weights are computed in float64, detached, and returned in the promotion of train_logp's
   dtype with float32 (bf16 input -> float32 weights); masked-out positions are 0.
+- Matches verl's ``compute_rollout_correction_weights`` (token / sequence x TIS / IcePop, with
+  and without batch normalization; tests/test_rejection.py checks it against verl's own function).
+  verl normalizes only when the mean weight exceeds 1e-8; so does this (factor 1 otherwise).
 - Inputs are validated by ``timlab.metrics``' checker (the same pure layer), and SAFETY_BOUND is
   the metrics' constant.
 """
@@ -49,12 +55,26 @@ DEFAULT_VETO_THRESHOLD = 1e-4
 METRIC_KEYS = (
     "is/ratio_mean_before",
     "is/ratio_max_before",
+    "is/ratio_min_before",
+    "is/ratio_frac_high",
+    "is/ratio_frac_low",
     "is/ratio_mean_after",
     "is/frac_truncated",
     "is/frac_masked",
+    "is/frac_truncated_seqs",
+    "is/frac_masked_seqs",
     "is/frac_vetoed_seqs",
+    "is/batch_norm_factor",
     "is/ess",
 )
+
+RAW_RATIO_KEYS = ("is/ratio_mean_before", "is/ratio_max_before", "is/ratio_min_before", "is/ratio_frac_high",
+                  "is/ratio_frac_low")
+"""The ``METRIC_KEYS`` that describe the raw ratios, before any truncation or masking: the
+same whatever the mode, so a plug-in can log them for a host that applies its own correction."""
+
+BATCH_NORM_MIN = 1e-8
+"""Self-normalization divides by the batch mean weight only above this (verl's guard)."""
 
 # A level maps (r (B, T) with 0 off-mask, validf (B, T) float 0/1) -> log rho (B, T).
 IS_LEVELS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry("IS level")
@@ -123,16 +143,24 @@ def is_weights(
     threshold: float = DEFAULT_THRESHOLD,
     threshold_low: float | None = None,
     veto_threshold: float | None = None,
+    batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """IS weights (B, T), detached, 0 off-mask, and ``is/*`` metrics (keys in ``METRIC_KEYS``).
 
     ``threshold`` is C (C_high for two_sided); ``threshold_low`` only applies to ``two_sided``
-    and defaults to 1 / threshold. Metrics, all over valid tokens unless said otherwise:
-    ``ratio_mean_before`` / ``ratio_max_before``: rho (at the chosen level) before the mode;
-    ``ratio_mean_after``: mean final weight; ``frac_truncated``: share capped by ``truncate``;
-    ``frac_masked``: share zeroed by ``mask``/``two_sided``; ``frac_vetoed_seqs``: share of
-    non-empty sequences vetoed; ``ess``: 1 / mean((w / mean w)^2) of the final weights (0 if all
-    are 0). With no valid token every metric is 0.0.
+    and defaults to 1 / threshold. ``batch_normalize``: divide the final weights by their batch
+    mean (self-normalized IS, applied after truncation, masking and veto).
+
+    Metrics, all over valid tokens unless said otherwise: ``ratio_mean_before`` /
+    ``ratio_max_before`` / ``ratio_min_before``: the raw rho (at the chosen level, clamped at
+    exp(+-20)) before the mode; ``ratio_frac_high`` / ``ratio_frac_low``: share of raw rho above
+    C / below C_low (1 / C unless two_sided sets it), whatever the mode; ``ratio_mean_after``:
+    mean final weight; ``frac_truncated``: share capped by ``truncate``; ``frac_masked``: share
+    zeroed by ``mask``/``two_sided``; ``frac_truncated_seqs`` / ``frac_masked_seqs`` /
+    ``frac_vetoed_seqs``: share of non-empty sequences with a token truncated / masked / vetoed;
+    ``batch_norm_factor``: the mean weight divided out (1.0 without ``batch_normalize``); ``ess``:
+    1 / mean((w / mean w)^2) of the final weights (0 if all are 0). With no valid token every
+    metric is 0.0.
     """
     level_fn = IS_LEVELS.get(level)
     mode_fn = IS_MODES.get(mode)
@@ -164,21 +192,40 @@ def is_weights(
             vetoed = torch.zeros_like(has)
 
         n_tok = validf.sum().clamp(min=1)
+        n_seq = has.sum().clamp(min=1)
+        one = torch.ones((), dtype=torch.float64, device=weights.device)
+        norm = one
+        if batch_normalize:
+            if level == "token":
+                batch_mean = weights.sum() / n_tok
+            else:  # one weight per sequence: the mean over its tokens, then over sequences
+                batch_mean = (weights.sum(-1) / validf.sum(-1).clamp(min=1)).sum() / n_seq
+            norm = torch.where(batch_mean > BATCH_NORM_MIN, batch_mean, one)
+            weights = weights / norm
         w_mean = weights.sum() / n_tok
         w2_mean = (weights * weights).sum() / n_tok
         zero = torch.zeros_like(w2_mean)
         ess = torch.where(w2_mean > 0, w_mean * w_mean / w2_mean.clamp(min=1e-300), zero)  # 0 if all w = 0
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=rho.device)
         stats = torch.stack(
             [
                 rho.sum() / n_tok,
                 rho.max() if rho.numel() else zero,
+                torch.cat([torch.where(valid, rho, inf).flatten(), inf[None]]).min(),
+                ((rho > c_high) & valid).sum() / n_tok,
+                ((rho < c_low) & valid).sum() / n_tok,
                 w_mean,
                 truncated.sum() / n_tok,
                 masked.sum() / n_tok,
-                (vetoed & has).sum() / has.sum().clamp(min=1),
+                truncated.any(-1).sum() / n_seq,
+                masked.any(-1).sum() / n_seq,
+                (vetoed & has).sum() / n_seq,
+                norm,
                 ess,
             ]
         ).tolist()  # one host sync
+        if not valid.any():
+            stats = [0.0] * len(stats)
         metrics = dict(zip(METRIC_KEYS, (float(x) for x in stats)))
         out_dtype = torch.promote_types(train_logp.dtype, torch.float32)
         return weights.to(out_dtype).detach(), metrics

@@ -1,10 +1,15 @@
-"""The policy loss: PPO's clipped surrogate with asymmetric clipping (DAPO's clip-higher).
+"""The policy losses (``POLICY_LOSSES``, picked by ``algorithm.loss_type``, verl's names):
 
-ratio = pi_theta / pi_old, where pi_old is the TRAINER's log-prob under the rollout weights
-(computed by the same forward, not taken from the engine). So with no IS correction the
-rollout's log mu never enters the loss: a training-inference mismatch acts only through which
-tokens were sampled, exactly as in verl's default (recomputed old_log_prob). IS weights, when a
-remedy is on, multiply the per-token loss and are detached.
+- ``ppo_clip``: PPO's clipped surrogate with asymmetric clipping (DAPO's clip-higher).
+  ratio = pi_theta / pi_old, where pi_old is by default the TRAINER's log-prob under the rollout
+  weights (computed by the same forward, not taken from the engine). So with no IS correction the
+  rollout's log mu never enters the loss: a training-inference mismatch acts only through which
+  tokens were sampled, exactly as in verl's default "decoupled" mode (recomputed old_log_prob).
+  In verl's bypass mode (``correction.bypass_mode``) the trainer passes log mu as pi_old, so the
+  ratio is pi_theta / mu and its clipping is the correction.
+- ``reinforce``: -A * w * log pi_theta, no clipping (verl's ``compute_policy_loss_reinforce``).
+
+IS weights, when a remedy is on, multiply the per-token loss and are detached.
 """
 
 from __future__ import annotations
@@ -33,6 +38,31 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, *, denom: f
         n = has.sum() if denom is None else denom
         return seq[has].sum() / max(float(n), 1.0)
     raise UsageError(f"unknown algorithm.loss_agg {how!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def _metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_low: float,
+             clip_high: float, clipped: bool) -> dict[str, float]:
+    """train/* statistics of the ratio pi / pi_old (clip fractions 0 when the loss does not clip)."""
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        low = ((ratio < 1.0 - clip_low) & (adv < 0)).to(mask.dtype) * float(clipped)
+        high = ((ratio > 1.0 + clip_high) & (adv > 0)).to(mask.dtype) * float(clipped)
+        return {
+            "train/clip_frac_low": float((low * mask).sum() / n),
+            "train/clip_frac_high": float((high * mask).sum() / n),
+            "train/clip_frac": float(((low + high) * mask).sum() / n),
+            "train/approx_kl": float((0.5 * log_ratio.pow(2) * mask).sum() / n),
+            "train/ratio_max": float(torch.where(mask > 0, ratio, torch.zeros_like(ratio)).max()),
+        }
+
+
+def _kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, kl_coef: float, ref_logp: torch.Tensor | None) -> torch.Tensor:
+    if kl_coef > 0.0:
+        if ref_logp is None:
+            raise UsageError("kl_coef > 0 needs ref_logp")
+        d = (ref_logp.detach() - logp).clamp(-20.0, 20.0)
+        per_token = per_token + kl_coef * (torch.exp(d) - d - 1.0)
+    return per_token
 
 
 def ppo_clip_loss(
@@ -64,21 +94,41 @@ def ppo_clip_loss(
     per_token = torch.maximum(unclipped, clipped)  # (B, T)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    if kl_coef > 0.0:
-        if ref_logp is None:
-            raise UsageError("kl_coef > 0 needs ref_logp")
-        d = (ref_logp.detach() - logp).clamp(-20.0, 20.0)
-        per_token = per_token + kl_coef * (torch.exp(d) - d - 1.0)
+    per_token = _kl_penalty(per_token, logp, kl_coef, ref_logp)
     loss = aggregate(per_token, mask, loss_agg, denom=denom)
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1.0)
-        low = ((ratio < 1.0 - clip_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1.0 + clip_high) & (adv > 0)).to(mask.dtype)
-        metrics = {
-            "train/clip_frac_low": float((low * mask).sum() / n),
-            "train/clip_frac_high": float((high * mask).sum() / n),
-            "train/clip_frac": float(((low + high) * mask).sum() / n),
-            "train/approx_kl": float((0.5 * log_ratio.pow(2) * mask).sum() / n),
-            "train/ratio_max": float(torch.where(mask > 0, ratio, torch.zeros_like(ratio)).max()),
-        }
-    return loss, metrics
+    return loss, _metrics(ratio, log_ratio, adv, mask, clip_low, clip_high, clipped=True)
+
+
+def reinforce_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    loss_agg: str = "token_mean",
+    is_weights: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    denom: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE: per token -A * w * log pi_theta (w detached IS weights or 1), no clipping.
+
+    Same arguments as ``ppo_clip_loss``; ``old_logp`` and the clip bounds only feed the
+    ``train/*`` ratio statistics (the clip fractions are 0). Its gradient at pi_theta = pi_old
+    equals PPO-clip's.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages[:, None].to(logp.dtype)  # (B, 1)
+    per_token = -adv * logp  # (B, T)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    per_token = _kl_penalty(per_token, logp, kl_coef, ref_logp)
+    loss = aggregate(per_token, mask, loss_agg, denom=denom)
+    log_ratio = (logp.detach() - old_logp).clamp(-20.0, 20.0)
+    return loss, _metrics(torch.exp(log_ratio), log_ratio, adv, mask, clip_low, clip_high, clipped=False)
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "reinforce": reinforce_loss}
+"""``algorithm.loss_type`` -> loss function (one signature)."""

@@ -7,9 +7,15 @@ A step reads top to bottom as rollout -> score -> metrics -> correction -> loss 
 2. score: the trainer's forward (autograd on) gives log pi on the same tokens; in exact mode with
    no injector the zero-mismatch guard requires it to equal the rollout's log mu bit for bit;
 3. metrics: verl's rollout_corr/* plus timlab's mismatch/* on (log pi_old, log mu);
-4. correction: optional IS weights (token / sequence / geometric x truncate / mask / two-sided);
-5. loss: PPO clipped surrogate with pi_old = the trainer's own log-probs under the rollout weights
-   (so mu only enters through the sampled tokens and the IS weights);
+4. correction: optional IS weights (token / sequence / geometric x truncate / mask / two-sided,
+   optionally self-normalized) and rejection sampling (verl's rules), which zeroes rejected
+   tokens of the loss mask;
+5. loss: PPO clipped surrogate (or REINFORCE, ``algorithm.loss_type``) with pi_old = the trainer's
+   own log-probs under the rollout weights (so mu only enters through the sampled tokens and the
+   IS weights), or pi_old = mu in verl's bypass mode (``correction.bypass_mode``). Unlike verl,
+   bypass mode does not skip the pi_old forward: the metrics and the guard need it. IS weights
+   and rejection are computed once per step from those log-probs; verl's bypass mode recomputes
+   them per mini-batch from the current policy (the same when epochs = mini_batches = 1);
 6. update: AdamW with gradient clipping, then the LR scheduler, fed the mean response length.
 
 Departures from GRPO as published: clip-higher (0.2 / 0.28) and token-mean aggregation (DAPO),
@@ -40,7 +46,7 @@ from timlab.injectors import build_injector
 from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
-from timlab.remedies import IS_LEVELS, IS_MODES, is_weights
+from timlab.remedies import IS_LEVELS, IS_MODES, is_weights, parse_rules, parse_thresholds, rejection_mask
 from timlab.schedulers import SCHEDULERS, scheduler_from_config
 from timlab.tasks import TASKS, make_splits
 from timlab.trainer import distributed as dist_utils
@@ -48,7 +54,7 @@ from timlab.trainer.advantages import ADVANTAGES, informative_groups
 from timlab.trainer.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
 from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
 from timlab.trainer.logging import MetricsLog, atomic_write_text
-from timlab.trainer.losses import LOSS_AGGREGATIONS, ppo_clip_loss
+from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from timlab.trainer.policy import build_task, greedy_accuracy, load_policy, rollout_rewards
 from timlab.trainer.pretrain import check_warm_start, ensure_warm_start
 from timlab.trainer.precision import PRECISIONS
@@ -78,6 +84,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"unknown {key} {value!r}; valid choices: {', '.join(reg.names())}")
     if cfg.algorithm.loss_agg not in LOSS_AGGREGATIONS:
         raise ConfigError(f"unknown algorithm.loss_agg {cfg.algorithm.loss_agg!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
+    if cfg.algorithm.loss_type not in POLICY_LOSSES:
+        raise ConfigError(f"unknown algorithm.loss_type {cfg.algorithm.loss_type!r}; valid choices: {', '.join(POLICY_LOSSES)}")
+    validate_correction(cfg)
     if cfg.model.dtype not in PRECISIONS:
         raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
     positive = {
@@ -106,6 +115,23 @@ def validate(cfg: Config) -> None:
     n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
+
+
+def validate_correction(cfg: Config) -> None:
+    """The correction section's rejection rules and thresholds, and bypass mode's loss."""
+    c = cfg.correction
+    if c.rs or c.rs_threshold:
+        if not (c.rs and c.rs_threshold):
+            raise ConfigError("correction.rs and correction.rs_threshold go together (verl's rollout_rs / "
+                              f"rollout_rs_threshold); got rs={c.rs!r} rs_threshold={c.rs_threshold!r}")
+        try:
+            parse_thresholds(parse_rules(c.rs), c.rs_threshold)
+        except TimlabError as e:
+            raise ConfigError(f"correction.rs / correction.rs_threshold: {one_line(e)}") from None
+    if c.bypass_mode and cfg.algorithm.loss_type == "ppo_clip" and (c.mode != "none" or c.veto_threshold):
+        raise ConfigError("correction.bypass_mode with algorithm.loss_type=ppo_clip: the PPO ratio pi / mu already is the "
+                          "IS correction, weights would count it twice; set correction.mode=none (verl's "
+                          "bypass_ppo_clip) or algorithm.loss_type=reinforce (bypass_pg_is)")
 
 
 def check_device(device: str) -> None:
@@ -146,7 +172,8 @@ class UpdateBatch:
     tokens: torch.Tensor
     key_valid: torch.Tensor
     old_logp: torch.Tensor
-    """The trainer's log-probs under the rollout weights (pi_old), no autograd."""
+    """pi_old of the loss, no autograd: the trainer's log-probs under the rollout weights, or the
+    rollout's own (log mu) in bypass mode."""
     advantages: torch.Tensor
     """(B,): one advantage per sequence."""
     loss_mask: torch.Tensor
@@ -383,23 +410,28 @@ class RLRun:
         weights, is_metrics = is_weights(
             old_logp, rollout_logp, maskf, level=c.level, mode=c.mode, threshold=c.threshold,
             threshold_low=c.threshold_low if c.mode == "two_sided" else None,
-            veto_threshold=c.veto_threshold or None,
+            veto_threshold=c.veto_threshold or None, batch_normalize=c.batch_normalize,
         )
         metrics.update(is_metrics)
+        keep_tokens = maskf
+        if c.rs:
+            keep_tokens, rs_metrics = rejection_mask(old_logp, rollout_logp, maskf, rules=c.rs, thresholds=c.rs_threshold)
+            metrics.update(rs_metrics)
 
         # 5. loss + 6. update -------------------------------------------------------------
         adv = ADVANTAGES.get(cfg.algorithm.name)(rewards)  # (N, G)
         keep = informative_groups(rewards) if cfg.algorithm.reject_equal_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
         seq_keep = keep[:, None].expand_as(rewards).reshape(-1).to(self.device)  # (B,)
         adv = adv.reshape(-1).to(self.device)
-        loss_mask = maskf * seq_keep[:, None].float()
+        loss_mask = keep_tokens * seq_keep[:, None].float()
         use_weights = None if c.mode == "none" and not c.veto_threshold else weights
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(self.ref_model, tokens, key_valid, mode="exact", kv_len=S, score_mask=mask)
+        anchor_logp = rollout_logp.to(old_logp.dtype) if c.bypass_mode else old_logp  # pi_old of the loss
         loss_metrics, grad_norm, updated = self._update(UpdateBatch(
-            tokens, key_valid, old_logp, adv, loss_mask, kv_len=S, logp=logp if single_update else None,
+            tokens, key_valid, anchor_logp, adv, loss_mask, kv_len=S, logp=logp if single_update else None,
             is_weights=use_weights, ref_logp=ref_logp,
         ))
         metrics.update(loss_metrics)
@@ -498,7 +530,7 @@ class RLRun:
                                            score_mask=loss_mask[rows] > 0)
                 mb_tokens = self.world.sum(float(loss_mask[rows].sum()))
                 denom = mb_tokens if a.loss_agg == "token_mean" else self.world.sum(float((loss_mask[rows].sum(-1) > 0).sum()))
-                loss, m = ppo_clip_loss(
+                loss, m = POLICY_LOSSES[a.loss_type](
                     lp, batch.old_logp[rows], batch.advantages[rows], loss_mask[rows], clip_low=a.clip_low, clip_high=a.clip_high,
                     loss_agg=a.loss_agg, is_weights=None if is_w is None else is_w[rows],
                     kl_coef=a.kl_coef, ref_logp=None if ref_logp is None else ref_logp[rows], denom=max(denom, 1.0),

@@ -1,0 +1,95 @@
+"""``timlab check`` end to end on a tiny random model folder written by transformers: exact vs
+trainer passes a gate at 0, fast vs trainer fails it; verdicts, JSON, HTML and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from timlab.cli import main
+from timlab.experiments.check import HEALTH_CHECKS, verdict
+from timlab.tokenizer import save_char_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+CHARS = "0123456789+-= abcdef"
+SMALL = ["--batch-sizes", "1,8", "--lengths", "short=4:8,long=16:24", "--boot", "50"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_model")
+    cfg = transformers.AutoConfig.for_model(
+        "llama", vocab_size=4 + len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # logits of order 1-10, so sampling and greedy differ
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    model.save_pretrained(path)
+    save_char_tokenizer(CHARS, path)
+    return path
+
+
+def check(tmp_path, folder, *args) -> tuple[int, dict]:
+    out = tmp_path / "check.json"
+    code = main(["check", "--model", str(folder), *SMALL, "--json", str(out), *args])
+    return code, json.loads(out.read_text())
+
+
+def test_exact_vs_trainer_passes_a_gate_at_zero(tmp_path, folder, capsys):
+    code, res = check(tmp_path, folder, "--rollout", "exact", "--score", "trainer", "--fail-above", "0",
+                      "--html", str(tmp_path / "check.html"))
+    assert code == 0 and not res["gate"]["failed"] and res["gate"]["worst"] == 0.0
+    assert len(res["cells"]) == 2 * 2 * 2
+    assert {(c["batch"], c["length"], c["decoding"]) for c in res["cells"]} == {
+        (b, n, d) for b in (1, 8) for n in ("short", "long") for d in ("greedy", "sampling")}
+    for c in res["cells"]:
+        assert c["max_abs_diff"] == 0.0 and c["frac_bitwise_equal"] == 1.0 and c["verdict"] == "bitwise"
+        assert c["exp_abs_diff_mean"] == 1.0 and c["num_tokens"] >= c["batch"]
+    assert res["length_scaling"]["reading"].startswith("no mismatch")
+    text = capsys.readouterr().out
+    assert "gate mean_abs_diff <= 0 (worst 0): passed" in text and "bitwise" in text
+    page = (tmp_path / "check.html").read_text()
+    assert "<table>" in page and "passed" in page
+
+
+def test_fast_vs_trainer_fails_a_gate_at_zero_and_passes_a_loose_one(tmp_path, folder, capsys):
+    code, res = check(tmp_path, folder, "--rollout", "fast", "--score", "trainer", "--fail-above", "0")
+    assert code == 1 and res["gate"]["failed"] and res["gate"]["worst"] > 0
+    assert "gate mean_abs_diff <= 0" in capsys.readouterr().out
+    # fp32 stock kernels differ by ~1e-6: healthy by every documented threshold
+    assert res["healthy"] and all(c["verdict"] == "pass" for c in res["cells"] if c["frac_bitwise_equal"] < 1)
+    assert all(1.0 <= c["exp_abs_diff_mean"] < 1.0001 for c in res["cells"])
+    code, res = check(tmp_path, folder, "--rollout", "fast", "--score", "trainer", "--fail-above", "1e-3",
+                      "--gate-metric", "max_abs_diff")
+    assert code == 0 and res["gate"]["metric"] == "max_abs_diff"
+
+
+def test_verdict_against_documented_thresholds():
+    ok = {"exp_abs_diff_mean": 1.01, "abs_kl": 0.01, "chi2_token": 0.1, "ess": 0.9, "frac_bitwise_equal": 0.5}
+    assert verdict(ok) == ("pass", [])
+    bad = {**ok, "exp_abs_diff_mean": 1.07, "ess": 0.2}
+    state, failed = verdict(bad)
+    assert state == "FAIL" and failed == ["exp_abs_diff_mean 1.07 > 1.05", "ess 0.2 < 0.3"]
+    assert [h.limit for h in HEALTH_CHECKS] == [1.05, 0.1, 1.0, 0.3]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--gate-metric", "ess"], "unknown --gate-metric 'ess'; valid choices: mean_abs_diff,"),
+    (["--lengths", "long=60:60"], "needs 120 positions, more than the model's context (max_position_embeddings=64)"),
+    (["--lengths", "long"], "expected name=PROMPT:ANSWER"),
+    (["--batch-sizes", "0"], "expected comma-separated integers >= 1"),
+    (["--decoding", "beam"], "unknown mode 'beam'; valid choices: greedy, sampling"),
+    (["--rollout", "trainer"], "'trainer' is not a rollout engine"),
+    (["--fail-above", "-1"], "--fail-above must be a finite number >= 0"),
+])
+def test_bad_options_one_line(folder, capsys, args, needle):
+    code = main(["check", "--model", str(folder), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err

@@ -1,0 +1,296 @@
+"""``timlab check``: the model-onboarding matrix, with verdicts and a CI gate.
+
+NeMo-RL's model-onboarding procedure checks that the training and generation back-ends agree,
+measured as mean exp(|log pi - log mu|) below 1.05, across batch sizes, sequence lengths and
+greedy vs sampled decoding; slime's CI asserts the train/rollout log-prob difference below 1e-6.
+``run_check`` runs that matrix on any engine pair of ``timlab probe`` (it reuses the probe's
+loading, rollout and scoring: ``timlab.experiments.probe.probe_prompts``):
+
+    batch sizes (default 1, 8, 32)  x  lengths (short, long: prompt and answer tokens)
+                                    x  decoding (greedy: temperature 0; sampling: temperature 1)
+
+Each cell rolls out ``batch`` random prompts together (token ids drawn from the tokenizer's
+non-special ids, lengths uniform in [P/2, P], seeded per cell) for up to A new tokens, rescores them
+and reports mean exp(|r|), mean and max |r|, k3, the bitwise-equal fraction and more
+(``CELL_KEYS``), and a verdict against ``HEALTH_CHECKS``: the field's 1.05 for mean exp(|r|) and
+verl's health checks (|kl| <= 0.1, chi2_token <= 1, ESS >= 0.3, from verl's rollout-correction
+docs). With ``fail_above`` the gate fails when any cell's ``gate_metric`` (default mean |r|)
+exceeds it: ``timlab check --fail-above 0`` demands bitwise-equal log-probs, as a CI job would.
+The noise-vs-bias length diagnostic (``timlab.metrics.length_scaling``) runs on all cells pooled.
+
+Not from a paper: a diagnostic in the spirit of NeMo-RL's onboarding checks.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from timlab.engines import SamplingParams
+from timlab.errors import UsageError
+from timlab.experiments.probe import _check_names, load_probe_model, probe_prompts
+from timlab.metrics import (
+    format_length_scaling,
+    length_scaling_from_sums,
+    length_scaling_sums,
+    merge_length_scaling_sums,
+    mismatch_metrics,
+    offpolicy_metrics,
+)
+
+DEFAULT_BATCH_SIZES = "1,8,32"
+DEFAULT_LENGTHS = "short=16:32,long=128:256"
+"""name=P:A, comma-separated: prompts of up to P tokens, answers of up to A new tokens."""
+DEFAULT_DECODING = "greedy,sampling"
+DECODING = {"greedy": SamplingParams(temperature=0.0), "sampling": SamplingParams(temperature=1.0)}
+"""Decoding modes by name."""
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """One documented threshold a cell must meet."""
+
+    metric: str
+    """A key of the cell (``CELL_KEYS``)."""
+    op: str
+    """"<=" or ">=": how the value must compare with the limit to pass."""
+    limit: float
+    source: str
+    """Where the threshold comes from."""
+
+    def passes(self, value: float) -> bool:
+        return value <= self.limit if self.op == "<=" else value >= self.limit
+
+
+HEALTH_CHECKS = (
+    HealthCheck("exp_abs_diff_mean", "<=", 1.05, "NeMo-RL model onboarding: mean exp(|r|) < 1.05"),
+    HealthCheck("abs_kl", "<=", 0.1, "verl rollout-correction health check: |kl| > 0.1 warns"),
+    HealthCheck("chi2_token", "<=", 1.0, "verl: chi2_token > 1 warns"),
+    HealthCheck("ess", ">=", 0.3, "verl: ESS < 0.3 warns"),
+)
+
+CELL_KEYS = ("num_tokens", "mean_response_length", "exp_abs_diff_mean", "mean_abs_diff", "max_abs_diff", "k3_kl",
+             "kl", "abs_kl", "chi2_token", "ess", "frac_bitwise_equal", "frac_tokens_different", "log_ppl_abs_diff",
+             "probs_diff_mean")
+"""Numbers reported per cell (timlab.metrics' definitions; ``abs_kl`` = |rollout_corr/kl|)."""
+
+GATE_METRICS = ("mean_abs_diff", "max_abs_diff", "exp_abs_diff_mean", "k3_kl", "abs_kl", "chi2_token",
+                "log_ppl_abs_diff", "probs_diff_mean", "frac_tokens_different")
+"""Cell numbers the gate can use (larger is worse for each)."""
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes):
+        raise UsageError(f"--batch-sizes {text!r}: expected comma-separated integers >= 1, e.g. {DEFAULT_BATCH_SIZES}")
+    return sizes
+
+
+def parse_lengths(text: str) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            name, spec = part.split("=")
+            p, a = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise UsageError(f"--lengths {text!r}: expected name=PROMPT:ANSWER entries, e.g. {DEFAULT_LENGTHS}") from None
+        if p < 1 or a < 1 or not name.strip():
+            raise UsageError(f"--lengths {text!r}: prompt and answer lengths must be >= 1 and named")
+        out[name.strip()] = (p, a)
+    if not out:
+        raise UsageError(f"--lengths {text!r}: expected name=PROMPT:ANSWER entries, e.g. {DEFAULT_LENGTHS}")
+    return out
+
+
+def parse_decoding(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in DECODING]
+    if not names or bad:
+        raise UsageError(f"--decoding {text!r}: unknown mode {bad[0] if bad else ''!r}; valid choices: {', '.join(DECODING)}")
+    return names
+
+
+def _prompts(tokenizer, vocab: int, batch: int, max_len: int, seed: int) -> list[list[int]]:
+    """``batch`` random prompts of non-special token ids, lengths uniform in [ceil(P/2), P]."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | {
+        tokenizer.eos_token_id, tokenizer.pad_token_id, getattr(tokenizer, "bos_token_id", None)}
+    ids = [i for i in range(vocab) if i not in special]
+    rng = random.Random(seed)
+    return [[rng.choice(ids) for _ in range(rng.randint(max(1, (max_len + 1) // 2), max_len))] for _ in range(batch)]
+
+
+def _cell_metrics(out) -> dict:
+    r = out.rollout
+    mm = mismatch_metrics(out.score_logp, r.logprobs, r.response_mask)
+    off = offpolicy_metrics(out.score_logp, r.logprobs, r.response_mask)
+    return {
+        "num_tokens": int(mm["num_tokens"]),
+        "mean_response_length": out.summary["mean_response_length"],
+        "exp_abs_diff_mean": mm["exp_abs_diff_mean"],
+        "mean_abs_diff": mm["abs_diff_mean"],
+        "max_abs_diff": mm["max_abs_diff"],
+        "k3_kl": off["k3_kl"],
+        "kl": off["kl"],
+        "abs_kl": abs(off["kl"]),
+        "chi2_token": off["chi2_token"],
+        "ess": mm["ess"],
+        "frac_bitwise_equal": mm["frac_bitwise_equal"],
+        "frac_tokens_different": mm["frac_tokens_different"],
+        "log_ppl_abs_diff": off["log_ppl_abs_diff"],
+        "probs_diff_mean": mm["probs_diff_mean"],
+    }
+
+
+def verdict(cell: dict) -> tuple[str, list[str]]:
+    """("bitwise" | "pass" | "FAIL", the failed checks as 'metric value op limit')."""
+    failed = [f"{h.metric} {cell[h.metric]:.4g} {'>' if h.op == '<=' else '<'} {h.limit:g}"
+              for h in HEALTH_CHECKS if not h.passes(cell[h.metric])]
+    if failed:
+        return "FAIL", failed
+    return ("bitwise" if cell["frac_bitwise_equal"] == 1.0 else "pass"), []
+
+
+def run_check(
+    *,
+    model_dir: str | Path,
+    rollout: str = "fast",
+    score: str = "trainer",
+    dtype: str = "float32",
+    device: str = "cpu",
+    batch_sizes: str = DEFAULT_BATCH_SIZES,
+    lengths: str = DEFAULT_LENGTHS,
+    decoding: str = DEFAULT_DECODING,
+    seed: int = 0,
+    fail_above: float | None = None,
+    gate_metric: str = "mean_abs_diff",
+    n_boot: int = 200,
+    progress=None,
+) -> dict:
+    """Run the matrix; return a JSON-ready dict: settings, ``cells`` (one dict per cell with
+    ``CELL_KEYS``, ``verdict`` and ``failed_checks``), ``health_checks``, ``gate`` and
+    ``length_scaling``. ``progress(phase, i, n, metrics)`` is called after each cell."""
+    _check_names(rollout, score, attribute=False)
+    sizes, lens, modes = parse_batch_sizes(batch_sizes), parse_lengths(lengths), parse_decoding(decoding)
+    if gate_metric not in GATE_METRICS:
+        raise UsageError(f"unknown --gate-metric {gate_metric!r}; valid choices: {', '.join(GATE_METRICS)}")
+    if fail_above is not None and not (math.isfinite(fail_above) and fail_above >= 0):
+        raise UsageError(f"--fail-above must be a finite number >= 0, got {fail_above}")
+    model, tokenizer = load_probe_model(model_dir, dtype=dtype, device=device)
+    context = model.config.max_position_embeddings
+    for name, (p, a) in lens.items():
+        if p + a > context:
+            raise UsageError(f"--lengths {name}={p}:{a} needs {p + a} positions, more than the model's context "
+                             f"(max_position_embeddings={context})")
+    vocab = min(tokenizer.vocab_size, model.config.vocab_size)
+
+    cells, sums = [], None
+    grid = [(b, name, mode) for b in sizes for name in lens for mode in modes]
+    for i, (b, name, mode) in enumerate(grid):
+        p, a = lens[name]
+        cell_seed = seed * 1_000_003 + i
+        out = probe_prompts(model, tokenizer, _prompts(tokenizer, vocab, b, p, cell_seed), rollout=rollout, score=score,
+                            sampling=DECODING[mode], max_new_tokens=a, seed=cell_seed)
+        cell = {"batch": b, "length": name, "prompt_tokens": p, "answer_tokens": a, "decoding": mode,
+                **_cell_metrics(out)}
+        cell["verdict"], cell["failed_checks"] = verdict(cell)
+        cells.append(cell)
+        s = length_scaling_sums(out.score_logp, out.rollout.logprobs, out.rollout.response_mask)
+        sums = s if sums is None else merge_length_scaling_sums(sums, s)
+        if progress is not None:
+            progress("check", i + 1, len(grid), {})
+
+    over = [c for c in cells if fail_above is not None and c[gate_metric] > fail_above]
+    return {
+        "model_dir": str(model_dir), "rollout": rollout, "score": score, "dtype": dtype, "device": device,
+        "seed": seed, "batch_sizes": sizes, "lengths": {k: list(v) for k, v in lens.items()}, "decoding": modes,
+        "cells": cells,
+        "health_checks": [{"metric": h.metric, "op": h.op, "limit": h.limit, "source": h.source} for h in HEALTH_CHECKS],
+        "healthy": all(c["verdict"] != "FAIL" for c in cells),
+        "gate": {"metric": gate_metric, "fail_above": fail_above, "failed": bool(over),
+                 "failed_cells": [f"batch {c['batch']} {c['length']} {c['decoding']}" for c in over],
+                 "worst": max(c[gate_metric] for c in cells)},
+        "length_scaling": length_scaling_from_sums(sums, n_boot=n_boot, seed=seed),
+    }
+
+
+def _fmt(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def format_check(result: dict) -> str:
+    """The matrix as a text table, then the health, the gate and the length reading."""
+    cols = ("batch", "length", "decoding", "num_tokens", "exp_abs_diff_mean", "mean_abs_diff", "max_abs_diff", "k3_kl",
+            "frac_bitwise_equal", "verdict")
+    heads = ("batch", "length", "decoding", "tokens", "mean e^|r|", "mean |r|", "max |r|", "k3", "bitwise", "verdict")
+    rows = [[str(c[k]) if not isinstance(c[k], float) else _fmt(c[k]) for k in cols] for c in result["cells"]]
+    for row, c in zip(rows, result["cells"]):
+        row[4] = f"{c['exp_abs_diff_mean']:.4f}"
+        row[8] = f"{100 * c['frac_bitwise_equal']:.1f}%"
+        if c["failed_checks"]:
+            row[9] += " (" + "; ".join(c["failed_checks"]) + ")"
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+    line = lambda cells: "  ".join(x.rjust(w) if i not in (1, 2, 9) else x.ljust(w)  # noqa: E731
+                                   for i, (x, w) in enumerate(zip(cells, widths)))
+    out = [f"check: rollout={result['rollout']} score={result['score']} dtype={result['dtype']} "
+           f"model={result['model_dir']}", line(heads), *(line(r) for r in rows)]
+    checks = ", ".join(f"{h['metric']} {h['op']} {h['limit']:g}" for h in result["health_checks"])
+    out.append(f"health ({checks}): {'all cells pass' if result['healthy'] else 'FAILED in some cells'}")
+    g = result["gate"]
+    if g["fail_above"] is not None:
+        state = "FAILED: " + ", ".join(g["failed_cells"]) if g["failed"] else "passed"
+        out.append(f"gate {g['metric']} <= {g['fail_above']:g} (worst {_fmt(g['worst'])}): {state}")
+    out.append("length scaling: " + format_length_scaling(result["length_scaling"]))
+    return "\n".join(out)
+
+
+def write_check_html(result: dict, path: str | Path) -> Path:
+    """One self-contained page: the matrix (failing cells in red), the thresholds, the gate and
+    the length-scaling curve (log-log, with T^0.5 and T^1 guides)."""
+    from timlab.experiments.page import new_figure, png_uri
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    e = html.escape
+    title = f"timlab check: rollout {result['rollout']} vs score {result['score']} ({result['dtype']})"
+    keys = ("batch", "length", "decoding", *CELL_KEYS, "verdict")
+    head = "".join(f"<th>{e(k)}</th>" for k in keys)
+    body = ""
+    for c in result["cells"]:
+        color = {"FAIL": "#fdd", "bitwise": "#dfd"}.get(c["verdict"], "#fff")
+        tds = "".join(f"<td>{_fmt(c[k]) if isinstance(c[k], float) else e(str(c[k]))}</td>" for k in keys)
+        note = f" title='{e('; '.join(c['failed_checks']))}'" if c["failed_checks"] else ""
+        body += f"<tr style='background:{color}'{note}>{tds}</tr>"
+    checks = "".join(f"<li><code>{e(h['metric'])} {e(h['op'])} {h['limit']:g}</code>: {e(h['source'])}</li>"
+                     for h in result["health_checks"])
+    g = result["gate"]
+    gate = ("no gate (--fail-above not given)" if g["fail_above"] is None else
+            f"{e(g['metric'])} &le; {g['fail_above']:g}: <b>{'FAILED' if g['failed'] else 'passed'}</b> "
+            f"(worst cell {_fmt(g['worst'])})")
+    ls = result["length_scaling"]
+    parts = [f"<h1>{e(title)}</h1>", f"<p>Model <code>{e(result['model_dir'])}</code>, seed {result['seed']}.</p>",
+             f"<table><tr>{head}</tr>{body}</table>", f"<h2>Thresholds</h2><ul>{checks}</ul>", f"<h2>Gate</h2><p>{gate}</p>",
+             f"<h2>Noise or bias?</h2><p>{e(format_length_scaling(ls))}</p>"]
+    if len(ls["lengths"]) >= 2 and any(v > 0 for v in ls["rms_sum"]):
+        fig = new_figure(6, 3.6)
+        ax = fig.add_subplot(1, 1, 1)
+        t = ls["lengths"]
+        for key, label in (("rms_sum", "RMS of sum_t r"), ("mean_abs_sum", "mean of sum_t |r|")):
+            ys = [max(y, 1e-300) for y in ls[key]]
+            ax.loglog(t, ys, "o-", label=label)
+        y0 = max(ls["rms_sum"][0], 1e-300)
+        ax.loglog(t, [y0 * x ** 0.5 for x in t], ":", color="gray", label="T^0.5 (noise)")
+        ax.loglog(t, [y0 * x for x in t], "--", color="gray", label="T^1 (bias)")
+        ax.set_xlabel("prefix length T (tokens)")
+        ax.legend(fontsize=8)
+        parts.append(f"<img alt='length scaling' src='{png_uri(fig)}'>")
+    style = ("body{font-family:sans-serif;max-width:1300px;margin:2em auto}table{border-collapse:collapse;font-size:12px}"
+             "td,th{border:1px solid #ccc;padding:2px 6px}")
+    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{style}</style>"
+                    f"</head><body>{''.join(parts)}</body></html>")
+    return path
