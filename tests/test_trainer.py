@@ -124,7 +124,7 @@ def test_in_run_gradcheck_logs_metrics_and_leaves_the_trajectory_alone(tmp_path)
 @pytest.mark.parametrize("sets, needle", [
     ({"run.gradcheck_every": 1, "run.gradcheck_samples": 40}, "run.gradcheck_samples must be a multiple of 8 and >= 64"),
     ({"run.gradcheck_every": 1, "run.gradcheck_estimator": "ppo"}, "valid choices: reinforce, rloo"),
-    ({"run.gradcheck_every": -1}, "run.gradcheck_every must be >= 0"),
+    ({"run.gradcheck_every": -1}, "run.gradcheck_every: expected an integer in [0, "),
 ])
 def test_bad_gradcheck_settings(tmp_path, sets, needle):
     with pytest.raises(ValueError, match=None) as e:

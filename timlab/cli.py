@@ -16,6 +16,7 @@ from pathlib import Path
 
 from timlab.errors import TimlabError, one_line
 from timlab.files import check_output_file, write_json
+from timlab.interrupts import Terminated, handle_sigterm
 
 
 class CLIError(TimlabError):
@@ -599,6 +600,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    handle_sigterm()  # kill / docker stop: the run records where it stopped, like Ctrl-C
     _set_threads()
     if not args.debug:
         import warnings
@@ -611,9 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TimlabError, OSError) as e:  # bad input, or the environment (disk full, a path); not a bug
         print(f"timlab: error: {one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("timlab: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"timlab: interrupted{' (SIGTERM)' if isinstance(e, Terminated) else ''}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
 
 
 if __name__ == "__main__":

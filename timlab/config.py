@@ -3,7 +3,10 @@
 Each field's default and its help text live here and nowhere else. YAML files, presets and
 ``--set section.key=value`` overrides are validated against these dataclasses: an unknown
 section or key, or a value of the wrong type, is a one-line error naming the key and the valid
-choices. ``resolve(...)`` merges, in order: defaults < preset < YAML file < ``--set``.
+choices. Every value is checked here, before any work: floats must be finite (a NaN dose would
+end a run as "diverged"), integers whole and within ``INT_RANGES`` (seeds fit a torch seed,
+counts stay below 10^9), booleans booleans. YAML is read by ``timlab.yaml_io`` (duplicate
+keys and alias bombs refused). ``resolve(...)`` merges, in order: defaults < preset < YAML file < ``--set``.
 Names that pick a registered component (task, engine, injector, IS mode, scheduler, advantage
 estimator) are checked against their registries by the trainer when it builds the run.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +25,7 @@ from typing import Any
 import yaml
 
 from timlab.errors import TimlabError
+from timlab.yaml_io import load_yaml
 
 
 @dataclass(frozen=True)
@@ -340,6 +345,44 @@ def _field_types(cls) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+SEED_RANGE = (0, 2**32 - 1)
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "model.pretrain_seed": SEED_RANGE, "task.split_seed": SEED_RANGE, "mismatch.seed": SEED_RANGE,
+    "run.seed": SEED_RANGE,
+    "model.hidden_size": (1, 1 << 16), "model.num_layers": (1, 1024), "model.num_heads": (1, 1024),
+    "model.num_kv_heads": (1, 1024), "model.intermediate_size": (1, 1 << 18),
+    "model.max_position_embeddings": (1, 1 << 20),
+}
+"""Allowed range of each integer field; any other integer field is a count in ``[0, INT_MAX]``."""
+INT_MAX = 10**9
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut to keep an error on one short line (a 400-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _to_int(key: str, value: Any) -> int:
+    bad = ConfigError(f"{key}: expected an integer, got {_show(value)}")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        n = value
+    else:
+        try:
+            f = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise bad from None
+        if not math.isfinite(f) or f != int(f):
+            raise bad
+        n = int(f)
+    lo, hi = INT_RANGES.get(key, (0, INT_MAX))
+    if not lo <= n <= hi:
+        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {_show(value)}")
+    return n
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Convert a YAML/CLI value to the field's type or raise ConfigError naming the key."""
     origin = typing.get_origin(typ)
@@ -350,25 +393,24 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        try:
-            f = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if f != int(f):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return int(f)
+        return _to_int(key, value)
     if typ is float:
         try:
-            return float(value)
+            if isinstance(value, bool):
+                raise TypeError(value)
+            f = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{key}: expected a number, got {_show(value)}") from None
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise ConfigError(f"{key}: expected a finite number, got {_show(value)}")
+        return f
     if typ is str:
         return str(value)
     if typ is dict or origin is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip() else {}
+            value = load_yaml(value, key, ConfigError) if value.strip() else {}
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(value)
@@ -410,7 +452,7 @@ def parse_set(items: list[str]) -> dict:
         parts = key.strip().split(".")
         if len(parts) < 2:
             raise ConfigError(f"--set {item!r}: expected section.key=value (e.g. optim.lr=1e-4)")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw, f"--set {key.strip()}", ConfigError) if raw.strip() else ""
         if isinstance(value, (int, float)) and not isinstance(value, bool) and "_" in raw:
             value = raw.strip()  # YAML 1.1 reads "0.5_2.0" as the number 0.52; keep verl's "lo_hi" text
         node = over
@@ -428,11 +470,9 @@ def from_dict(d: dict) -> Config:
 def _read_yaml(p: Path) -> Any:
     """A YAML file's content; one-line ConfigError naming the file when it is not UTF-8 or not YAML."""
     try:
-        return yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        return load_yaml(p.read_text(encoding="utf-8"), str(p), ConfigError) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
     except IsADirectoryError:
         raise ConfigError(f"{p}: is a folder, not a YAML file") from None
 

@@ -4,19 +4,28 @@ timlab wrote.
 ``atomic_write_bytes`` writes a temporary sibling, fsyncs it and renames it over the target, so a
 reader (or a kill) sees the old file or the new one, never half of one; the temporary file is
 removed when the write fails, and a full disk becomes one ``DiskFullError`` naming the mount
-point and the path. ``remove_owned`` deletes a folder only when every entry in it is a name
+point and the path. Each write gets its own temporary file (``.NAME.<random>.tmp``, created
+exclusively: never an existing file or a symlink), so two writers of one file never mix their
+bytes and a planted link is never followed; ``atomic_write_with`` does the same for writers that
+take a path (``DataFrame.to_parquet``). ``open_append`` appends without following a symlink. ``remove_owned`` deletes a folder only when every entry in it is a name
 timlab writes there, so a path that a user pointed at their own data is never emptied.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import fnmatch
 import json
 import math
 import os
+import re
 import shutil
+import stat
+import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from timlab.errors import BadFileError, TimlabError, UsageError, disk_full, is_disk_full
 
@@ -33,14 +42,24 @@ def read_text(path: str | os.PathLike, *, what: str = "file") -> str:
         raise BadFileError(f"{what} {os.fspath(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def temp_pattern(name: str) -> str:
+    """The glob of the temporary files an atomic write of ``name`` leaves if killed."""
+    return f".{name}.*.tmp"
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[Path], None], *, durable: bool = False) -> None:
+    """Replace ``path`` atomically with what ``write(tmp)`` writes to a fresh, unique temporary
+    sibling (``durable``: fsync it before the rename). The temporary file is removed on failure."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fchmod(fd, 0o644)
+        os.close(fd)
+        write(tmp)
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)  # our own temporary file: never leave it behind
@@ -49,8 +68,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
+    atomic_write_with(path, lambda tmp: tmp.write_bytes(data), durable=durable)
+
+
+def atomic_write_text(path: Path, text: str, *, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(), durable=durable)
+
+
+def open_append(path: str | os.PathLike):
+    """``open(path, "a")`` that refuses a symlink (ELOOP) and anything but a regular file."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadFileError(f"{os.fspath(path)} is not a regular file; timlab appends only to its own files")
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def json_safe(obj):
@@ -90,6 +122,57 @@ def overwrite_in_place(path: Path, text: str) -> None:
         f.truncate(len(data))
 
 
+_LOCK_TEXT = re.compile(rb"\s*(\d+\s*)?")
+"""What timlab writes in a lock file: the holder's pid, or nothing yet."""
+
+
+def take_lock(path: str | os.PathLike, *, busy: Callable[[str], Exception] | None = None) -> int:
+    """Open ``path`` (created if missing) and take an exclusive ``flock`` on it; return the fd,
+    with this process's pid written in the file. ``busy(holder_pid)`` makes the error raised when
+    another process holds the lock; without it, wait. A path that is a symlink, not a regular
+    file, or a file holding anything but a pid is not timlab's: ``ForeignFilesError``, untouched.
+    The kernel drops the lock when the process dies, even by kill -9."""
+    path = Path(path)
+    foreign = ForeignFilesError(f"{path} is not a timlab lock file (timlab writes a pid there); "
+                                "timlab leaves it alone: choose another path or move that file")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a symlink, a socket, a folder
+            raise foreign from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not _LOCK_TEXT.fullmatch(os.pread(fd, 64, 0)):
+            raise foreign
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if busy is not None else 0))
+        except OSError as e:
+            if busy is not None and e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise busy(os.pread(fd, 64, 0).decode(errors="replace").strip() or "?") from None
+            raise
+        os.ftruncate(fd, 0)  # ours (checked above): the pid of the last holder
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def held_lock(path: str | os.PathLike, *, busy: Callable[[str], Exception] | None = None):
+    """``take_lock`` for the body of a ``with`` block."""
+    fd = take_lock(path, busy=busy)
+    try:
+        yield fd
+    finally:
+        release_lock(fd)
+
+
 def foreign_entries(folder: Path, patterns: Iterable[str]) -> list[str]:
     """Names directly under ``folder`` that match none of ``patterns`` (fnmatch globs)."""
     pats = tuple(patterns)
@@ -112,6 +195,6 @@ def remove_owned(folder: Path, patterns: Iterable[str], *, what: str) -> None:
     shutil.rmtree(folder)
 
 
-__all__ = ["read_text", "atomic_write_bytes", "atomic_write_text", "json_safe", "write_json", "check_output_file",
-           "overwrite_in_place", "foreign_entries", "remove_owned",
+__all__ = ["read_text", "atomic_write_bytes", "atomic_write_text", "atomic_write_with", "temp_pattern", "open_append", "json_safe", "write_json", "check_output_file",
+           "overwrite_in_place", "foreign_entries", "remove_owned", "take_lock", "release_lock", "held_lock",
            "ForeignFilesError"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -30,6 +31,11 @@ LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 of the model's distribution (an injected mismatch). It defines the engine's log mu."""
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+"""Sampling temperatures outside this band (other than 0) overflow fp32 logits / T to inf or flatten
+them to uniform noise; logits of ~100 at T = 1e-3 are 1e5, still finite in fp32 softmax."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are drawn. temperature 0 means greedy; top_k 0 and top_p 1 disable truncation."""
@@ -39,8 +45,9 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        t = self.temperature
+        if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
+            raise UsageError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t}")
         if not 0.0 < self.top_p <= 1.0:
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -22,6 +22,9 @@ from typing import Callable
 import yaml
 
 from timlab.config import PRESETS
+from timlab.errors import TimlabError, UsageError
+from timlab.files import atomic_write_text, read_text
+from timlab.yaml_io import load_yaml
 
 DOSES = (0.5, 1.0, 2.0)
 SEEDS = 5
@@ -50,10 +53,10 @@ def conditions(quick: bool) -> list[dict]:
 
 
 def demo_spec(*, quick: bool, seeds: int | None = None, steps: int | None = None, workers: int | None = None) -> dict:
-    n_seeds = seeds or (QUICK_SEEDS if quick else SEEDS)
+    n_seeds = seeds if seeds is not None else (QUICK_SEEDS if quick else SEEDS)
     base_set = {}
-    if quick or steps:
-        base_set["run.steps"] = steps or QUICK_STEPS
+    if quick or steps is not None:
+        base_set["run.steps"] = steps if steps is not None else QUICK_STEPS
     spec = {
         "base": {"preset": "demo", "set": base_set},
         "conditions": conditions(quick),
@@ -62,6 +65,30 @@ def demo_spec(*, quick: bool, seeds: int | None = None, steps: int | None = None
     if workers:
         spec["workers"] = workers
     return spec
+
+
+def check_demo_args(out: Path, spec: dict, *, seeds: int | None, steps: int | None, workers: int | None) -> Path:
+    """Refuse bad arguments before the demo writes anything (one line each); return the spec's
+    path. ``out/sweep.yaml`` may only be a demo spec timlab wrote (it is replaced)."""
+    from timlab.experiments.sweep_spec import expand, spec_from_dict
+
+    for flag, value in (("--seeds", seeds), ("--steps", steps), ("--workers", workers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"{flag} must be an integer >= 1, got {value!r}")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; choose a folder")
+    expand(spec_from_dict(spec))  # every run's config resolves and validates
+    spec_path = out / "sweep.yaml"
+    if spec_path.exists() or spec_path.is_symlink():
+        try:
+            old = load_yaml(read_text(spec_path, what="demo spec"), str(spec_path)) if spec_path.is_file() else None
+        except TimlabError:
+            old = None
+        if spec_path.is_symlink() or not (isinstance(old, dict) and isinstance(old.get("base"), dict)
+                                          and old["base"].get("preset") == "demo"):
+            raise UsageError(f"{spec_path} is not a demo spec timlab wrote; timlab leaves it alone: "
+                             "choose another --out or move that file")
+    return spec_path
 
 
 @dataclass
@@ -81,10 +108,12 @@ def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: in
     from timlab.trainer.pretrain import pretrain
 
     out = Path(out_dir)
+    spec = demo_spec(quick=quick, seeds=seeds, steps=steps, workers=workers)
+    spec_path = check_demo_args(out, spec, seeds=seeds, steps=steps, workers=workers)
+    # ---- everything is checked; from here on files get written
     out.mkdir(parents=True, exist_ok=True)
     pretrain(resolve(preset="demo"), progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None)
-    spec_path = out / "sweep.yaml"
-    spec_path.write_text(yaml.safe_dump(demo_spec(quick=quick, seeds=seeds, steps=steps, workers=workers), sort_keys=False))
+    atomic_write_text(spec_path, yaml.safe_dump(spec, sort_keys=False))
     index = run_sweep(spec_path, out / "runs", workers=workers, progress=progress)
     report = build_report(out / "runs", out / "report.html")
     table = condition_table(index)

@@ -54,9 +54,10 @@ from typing import Callable
 
 import pandas as pd
 
+from timlab.files import held_lock
 from timlab.experiments.sweep_index import (  # noqa: F401  (re-exported)
-    INDEX_FILE, LIST_COLUMNS, _index_frame, _index_row, _quote_columns, _write_index, default_columns, filter_index,
-    query_index, read_index)
+    INDEX_FILE, LIST_COLUMNS, _index_frame, _index_row, _write_index, default_columns, filter_index,
+    query_index, read_index, where_sql)
 from timlab.experiments.sweep_spec import (  # noqa: F401  (re-exported)
     BASE_KEYS, CONDITION_KEYS, EXECUTORS, IGNORED_CONFIG_KEYS, SEED_KEY, SPEC_KEYS, Condition, RunSpec, SweepError,
     SweepSpec, _check_flat, _check_keys, _fmt, _hash, _nest, _short_names, expand, load_spec, plan_run, spec_from_dict)
@@ -64,6 +65,9 @@ from timlab.experiments.sweep_workers import (  # noqa: F401  (re-exported)
     _LocalExecutor, _RayExecutor, _die_with_parent, _emit, _one_line, _require_ray, _run_job, _warm_job, _worker_init)
 
 Progress = Callable[[str, int, int, dict], None]
+LOCK_FILE = "sweep.lock"
+"""Held by the sweep writing a directory: a second sweep into it is refused (it would mark the
+first one's runs failed and overwrite its index)."""
 
 
 # ------------------------------------------------------------------------------- the sweep
@@ -101,60 +105,66 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
         _require_ray()
     # ---- everything is checked; from here on directories get written
     out.mkdir(parents=True, exist_ok=True)
-    rows = {r.run_id: _index_row(r, out) for r in runs}
-    _write_index(out, list(rows.values()))
-
-    todo = [r for r in runs if plan[r.run_id] != "skip"]
-    n_workers = max(1, min(workers or spec.workers or _cpu_count(), len(todo) or 1))
-    on_event = (lambda key, phase, i, n, m: progress(f"{phase}:{key}", i, n, {"run_id": key, **m})) if progress else None
-    done = len(runs) - len(todo)
-    if progress:
-        progress("sweep", done, len(runs), {})
-    failed: dict[str, str] = {}
-    by_id = {r.run_id: r for r in runs}
-
-    def finish(run_id: str, state: str, message: str) -> None:
-        nonlocal done
-        done += 1
-        if state == "failed":
-            failed[run_id] = message
-        rows[run_id] = _index_row(by_id[run_id], out)
-        if state == "failed" and rows[run_id]["state"] != "failed":  # e.g. the worker died
-            rows[run_id].update(state="failed", message=message)
+    busy = lambda holder: SweepError(f"sweep directory {out} is in use by process {holder} (another timlab sweep); "  # noqa: E731
+                                     "wait for it or stop it")
+    with held_lock(out / LOCK_FILE, busy=busy):
+        rows = {r.run_id: _index_row(r, out) for r in runs}
         _write_index(out, list(rows.values()))
+
+        todo = [r for r in runs if plan[r.run_id] != "skip"]
+        n_workers = max(1, min(workers or spec.workers or _cpu_count(), len(todo) or 1))
+        on_event = (lambda key, phase, i, n, m: progress(f"{phase}:{key}", i, n, {"run_id": key, **m})) if progress else None
+        done = len(runs) - len(todo)
         if progress:
-            progress("sweep", done, len(runs), {"run_id": run_id, "state": state, "message": message,
-                                                "mode": plan[run_id]})
+            progress("sweep", done, len(runs), {})
+        failed: dict[str, str] = {}
+        by_id = {r.run_id: r for r in runs}
 
-    if not todo:
-        return _result(rows, plan, [], failed)
-    pool = (_RayExecutor if executor == "ray" else _LocalExecutor)(n_workers, on_event)
-    try:
-        # 1. warm starts, one per distinct model/task config, so parallel runs never race to build one
-        from timlab.trainer.pretrain import warm_start_dir
+        def finish(run_id: str, state: str, message: str) -> None:
+            nonlocal done
+            done += 1
+            if state == "failed":
+                failed[run_id] = message
+            rows[run_id] = _index_row(by_id[run_id], out)
+            if state == "failed" and rows[run_id]["state"] != "failed":  # e.g. the worker died
+                rows[run_id].update(state="failed", message=message)
+            _write_index(out, list(rows.values()))
+            if progress:
+                progress("sweep", done, len(runs), {"run_id": run_id, "state": state, "message": message,
+                                                    "mode": plan[run_id]})
 
-        warm: dict[str, list[RunSpec]] = {}
-        for r in todo:
-            if not r.config.model.path:
-                warm.setdefault(str(warm_start_dir(r.config)), []).append(r)
-        ready = {r.run_id for r in todo if r.config.model.path}
-        for key, res in pool.map([(k, _warm_job, (rs[0].config,)) for k, rs in warm.items()]):
-            if isinstance(res, BaseException):
-                for r in warm[key]:
-                    finish(r.run_id, "failed", f"warm start failed: {_one_line(res)}")
-            else:
-                ready.update(r.run_id for r in warm[key])
-        # 2. the runs, in spec order
-        calls = [(r.run_id, _run_job, (r.run_id, r.config, str(out / r.run_id), plan[r.run_id]))
-                 for r in todo if r.run_id in ready]
-        for run_id, res in pool.map(calls):
-            if isinstance(res, BaseException):  # the worker process itself died
-                finish(run_id, "failed", f"worker died: {_one_line(res)}")
-            else:
-                finish(run_id, res["state"], res["message"])
-    finally:
-        pool.close()
-    return _result(rows, plan, [r.run_id for r in todo], failed)
+        if not todo:
+            return _result(rows, plan, [], failed)
+        pool = (_RayExecutor if executor == "ray" else _LocalExecutor)(n_workers, on_event)
+        try:
+            # 1. warm starts, one per distinct model/task config, so parallel runs never race to build one
+            from timlab.trainer.pretrain import warm_start_dir
+
+            warm: dict[str, list[RunSpec]] = {}
+            for r in todo:
+                if not r.config.model.path:
+                    warm.setdefault(str(warm_start_dir(r.config)), []).append(r)
+            ready = {r.run_id for r in todo if r.config.model.path}
+            for key, res in pool.map([(k, _warm_job, (rs[0].config,)) for k, rs in warm.items()]):
+                if isinstance(res, BaseException):
+                    for r in warm[key]:
+                        finish(r.run_id, "failed", f"warm start failed: {_one_line(res)}")
+                else:
+                    ready.update(r.run_id for r in warm[key])
+            # 2. the runs, in spec order
+            calls = [(r.run_id, _run_job, (r.run_id, r.config, str(out / r.run_id), plan[r.run_id]))
+                     for r in todo if r.run_id in ready]
+            for run_id, res in pool.map(calls):
+                if isinstance(res, BaseException):  # the worker process itself died
+                    finish(run_id, "failed", f"worker died: {_one_line(res)}")
+                else:
+                    finish(run_id, res["state"], res["message"])
+        except BaseException:  # Ctrl-C, SIGTERM: the queued runs must not start
+            pool.interrupt()
+            raise
+        finally:
+            pool.close()
+        return _result(rows, plan, [r.run_id for r in todo], failed)
 
 
 def _result(rows: dict, plan: dict, executed: list, failed: dict) -> pd.DataFrame:

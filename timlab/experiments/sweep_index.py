@@ -1,22 +1,23 @@
 """The sweep index: one row per run (ids, condition, state, summary, flattened config) in
 ``DIR/index.parquet``, written atomically as runs finish, read back with live run states
-(``read_index``) and queried with SQL through DuckDB (``filter_index``, ``query_index``).
+(``read_index``) and filtered by a SQL predicate through DuckDB (``filter_index``,
+``query_index``); ``where_sql`` lets only a predicate over the index's columns through.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 import pandas as pd
 
-from timlab.errors import UsageError
+from timlab.errors import BadFileError, UsageError
 from timlab.experiments.collapse import SUMMARY_KEYS, run_summary
 from timlab.experiments.sweep_spec import RunSpec
 from timlab.experiments.sweep_workers import _one_line
+from timlab.files import atomic_write_with
 from timlab.trainer.rundir import RunDir
 
 INDEX_FILE = "index.parquet"
@@ -47,9 +48,8 @@ def _index_frame(rows: list[dict]) -> pd.DataFrame:
 
 def _write_index(out_dir: Path, rows: list[dict]) -> pd.DataFrame:
     df = _index_frame(rows)
-    tmp = out_dir / (INDEX_FILE + ".tmp")
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, out_dir / INDEX_FILE)  # atomic: readers never see a half-written index
+    # atomic, through a temporary file of this write's own: readers never see a half-written index
+    atomic_write_with(out_dir / INDEX_FILE, lambda tmp: df.to_parquet(tmp, index=False))
     return df
 
 
@@ -62,7 +62,10 @@ def read_index(sweep_dir: str | Path) -> pd.DataFrame:
     p = Path(sweep_dir) / INDEX_FILE
     if not p.exists():
         raise FileNotFoundError(f"{sweep_dir}: no {INDEX_FILE} (not a sweep directory; run `timlab sweep` first)")
-    df = pd.read_parquet(p)
+    try:
+        df = pd.read_parquet(p)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise BadFileError(f"{p}: unreadable ({_one_line(e)[:200]}); rerun the sweep to rewrite it") from None
     if "run_dir" in df.columns and "state" in df.columns:
         for i, d in enumerate(df["run_dir"]):
             status = RunDir(Path(sweep_dir) / str(d)).read_status()
@@ -74,24 +77,55 @@ def read_index(sweep_dir: str | Path) -> pd.DataFrame:
     return df
 
 
-def _quote_columns(where: str, columns: list[str]) -> str:
-    """Double-quote column names with dots or slashes (``mismatch.magnitude > 0.5``) outside
-    string literals and already-quoted names, so SQL does not read them as table.column."""
-    special = sorted((c for c in columns if re.search(r"[^A-Za-z0-9_]", c)), key=len, reverse=True)
-    if not special:
-        return where
-    pat = re.compile(r"(?<![\w.\"/])(" + "|".join(map(re.escape, special)) + r")(?![\w\"/])")
-    parts = re.split(r"('(?:[^']|'')*'|\"(?:[^\"]|\"\")*\")", where)
-    return "".join(p if i % 2 else pat.sub(lambda m: f'"{m.group(1)}"', p) for i, p in enumerate(parts))
+WHERE_KEYWORDS = ("AND", "OR", "NOT", "IS", "NULL", "TRUE", "FALSE", "IN", "BETWEEN", "LIKE", "ILIKE")
+"""The words a ``--where`` condition may use besides column names: a predicate, never a statement."""
+_WHERE_TOKEN = re.compile(r"""\s+|'(?:[^']|'')*'|"(?:[^"]|"")*"|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"""
+                          r"|<>|!=|<=|>=|==|[=<>(),+\-*/%]|[A-Za-z_][A-Za-z0-9_]*")
+
+
+def where_sql(where: str, columns: list[str]) -> str:
+    """A ``--where`` condition as DuckDB SQL over the index's columns, or a one-line UsageError.
+
+    Only a predicate passes: column names (bare, dotted like ``mismatch.magnitude``, or
+    double-quoted), numbers, '...' strings, comparisons, arithmetic, parentheses and
+    ``WHERE_KEYWORDS``. Anything else (``;``, comments, function calls such as
+    ``read_text(...)``, SELECT / COPY) is refused before DuckDB sees the text."""
+    names = sorted(columns, key=len, reverse=True)
+    out, i = [], 0
+    while i < len(where):
+        col = next((c for c in names if where.startswith(c, i) and not re.match(r"[\w./]", where[i + len(c):i + len(c) + 1])
+                    and not (i and re.match(r"[\w.]", where[i - 1]))), None)
+        if col is not None:
+            out.append('"' + col.replace('"', '""') + '"')
+            i += len(col)
+            continue
+        m = _WHERE_TOKEN.match(where, i)
+        if m is None:
+            raise UsageError(f"--where {where!r}: unexpected {where[i]!r} at character {i + 1}; a condition may use "
+                             f"columns, numbers, 'strings', comparisons, + - * / %, parentheses and "
+                             f"{', '.join(WHERE_KEYWORDS)}")
+        tok = m.group()
+        i = m.end()
+        if tok[0] == '"':
+            name = tok[1:-1].replace('""', '"')
+            if name not in columns:
+                raise UsageError(f"--where: unknown column {name!r}; valid columns: {', '.join(columns)}")
+        elif tok[0].isalpha() or tok[0] == "_":
+            if tok.upper() not in WHERE_KEYWORDS:
+                raise UsageError(f"--where: unknown column {tok!r} (nor one of {', '.join(WHERE_KEYWORDS)}); "
+                                 f"valid columns: {', '.join(columns)}")
+        if not tok.isspace():
+            out.append(tok)
+    return " ".join(out)  # tokens apart: "--" or "/*" become two operators, never a comment
 
 
 def filter_index(df: pd.DataFrame, where: str) -> pd.DataFrame:
     """Rows of an index matching a SQL condition (DuckDB; pandas.query when DuckDB is absent).
 
     Column names with dots or slashes may be written bare (``mismatch.magnitude > 0.5``) or
-    double-quoted (``"val/accuracy" > 0.3``).
+    double-quoted (``"val/accuracy" > 0.3``); ``where_sql`` lets only a predicate through.
     """
-    sql = _quote_columns(where, list(df.columns))
+    sql = where_sql(where, [str(c) for c in df.columns])
     try:
         import duckdb
     except ImportError:

@@ -12,18 +12,21 @@ import hashlib
 import itertools
 import json
 import re
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from timlab.config import Config, ConfigError, load_run_config, resolve
 from timlab.errors import TimlabError
 from timlab.files import read_text
 from timlab.trainer.rundir import DONE_STATES, RunDir
+from timlab.yaml_io import load_yaml
 
 SPEC_KEYS = ("base", "conditions", "grid", "workers", "executor")
+MAX_RUNS = 10_000
+"""Most runs one sweep may expand to (each is resolved and validated before anything runs)."""
 BASE_KEYS = ("preset", "config", "set")
 CONDITION_KEYS = ("name", "set")
 EXECUTORS = ("local", "ray")
@@ -129,6 +132,9 @@ def spec_from_dict(d: dict, *, root: str | Path = ".", source: str = "<dict>") -
         for c in conditions:
             if k in c.set:
                 raise SweepError(f"{where}: {k} is set by both the grid and condition {c.name!r}")
+    n_runs = max(1, len(conditions)) * math.prod(len(v) for v in grid.values())
+    if n_runs > MAX_RUNS:
+        raise SweepError(f"{where}: {n_runs} runs (conditions x grid); at most {MAX_RUNS} per sweep: split it")
     workers = d.get("workers")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise SweepError(f"{where}: workers must be an integer >= 1, got {workers!r}")
@@ -145,10 +151,7 @@ def load_spec(path: str | Path) -> SweepSpec:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"sweep spec not found: {p}")
-    try:
-        d = yaml.safe_load(read_text(p, what="sweep spec")) or {}
-    except yaml.YAMLError as e:
-        raise SweepError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
+    d = load_yaml(read_text(p, what="sweep spec"), str(p), SweepError) or {}
     return spec_from_dict(d, root=p.parent, source=str(p))
 
 
@@ -238,7 +241,7 @@ def plan_run(run: RunSpec, run_dir: Path) -> str:
     if rd.config.exists():
         try:
             old = load_run_config(run_dir).to_flat_dict()
-        except (ConfigError, ValueError, yaml.YAMLError) as e:
+        except (ConfigError, ValueError) as e:
             raise SweepError(f"{run_dir}: unreadable config.yaml ({str(e).splitlines()[0]})") from None
         new = run.config.to_flat_dict()
         diff = [k for k in sorted(set(old) | set(new)) if k not in IGNORED_CONFIG_KEYS and old.get(k) != new.get(k)]

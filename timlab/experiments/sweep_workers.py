@@ -16,9 +16,11 @@ from typing import Any, Callable, Iterator
 from timlab.config import Config
 from timlab.errors import TimlabError
 from timlab.experiments.sweep_spec import SweepError
+from timlab.interrupts import Terminated, handle_sigterm
 from timlab.trainer.rundir import FAILED, RunDir, RunDirBusyError
 
 _EVENTS = None  # the worker's progress queue (set by _worker_init)
+_STOPPED = False  # set once a job in this worker was interrupted: later jobs do not start
 
 
 def _die_with_parent(parent: int) -> None:
@@ -51,6 +53,7 @@ def _worker_init(events=None, parent: int | None = None) -> None:
     global _EVENTS
     if parent is not None:
         _die_with_parent(parent)
+    handle_sigterm()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -89,7 +92,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def _run_job(run_id: str, cfg: Config, run_dir: str, mode: str) -> dict:
-    """Train one run in a worker; never raises for a run that fails (returns its state)."""
+    """Train one run in a worker; never raises for a run that fails (returns its state). After
+    an interrupt (Ctrl-C, SIGTERM) the worker starts no further run."""
+    global _STOPPED
+    if _STOPPED:
+        return {"state": RunDir(run_dir).state(), "message": "not started: the sweep was interrupted"}
     _worker_init(_EVENTS)
     from timlab.trainer.run import NonFiniteError, ZeroMismatchViolation, train
 
@@ -104,6 +111,9 @@ def _run_job(run_id: str, cfg: Config, run_dir: str, mode: str) -> dict:
         return {"state": rd.read_status().get("state", "diverged"), "message": _one_line(e)}
     except RunDirBusyError as e:  # another process owns the run: leave its status alone
         return {"state": FAILED, "message": _one_line(e)}
+    except KeyboardInterrupt as e:  # the trainer recorded where it stopped
+        _STOPPED = True
+        return {"state": FAILED, "message": f"interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'SIGINT'})"}
     except Exception as e:
         msg = _one_line(e)
         status = rd.read_status()
@@ -128,6 +138,7 @@ class _LocalExecutor:
         self.events = ctx.Queue() if on_event is not None else None
         self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
                                         initargs=(self.events, os.getpid()))
+        self._futures: set = set()
 
     def _drain(self) -> None:
         while self.events is not None:
@@ -139,6 +150,7 @@ class _LocalExecutor:
 
     def map(self, calls: list[tuple[str, Callable, tuple]]) -> Iterator[tuple[str, Any]]:
         futures = {self.pool.submit(fn, *args): key for key, fn, args in calls}
+        self._futures = set(futures)
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -147,6 +159,17 @@ class _LocalExecutor:
                 exc = f.exception()
                 yield futures[f], (exc if exc is not None else f.result())
         self._drain()
+
+    def interrupt(self) -> None:
+        """Stop promptly: cancel the queued runs and interrupt the running ones (each records its
+        status and its worker starts nothing more)."""
+        for f in list(self._futures):
+            f.cancel()
+        for proc in list((getattr(self.pool, "_processes", None) or {}).values()):
+            try:
+                os.kill(proc.pid, signal.SIGINT)
+            except (ProcessLookupError, AttributeError):
+                pass
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -181,6 +204,9 @@ class _RayExecutor:
                 yield key, ray.get(done[0])
             except Exception as e:  # a task that died (the run functions themselves never raise)
                 yield key, e
+
+    def interrupt(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

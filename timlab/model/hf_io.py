@@ -10,6 +10,7 @@ needed: the config is read as JSON and the weights with safetensors. Sharded che
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 def config_from_hf(d: dict) -> ModelConfig:
     """Map an HF config.json dict onto ModelConfig, refusing what the model does not implement."""
     mtype = d.get("model_type")
-    if mtype not in ARCHITECTURES:
+    if not isinstance(mtype, str) or mtype not in ARCHITECTURES:
         archs = d.get("architectures")
         raise ModelLoadError(
             f"unsupported architecture model_type={mtype!r} (architectures={archs}); "
@@ -64,29 +65,61 @@ def config_from_hf(d: dict) -> ModelConfig:
     eos = d.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    try:
-        return ModelConfig(
-            model_type=mtype,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=int(d["num_attention_heads"]),
-            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
-            head_dim=d.get("head_dim"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id"),
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"config.json is missing the field {e.args[0]!r}") from None
+    heads = _int(d, "num_attention_heads", None, 1, 1 << 10)
+    vocab = _int(d, "vocab_size", None, 1, 1 << 22)
+    token = lambda key, value: None if value is None else _int({key: value}, key, None, 0, vocab - 1)  # noqa: E731
+    return ModelConfig(
+        model_type=mtype,
+        vocab_size=vocab,
+        hidden_size=_int(d, "hidden_size", None, 1, 1 << 16),
+        intermediate_size=_int(d, "intermediate_size", None, 1, 1 << 20),
+        num_hidden_layers=_int(d, "num_hidden_layers", None, 1, 1 << 10),
+        num_attention_heads=heads,
+        num_key_value_heads=_int(d, "num_key_value_heads", heads, 1, heads) if d.get("num_key_value_heads") else heads,
+        head_dim=_int(d, "head_dim", None, 1, 1 << 12) if d.get("head_dim") is not None else None,
+        rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+        rope_theta=_float({"rope_theta": theta}, "rope_theta", None),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_int(d, "max_position_embeddings", 2048, 1, 1 << 24),
+        tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
+        attention_bias=_bool(d, "attention_bias", False),
+        mlp_bias=_bool(d, "mlp_bias", False),
+        bos_token_id=token("bos_token_id", d.get("bos_token_id")),
+        eos_token_id=token("eos_token_id", eos),
+        pad_token_id=token("pad_token_id", d.get("pad_token_id")),
+    )
+
+
+def _field(d: dict, key: str, default):
+    if key not in d or d[key] is None:
+        if default is None:
+            raise ModelLoadError(f"config.json is missing the field {key!r}")
+        return default
+    return d[key]
+
+
+def _int(d: dict, key: str, default: int | None, lo: int, hi: int) -> int:
+    """config.json's integer ``key`` in [lo, hi] (sizes far beyond any real model are refused:
+    a million layers would hang the load, not fail it)."""
+    v = _field(d, key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        shown = v if isinstance(v, (int, float)) and abs(v) < 1e30 else type(v).__name__
+        raise ModelLoadError(f"config.json: {key} must be an integer in [{lo}, {hi}], got {shown!r}")
+    return v
+
+
+def _float(d: dict, key: str, default: float | None) -> float:
+    v = _field(d, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ModelLoadError(f"config.json: {key} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+def _bool(d: dict, key: str, default: bool) -> bool:
+    v = _field(d, key, default)
+    if not isinstance(v, bool):  # "false" is a string, and bool("false") is True
+        raise ModelLoadError(f"config.json: {key} must be true or false, got {v!r}")
+    return v
 
 
 ROPE_KEYS = {  # the keys each RoPE type reads (besides rope_type and rope_theta), required first
@@ -104,7 +137,10 @@ def _rope_from_hf(d: dict) -> tuple[float, dict | None]:
     ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (older), ``type`` as an old
     spelling of ``rope_type``, and ``original_max_position_embeddings`` for llama3 and yarn from
     the top level or else ``max_position_embeddings``."""
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"config.json: rope_parameters must be an object, got {type(rope).__name__}")
+    rope = dict(rope)
     rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
     rope.pop("type", None)
     theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
@@ -121,6 +157,11 @@ def _rope_from_hf(d: dict) -> tuple[float, dict | None]:
     if missing:
         raise ModelLoadError(f"rope_type={rope_type!r} needs {missing[0]!r} in rope_parameters")
     used = {k: v for k, v in rope.items() if k in required + optional}  # transformers ignores the rest too
+    for k, v in used.items():
+        if k == "truncate" and isinstance(v, bool):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ModelLoadError(f"config.json: rope_parameters.{k} must be a finite number > 0, got {v!r}")
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **used}
 
 
@@ -171,6 +212,9 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
+    for f in (single, index, path / "pytorch_model.bin"):
+        if f.exists() and not f.is_file():  # a FIFO would block the read forever
+            raise ModelLoadError(f"{f}: not a regular file")
     if single.exists():
         return _load_file(single)
     if index.exists():
@@ -195,12 +239,13 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     """Load an HF-format folder into a timlab CausalLM (eval mode, requested dtype/device)."""
     check_device(device)
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"{path}: not a model folder (no config.json)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: not a model folder (no config.json file)")
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path / 'config.json'}: invalid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, a 5000-digit number, nesting
+        raise ModelLoadError(f"{path / 'config.json'}: invalid JSON ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{path / 'config.json'}: expected a JSON object, got a {type(hf).__name__}")
     cfg = config_from_hf(hf)

@@ -5,8 +5,12 @@ loadable by transformers, ``trainer_state.pt`` (optimizer, scheduler, injector a
 state, counters) and, written last, ``manifest.json``: the size and SHA-256 of every other file.
 The folder is written under a temporary name and renamed into place, and ``checkpoints/latest``
 is updated atomically afterwards, so a kill at any moment leaves the previous checkpoint intact.
-A checkpoint whose files do not match its manifest (a damaged disk, a hand edit) is refused by
-``verify_checkpoint``, and a resume falls back to the newest one that passes.
+A checkpoint whose files do not match its manifest (a damaged disk, a hand edit), or that has no
+manifest, is refused by ``verify_checkpoint``, and a resume falls back to the newest one that passes.
+
+Loading is data-only: ``trainer_state.pt`` is read with ``torch.load(..., weights_only=True)``
+(tensors, numbers, strings and containers; no pickled code), so a planted file can make a resume
+fail but never run code. The model itself is safetensors.
 """
 
 from __future__ import annotations
@@ -48,20 +52,26 @@ def _write_manifest(folder: Path, step: int) -> None:
 
 
 def verify_checkpoint(ckpt: Path) -> str | None:
-    """None when ``ckpt`` is complete and matches its manifest, else why not (one line).
-    A checkpoint from before manifests were written passes if its state file exists."""
+    """None when ``ckpt`` is complete and matches its manifest, else why not (one line). A
+    checkpoint without a manifest is refused: timlab writes the manifest last, so its absence
+    means an interrupted write or a folder timlab did not write."""
     ckpt = Path(ckpt)
-    if not (ckpt / MANIFEST).exists():
-        return None if (ckpt / STATE_FILE).exists() and (ckpt / "config.json").exists() else "incomplete"
+    if not (ckpt / MANIFEST).is_file():
+        return f"no {MANIFEST}"
     try:
-        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        files = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))["files"]
+        if not isinstance(files, dict) or not all(isinstance(w, dict) for w in files.values()):
+            raise TypeError("files is not a mapping of mappings")
     except (OSError, ValueError, KeyError, TypeError):
         return f"unreadable {MANIFEST}"
+    for name in (STATE_FILE, "config.json", "model.safetensors"):
+        if name not in files:
+            return f"{MANIFEST} does not list {name}"
     for name, want in files.items():
         p = ckpt / name
-        if not p.is_file():
+        if "/" in name or name in (".", "..") or p.is_symlink() or not p.is_file():
             return f"{name} is missing"
-        if p.stat().st_size != want["size"]:
+        if p.stat().st_size != want.get("size"):
             return f"{name} has {p.stat().st_size} bytes, the manifest says {want['size']}"
         if _sha256(p) != want["sha256"]:
             return f"{name} does not match its checksum"
@@ -99,10 +109,9 @@ def checkpoints_newest_first(ckpt_root: Path) -> list[Path]:
     """step_* folders under ``ckpt_root``, newest step first (not yet verified)."""
     found = []
     for p in Path(ckpt_root).glob("step_*"):
-        try:
-            found.append((int(p.name.split("_", 1)[1]), p))
-        except ValueError:
-            continue
+        digits = p.name.split("_", 1)[1]
+        if digits.isascii() and digits.isdigit() and p.is_dir() and not p.is_symlink():
+            found.append((int(digits), p))
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -115,7 +124,11 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 
 def load_state(ckpt: Path) -> dict:
+    """A checkpoint's trainer state, data only (``weights_only=True``: no pickled code runs)."""
     try:
-        return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
-    except Exception as e:  # corrupt or truncated file
+        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise TypeError(f"a {type(state).__name__}, not a mapping")
+        return state
+    except Exception as e:  # corrupt, truncated, or holding objects other than data
         raise CheckpointError(f"checkpoint {ckpt} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pandas as pd
 
 from timlab.errors import UsageError, disk_full, is_disk_full
-from timlab.files import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
+from timlab.files import atomic_write_bytes, atomic_write_text, atomic_write_with, open_append  # noqa: F401
 from timlab.trainer.rundir import RunDir
 
 TIMING_KEYS = ("train/step_time_s", "train/tokens_per_s", "time/rollout_s", "time/train_s", "time/eval_s", "time/metrics_s")
@@ -66,7 +65,7 @@ class MetricsLog:
 
     def append_distribution(self, step: int, payload: dict) -> None:
         try:
-            with open(self.dist_path, "a") as f:
+            with open_append(self.dist_path) as f:
                 f.write(json.dumps({"step": step, **payload}) + "\n")
         except OSError as e:
             if is_disk_full(e):
@@ -78,15 +77,7 @@ class MetricsLog:
             return
         df = pd.DataFrame(self.rows)
         cols = ["step"] + sorted(c for c in df.columns if c != "step")
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            df[cols].to_parquet(tmp, index=False)
-            os.replace(tmp, self.path)
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, Exception) and is_disk_full(e):
-                raise disk_full(self.path) from None
-            raise
+        atomic_write_with(self.path, lambda tmp: df[cols].to_parquet(tmp, index=False))
 
     def close(self) -> None:
         if self._tb is not None:

@@ -10,13 +10,13 @@ settings, so later commands reuse it.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,7 +25,7 @@ import torch
 
 from timlab.config import Config
 from timlab.errors import UsageError
-from timlab.files import foreign_entries, remove_owned
+from timlab.files import foreign_entries, release_lock, remove_owned, take_lock
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import TOKENIZER_FILES, save_model
 from timlab.model.llama import CausalLM, ModelConfig
@@ -131,6 +131,8 @@ def model_config_for(cfg: Config, vocab_size: int, tok: Tokenizer, max_len: int)
 
 MODEL_FILES = ("pretrain.json", "config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES)
 """Every file pretraining writes in a model folder: the only ones it ever replaces."""
+PARTIAL_MARKER = ".timlab-partial"
+"""Written first into ``OUT.partial/``: only a folder holding it is timlab's to delete."""
 
 
 def check_out_dir(out: Path) -> None:
@@ -141,6 +143,8 @@ def check_out_dir(out: Path) -> None:
     if not out.is_dir():
         raise UsageError(f"--out {out} is a file; choose a folder")
     foreign = foreign_entries(out, MODEL_FILES)
+    if not foreign and any(out.iterdir()) and not (out / "pretrain.json").is_file():
+        foreign = sorted(p.name for p in out.iterdir())  # timlab's names, but no pretrain.json: not ours
     if foreign:
         kind = "a timlab model folder with other files in it" if (out / "pretrain.json").exists() else \
             "not empty and not a timlab model folder"
@@ -156,15 +160,21 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
     check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # One writer at a time: data-parallel ranks and sweep workers wait here, then reuse the result.
-    with open(out.with_name(out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = take_lock(out.with_name(out.name + ".lock"))  # never truncates a file that is not a timlab lock
+    try:
         done_file = out / "pretrain.json"
         complete = all((out / f).exists() for f in ("pretrain.json", "model.safetensors", "tokenizer.json"))
         if complete and not force:
-            info = json.loads(done_file.read_text())
-            if info.get("key") == warm_start_key(cfg):
-                return PretrainResult(out, info["val_accuracy"], info["steps"], info["seconds"], info["num_params"], True)
+            try:
+                info = json.loads(done_file.read_text(encoding="utf-8"))
+                if info.get("key") == warm_start_key(cfg):
+                    return PretrainResult(out, float(info["val_accuracy"]), int(info["steps"]), float(info["seconds"]),
+                                          int(info["num_params"]), True)
+            except (ValueError, KeyError, TypeError, AttributeError):  # a damaged pretrain.json: build it again
+                warnings.warn(f"{done_file} is damaged; pretraining the model again", stacklevel=2)
         return _pretrain_locked(cfg, out, progress)
+    finally:
+        release_lock(lock)
 
 
 def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
@@ -173,8 +183,12 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     train, val = make_splits(task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val)
     check_out_dir(out)  # again, under the lock
     tmp = out.with_name(out.name + ".partial")
-    remove_owned(tmp, MODEL_FILES, what="a partial timlab model folder")  # a pretraining a kill interrupted
+    if tmp.is_symlink() or (tmp.exists() and not (tmp / PARTIAL_MARKER).is_file()):
+        raise UsageError(f"{tmp} exists and is not a partial model folder timlab wrote (no {PARTIAL_MARKER}); "
+                         "timlab never deletes files it did not write: move it or choose another --out")
+    remove_owned(tmp, (*MODEL_FILES, PARTIAL_MARKER), what="a partial timlab model folder")  # a kill interrupted it
     tmp.mkdir(parents=True)
+    (tmp / PARTIAL_MARKER).write_text("a timlab pretraining in progress; deleted when it is done\n")
     save_char_tokenizer(task.alphabet, tmp)
     tok = load_tokenizer(tmp)
     max_new = task.max_answer_chars + 8  # greedy validation budget: the answer, EOS and some slack
@@ -217,6 +231,7 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
             "final_loss": loss_val, "steps": steps, "seconds": seconds, "num_params": n_params,
             "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs}
     (tmp / "pretrain.json").write_text(json.dumps(info, indent=2))
+    (tmp / PARTIAL_MARKER).unlink()
     remove_owned(out, MODEL_FILES, what="a timlab model folder")
     os.replace(tmp, out)
     return PretrainResult(out, acc, steps, seconds, n_params, False)

@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from timlab.config import Config, ConfigError
+from timlab.config import Config, ConfigError, flatten
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
 from timlab.injectors import build_injector
@@ -112,6 +112,16 @@ def validate(cfg: Config) -> None:
         if cfg.run.gradcheck_samples % mb or cfg.run.gradcheck_samples < 8 * mb:
             raise ConfigError(f"run.gradcheck_samples must be a multiple of {mb} and >= {8 * mb} (8 micro-batches "
                               f"for a confidence interval), got {cfg.run.gradcheck_samples}")
+    try:
+        sampling = rollout_sampling(cfg)
+    except UsageError as e:
+        raise ConfigError(f"rollout.{e}") from None
+    if cfg.rollout.samples_per_prompt < 2:
+        raise ConfigError(f"rollout.samples_per_prompt=1 with algorithm.name={cfg.algorithm.name}: a group of one "
+                          "sequence has zero advantage, so no step would update the policy; use 2 or more")
+    if sampling.temperature == 0:
+        warnings.warn("rollout.temperature=0 (greedy): every sample of a prompt is the same sequence, so every group "
+                      "has zero advantage and no step updates the policy", stacklevel=2)
     n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
@@ -134,12 +144,28 @@ def validate_correction(cfg: Config) -> None:
                           "bypass_ppo_clip) or algorithm.loss_type=reinforce (bypass_pg_is)")
 
 
+RESUME_OVERRIDES = ("run.steps", "run.progress", "run.tensorboard")
+"""The config keys a resume may change; any other difference from the checkpoint's config is refused."""
+
+
+def resume_config_changes(saved: dict, cfg: Config) -> list[str]:
+    """``key: old -> new`` for each config value that differs between a checkpoint's config and
+    ``cfg``, outside ``RESUME_OVERRIDES`` (keys a checkpoint from an older timlab lacks are not
+    compared, except task options)."""
+    then, now = flatten(saved), cfg.to_flat_dict()
+    keys = sorted(k for k in set(then) | set(now) if k in then or k.startswith("task.kwargs."))
+    return [f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in keys
+            if k not in RESUME_OVERRIDES and then.get(k) != now.get(k)]
+
+
 def check_device(device: str) -> None:
     """run.device must name a device torch knows and this machine has."""
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"run.device {device!r} is not a torch device; e.g. cpu, cuda, cuda:1, mps") from None
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"run.device={device}: not a device that trains; valid choices: cpu, cuda, cuda:N, mps")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"run.device={device}: CUDA is not available on this machine; use run.device=cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -279,6 +305,7 @@ class RLRun:
             if d.has_run():
                 raise UsageError(f"run directory {d.path} already holds a run; pass --resume to continue it "
                                  "or choose a new --run-dir")
+            d.check_fresh()  # no status, metrics or distributions file this run did not write
             d.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(d.config, self.cfg.to_yaml())
             self._wrote_config = True
@@ -316,6 +343,7 @@ class RLRun:
         self.prompt_rng.setstate(state["prompt_rng"])
         self.rollout_gen.set_state(state["rollout_gen"][self.world.rank])
         torch.set_rng_state(state["torch_rng"])
+        self._check_resume_config(ckpt, state.get("config"))
         self.step = state["step"]
         self.grad_norm_ema = state["grad_norm_ema"]
         self.peak_val = state["peak_val"]
@@ -323,8 +351,28 @@ class RLRun:
         if self.log is not None:
             self.log.load(self.step)
 
+    def _check_resume_config(self, ckpt: Path, saved: dict | None) -> None:
+        """A resume continues the checkpoint's config: any edit (of config.yaml or by --set)
+        other than ``RESUME_OVERRIDES`` is refused, as is a new run.steps under a schedule laid
+        out over the run's length. An allowed change is recorded in config.yaml."""
+        if not isinstance(saved, dict):
+            return  # a checkpoint from before timlab recorded its config
+        changes = resume_config_changes(saved, self.cfg)
+        if changes:
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise ConfigError(f"--resume: the config differs from the one {ckpt} was trained with at {changes[0]}{more}; "
+                              "restore config.yaml or start a new run")
+        old_steps = flatten(saved).get("run.steps")
+        if old_steps != self.cfg.run.steps and "total_steps" in SCHEDULERS.get(self.cfg.scheduler.name).config_kwargs(
+                self.cfg.scheduler, total_steps=1):
+            raise ConfigError(f"--resume: run.steps {old_steps} -> {self.cfg.run.steps}: the {self.cfg.scheduler.name} "
+                              f"LR schedule was laid out over {old_steps} steps and cannot be stretched; start a new run")
+        if self.world.is_main and self.rundir.config.read_text(encoding="utf-8") != self.cfg.to_yaml():
+            atomic_write_text(self.rundir.config, self.cfg.to_yaml())  # e.g. the new run.steps
+
     def _trainer_state(self) -> dict:
         return {
+            "config": self.cfg.to_dict(),
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -559,9 +607,10 @@ class RLRun:
         return {"val/accuracy": acc, "val/response_length_mean": self.world.mean(mean_len),
                 "val/peak_accuracy": self.peak_val, "time/eval_s": time.perf_counter() - t}
 
-    def write_status(self, state: str, message: str = "") -> None:
+    def write_status(self, state: str, message: str = "", *, durable: bool = True) -> None:
         if self.world.is_main:
-            self.rundir.write_status(state, step=self.step, total_steps=self.cfg.run.steps, message=message)
+            self.rundir.write_status(state, step=self.step, total_steps=self.cfg.run.steps, message=message,
+                                     durable=durable)
 
     def close(self) -> None:
         """Close the metrics log and release the run directory's lock (idempotent)."""
@@ -591,6 +640,8 @@ class RLRun:
                         self.log.append_distribution(self.step, out.distributions)
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.checkpoint()
+                if self.step < cfg.steps:
+                    self.write_status(RUNNING, durable=False)  # where the run is (not fsynced: a progress note)
                 last = row
                 if self.progress is not None:
                     self.progress("train", self.step, cfg.steps, row)
@@ -603,7 +654,8 @@ class RLRun:
                 full = disk_full(self.run_dir)
                 self.write_status(FAILED, f"{type(full).__name__}: {one_line(full)}")
                 raise full from None
-            self.write_status(FAILED, f"{type(e).__name__}: {one_line(e)}")
+            why = one_line(e) if str(e) else "interrupted"
+            self.write_status(FAILED, f"{type(e).__name__}: {why}")
             raise
         finally:
             self.close()

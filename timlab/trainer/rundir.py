@@ -19,12 +19,15 @@ One process at a time: ``RunDir.lock()`` takes an exclusive ``flock`` on ``run.l
 life of the run, and a second process gets a one-line ``RunDirBusyError`` naming the holder's
 pid. The kernel drops the lock when its holder dies, even by kill -9, so a stale lock file never
 blocks a resume.
+
+Files timlab did not write are left alone: a ``run.lock`` that is a symlink, not a regular file,
+or holds anything but a pid is refused (never truncated), a fresh run refuses a folder that
+already holds a status, metrics or distributions file, appends never follow a symlink, and every
+replace goes through a temporary file of its own (``timlab.files``).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 from pathlib import Path
@@ -32,7 +35,8 @@ from pathlib import Path
 import pandas as pd
 
 from timlab.errors import BadFileError, TimlabError, UsageError, is_disk_full
-from timlab.files import atomic_write_text, overwrite_in_place, remove_owned
+from timlab.files import (ForeignFilesError, atomic_write_text, overwrite_in_place, release_lock, remove_owned, take_lock,
+                          temp_pattern)
 
 CONFIG = "config.yaml"
 STATUS = "status.json"
@@ -44,7 +48,10 @@ LOCK = "run.lock"
 
 RUN_FILES = (CONFIG, STATUS, METRICS, DISTRIBUTIONS, CHECKPOINTS, TENSORBOARD, LOCK,
              STATUS + ".tmp", METRICS + ".tmp", DISTRIBUTIONS + ".tmp", CONFIG + ".tmp")
-"""Every name timlab writes directly in a run directory (what ``clear`` may delete)."""
+"""Every name timlab writes directly in a run directory (what ``clear`` may delete; the ``.tmp``
+names are an older version's temporary files)."""
+TEMP_FILES = tuple(temp_pattern(name) for name in (CONFIG, STATUS, METRICS, DISTRIBUTIONS))
+"""Globs of the temporary files of this version's atomic writes (a kill can leave one)."""
 
 RUNNING, FINISHED, DIVERGED, GUARD_FAILED, FAILED, PENDING = (
     "running", "finished", "diverged", "guard_failed", "failed", "pending")
@@ -105,6 +112,19 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"run directory {self.path} is a file, not a folder; choose another --run-dir")
 
+    def check_fresh(self) -> None:
+        """Before a fresh run writes anything: refuse a folder holding a run's files that no run
+        here wrote (a status, metrics, distributions or tensorboard entry with no config.yaml),
+        or any of timlab's names as a symlink; timlab would overwrite or append to them."""
+        for name in RUN_FILES:
+            p = self.path / name
+            if name == LOCK and not p.is_symlink():
+                continue  # lock() checks it: ours holds a pid
+            if p.exists() or p.is_symlink():
+                link = " (a symlink)" if p.is_symlink() else ""
+                raise ForeignFilesError(f"run directory {self.path} holds {name}{link}, which this run did not write; "
+                                        "timlab leaves it alone: choose another --run-dir or move that file")
+
     # ---------------------------------------------------------------------------- status
     def read_status(self) -> dict:
         """status.json as a dict; {} when absent or unreadable (a run killed mid-write)."""
@@ -117,12 +137,14 @@ class RunDir:
     def state(self) -> str:
         return self.read_status().get("state", PENDING)
 
-    def write_status(self, state: str, *, step: int, total_steps: int, message: str = "") -> None:
-        """Replace status.json. On a full disk the file is rewritten in place (its blocks exist),
-        so a run that ran out of space still says ``failed``."""
+    def write_status(self, state: str, *, step: int, total_steps: int, message: str = "",
+                     durable: bool = True) -> None:
+        """Replace status.json (``durable``: fsync it; a per-step progress update skips that).
+        On a full disk the file is rewritten in place (its blocks exist), so a run that ran out
+        of space still says ``failed``."""
         text = json.dumps({"state": state, "step": step, "total_steps": total_steps, "message": message})
         try:
-            atomic_write_text(self.status_file, text)
+            atomic_write_text(self.status_file, text, durable=durable)
         except OSError as e:
             if not (is_disk_full(e) and self.status_file.exists()):
                 raise
@@ -173,25 +195,15 @@ class RunDir:
             return self
         self.check_not_file()
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise RunDirBusyError(f"run directory {self.path} is in use by process {holder} "
-                                      "(another timlab train or sweep); wait for it or stop it") from None
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        fd = take_lock(self.path / LOCK, busy=lambda holder: RunDirBusyError(
+            f"run directory {self.path} is in use by process {holder} (another timlab train or sweep); "
+            "wait for it or stop it"))
         self._lock_fd = fd
         return self
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            release_lock(self._lock_fd)
             self._lock_fd = None
 
     def __enter__(self) -> "RunDir":
@@ -216,6 +228,10 @@ class RunDir:
                 remove_owned(p, ("events.out.tfevents.*",), what="a timlab tensorboard folder")
             elif not p.is_dir():
                 p.unlink()
+        for pattern in TEMP_FILES:
+            for p in self.path.glob(pattern):
+                if p.is_file() or p.is_symlink():
+                    p.unlink()
 
 
 def read_status(run_dir: str | os.PathLike) -> dict:
