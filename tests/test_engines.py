@@ -252,7 +252,7 @@ def test_greedy_picks_argmax():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, "temperature must be 0 (greedy) or in [0.001, 1000]"),
         ({"top_p": 0.0}, "top_p must be in (0, 1]"),
         ({"top_p": 1.5}, "top_p must be in (0, 1]"),
         ({"top_k": -1}, "top_k must be >= 0"),

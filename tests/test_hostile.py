@@ -447,3 +447,22 @@ def test_pickle_payload_is_what_weights_only_false_would_run(tmp_path):
     torch.save({"evil": _Payload(str(tmp_path / MARK))}, f)
     torch.load(f, weights_only=False)
     assert (tmp_path / MARK).exists()
+
+
+def test_13_probe_prompts_split_at_newlines_only(tmp_path):
+    from timlab.experiments.probe import _read_prompts
+
+    f = tmp_path / "p.txt"
+    f.write_text("a\x0bb\x0cc\u2028d\r\nsecond\n\n", encoding="utf-8")
+    assert _read_prompts(f) == ["a\x0bb\x0cc\u2028d", "second"]
+
+
+def test_mathtext_in_a_label_does_not_abort_a_plot():
+    from timlab.experiments.page import new_figure, png_uri
+
+    fig = new_figure()
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1], label=r"$\foo$ condition")
+    ax.legend()
+    ax.set_title(r"$\frac{x")
+    assert png_uri(fig).startswith("data:image/png;base64,")

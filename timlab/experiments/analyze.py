@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from timlab.errors import TimlabError, UsageError
+from timlab.files import atomic_write_text
 from timlab.integrations.logs import from_trl_inputs, from_verl_batch  # re-exported: analyze's inputs
 from timlab.metrics import (
     breakdown_sums,
@@ -673,7 +674,7 @@ def write_report(result: dict, out_html: str | Path) -> Path:
             parts.append(f'<p class="note">... and {len(result["errors"]) - len(shown)} more in the JSON output.</p>')
     parts += [f'<p class="note">Schema: {esc(SCHEMA)}. Metric definitions: timlab.metrics (verl\'s '
               "rollout_corr/* and timlab's mismatch/*).</p>", "</body></html>"]
-    out.write_text("\n".join(parts), encoding="utf-8")
+    atomic_write_text(out, "\n".join(parts))  # a full disk never leaves half a page over the old report
     return out
 
 

@@ -41,7 +41,13 @@ def new_figure(w: float = 9.0, h: float = 3.6):
 
 
 def png_uri(fig) -> str:
-    """The figure as a PNG ``data:`` URI (90 dpi, tight layout)."""
+    """The figure as a PNG ``data:`` URI (90 dpi, tight layout). Every text is drawn as written:
+    a ``$`` in a run's label or condition name is not matplotlib mathtext (``$\\foo$`` would
+    abort the drawing)."""
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")

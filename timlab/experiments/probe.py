@@ -34,7 +34,7 @@ import torch
 
 from timlab.engines import ENGINES, Engine, Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
-from timlab.files import read_text
+from timlab.files import atomic_write_text, read_text
 from timlab.metrics import mismatch_by_position, mismatch_by_prob_bucket, mismatch_metrics, offpolicy_metrics
 from timlab.model.forward import full_step, token_logprobs
 from timlab.model.hf_io import load_model
@@ -76,7 +76,8 @@ def _read_prompts(prompts_file: str | Path) -> list[str]:
     path = Path(prompts_file)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
-    lines = [line.rstrip("\r\n") for line in read_text(path, what="prompts file").splitlines()]
+    # split at \n only: str.splitlines also splits at \x0b, \x0c, \x1c-\x1e, \x85, \u2028, \u2029 (characters of a prompt)
+    lines = [line.rstrip("\r") for line in read_text(path, what="prompts file").split("\n")]
     prompts = [line for line in lines if line.strip("\r\n")]
     if not prompts:
         raise UsageError(f"prompts file {str(path)!r} is empty (expected one prompt per line)")
@@ -484,6 +485,6 @@ def write_probe_html(result: dict, path: str | Path) -> Path:
         ax.set_title(f"|r| by {label} (token counts: {', '.join(map(str, b['counts']))})", fontsize=9)
         parts.append(f"<h2>|r| by {html.escape(label)}</h2><img alt='|r| by {html.escape(label)}' src='{png_uri(fig)}'>")
     style = "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"
-    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-                    f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
+    atomic_write_text(path, f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+                            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
     return path
