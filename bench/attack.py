@@ -6,9 +6,15 @@
    (timing columns aside), distributions.jsonl and the final weights.
 2. Every bad input of issue 14, each run through the CLI: a traceback on stderr, a non-one-line
    error or a file timlab did not write that changed is a failure.
+3. The hostile inputs and process faults of issue 22 (``attack_hostile``): code planted in a
+   checkpoint, SQL in ``runs --where``, files and symlinks of the user's in a run directory and
+   beside ``pretrain --out``, YAML bombs, non-finite and huge config values, bad model config.json
+   values, two sweeps into one folder, SIGTERM and Ctrl-C, an edited config on resume. Each check
+   is classed (security, loss, corruption, hang, wrong, traceback) and the summary counts the
+   failures per class.
 
-Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR]``; prints one
-line per attack and a summary, exit code 1 if anything failed.
+Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR] [--only hostile]``;
+prints one line per attack and a summary, exit code 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -36,6 +42,35 @@ TIMING = ("train/step_time_s", "train/tokens_per_s")
 
 def sh(args: list[str], *, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*TIMLAB, *args], capture_output=True, text=True, timeout=timeout, cwd=SNAPSHOT)
+
+
+_BATCH = r"""
+import contextlib, io, json, sys, traceback
+from timlab import cli
+out = []
+for args in json.loads(sys.argv[1]):
+    err, so = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(so):
+        try:
+            rc = cli.main(args)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+    out.append({"rc": rc, "stdout": so.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(out))
+"""
+
+
+def sh_batch(cases: list[list[str]], *, timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """``sh`` for many commands that each end in well under a second once timlab is imported: one
+    Python process runs them through ``cli.main`` in turn (a traceback is printed as the CLI would)."""
+    p = subprocess.run([sys.executable, "-c", _BATCH, json.dumps(cases)], capture_output=True, text=True,
+                       timeout=timeout, cwd=SNAPSHOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return [subprocess.CompletedProcess(args, r["rc"], r["stdout"], r["stderr"])
+            for args, r in zip(cases, json.loads(p.stdout.strip().splitlines()[-1]))]
 
 
 def kill_at_random(args: list[str], rng: random.Random, lo: float, hi: float) -> bool:
@@ -76,9 +111,12 @@ def same_run(a: Path, b: Path) -> str | None:
 class Tally:
     def __init__(self):
         self.results: list[tuple[str, bool, str]] = []
+        self.kind = "other"  # the class of the checks being added (issue 22's classes)
+        self.kinds: list[str] = []
 
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.results.append((name, ok, detail))
+        self.kinds.append("traceback" if "TRACEBACK" in detail else self.kind)
         print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
 
     def one_line(self, name: str, p: subprocess.CompletedProcess, *, rc: tuple = (2,)) -> None:
@@ -296,12 +334,229 @@ def attack_inputs(t: Tally, work: Path) -> None:
     t.add("resume a finished run reports its last row", p.returncode == 0 and "done: step=12," in p.stdout, p.stdout.strip())
 
 
+# ------------------------------------------------------------------------------------ issue 22
+def _wait_for(pred, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if pred():
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def _status(run: Path) -> dict:
+    return json.loads((run / "status.json").read_text())
+
+
+def attack_hostile(t: Tally, work: Path) -> None:
+    w = work / "hostile"
+    w.mkdir()
+    ref = work / "train_ref"
+    if not ref.exists():
+        assert sh(["train", "--preset", "smoke", "--run-dir", str(ref), "--quiet", *TRAIN_SETS]).returncode == 0
+    marker = w / "PWNED"
+
+    # ---- security
+    t.kind = "security"
+    run = w / "pickle"
+    shutil.copytree(ref, run)
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    code = (f"import os, torch\nclass P:\n    def __reduce__(self): return (os.mkdir, ({str(marker)!r},))\n"
+            f"torch.save({{'step': 12, 'p': P()}}, {str(ckpt / 'trainer_state.pt')!r})\n"
+            "from timlab.trainer.checkpoint import _write_manifest\n"
+            f"_write_manifest(__import__('pathlib').Path({str(ckpt)!r}), 12)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=SNAPSHOT, capture_output=True)
+    nomanifest = w / "nomanifest"
+    shutil.copytree(ref, nomanifest)
+    (sorted((nomanifest / "checkpoints").glob("step_*"))[-1] / "manifest.json").unlink()
+    ps = sh_batch([["train", "--run-dir", str(run), "--resume", "--quiet"],
+                   ["train", "--run-dir", str(nomanifest), "--resume", "--quiet"]])
+    t.add("resume with a pickle planted in the latest checkpoint (manifest matching)",
+          not marker.exists() and "Traceback" not in ps[0].stderr, f"rc {ps[0].returncode}, code ran: {marker.exists()}")
+    p = ps[1]
+    t.add("resume: a checkpoint without manifest.json is passed over", p.returncode == 0 and "manifest" in p.stderr,
+          p.stderr.strip().splitlines()[0][:140] if p.stderr.strip() else "no warning")
+    sweep = w / "sw_where"
+    (sweep / "r").mkdir(parents=True)
+    pd.DataFrame({"run_id": ["r"], "run_dir": ["r"], "state": ["finished"], "mismatch.magnitude": [1.0]}).to_parquet(
+        sweep / "index.parquet")
+    wheres = [f"1=1; COPY (SELECT 'x') TO '{w / 'copied.csv'}'", "1=1 UNION SELECT * FROM read_text('/etc/passwd')",
+              "run_id IN (SELECT content FROM read_text('/etc/passwd'))", "1=1 --", "length(run_id) > 0", "nope > 1"]
+    for where, p in zip(wheres, sh_batch([["runs", str(sweep), "--where", where] for where in wheres])):
+        t.one_line(f"runs --where {where[:50]!r}", p)
+    t.add("  ... COPY wrote nothing", not (w / "copied.csv").exists())
+
+    # ---- data loss
+    t.kind = "loss"
+    cases, checks = [], []
+    for name in ("status.json", "run.lock", "distributions.jsonl"):
+        for link in (False, True):
+            run = w / f"foreign_{name}_{'link' if link else 'file'}"
+            run.mkdir()
+            target = w / f"outside_{name}_{link}.txt"
+            target.write_text("precious\n")
+            (run / name).symlink_to(target) if link else (run / name).write_text("precious\n")
+            cases.append(["train", "--preset", "smoke", "--run-dir", str(run), "--quiet", *TRAIN_SETS])
+            checks.append((f"fresh train beside the user's {name}{' (a symlink)' if link else ''}",
+                           lambda run=run, name=name, target=target: target.read_text() == "precious\n"
+                           and (run / name).read_text() == "precious\n"))
+    for (name, kept), p in zip(checks, sh_batch(cases)):
+        t.one_line(name, p)
+        t.add("  ... left untouched", kept())
+    (w / "m.lock").write_text("precious\n")
+    (w / "m2.partial").mkdir()
+    (w / "m2.partial" / "config.json").write_text("precious\n")
+    ps = sh_batch([["pretrain", "--preset", "smoke", "--out", str(w / "m")], ["pretrain", "--preset", "smoke", "--out",
+                                                                             str(w / "m2")]])
+    t.one_line("pretrain --out X beside the user's X.lock", ps[0])
+    t.add("  ... X.lock untouched", (w / "m.lock").read_text() == "precious\n")
+    t.one_line("pretrain --out X beside the user's X.partial/", ps[1])
+    t.add("  ... X.partial untouched", (w / "m2.partial" / "config.json").read_text() == "precious\n")
+    (w / "demo2").mkdir()
+    (w / "demo2" / "sweep.yaml").write_text("precious: 1\n")
+    demos = [["--seeds", "0"], ["--steps", "0"], ["--workers", "0"]]
+    ps = sh_batch([["demo", "--out", str(w / "demo"), *args] for args in demos]
+                  + [["demo", "--out", str(w / "demo2"), "--steps", "1"]])
+    for args, p in zip(demos, ps):
+        t.one_line(f"demo {' '.join(args)}", p)
+    t.add("  ... wrote nothing", not (w / "demo").exists())
+    t.one_line("demo --out D with the user's D/sweep.yaml", ps[-1])
+    t.add("  ... sweep.yaml untouched", (w / "demo2" / "sweep.yaml").read_text() == "precious: 1\n")
+
+    # ---- corruption and hangs
+    t.kind = "corruption"
+    spec = w / "two.yaml"
+    spec.write_text("base: {preset: smoke, set: {run.steps: 6}}\ngrid: {run.seed: [0, 1]}\nworkers: 1\n")
+    procs = [subprocess.Popen([*TIMLAB, "sweep", str(spec), "--out", str(w / "two"), "--quiet"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=SNAPSHOT) for _ in range(2)]
+    outs = [pr.communicate(timeout=600) + (pr.returncode,) for pr in procs]
+    rcs = sorted(o[2] for o in outs)
+    busy = sum("in use by process" in o[1] for o in outs)
+    states = pd.read_parquet(w / "two" / "index.parquet")["state"].tolist()
+    t.add("two sweeps into one --out", rcs == [0, 2] and busy == 1 and states == ["finished"] * 2
+          and not any("Traceback" in o[1] for o in outs), f"rcs {rcs}, busy {busy}, index states {states}")
+    t.add("  ... no index temporary file left", not list((w / "two").glob("*.tmp")))
+    t.kind = "hang"
+    bombs = [w / f"bomb{i}.yaml" for i in range(3)]
+    bombs[0].write_text("\n".join(["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]) + "\n")
+    bombs[1].write_text("base: &b\n  set: *b\n")
+    bombs[2].write_text("base: {preset: smoke}\ngrid:\n  run.seed: " + json.dumps(list(range(1000)))
+                        + "\n  mismatch.seed: " + json.dumps(list(range(1000))) + "\n")
+    t0 = time.time()
+    ps = sh_batch([["sweep", str(b), "--out", str(w / "bomb")] for b in bombs], timeout=300)
+    took = time.time() - t0
+    for what, p in zip(("a YAML alias bomb spec (10^10 nodes)", "a recursive YAML alias", "a 10^6-run grid"), ps):
+        t.one_line(f"{what} ({len(p.stderr)} bytes of stderr)", p)
+    t.add(f"  ... the three refused in {took:.1f}s with Python's start", took < 120 and not (w / "bomb").exists())
+    model = w / "hugemodel"
+    shutil.copytree(sorted((ref / "checkpoints").glob("step_*"))[-1], model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1000000}))
+    t.one_line("probe a model of 10^6 layers", sh(["probe", "--model", str(model), "--task", "reverse"], timeout=120))
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / "model.safetensors").unlink()
+    os.mkfifo(model / "model.safetensors")
+    t.one_line("probe a model whose model.safetensors is a FIFO", sh(["probe", "--model", str(model), "--task", "reverse"],
+                                                                     timeout=120))
+
+    t.kind = "corruption"
+    run = w / "term"
+    pr = subprocess.Popen([*TIMLAB, "train", "--preset", "smoke", "--run-dir", str(run), "--quiet", *TRAIN_SETS],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=SNAPSHOT)
+    _wait_for(lambda: _status(run)["step"] >= 5, 120)
+    pr.send_signal(signal.SIGTERM)
+    err = pr.communicate(timeout=60)[1]
+    st = _status(run)
+    t.add("SIGTERM: status.json failed at the step reached", pr.returncode == 143 and st["state"] == "failed"
+          and 5 <= st["step"] < 12 and "SIGTERM" in st["message"], f"rc {pr.returncode}, {st}, {err.strip()[-80:]}")
+    p = sh(["train", "--run-dir", str(run), "--resume", "--quiet"])
+    d = same_run(ref, run) if p.returncode == 0 else p.stderr.strip()[-120:]
+    t.add("  ... resumed bitwise equal to the uninterrupted run", d is None, d or "")
+    spec = w / "ctrlc.yaml"
+    spec.write_text("base: {preset: smoke, set: {run.steps: 40, run.checkpoint_every: 5}}\ngrid: {run.seed: [0, 1, 2, 3]}\n"
+                    "workers: 1\n")
+    pr = subprocess.Popen([*TIMLAB, "sweep", str(spec), "--out", str(w / "ctrlc"), "--quiet"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, cwd=SNAPSHOT, start_new_session=True)
+    _wait_for(lambda: any(_status(r)["step"] >= 3 for r in (w / "ctrlc").iterdir() if (r / "status.json").exists()), 180)
+    t0 = time.time()
+    os.killpg(pr.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+    err = pr.communicate(timeout=120)[1]
+    started = [r.name for r in (w / "ctrlc").iterdir() if (r / "status.json").exists()]
+    t.add(f"Ctrl-C on a sweep stops in {time.time() - t0:.1f}s", time.time() - t0 < 30 and len(started) == 1
+          and "Traceback" not in err, f"{len(started)} of 4 runs started, rc {pr.returncode}")
+
+    t.kind = "wrong"
+    run = w / "edited"
+    shutil.copytree(ref, run)
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("lr: 0.0003", "lr: 0.003"))
+    cos = w / "cos"
+    abc = w / "stepabc"
+    shutil.copytree(ref, abc)
+    (abc / "checkpoints" / "step_abc").mkdir()
+    ps = sh_batch([["train", "--preset", "smoke", "--run-dir", str(cos), "--quiet", "--set", "scheduler.name=cosine"],
+                   ["train", "--run-dir", str(run), "--resume"],
+                   ["train", "--run-dir", str(cos), "--resume", "--set", "run.steps=8"],
+                   ["train", "--run-dir", str(abc), "--resume", "--quiet"]])
+    t.one_line("resume after editing config.yaml (optim.lr)", ps[1])
+    t.one_line("resume --set run.steps=8 on a 4-step cosine run", ps[2])
+    t.one_line("resume beside a step_abc checkpoint folder", ps[3], rc=(0,))
+    sets = ["mismatch.magnitude=.nan", "mismatch.magnitude=.inf", "algorithm.clip_low=.nan", "rollout.temperature=.nan",
+            "rollout.temperature=1e-40", "rollout.samples_per_prompt=1", "correction.threshold=.inf"]
+    dup = w / "dup.yaml"
+    dup.write_text("optim:\n  lr: 1e-3\n  lr: 1e-4\n")
+    src = sorted((ref / "checkpoints").glob("step_*"))[-1]
+    models = [("tie_word_embeddings 'false'", {"tie_word_embeddings": "false"}),
+              ("vocab_size 'abc'", {"vocab_size": "abc"}), ("vocab_size null", {"vocab_size": None}),
+              ("hidden_size -8", {"hidden_size": -8}), ("pad_token_id 10^6", {"pad_token_id": 10**6}),
+              ("rope_parameters 'x'", {"rope_parameters": "x"}),
+              ("rope factor 'abc'", {"rope_parameters": {"rope_type": "linear", "factor": "abc"}})]
+    for i, (name, change) in enumerate(models):
+        shutil.copytree(src, w / f"cfgmodel{i}")
+        (w / f"cfgmodel{i}" / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
+                                                                    **change}))
+    raw = [b'{"model_type": "llama", "\xff": 1}', ("[" * 50000 + "]" * 50000).encode(),
+           ('{"vocab_size": ' + "9" * 5000 + "}").encode()]
+    for i, text in enumerate(raw):
+        shutil.copytree(src, w / f"rawmodel{i}")
+        (w / f"rawmodel{i}" / "config.json").write_bytes(text)
+    bad = w / "badindex"
+    bad.mkdir()
+    (bad / "index.parquet").write_bytes(b"PAR1 damaged")
+    tb_sets = ["run.steps=.inf", "run.steps=.nan", "run.seed=1e20", "run.seed=" + "9" * 400, "run.device=meta",
+               "mismatch.magnitude=" + "9" * 400]
+    cases = ([["train", "--preset", "smoke", "--run-dir", str(w / "cfg"), "--set", x] for x in sets]
+             + [["train", str(dup), "--preset", "smoke", "--run-dir", str(w / "cfg")]]
+             + [["probe", "--model", str(w / f"cfgmodel{i}"), "--task", "reverse"] for i in range(len(models))]
+             + [["train", "--preset", "smoke", "--run-dir", str(w / "cfg"), "--set", x] for x in tb_sets]
+             + [["probe", "--model", str(w / f"rawmodel{i}"), "--task", "reverse"] for i in range(len(raw))]
+             + [["runs", str(bad)]])
+    ps = iter(sh_batch(cases))
+    for x in sets:
+        t.one_line(f"--set {x}", next(ps))
+    t.one_line("duplicate YAML key", next(ps))
+    for name, _ in models:
+        t.one_line(f"probe a model with {name}", next(ps))
+
+    # ---- one-line errors
+    t.kind = "traceback"
+    for x in tb_sets:
+        t.one_line(f"--set {x[:40]}", next(ps))
+    for name in ("a non-UTF-8 config.json", "a deeply nested config.json", "a 5000-digit number in config.json"):
+        t.one_line(f"probe a model with {name}", next(ps))
+    t.one_line("runs on a damaged index.parquet", next(ps))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5, help="kill-and-resume attacks per command (train; sweep and "
                                                           "pretrain get about half)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="work folder (default: a temporary one, removed)")
+    ap.add_argument("--only", choices=("hostile",), help="run only issue 22's hostile-input attacks")
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="timlab-attack-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -314,13 +569,18 @@ def main() -> int:
     rng = random.Random(args.seed)
     t = Tally()
     t0 = time.time()
-    attack_train(t, work, rng, args.kills)
-    attack_sweep(t, work, rng, max(1, args.kills // 2))
-    attack_pretrain(t, work, rng, max(1, args.kills // 2))
-    attack_inputs(t, work)
+    if args.only != "hostile":
+        attack_train(t, work, rng, args.kills)
+        attack_sweep(t, work, rng, max(1, args.kills // 2))
+        attack_pretrain(t, work, rng, max(1, args.kills // 2))
+        attack_inputs(t, work)
+    attack_hostile(t, work)
     failed = [r for r in t.results if not r[1]]
     tracebacks = sum("TRACEBACK" in r[2] for r in t.results)
-    print(f"\n{len(t.results)} checks, {len(failed)} failed, {tracebacks} tracebacks, {time.time() - t0:.0f}s")
+    by_kind = {k: sum(1 for kind, r in zip(t.kinds, t.results) if kind == k and not r[1])
+               for k in ("security", "loss", "corruption", "hang", "wrong", "traceback")}
+    print(f"\n{len(t.results)} checks, {len(failed)} failed, {tracebacks} tracebacks, {time.time() - t0:.0f}s; "
+          "failed by class: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0

@@ -359,7 +359,7 @@ def test_7_an_interrupted_sweep_worker_starts_no_further_run(tmp_path, monkeypat
 
 
 def test_7_sigterm_records_an_honest_status_and_resume_is_bitwise(tmp_path):
-    sets = ["run.steps=8", "run.checkpoint_every=2", "run.eval_every=4"]
+    sets = ["run.steps=40", "run.checkpoint_every=2", "run.eval_every=20"]
     flags = sum([["--set", s] for s in sets], [])
     ref = tmp_path / "ref"
     assert cli.main(["train", "--preset", "smoke", "--run-dir", str(ref), "--quiet", *flags]) == 0
@@ -380,7 +380,7 @@ def test_7_sigterm_records_an_honest_status_and_resume_is_bitwise(tmp_path):
     _, err = proc.communicate(timeout=60)
     status = json.loads((run / "status.json").read_text())
     assert proc.returncode == 143, err
-    assert status["state"] == "failed" and "SIGTERM" in status["message"] and 3 <= status["step"] < 8, status
+    assert status["state"] == "failed" and "SIGTERM" in status["message"] and 3 <= status["step"] < 40, status
     assert cli.main(["train", "--run-dir", str(run), "--resume", "--quiet"]) == 0
     pd.testing.assert_frame_equal(_metrics(ref), _metrics(run), check_exact=True)
 
@@ -466,3 +466,18 @@ def test_mathtext_in_a_label_does_not_abort_a_plot():
     ax.legend()
     ax.set_title(r"$\frac{x")
     assert png_uri(fig).startswith("data:image/png;base64,")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_12_data_parallel_means_are_exact_with_uneven_shards(tmp_path):
+    """3 prompts on 2 ranks: 8 and 4 sequences. The mean of 0/1 rewards over all 12 is k/12; the
+    old mean of per-rank means, (a/8 + b/4)/2, is not."""
+    run = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+           "-m", "timlab", "train", "--preset", "smoke", "--run-dir", str(run), "--quiet",
+           "--set", "run.steps=4", "--set", "rollout.prompts_per_step=3", "--set", "optim.lr=3e-3"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rewards = pd.read_parquet(run / "metrics.parquet")["train/reward_mean"].dropna() * 12
+    assert len(rewards) == 4 and ((rewards - rewards.round()).abs() < 1e-9).all(), rewards.tolist()

@@ -7,8 +7,10 @@ removed when the write fails, and a full disk becomes one ``DiskFullError`` nami
 point and the path. Each write gets its own temporary file (``.NAME.<random>.tmp``, created
 exclusively: never an existing file or a symlink), so two writers of one file never mix their
 bytes and a planted link is never followed; ``atomic_write_with`` does the same for writers that
-take a path (``DataFrame.to_parquet``). ``open_append`` appends without following a symlink. ``remove_owned`` deletes a folder only when every entry in it is a name
-timlab writes there, so a path that a user pointed at their own data is never emptied.
+take a path (``DataFrame.to_parquet``). ``open_append`` appends without following a symlink.
+``remove_owned`` deletes a folder only when every entry in it is a name timlab writes there, so a
+path that a user pointed at their own data is never emptied. ``take_lock`` locks a pid file and
+refuses one that is not timlab's (a symlink, or anything but a pid in it) without truncating it.
 """
 
 from __future__ import annotations

@@ -19,10 +19,27 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated("stopped by SIGTERM")
 
 
+def _raise_once(signum, frame) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if signum == signal.SIGTERM:
+        raise Terminated("stopped by SIGTERM")
+    raise KeyboardInterrupt
+
+
+def interrupt_once() -> None:
+    """For a sweep's worker processes: the first SIGINT or SIGTERM raises (``KeyboardInterrupt``,
+    ``Terminated``) and later ones are ignored, so the handler recording the run's status is not
+    itself cut short (Ctrl-C reaches a worker from the terminal and again from the sweep)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _raise_once)
+        signal.signal(signal.SIGTERM, _raise_once)
+
+
 def handle_sigterm() -> None:
     """Install the SIGTERM handler (only the main thread may install one; elsewhere a no-op)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-__all__ = ["Terminated", "handle_sigterm"]
+__all__ = ["Terminated", "handle_sigterm", "interrupt_once"]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from timlab.config import Config
 from timlab.errors import TimlabError
 from timlab.experiments.sweep_spec import SweepError
-from timlab.interrupts import Terminated, handle_sigterm
+from timlab.interrupts import Terminated, interrupt_once
 from timlab.trainer.rundir import FAILED, RunDir, RunDirBusyError
 
 _EVENTS = None  # the worker's progress queue (set by _worker_init)
@@ -53,7 +53,7 @@ def _worker_init(events=None, parent: int | None = None) -> None:
     global _EVENTS
     if parent is not None:
         _die_with_parent(parent)
-    handle_sigterm()
+    interrupt_once()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 

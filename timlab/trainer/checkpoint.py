@@ -99,8 +99,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None
     os.replace(tmp, final)
     atomic_write_text(ckpt_root / "latest", final.name + "\n")
     if keep > 0:
-        done = sorted(p for p in ckpt_root.glob("step_*") if (p / STATE_FILE).exists())
-        for old in done[:-keep]:
+        done = [p for p in checkpoints_newest_first(ckpt_root) if (p / STATE_FILE).exists()]
+        for old in done[keep:]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 

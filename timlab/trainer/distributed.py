@@ -50,6 +50,14 @@ class World:
     def mean(self, x: float) -> float:
         return self.sum(x) / self.size
 
+    def weighted_mean(self, x: float, n: float) -> float:
+        """The global mean from each rank's mean ``x`` over its ``n`` items: exact when shards are
+        uneven (a mean of per-rank means is not). One process: ``x`` itself, bit for bit."""
+        if self.size == 1:
+            return x
+        total = self.sum(float(n))
+        return self.sum(x * n) / total if total else float("nan")
+
     def all_reduce_grads(self, params) -> None:
         if self.size == 1:
             return

@@ -174,6 +174,11 @@ def check_device(device: str) -> None:
         raise ConfigError(f"run.device={device}: MPS is not available on this machine; use run.device=cpu")
 
 
+STATUS_EVERY_S = 1.0
+"""status.json follows a run's step at each checkpoint and at most this often in between (a file
+replace costs ~1-6 ms here, a smoke step ~12 ms: once per step would slow training)."""
+
+
 def gradcheck_micro_batch(cfg: Config) -> int:
     """Sequences per in-run gradcheck micro-batch: 8, or one rloo group."""
     return cfg.rollout.samples_per_prompt if cfg.run.gradcheck_estimator == "rloo" else 8
@@ -243,9 +248,13 @@ class RLRun:
         self.rundir = RunDir(run_dir)
         self.progress = progress
         self.world = dist_utils.World.from_env(cfg.run.device)
+        if cfg.rollout.prompts_per_step < self.world.size:
+            raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is fewer than the "
+                              f"{self.world.size} data-parallel processes: each needs at least one prompt")
         self.device = self.world.device
         self.log: MetricsLog | None = None
         self._wrote_config = False
+        self._status_time = 0.0
         if self.world.is_main:
             self.rundir.lock()  # one process per run directory, for the life of the run
         try:
@@ -484,7 +493,7 @@ class RLRun:
         ))
         metrics.update(loss_metrics)
         lengths = rollout.lengths.float()
-        mean_len = self.world.mean(float(lengths.mean()))
+        mean_len = self.world.weighted_mean(float(lengths.mean()), lengths.numel())
         lr_used = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(response_length=mean_len)
         self.injector.refresh()
@@ -498,7 +507,7 @@ class RLRun:
         step_time = time.perf_counter() - t0
         metrics.update({
             "step": self.step,
-            "train/reward_mean": self.world.mean(float(rewards.mean())),
+            "train/reward_mean": self.world.weighted_mean(float(rewards.mean()), rewards.numel()),
             "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "train/response_length_mean": mean_len,
             "train/response_length_max": float(lengths.max()),
@@ -602,12 +611,13 @@ class RLRun:
             acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, max_new_tokens=self.cfg.rollout.max_new_tokens)
         except NonFiniteLogitsError:
             raise NonFiniteError(f"step {self.step}: non-finite values in the logits of the validation decode") from None
-        acc = self.world.mean(acc)
+        acc = self.world.weighted_mean(acc, len(shard))
         self.peak_val = max(self.peak_val, acc)
-        return {"val/accuracy": acc, "val/response_length_mean": self.world.mean(mean_len),
+        return {"val/accuracy": acc, "val/response_length_mean": self.world.weighted_mean(mean_len, len(shard)),
                 "val/peak_accuracy": self.peak_val, "time/eval_s": time.perf_counter() - t}
 
     def write_status(self, state: str, message: str = "", *, durable: bool = True) -> None:
+        self._status_time = time.monotonic()
         if self.world.is_main:
             self.rundir.write_status(state, step=self.step, total_steps=self.cfg.run.steps, message=message,
                                      durable=durable)
@@ -638,9 +648,10 @@ class RLRun:
                     self.log.append(row)
                     if out.distributions is not None:
                         self.log.append_distribution(self.step, out.distributions)
-                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                saved = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
+                if saved:
                     self.checkpoint()
-                if self.step < cfg.steps:
+                if self.step < cfg.steps and (saved or time.monotonic() - self._status_time >= STATUS_EVERY_S):
                     self.write_status(RUNNING, durable=False)  # where the run is (not fsynced: a progress note)
                 last = row
                 if self.progress is not None:
