@@ -424,21 +424,15 @@ def test_damaged_index_parquet_is_a_one_line_error(tmp_path, capsys):
     assert "index.parquet" in err
 
 
-def test_damaged_pretrain_json_rebuilds_the_cache_entry(tmp_path):
+def test_damaged_pretrain_json_rebuilds_the_cache_entry():
     from timlab.trainer.pretrain import ensure_warm_start
 
-    cfg = resolve(preset="smoke")
-    warm = ensure_warm_start(cfg).path
-    backup = tmp_path / "backup"
-    shutil.copytree(warm, backup)
-    try:
-        (Path(warm) / "pretrain.json").write_text("{not json")
-        with pytest.warns(UserWarning, match="damaged"):
-            res = ensure_warm_start(cfg)
-        assert not res.cached and json.loads((Path(warm) / "pretrain.json").read_text())["key"]
-    finally:
-        shutil.rmtree(warm)
-        shutil.copytree(backup, warm)
+    cfg = resolve(preset="smoke", overrides=["model.pretrain_steps=3"])  # a cache entry of its own, cheap to build
+    warm = Path(ensure_warm_start(cfg).path)
+    (warm / "pretrain.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="damaged"):
+        res = ensure_warm_start(cfg)
+    assert not res.cached and json.loads((warm / "pretrain.json").read_text())["steps"] == 3
 
 
 def test_pickle_payload_is_what_weights_only_false_would_run(tmp_path):
@@ -481,3 +475,16 @@ def test_12_data_parallel_means_are_exact_with_uneven_shards(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rewards = pd.read_parquet(run / "metrics.parquet")["train/reward_mean"].dropna() * 12
     assert len(rewards) == 4 and ((rewards - rewards.round()).abs() < 1e-9).all(), rewards.tolist()
+
+
+def test_non_utf8_parquet_column_name_is_a_one_line_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from timlab.experiments.analyze import AnalyzeError, analyze_file
+
+    f = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"trainer_logprobs": [[-0.1]], "rollout_logprobs": [[-0.2]], "zqzq": [1]}), f)
+    f.write_bytes(f.read_bytes().replace(b"zqzq", b"\xff\xfe\xff\xfe"))  # the name, in the schema and the footer
+    with pytest.raises(AnalyzeError, match="not a readable Parquet file"):
+        analyze_file(f)

@@ -141,7 +141,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[dict | None, dict | None]]:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
             for rec in batch.to_pylist():
                 yield rec, None
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # the last: a column name that is not UTF-8
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise AnalyzeError(f"{path}: not a readable Parquet file ({msg})") from None
 
