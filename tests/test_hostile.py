@@ -488,3 +488,19 @@ def test_non_utf8_parquet_column_name_is_a_one_line_error(tmp_path):
     f.write_bytes(f.read_bytes().replace(b"zqzq", b"\xff\xfe\xff\xfe"))  # the name, in the schema and the footer
     with pytest.raises(AnalyzeError, match="not a readable Parquet file"):
         analyze_file(f)
+
+
+def test_a_failed_checkpoint_write_is_a_one_line_error(tmp_path, monkeypatch):
+    import errno
+
+    from timlab.trainer import checkpoint
+
+    def efbig(*args, **kwargs):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(checkpoint.torch, "save", efbig)
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(checkpoint, "save_model", lambda m, path, tokenizer_dir=None: Path(path).mkdir(parents=True))
+    with pytest.raises(CheckpointError, match="writing checkpoint .*step_000003 failed .OSError: .*File too large"):
+        checkpoint.save_checkpoint(tmp_path, 3, model, None, {"step": 3})
+    assert list(tmp_path.iterdir()) == []  # no partial checkpoint left

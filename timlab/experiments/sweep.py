@@ -49,6 +49,7 @@ Where the code lives: the spec, its expansion into runs and the resume plan in
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -65,6 +66,9 @@ from timlab.experiments.sweep_workers import (  # noqa: F401  (re-exported)
     _LocalExecutor, _RayExecutor, _die_with_parent, _emit, _one_line, _require_ray, _run_job, _warm_job, _worker_init)
 
 Progress = Callable[[str, int, int, dict], None]
+INDEX_EVERY_S = 2.0
+"""The index is rewritten as runs finish at most this often (and when the sweep ends): once per
+run would make a sweep of n runs write n tables of up to n rows."""
 LOCK_FILE = "sweep.lock"
 """Held by the sweep writing a directory: a second sweep into it is refused (it would mark the
 first one's runs failed and overwrite its index)."""
@@ -120,6 +124,8 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
         failed: dict[str, str] = {}
         by_id = {r.run_id: r for r in runs}
 
+        written = [time.monotonic()]
+
         def finish(run_id: str, state: str, message: str) -> None:
             nonlocal done
             done += 1
@@ -128,7 +134,9 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
             rows[run_id] = _index_row(by_id[run_id], out)
             if state == "failed" and rows[run_id]["state"] != "failed":  # e.g. the worker died
                 rows[run_id].update(state="failed", message=message)
-            _write_index(out, list(rows.values()))
+            if time.monotonic() - written[0] >= INDEX_EVERY_S:
+                _write_index(out, list(rows.values()))
+                written[0] = time.monotonic()
             if progress:
                 progress("sweep", done, len(runs), {"run_id": run_id, "state": state, "message": message,
                                                     "mode": plan[run_id]})
@@ -164,6 +172,7 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
             raise
         finally:
             pool.close()
+            _write_index(out, list(rows.values()))  # the runs finished since the last write
         return _result(rows, plan, [r.run_id for r in todo], failed)
 
 

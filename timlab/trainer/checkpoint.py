@@ -93,6 +93,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise disk_full(tmp) from None
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, TimlabError):  # EFBIG, EIO, a quota
+            text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"writing checkpoint {final} failed ({type(e).__name__}: {text[:200]})") from e
         raise
     if final.exists():
         shutil.rmtree(final)
