@@ -253,7 +253,6 @@ class RLRun:
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.sampling = rollout_sampling(cfg)
-        self.exact_rollout = self.injector.is_identity and cfg.rollout.engine == "exact"
 
         seed = cfg.run.seed
         self.prompt_rng = random.Random(seed)
@@ -354,6 +353,7 @@ class RLRun:
     def train_step(self) -> StepOutput:
         cfg = self.cfg
         self.step += 1
+        self.injector.begin_step(self.step)  # the mismatch schedule; before start_step no part acts
         gc = cfg.run.gradcheck_every
         grad_metrics = self.gradient_check() if gc and self.step % gc == 0 and self.world.is_main else {}
         t0 = time.perf_counter()
@@ -388,7 +388,7 @@ class RLRun:
                                                    kv_len=S, score_mask=mask)
         self._check_finite("trainer log-probs", old_logp[mask])
         rollout_logp = rollout.logprobs[:, :L].to(self.device)
-        if self.exact_rollout and cfg.run.guard:
+        if cfg.run.guard and cfg.rollout.engine == "exact" and self.injector.off:  # the trainer's own model rolled out
             self._guard(old_logp, rollout_logp, mask, rollout.prompt_width)
 
         # 3. metrics ------------------------------------------------------------------------
@@ -470,6 +470,7 @@ class RLRun:
         })
         metrics.update(grad_metrics)
         metrics.update(self.scheduler.metrics())
+        metrics.update(self.injector.metrics())
         return StepOutput(metrics, dists)
 
     def gradient_check(self) -> dict:
