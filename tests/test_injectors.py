@@ -113,6 +113,11 @@ def test_every_module_registers_one_injector_class():
     classes = {name: INJECTORS.get(name) for name in INJECTORS.names() if name != "none"}
     assert all(issubclass(cls, Injector) and cls.name == name for name, cls in classes.items())
     assert {cls.__module__.rsplit(".", 1)[1] for cls in classes.values()} == modules
+    from timlab.injectors.base import MAGNITUDE_KINDS
+
+    kinds = {name: cls.magnitude_kind for name, cls in classes.items()}
+    assert set(kinds.values()) <= set(MAGNITUDE_KINDS)
+    assert {n for n, k in kinds.items() if k != "none"} == {"head_perturb", "logit_noise", "stale", "temperature"}
 
 
 def test_a_new_injector_is_one_class_and_needs_no_other_edit(model, monkeypatch):

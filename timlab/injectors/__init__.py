@@ -98,10 +98,10 @@ class RolloutInjector:
         self.rollout_model = self._build_model(model)
         self.engine = build_engine(engine_name, self.rollout_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self.engine_name = engine_name
-        self.exact_engine = None
+        self.base_engine = None
         """The default engine on the trainer's own model, for the steps before start_step."""
         if self.parts and settings.start_step > 1:
-            self.exact_engine = build_engine(default_engine, model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+            self.base_engine = build_engine(default_engine, model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
     @property
     def is_identity(self) -> bool:
@@ -161,6 +161,7 @@ class RolloutInjector:
     def metrics(self) -> dict:
         """The step's scheduled magnitude (0 while the rollout is exact, before start_step)."""
         return {"mismatch/magnitude": float(self.magnitude) if self.active else 0.0}
+
     # -- the rollout model ----------------------------------------------------------------
     def _build_model(self, model: CausalLM) -> CausalLM:
         if not any(inj.copies_weights or inj.owns for inj in self.injectors):
@@ -223,7 +224,7 @@ class RolloutInjector:
         engine = self.engine
         proc = self._process if any(inj.processes_logits for inj in self.injectors) else None
         if not self.active:  # before start_step: the trainer's own model, no part acting
-            engine = self.exact_engine if self.exact_engine is not None else self.engine
+            engine = self.base_engine if self.base_engine is not None else self.engine
             proc = None
         if observe is not None:
             inner = proc

@@ -12,7 +12,8 @@ starting weights. Every other part maps the lagged weights (``source_model``), s
 (plain tensors keyed by version), so a resumed run rolls out with the same old weights.
 
 Under a mismatch schedule the lag is the scheduled value rounded half up (1.5 -> 2); the ring
-holds enough versions for the larger end of the ramp.
+holds enough versions for the larger end of the ramp. Outside a training run (``timlab gradcheck``
+or a probe on a model folder: no ``begin_step``) there is no older policy and the lag is 0.
 """
 
 from __future__ import annotations
