@@ -139,12 +139,17 @@ def _exact_with(weights: dict, model) -> object:
     return build_engine("exact", m, eos_token_id=2, pad_token_id=0)
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_stale_rolls_out_with_the_weights_of_k_steps_ago(model, lag):
+@pytest.mark.parametrize("sets, lags, ring", [
+    ({"magnitude": 1.0}, [1, 1, 1, 1, 1], [3, 4]),  # the ring: the last k + 1 versions
+    ({"magnitude": 2.0}, [2, 2, 2, 2, 2], [2, 3, 4]),
+    # a ramp 3 -> 1 over 4 steps: 3, 2.5, 2, 1.5, 1, rounded half up; the ring reaches back 3
+    ({"magnitude": 3.0, "schedule": "linear", "magnitude_end": 1.0, "ramp_steps": 4}, [3, 3, 2, 2, 1], [1, 2, 3, 4]),
+])
+def test_stale_rolls_out_with_the_weights_of_k_steps_ago(model, sets, lags, ring):
     trainer = copy.deepcopy(model)
-    inj = injector(trainer, "stale", float(lag))
+    inj = injector(trainer, "stale", **sets)
     history = []  # the trainer's weights at the start of each step
-    for step in range(1, 6):
+    for step, lag in zip(range(1, 6), lags):
         history.append({k: v.clone() for k, v in trainer.state_dict().items()})
         inj.begin_step(step)
         r = rollout(inj)
@@ -153,7 +158,7 @@ def test_stale_rolls_out_with_the_weights_of_k_steps_ago(model, lag):
         assert (k3(trainer, r) == 0.0) == (step == 1)
         _perturbed(trainer, step)
         inj.refresh()  # as the trainer does after each update
-    assert sorted(inj.injectors[0].versions) == list(range(4 - lag, 5))  # the ring: the last k + 1 versions
+    assert sorted(inj.injectors[0].versions) == ring
 
 
 def test_stale_composes_as_the_source_of_the_other_parts(model):

@@ -42,11 +42,9 @@ class Stale(Injector):
         """The old policy the rollout side maps; None until the first ``begin_step``."""
         self.loaded: int | None = None
         """The version ``lagged`` holds."""
-
-    @property
-    def max_lag(self) -> int:
-        ends = [self.s.magnitude] if self.s.schedule == "constant" else [self.s.magnitude, self.s.magnitude_end]
-        return max(round_half_up(m) for m in ends)
+        ends = [settings.magnitude] if settings.schedule == "constant" else [settings.magnitude, settings.magnitude_end]
+        self.max_lag = max(round_half_up(m) for m in ends)
+        """The largest lag of the run (a ramp is monotone between its ends): how far back the ring reaches."""
 
     def check(self) -> None:
         keys = ["magnitude"] if self.s.schedule == "constant" else ["magnitude", "magnitude_end"]
@@ -62,7 +60,7 @@ class Stale(Injector):
     def begin_step(self, step: int, model: CausalLM) -> bool:
         done = step - 1  # updates the trainer's weights have had
         if done not in self.versions:
-            self.versions[done] = {n: p.detach().clone() for n, p in model.named_parameters()}  # not in place
+            self.versions[done] = {n: p.detach().clone() for n, p in model.named_parameters()}  # updates are in place
         for v in [v for v in self.versions if v < done - self.max_lag]:
             del self.versions[v]
         want = max(done - round_half_up(self.s.magnitude), min(self.versions))
