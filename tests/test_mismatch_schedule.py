@@ -58,6 +58,7 @@ def test_a_schedule_needs_a_part_with_a_magnitude(tmp_path):
     with pytest.raises(UsageError, match="mismatch.schedule=linear moves the magnitude of head_perturb, logit_noise, "
                                          "stale, temperature only; add one of them"):
         train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before any model or run directory
 
 
 def test_exact_before_start_step_then_the_ramp(tmp_path):

@@ -49,8 +49,8 @@ from timlab.model.llama import CausalLM
 for _module in pkgutil.iter_modules(__path__):  # each module (but base, schedule) registers its injector class
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["INJECTORS", "Injector", "RolloutInjector", "Settings", "build_injector", "parse_parts", "register",
-           "round_weight"]
+__all__ = ["INJECTORS", "Injector", "RolloutInjector", "Settings", "build_injector", "check_section", "parse_parts",
+           "register", "round_weight"]
 
 
 def parse_parts(spec: str) -> list[str]:
@@ -75,6 +75,50 @@ def _shallow_view(model: CausalLM) -> CausalLM:
     return view
 
 
+def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) -> str:
+    """Every check of the mismatch settings that needs no model (ranges, each part's own, the
+    schedule, the engine the parts need); returns the rollout engine's name."""
+    if s.magnitude < 0:
+        raise UsageError(f"mismatch.magnitude must be >= 0, got {s.magnitude}")
+    if not 0.0 < s.prob_below <= 1.0:
+        raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
+    if s.prob_below < 1.0 and not any(inj.scoped for inj in injectors):
+        raise UsageError(f"mismatch.prob_below scopes {' and '.join(_names_where('scoped'))} only; add one of them")
+    for inj in injectors:
+        inj.check()
+    check_schedule(schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
+                   start_step=s.start_step, ramp_steps=s.ramp_steps)
+    if s.schedule != "constant" and not any(inj.magnitude_kind != "none" for inj in injectors):
+        raise UsageError(f"mismatch.schedule={s.schedule} moves the magnitude of "
+                         f"{', '.join(_names_where('magnitude_kind'))} only; add one of them")
+    engine_name = default_engine
+    for inj in injectors:
+        engine_name = inj.rollout_engine(engine_name)
+    code = [inj.name for inj in injectors if inj.changes_model_code]
+    if code and ENGINES.get(engine_name).copies_weights:
+        raise UsageError(f"mismatch.injector part {code[0]} changes timlab's model code, which the rollout engine "
+                         f"{engine_name!r} does not run; use the exact or fast engine")
+    return engine_name
+
+
+def _names_where(attr: str) -> list[str]:
+    """Registered parts whose class attribute ``attr`` is set (true, or not 'none')."""
+    classes = {name: INJECTORS.get(name) for name in INJECTORS if INJECTORS.get(name) is not None}
+    return sorted(n for n, cls in classes.items() if getattr(cls, attr) not in (False, "none"))
+
+
+def settings_from(section) -> Settings:
+    """The Settings of a config ``mismatch`` section (or anything with the same attributes)."""
+    return Settings(**{f.name: getattr(section, f.name) for f in dataclasses.fields(Settings)})
+
+
+def check_section(section, *, default_engine: str) -> None:
+    """Validate a config ``mismatch`` section before any model is loaded (one-line errors)."""
+    settings = settings_from(section)
+    check_parts([INJECTORS.get(p)(settings) for p in parse_parts(section.injector)], settings,
+                default_engine=default_engine)
+
+
 class RolloutInjector:
     """Runs rollouts for the trainer with the configured mismatch applied: the parts of the spec
     (``parts``, in spec order), each an ``Injector``, acting in their ``order``."""
@@ -85,16 +129,12 @@ class RolloutInjector:
         self.s = settings
         self.model = model
         self.injectors: list[Injector] = sorted((INJECTORS.get(p)(settings) for p in parts), key=lambda i: i.order)
-        self._check()
+        engine_name = check_parts(self.injectors, settings, default_engine=default_engine)
         self.generator = torch.Generator().manual_seed(1_000_003 * settings.seed + 7)
         self.magnitude = settings.magnitude
         """The magnitude of the current step's rollout (the schedule's value)."""
         self.active = True
         """False before mismatch.start_step: the step rolls out with no part acting."""
-        engine_name = default_engine
-        for inj in self.injectors:
-            engine_name = inj.rollout_engine(engine_name)
-        self._check_engine(engine_name)
         self.rollout_model = self._build_model(model)
         self.engine = build_engine(engine_name, self.rollout_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self.engine_name = engine_name
@@ -112,31 +152,6 @@ class RolloutInjector:
         """True when this step's rollout is the trainer's own model on the default engine: no
         part, or a step before mismatch.start_step."""
         return self.is_identity or not self.active
-
-    def _check(self) -> None:
-        s = self.s
-        if s.magnitude < 0:
-            raise UsageError(f"mismatch.magnitude must be >= 0, got {s.magnitude}")
-        if not 0.0 < s.prob_below <= 1.0:
-            raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
-        if s.prob_below < 1.0 and not any(inj.scoped for inj in self.injectors):
-            scoped = sorted(name for name in INJECTORS if INJECTORS.get(name) is not None and INJECTORS.get(name).scoped)
-            raise UsageError(f"mismatch.prob_below scopes {' and '.join(scoped)} only; add one of them")
-        for inj in self.injectors:
-            inj.check()
-        check_schedule(schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
-                       start_step=s.start_step, ramp_steps=s.ramp_steps)
-        if s.schedule != "constant" and not any(inj.magnitude_kind != "none" for inj in self.injectors):
-            takers = sorted(n for n in INJECTORS if INJECTORS.get(n) is not None and INJECTORS.get(n).magnitude_kind != "none")
-            raise UsageError(f"mismatch.schedule={s.schedule} moves the magnitude of {', '.join(takers)} only; "
-                             "add one of them")
-
-    def _check_engine(self, engine_name: str) -> None:
-        """Parts that change timlab's model code need an engine that runs it (not a weight copy)."""
-        code = [inj.name for inj in self.injectors if inj.changes_model_code]
-        if code and ENGINES.get(engine_name).copies_weights:
-            raise UsageError(f"mismatch.injector part {code[0]} changes timlab's model code, which the rollout engine "
-                             f"{engine_name!r} does not run; use the exact or fast engine")
 
     # -- the schedule -----------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -256,6 +271,6 @@ def build_injector(section, model: CausalLM, *, default_engine: str = "exact", e
                    pad_token_id: int) -> RolloutInjector:
     """From a config ``mismatch`` section (or anything with the same attributes)."""
     parts = parse_parts(section.injector)
-    settings = Settings(**{f.name: getattr(section, f.name) for f in dataclasses.fields(Settings)})
+    settings = settings_from(section)
     return RolloutInjector(parts, model, settings, default_engine=default_engine,
                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -42,7 +42,7 @@ import torch
 from timlab.config import Config, ConfigError
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
-from timlab.injectors import build_injector
+from timlab.injectors import build_injector, check_section
 from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
@@ -82,6 +82,7 @@ def validate(cfg: Config) -> None:
     for key, value, reg in checks:
         if value not in reg:
             raise ConfigError(f"unknown {key} {value!r}; valid choices: {', '.join(reg.names())}")
+    check_section(cfg.mismatch, default_engine=cfg.rollout.engine)  # the injector's settings, before any model loads
     if cfg.algorithm.loss_agg not in LOSS_AGGREGATIONS:
         raise ConfigError(f"unknown algorithm.loss_agg {cfg.algorithm.loss_agg!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
     if cfg.algorithm.loss_type not in POLICY_LOSSES:
