@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from timlab.config import MismatchSection
 from timlab.engines import SamplingParams
 from timlab.injectors import build_injector, parse_parts, round_weight
 from timlab.metrics import offpolicy_metrics
@@ -29,8 +28,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]] * 4
 
 
 def realized(model, injector="none", magnitude=0.0, **kw):
-    sec = SimpleNamespace(injector=injector, magnitude=magnitude, dtype=kw.get("dtype", "bfloat16"),
-                          engine=kw.get("engine", "fast"), prob_below=kw.get("prob_below", 1.0), seed=0)
+    sec = MismatchSection(injector=injector, magnitude=magnitude, **kw)
     inj = build_injector(sec, model, eos_token_id=2, pad_token_id=0)
     r = inj.rollout(PROMPTS, max_new_tokens=24, sampling=SamplingParams(), generator=torch.Generator().manual_seed(0))
     with torch.enable_grad():
@@ -111,10 +109,15 @@ def test_every_module_registers_one_injector_class():
     import timlab.injectors as pkg
     from timlab.injectors import INJECTORS, Injector
 
-    modules = {m.name for m in pkgutil.iter_modules(pkg.__path__)} - {"base"}
+    modules = {m.name for m in pkgutil.iter_modules(pkg.__path__)} - {"base", "schedule"}
     classes = {name: INJECTORS.get(name) for name in INJECTORS.names() if name != "none"}
     assert all(issubclass(cls, Injector) and cls.name == name for name, cls in classes.items())
     assert {cls.__module__.rsplit(".", 1)[1] for cls in classes.values()} == modules
+    from timlab.injectors.base import MAGNITUDE_KINDS
+
+    kinds = {name: cls.magnitude_kind for name, cls in classes.items()}
+    assert set(kinds.values()) <= set(MAGNITUDE_KINDS)
+    assert {n for n, k in kinds.items() if k != "none"} == {"head_perturb", "logit_noise", "stale", "temperature"}
 
 
 def test_a_new_injector_is_one_class_and_needs_no_other_edit(model, monkeypatch):
@@ -153,8 +156,7 @@ def test_a_new_injector_is_one_class_and_needs_no_other_edit(model, monkeypatch)
 
     k3, r = realized(model, "ban_token+precision", 7.0, dtype="float16")
     assert k3 > 0 and not (r.tokens[r.response_mask] == 7).any()
-    sec = SimpleNamespace(injector="precision+ban_token", magnitude=7.0, dtype="float16", engine="fast",
-                          prob_below=1.0, seed=0)
+    sec = MismatchSection(injector="precision+ban_token", magnitude=7.0, dtype="float16")
     inj = build_injector(sec, model, eos_token_id=2, pad_token_id=0)
     inj.rollout(PROMPTS, max_new_tokens=5, sampling=SamplingParams(), generator=torch.Generator().manual_seed(0))
     assert inj.state_dict()["ban_token"] == {"steps": 5}

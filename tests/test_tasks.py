@@ -293,7 +293,48 @@ def test_scratch_add_demonstrations_mix_and_bound():
     assert rng.getstate() == state
 
 
-@pytest.mark.parametrize("kwargs", [{"max_digits": 21}, {"min_digits": 0}, {"scratch_frac": 1.5}])
+def test_scratch_add_verbosity_by_hand():
+    from timlab.tasks.scratchpad import scratchpad
+    # level 0 is today's form; level 1 copies the zero-padded operands and pads each unit to 14
+    # characters with its own digits, cyclically
+    assert scratchpad(47, 85, 0) == scratchpad(47, 85) == ":7502,4813,"
+    assert scratchpad(47, 85, 1) == ":47+85=" + "75027502750275," + "48134813481348,"
+    assert scratchpad(5, 998, 1) == ":005+998=" + "58035803580358," + "09100910091009," * 2
+    assert scratchpad(0, 0, 2) == ":0+0=" + "0" * 42 + ","
+    assert len(scratchpad(47, 85, 3)) == 1 + 6 + 2 * (4 + 87 + 1)
+
+
+def test_scratch_add_verbosity_zero_is_todays_task_bit_for_bit():
+    """The same examples, the same demonstrations from the same rng draws, the same bounds."""
+    old, new = get_task("scratch_add", max_digits=4, scratch_frac=0.2), get_task("scratch_add", max_digits=4,
+                                                                               scratch_frac=0.2, verbosity=0)
+    exs = old.sample(random.Random(3), 300)
+    assert new.sample(random.Random(3), 300) == exs
+    ra, rb = random.Random(4), random.Random(4)
+    demos = [new.demonstration(e, rb) for e in exs]
+    assert demos == [old.demonstration(e, ra) for e in exs] and ra.getstate() == rb.getstate()
+    assert demos[:3] == [">142", ":3700,7018,0000,2002,>2080", ">698"]  # frozen: today's demonstrations
+    assert (new.alphabet, new.max_prompt_chars, new.max_answer_chars) == ("+,0123456789:=>", 10, 27)
+
+
+@pytest.mark.parametrize("verbosity, mean_len", [(0, 21.932), (1, 61.474), (2, 149.072), (3, 302.3685)])
+def test_scratch_add_verbosity_lengthens_the_answer_at_fixed_difficulty(verbosity, mean_len):
+    """Mean worked-answer length (tokens: characters + EOS) at 1-4-digit sums ~20/60/150/300; the
+    sums, the answers and the rewards do not change, and every demonstration is rewarded 1."""
+    task = get_task("scratch_add", max_digits=4, scratch_frac=1.0, verbosity=verbosity)
+    exs = task.sample(random.Random(0), 2000)
+    assert exs == get_task("scratch_add", max_digits=4).sample(random.Random(0), 2000)  # the same sums
+    demos = [task.demonstration(e, random.Random(0)) for e in exs]
+    assert sum(len(d) + 1 for d in demos) / len(demos) == pytest.approx(mean_len, abs=1e-9)
+    for e, d in zip(exs, demos):
+        assert task.reward(e, d) == 1.0 and task.reward(e, d, dense=True) == 1.0
+        assert task.reward(e, d[: d.rindex(">") + 1] + "0") == (e.answer == "0")  # a wrong sum scores 0
+        assert len(d) <= task.max_answer_chars and set(d) <= set(task.alphabet)
+    assert max(len(d) for d in demos) == task.max_answer_chars  # the bound is tight
+
+
+@pytest.mark.parametrize("kwargs", [{"max_digits": 21}, {"min_digits": 0}, {"scratch_frac": 1.5}, {"verbosity": 4},
+                                    {"verbosity": -1}, {"verbosity": 1.5}])
 def test_scratch_add_rejects_bad_options(kwargs):
     with pytest.raises(ValueError, match="scratch_add"):
         get_task("scratch_add", **kwargs)

@@ -135,11 +135,25 @@ class SchedulerSection:
 class MismatchSection:
     injector: str = "none"
     """Rollout-side TIM: none, precision, engine, logit_noise, temperature, head_perturb,
-    weight_rounding; combine with '+', e.g. 'precision+logit_noise'."""
+    weight_rounding, fp8, kv_cache, stale; combine with '+', e.g. 'precision+logit_noise'."""
     magnitude: float = 0.0
-    """Size of the injected mismatch (std for logit_noise, T-1 for temperature, relative size for head_perturb)."""
+    """Size of the injected mismatch (std for logit_noise, T-1 for temperature, relative size for
+    head_perturb, the lag k >= 1 in training steps for stale)."""
     dtype: str = "bfloat16"
-    """precision / weight_rounding: the rollout's dtype (bfloat16, float16; weight_rounding also int8)."""
+    """precision / weight_rounding / kv_cache: the rollout's dtype (bfloat16, float16; weight_rounding
+    also int8; kv_cache also fp8 (e4m3) and fp8_e5m2)."""
+    scale_granularity: str = "per_tensor"
+    """fp8: per_tensor (one scale per weight and per activation tensor) or per_channel (per output
+    channel for weights, per token for activations)."""
+    schedule: str = "constant"
+    """How the magnitude moves over training steps: constant, linear or geometric (from magnitude at
+    start_step to magnitude_end ramp_steps later, held after). stale rounds it half up."""
+    start_step: int = 0
+    """Steps before this one roll out exactly (k3 exactly 0, the guard holds); 0 = from the first step."""
+    ramp_steps: int = 0
+    """linear / geometric: steps the ramp from magnitude to magnitude_end takes (>= 1)."""
+    magnitude_end: float = 0.0
+    """linear / geometric: the magnitude at the end of the ramp."""
     engine: str = "fast"
     """engine injector: the rollout engine used instead (one of ``timlab.injectors.engine_swap.SWAP_ENGINES``)."""
     prob_below: float = 1.0

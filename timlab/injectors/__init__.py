@@ -8,7 +8,9 @@ off exactly, then add a controlled amount back). Three kinds of parts compose wi
   ``precision`` (a bf16/fp16 cast of the trainer's weights, ``mismatch.dtype``),
   ``weight_rounding`` (weights rounded to bf16/fp16/int8 and computed in the trainer's dtype),
   ``head_perturb`` (output head W + magnitude * |W|/|R| * R with R a fixed Gaussian: a
-  persistent, biased mismatch);
+  persistent, biased mismatch), ``fp8`` (the decoder's linears in simulated FP8, e4m3 weights
+  and activations), ``kv_cache`` (keys and values stored in ``mismatch.dtype``), ``stale`` (the
+  weights of ``mismatch.magnitude`` training steps ago: asynchronous RL's lag);
 - an engine swap: ``engine`` (``mismatch.engine``: fast or hf kernels instead of exact);
 - logits processors: ``logit_noise`` (fresh N(0, magnitude^2) per logit and token: random TIM),
   ``temperature`` (rollout logits / (1 + magnitude): biased TIM). Only these two honour the
@@ -18,6 +20,11 @@ off exactly, then add a controlled amount back). Three kinds of parts compose wi
 Every run measures the realized mismatch (rollout_corr/*, mismatch/*), so a knob's effect is
 measured, not assumed. Injector randomness comes from its own seeded generator (checkpointed).
 
+The magnitude can follow a schedule and the injector can start late (``mismatch.schedule``,
+``start_step``, ``ramp_steps``, ``magnitude_end``; ``timlab.injectors.schedule``): the trainer
+calls ``begin_step(step)`` before each rollout; before ``start_step`` the rollout is the
+trainer's own model on the default engine (``off``), so k3 is exactly 0 and the guard holds.
+
 Each part is one class in its own module of this package, behind the small protocol of
 ``timlab.injectors.base.Injector``; ``RolloutInjector`` composes them and never names one.
 """
@@ -25,23 +32,25 @@ Each part is one class in its own module of this package, behind the small proto
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import pkgutil
 from typing import Callable
 
 import torch
 
-from timlab.engines import Rollout, SamplingParams, build_engine
+from timlab.engines import ENGINES, Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
 from timlab.injectors.base import INJECTORS, Injector, Settings, register
+from timlab.injectors.schedule import check_schedule, scheduled_magnitude
 from timlab.injectors.weight_rounding import round_weight
 from timlab.model.llama import CausalLM
 
-for _module in pkgutil.iter_modules(__path__):  # each module registers its injector class
+for _module in pkgutil.iter_modules(__path__):  # each module (but base, schedule) registers its injector class
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["INJECTORS", "Injector", "RolloutInjector", "Settings", "build_injector", "parse_parts", "register",
-           "round_weight"]
+__all__ = ["INJECTORS", "Injector", "RolloutInjector", "Settings", "build_injector", "check_section", "parse_parts",
+           "register", "round_weight"]
 
 
 def parse_parts(spec: str) -> list[str]:
@@ -66,6 +75,50 @@ def _shallow_view(model: CausalLM) -> CausalLM:
     return view
 
 
+def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) -> str:
+    """Every check of the mismatch settings that needs no model (ranges, each part's own, the
+    schedule, the engine the parts need); returns the rollout engine's name."""
+    if s.magnitude < 0:
+        raise UsageError(f"mismatch.magnitude must be >= 0, got {s.magnitude}")
+    if not 0.0 < s.prob_below <= 1.0:
+        raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
+    if s.prob_below < 1.0 and not any(inj.scoped for inj in injectors):
+        raise UsageError(f"mismatch.prob_below scopes {' and '.join(_names_where('scoped'))} only; add one of them")
+    for inj in injectors:
+        inj.check()
+    check_schedule(schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
+                   start_step=s.start_step, ramp_steps=s.ramp_steps)
+    if s.schedule != "constant" and not any(inj.magnitude_kind != "none" for inj in injectors):
+        raise UsageError(f"mismatch.schedule={s.schedule} moves the magnitude of "
+                         f"{', '.join(_names_where('magnitude_kind'))} only; add one of them")
+    engine_name = default_engine
+    for inj in injectors:
+        engine_name = inj.rollout_engine(engine_name)
+    code = [inj.name for inj in injectors if inj.changes_model_code]
+    if code and ENGINES.get(engine_name).copies_weights:
+        raise UsageError(f"mismatch.injector part {code[0]} changes timlab's model code, which the rollout engine "
+                         f"{engine_name!r} does not run; use the exact or fast engine")
+    return engine_name
+
+
+def _names_where(attr: str) -> list[str]:
+    """Registered parts whose class attribute ``attr`` is set (true, or not 'none')."""
+    classes = {name: INJECTORS.get(name) for name in INJECTORS if INJECTORS.get(name) is not None}
+    return sorted(n for n, cls in classes.items() if getattr(cls, attr) not in (False, "none"))
+
+
+def settings_from(section) -> Settings:
+    """The Settings of a config ``mismatch`` section (or anything with the same attributes)."""
+    return Settings(**{f.name: getattr(section, f.name) for f in dataclasses.fields(Settings)})
+
+
+def check_section(section, *, default_engine: str) -> None:
+    """Validate a config ``mismatch`` section before any model is loaded (one-line errors)."""
+    settings = settings_from(section)
+    check_parts([INJECTORS.get(p)(settings) for p in parse_parts(section.injector)], settings,
+                default_engine=default_engine)
+
+
 class RolloutInjector:
     """Runs rollouts for the trainer with the configured mismatch applied: the parts of the spec
     (``parts``, in spec order), each an ``Injector``, acting in their ``order``."""
@@ -76,30 +129,53 @@ class RolloutInjector:
         self.s = settings
         self.model = model
         self.injectors: list[Injector] = sorted((INJECTORS.get(p)(settings) for p in parts), key=lambda i: i.order)
-        self._check()
+        engine_name = check_parts(self.injectors, settings, default_engine=default_engine)
         self.generator = torch.Generator().manual_seed(1_000_003 * settings.seed + 7)
+        self.magnitude = settings.magnitude
+        """The magnitude of the current step's rollout (the schedule's value)."""
+        self.active = True
+        """False before mismatch.start_step: the step rolls out with no part acting."""
         self.rollout_model = self._build_model(model)
-        engine_name = default_engine
-        for inj in self.injectors:
-            engine_name = inj.rollout_engine(engine_name)
         self.engine = build_engine(engine_name, self.rollout_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self.engine_name = engine_name
+        self.base_engine = None
+        """The default engine on the trainer's own model, for the steps before start_step."""
+        if self.parts and settings.start_step > 1:
+            self.base_engine = build_engine(default_engine, model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
     @property
     def is_identity(self) -> bool:
         return not self.parts
 
-    def _check(self) -> None:
+    @property
+    def off(self) -> bool:
+        """True when this step's rollout is the trainer's own model on the default engine: no
+        part, or a step before mismatch.start_step."""
+        return self.is_identity or not self.active
+
+    # -- the schedule -----------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Training step ``step`` (from 1) is about to roll out with the trainer's current weights:
+        set its scheduled magnitude (or switch every part off before start_step) and let the
+        parts that keep state across steps (``stale``) see the weights."""
         s = self.s
-        if s.magnitude < 0:
-            raise UsageError(f"mismatch.magnitude must be >= 0, got {s.magnitude}")
-        if not 0.0 < s.prob_below <= 1.0:
-            raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
-        if s.prob_below < 1.0 and not any(inj.scoped for inj in self.injectors):
-            scoped = sorted(name for name in INJECTORS if INJECTORS.get(name) is not None and INJECTORS.get(name).scoped)
-            raise UsageError(f"mismatch.prob_below scopes {' and '.join(scoped)} only; add one of them")
+        m = scheduled_magnitude(step, schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
+                                start_step=s.start_step, ramp_steps=s.ramp_steps)
+        was_active, self.active = self.active, m is not None
+        resync = False
+        if m is not None and m != self.magnitude:
+            self.magnitude = m
+            for inj in self.injectors:
+                inj.s = dataclasses.replace(s, magnitude=m)
+            resync = True
         for inj in self.injectors:
-            inj.check()
+            resync = inj.begin_step(step, self.model) or resync
+        if self.active and (resync or not was_active):
+            self.refresh()
+
+    def metrics(self) -> dict:
+        """The step's scheduled magnitude (0 while the rollout is exact, before start_step)."""
+        return {"mismatch/magnitude": float(self.magnitude) if self.active else 0.0}
 
     # -- the rollout model ----------------------------------------------------------------
     def _build_model(self, model: CausalLM) -> CausalLM:
@@ -118,16 +194,24 @@ class RolloutInjector:
             w = inj.map_weight(w)
         return w
 
+    def _source(self) -> CausalLM:
+        """The model whose weights the rollout side maps: the trainer's, or an older copy (stale)."""
+        source = self.model
+        for inj in self.injectors:
+            source = inj.source_model(source)
+        return source
+
     @torch.no_grad()
     def _sync(self, m: CausalLM) -> None:
-        src = dict(self.model.named_parameters())
+        source = self._source()
+        src = dict(source.named_parameters())
         owned = {name for inj in self.injectors for name in inj.owns}
         for name, p in m.named_parameters():
             if name in owned or p is src[name]:
                 continue
             p.copy_(self._map_weight(src[name]).to(p.dtype))
         for inj in self.injectors:
-            inj.refresh(m, self.model, self._map_weight)
+            inj.refresh(m, source, self._map_weight)
 
     def refresh(self) -> None:
         """The trainer's weights changed: bring the rollout side up to date."""
@@ -152,7 +236,11 @@ class RolloutInjector:
                 ) -> Rollout:
         """Sample with the mismatch applied. ``observe(logits, col)``, if given, sees the logits
         each decode step samples from (after the injector's processing): mu's full distribution."""
+        engine = self.engine
         proc = self._process if any(inj.processes_logits for inj in self.injectors) else None
+        if not self.active:  # before start_step: the trainer's own model, no part acting
+            engine = self.base_engine if self.base_engine is not None else self.engine
+            proc = None
         if observe is not None:
             inner = proc
 
@@ -161,8 +249,8 @@ class RolloutInjector:
                 observe(out, col)
                 return out
 
-        return self.engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    generator=generator, logits_processor=proc)
+        return engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
+                               logits_processor=proc)
 
     def state_dict(self) -> dict:
         state = {"generator": self.generator.get_state()}
@@ -183,6 +271,6 @@ def build_injector(section, model: CausalLM, *, default_engine: str = "exact", e
                    pad_token_id: int) -> RolloutInjector:
     """From a config ``mismatch`` section (or anything with the same attributes)."""
     parts = parse_parts(section.injector)
-    settings = Settings(section.magnitude, section.dtype, section.engine, section.prob_below, section.seed)
+    settings = settings_from(section)
     return RolloutInjector(parts, model, settings, default_engine=default_engine,
                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -9,7 +9,14 @@ each a method with a do-nothing default, so a class overrides only what it chang
   weight takes on the rollout side) and ``refresh`` (weights it owns, after each update);
 - ``rollout_engine``: the engine the rollout runs on;
 - ``process_logits``: change the logits each decode step samples from (``scoped``: the scope
-  ``mismatch.prob_below`` applies to it).
+  ``mismatch.prob_below`` applies to it);
+- across steps: ``begin_step`` (a training step is about to roll out; the lagged ``stale``
+  keeps its ring of weight versions here) and ``source_model`` (the model whose weights the
+  rollout side maps: the trainer's, or an older copy).
+
+``magnitude_kind`` says what ``mismatch.magnitude`` is to a part (unused, a continuous size, an
+integer); the mismatch schedule (``timlab.injectors.schedule``) moves it for the parts that take
+one, and sets ``self.s.magnitude`` before each step's rollout.
 
 Parts composed with '+' act in the order of their ``order`` attribute, whatever the order of
 the spec, so 'a+b' and 'b+a' are one injector. A new injector is one file in this package with
@@ -33,14 +40,24 @@ INJECTORS.add("none", None)  # zero mismatch: no part at all
 
 @dataclass
 class Settings:
-    """The ``mismatch`` config section's knobs, shared by every part of one injector."""
+    """The ``mismatch`` config section's knobs, shared by every part of one injector (their
+    meaning is documented on ``timlab.config.MismatchSection``)."""
 
     magnitude: float
     dtype: str
     engine: str
     prob_below: float
     seed: int
+    schedule: str
+    magnitude_end: float
+    start_step: int
+    ramp_steps: int
+    scale_granularity: str
 
+
+MAGNITUDE_KINDS = ("none", "continuous", "integer")
+"""none: the part ignores mismatch.magnitude; continuous: a size; integer: a count (a scheduled
+value is rounded half up)."""
 
 WeightMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -58,6 +75,11 @@ class Injector:
     processes_logits: ClassVar[bool] = False
     scoped: ClassVar[bool] = False
     """True when ``mismatch.prob_below`` limits this part's logits change."""
+    magnitude_kind: ClassVar[str] = "none"
+    """What ``mismatch.magnitude`` is to this part: one of MAGNITUDE_KINDS."""
+    changes_model_code: ClassVar[bool] = False
+    """True when the part changes what timlab's model code computes (not only weights), which
+    engines that serve their own copy of the weights (hf, vllm) do not run."""
 
     def __init__(self, settings: Settings):
         self.s = settings
@@ -79,6 +101,15 @@ class Injector:
 
     def rollout_engine(self, default: str) -> str:
         return default
+
+    def begin_step(self, step: int, model: CausalLM) -> bool:
+        """Training step ``step`` (from 1) is about to roll out; ``model`` is the trainer's, with
+        the weights of ``step - 1`` updates. True when the rollout weights must be set again."""
+        return False
+
+    def source_model(self, model: CausalLM) -> CausalLM:
+        """The model whose weights the rollout side maps (``model``: the trainer's)."""
+        return model
 
     def process_logits(self, logits: torch.Tensor, col: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """(B, V) logits of one decode step -> the logits to sample from. ``generator``: the

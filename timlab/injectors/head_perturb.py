@@ -13,6 +13,7 @@ from timlab.model.llama import CausalLM
 @register("head_perturb")
 class HeadPerturb(Injector):
     order = 20
+    magnitude_kind = "continuous"
     owns = ("lm_head.weight",)
 
     def __init__(self, settings):

@@ -11,6 +11,7 @@ from timlab.injectors.base import Injector, register
 @register("logit_noise")
 class LogitNoise(Injector):
     order = 50
+    magnitude_kind = "continuous"
     processes_logits = True
     scoped = True
 

@@ -11,6 +11,7 @@ from timlab.injectors.base import Injector, register
 @register("temperature")
 class Temperature(Injector):
     order = 40  # before logit_noise: the noise is added to the tempered logits
+    magnitude_kind = "continuous"
     processes_logits = True
     scoped = True
 

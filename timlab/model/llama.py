@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +113,25 @@ class ModelConfig:
         return per_layer * self.num_hidden_layers
 
 
+class MappedInputLinear(nn.Linear):
+    """An ``nn.Linear`` (sharing the wrapped layer's parameters) whose input first goes through
+    ``input_map`` (same shape out): how a rollout injector simulates quantized activations
+    (``timlab.injectors.fp8``). A trainer's model never has one."""
+
+    def __init__(self, layer: nn.Linear, input_map: Callable[[torch.Tensor], torch.Tensor]):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.weight = layer.weight
+        self.register_parameter("bias", layer.bias)
+        self.input_map = input_map
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.input_map(x), self.weight, self.bias)
+
+
 def _linear(mode: str, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    if type(layer) is MappedInputLinear:
+        x = layer.input_map(x)
     if mode == "exact":
         return invariant_linear(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
@@ -297,6 +316,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.scale = d**-0.5
+        self.kv_store: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Applied to keys and values as they are written into a KV cache (same shape and dtype
+        out): a rollout injector's simulated low-precision cache (``timlab.injectors.kv_cache``)."""
 
     def forward(self, x, cos, sin, step: Step, cache_k, cache_v, mode: str) -> torch.Tensor:
         B, M, _ = x.shape
@@ -319,6 +341,8 @@ class Attention(nn.Module):
                 values = F.pad(v, (0, 0, 0, width - M))
         else:  # write this call's columns into the fixed buffer
             end = step.start + M
+            if self.kv_store is not None:
+                k, v = self.kv_store(k), self.kv_store(v)
             cache_k[:, :, step.start : end] = k
             cache_v[:, :, step.start : end] = v
             keys, values = (cache_k, cache_v) if mode == "exact" else (cache_k[:, :, :end], cache_v[:, :, :end])

@@ -11,6 +11,15 @@ completion in one of two forms, both ending in ``>`` followed by the sum:
   look-ups, so a small model gets it right far more often, at about 5x the length (21 vs 4.4
   tokens on the surge preset's 1-4-digit sums).
 
+``verbosity`` (0-3) makes the worked answer longer without making the sum harder: from level 1
+the working first copies the operands, zero-padded to the column count (47+85 -> ``:47+85=``,
+5+998 -> ``:005+998=``), and each column unit repeats its four digits
+cyclically to ``4 + VERBOSITY_PADDING[level]`` characters before the comma (level 1, 47+85:
+``:47+85=75027502750275,48134813481348,>132``). The padding is a copy of what the unit already
+says, so it adds length, not difficulty; only the final answer is rewarded, as at level 0, which
+is today's form exactly. Mean answer length (tokens, EOS included) at 1-4-digit sums:
+about 22, 61, 149 and 302 at levels 0-3 (bench/RESULTS.md).
+
 The SFT warm start (``demonstration``) writes the scratchpad for a ``scratch_frac`` share of
 examples and the terse form for the rest, so with a small ``scratch_frac`` the starting policy
 mostly answers tersely, and greedy decoding does (the first token ``>`` outweighs ``:``). Only the final answer is
@@ -35,19 +44,29 @@ ANSWER_MARK = ">"
 SCRATCH_MARK = ":"
 UNIT_END = ","
 MAX_DIGITS = 20
+OPERANDS_END = "="
+
+VERBOSITY_PADDING = (0, 10, 38, 87)
+"""Characters each column unit repeats of its own digits, per verbosity level (index). Chosen so
+the mean worked answer at 1-4-digit sums is ~20, 60, 150 and 300 tokens."""
 
 
-def scratchpad(a: int, b: int) -> str:
-    """The column-by-column working for ``a + b``, without the final answer: ``:7502,4813,``."""
+def scratchpad(a: int, b: int, verbosity: int = 0) -> str:
+    """The column-by-column working for ``a + b``, without the final answer: ``:7502,4813,``
+    (verbosity 0); from level 1 the zero-padded operands first and each unit padded (see above)."""
     da, db = str(a)[::-1], str(b)[::-1]
+    cols = max(len(da), len(db))
+    pad = VERBOSITY_PADDING[verbosity]
     units, carry = [], 0
-    for i in range(max(len(da), len(db))):
+    for i in range(cols):
         x = int(da[i]) if i < len(da) else 0
         y = int(db[i]) if i < len(db) else 0
         s = x + y + carry
-        units.append(f"{x}{y}{carry}{s % 10}{UNIT_END}")
+        digits = f"{x}{y}{carry}{s % 10}"
+        units.append((digits * (2 + pad // 4))[: 4 + pad] + UNIT_END)
         carry = s // 10
-    return SCRATCH_MARK + "".join(units)
+    copy = f"{str(a).zfill(cols)}+{str(b).zfill(cols)}{OPERANDS_END}" if verbosity else ""
+    return SCRATCH_MARK + copy + "".join(units)
 
 
 def final_answer(completion: str) -> str | None:
@@ -71,6 +90,8 @@ class ScratchAddTask(Task):
     """Most digits in an operand (sets the scratchpad's length: about 6 characters per digit)."""
     scratch_frac: float = 0.1
     """Share of SFT demonstrations written with the scratchpad (the rest are terse)."""
+    verbosity: int = 0
+    """Length of the worked answer at the same difficulty: 0 (today's form) to 3 (VERBOSITY_PADDING)."""
 
     name: ClassVar[str] = "scratch_add"
 
@@ -78,6 +99,9 @@ class ScratchAddTask(Task):
         check_digit_range("scratch_add", self.min_digits, self.max_digits, MAX_DIGITS)
         if not 0.0 <= self.scratch_frac <= 1.0:
             raise UsageError(f"scratch_add: scratch_frac must be in [0, 1], got {self.scratch_frac}")
+        if type(self.verbosity) is not int or self.verbosity not in range(len(VERBOSITY_PADDING)):
+            raise UsageError(f"scratch_add: verbosity must be one of {', '.join(map(str, range(len(VERBOSITY_PADDING))))}, "
+                             f"got {self.verbosity!r}")
 
     @property
     def alphabet(self) -> str:
@@ -89,7 +113,9 @@ class ScratchAddTask(Task):
 
     @property
     def max_answer_chars(self) -> int:
-        return 1 + 5 * self.max_digits + 1 + (self.max_digits + 1)
+        copy = 2 * self.max_digits + 2 if self.verbosity else 0
+        unit = 5 + VERBOSITY_PADDING[self.verbosity]
+        return 1 + copy + unit * self.max_digits + 1 + (self.max_digits + 1)
 
     def sample_one(self, rng: random.Random) -> Example:
         a = _random_number(rng, rng.randint(self.min_digits, self.max_digits))
@@ -99,7 +125,7 @@ class ScratchAddTask(Task):
     def demonstration(self, example: Example, rng: random.Random) -> str:
         if rng.random() < self.scratch_frac:
             a, b = (int(x) for x in example.prompt[:-1].split("+"))
-            return scratchpad(a, b) + ANSWER_MARK + example.answer
+            return scratchpad(a, b, self.verbosity) + ANSWER_MARK + example.answer
         return ANSWER_MARK + example.answer
 
     def reward(self, example: Example, completion: str, *, dense: bool = False) -> float:

@@ -42,7 +42,7 @@ import torch
 from timlab.config import Config, ConfigError, flatten
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
-from timlab.injectors import build_injector
+from timlab.injectors import build_injector, check_section
 from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
@@ -82,6 +82,7 @@ def validate(cfg: Config) -> None:
     for key, value, reg in checks:
         if value not in reg:
             raise ConfigError(f"unknown {key} {value!r}; valid choices: {', '.join(reg.names())}")
+    check_section(cfg.mismatch, default_engine=cfg.rollout.engine)  # the injector's settings, before any model loads
     if cfg.algorithm.loss_agg not in LOSS_AGGREGATIONS:
         raise ConfigError(f"unknown algorithm.loss_agg {cfg.algorithm.loss_agg!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
     if cfg.algorithm.loss_type not in POLICY_LOSSES:
@@ -288,7 +289,6 @@ class RLRun:
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.sampling = rollout_sampling(cfg)
-        self.exact_rollout = self.injector.is_identity and cfg.rollout.engine == "exact"
 
         seed = cfg.run.seed
         self.prompt_rng = random.Random(seed)
@@ -411,6 +411,7 @@ class RLRun:
     def train_step(self) -> StepOutput:
         cfg = self.cfg
         self.step += 1
+        self.injector.begin_step(self.step)  # the mismatch schedule; before start_step no part acts
         gc = cfg.run.gradcheck_every
         grad_metrics = self.gradient_check() if gc and self.step % gc == 0 and self.world.is_main else {}
         t0 = time.perf_counter()
@@ -445,7 +446,7 @@ class RLRun:
                                                    kv_len=S, score_mask=mask)
         self._check_finite("trainer log-probs", old_logp[mask])
         rollout_logp = rollout.logprobs[:, :L].to(self.device)
-        if self.exact_rollout and cfg.run.guard:
+        if cfg.run.guard and cfg.rollout.engine == "exact" and self.injector.off:  # the trainer's own model rolled out
             self._guard(old_logp, rollout_logp, mask, rollout.prompt_width)
 
         # 3. metrics ------------------------------------------------------------------------
@@ -527,6 +528,7 @@ class RLRun:
         })
         metrics.update(grad_metrics)
         metrics.update(self.scheduler.metrics())
+        metrics.update(self.injector.metrics())
         return StepOutput(metrics, dists)
 
     def gradient_check(self) -> dict:
