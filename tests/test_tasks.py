@@ -15,12 +15,13 @@ from timlab.tasks import (
 )
 from timlab.registry import UnknownNameError
 
-ALL_TASKS = ["addition", "copy", "countdown", "reverse", "scratch_add", "sort"]
+ALL_TASKS = ["addition", "copy", "countdown", "reverse", "scratch_add", "sort"]  # the generators
+DATASET_TASKS = ["dataset"]  # rows of a file: tests/test_dataset_task.py
 STRING_TASKS = ["addition", "copy", "reverse", "sort"]  # a single correct answer
 
 
 def test_registry_names_and_unknown_name():
-    assert TASKS.names() == ALL_TASKS
+    assert TASKS.names() == sorted(ALL_TASKS + DATASET_TASKS)
     with pytest.raises(UnknownNameError, match="valid choices: addition, copy, countdown"):
         get_task("revers")
 

@@ -12,6 +12,11 @@ always prefers a folder's ``tokenizer.json``: for a Qwen2 model folder ``AutoTok
 when there is no ``tokenizer.json`` does it fall back to ``transformers.AutoTokenizer`` (an
 optional dependency, imported only there) and wrap that tokenizer's fast backend.
 
+A folder's chat template (``chat_template`` in ``tokenizer_config.json``, or a
+``chat_template.jinja`` file) is kept on the wrapper: ``Tokenizer.render_chat(messages)`` applies
+it through ``transformers`` (the template is Jinja with HF's own helpers and special-token
+variables), and without one joins the messages' contents with a blank line (``PLAIN_CHAT_SEP``).
+
 Special token ids of the char tokenizer: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3,
 then the sorted unique characters from 4 on. Text containing the literal string ``<eos>`` (etc.)
 is encoded as that special token, as in every HF tokenizer; the task alphabets contain no ``<``.
@@ -30,6 +35,10 @@ from timlab.errors import BadFileError, UsageError
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in the char tokenizer
+PLAIN_CHAT_SEP = "\n\n"
+"""Without a chat template, ``render_chat`` joins the messages' contents (system prompt, then the
+user's prompt) with this, and adds no role markers or generation cue."""
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
 
 
 def build_char_tokenizer(chars: str) -> tokenizers.Tokenizer:
@@ -90,8 +99,13 @@ class Tokenizer:
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         name_or_path: str = "",
+        folder: str | Path | None = None,
+        chat_template: str | None = None,
     ):
         self.backend = backend
+        self.folder = None if folder is None else Path(folder)
+        self.chat_template = chat_template
+        self._hf = None  # the transformers tokenizer that renders chat_template, loaded on first use
         self.eos_token_id = eos_token_id
         self.pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
         self.bos_token_id = bos_token_id
@@ -118,6 +132,21 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """``[{"role": "system", "content": ...}, {"role": "user", "content": ...}]`` -> the prompt
+        text up to where the assistant's reply starts: the folder's chat template applied by
+        ``transformers`` (``add_generation_prompt=True``), or without a template the contents
+        joined by ``PLAIN_CHAT_SEP``."""
+        if self.chat_template is None:
+            return PLAIN_CHAT_SEP.join(m["content"] for m in messages)
+        if self._hf is None:
+            self._hf = _hf_tokenizer(self.folder, "to apply its chat template")
+        try:
+            return self._hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2 raises its own types from a user's template; keep it one line
+            raise UsageError(f"the chat template of {str(self.folder)!r} failed to render "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
                 f"eos={self.eos_token_id}, pad={self.pad_token_id}, bos={self.bos_token_id})")
@@ -140,6 +169,19 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             raise BadFileError(f"{tok_file}: not a tokenizers JSON file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         return _wrap(backend, _special_tokens(folder), folder, str(path))
     return _load_with_transformers(folder, str(path))
+
+
+def _hf_tokenizer(folder: Path | None, why: str):
+    """``transformers.AutoTokenizer`` for ``folder`` (local files only), or a one-line error."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError(f"{str(folder)!r}: transformers is needed {why} (pip install 'timlab[hf]')") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises many types; keep the message one line
+        raise UsageError(f"transformers.AutoTokenizer cannot load {str(folder)!r} {why} "
+                         f"({type(e).__name__})") from None
 
 
 def _load_with_transformers(folder: Path, name: str) -> Tokenizer:
@@ -174,7 +216,21 @@ def _wrap(backend: tokenizers.Tokenizer, special: dict[str, Any], folder: Path,
             f"no EOS token found in {str(folder)!r}; expected eos_token in tokenizer_config.json "
             "/ special_tokens_map.json or eos_token_id in generation_config.json / config.json")
     return Tokenizer(backend, eos_token_id=ids["eos"], pad_token_id=ids.get("pad"),
-                     bos_token_id=ids.get("bos"), name_or_path=name)
+                     bos_token_id=ids.get("bos"), name_or_path=name, folder=folder,
+                     chat_template=chat_template(folder))
+
+
+def chat_template(folder: Path) -> str | None:
+    """The folder's chat template: ``chat_template.jinja``, else ``chat_template`` in
+    ``tokenizer_config.json`` (a string, or a list of named templates: the one named ``default``);
+    None when it has none."""
+    f = folder / CHAT_TEMPLATE_FILE
+    if f.is_file():
+        return f.read_text(encoding="utf-8")
+    value = _read_json_object(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+    return value if isinstance(value, str) and value else None
 
 
 def _to_id(backend: tokenizers.Tokenizer, value: Any, key: str, folder: Path) -> int | None:
@@ -204,17 +260,22 @@ def _special_tokens(folder: Path) -> dict[str, Any]:
     ]
     found: dict[str, Any] = {}
     for filename, pattern in sources:
-        f = folder / filename
-        if not f.is_file():
-            continue
-        try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadFileError(f"{f}: invalid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise BadFileError(f"{f}: expected a JSON object, got a {type(data).__name__}")
+        data = _read_json_object(folder / filename)
         for key in ("eos", "pad", "bos"):
             value = data.get(pattern.format(key))
             if found.get(key) is None and value is not None:
                 found[key] = value
     return found
+
+
+def _read_json_object(f: Path) -> dict[str, Any]:
+    """A JSON object file as a dict ({} when the file does not exist); one-line error otherwise."""
+    if not f.is_file():
+        return {}
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadFileError(f"{f}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BadFileError(f"{f}: expected a JSON object, got a {type(data).__name__}")
+    return data

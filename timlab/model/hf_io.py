@@ -29,6 +29,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    "chat_template.jinja",
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,6 +8,11 @@ partial credit in [0, 1], defined per task.
 Every task's answers have variable length, so response length means something; a task reports
 ``alphabet`` (every character of its prompts and answers, for the char tokenizer),
 ``max_prompt_chars`` and ``max_answer_chars`` (bounds, for sizing generation).
+
+Two hooks for tasks read from a file (``dataset``): ``encode_prompt`` turns an example into the
+prompt's token ids (the synthetic tasks encode the prompt as written; ``dataset`` renders it in the
+model's chat template), and ``examples`` returns a fixed list that ``make_splits`` partitions
+instead of drawing. ``needs_model_path`` marks a task the char-level warm start cannot serve.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import abc
 import dataclasses
 import random
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from timlab.errors import UsageError
 from timlab.registry import Registry
+
+if TYPE_CHECKING:
+    from timlab.tokenizer import Tokenizer
 
 TASKS: Registry[type["Task"]] = Registry("task")
 
@@ -34,6 +42,8 @@ class Task(abc.ABC):
     """Base class; concrete tasks are frozen dataclasses whose fields are their options."""
 
     name: ClassVar[str]
+    needs_model_path: ClassVar[bool] = False
+    """True: RL must start from a model folder of the user's (model.path), not the char warm start."""
 
     @property
     @abc.abstractmethod
@@ -59,6 +69,15 @@ class Task(abc.ABC):
         included). The reference answer by default; a task may write worked solutions for some
         examples, drawing from ``rng`` (the default draws nothing)."""
         return example.answer
+
+    def encode_prompt(self, tok: "Tokenizer", example: Example) -> list[int]:
+        """The token ids the policy is prompted with: the prompt as written, by default."""
+        return tok.encode(example.prompt)
+
+    def examples(self) -> list[Example] | None:
+        """A task backed by a fixed list of examples returns it (``make_splits`` partitions it);
+        a generator of examples returns None (the default)."""
+        return None
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         """``n`` examples drawn from ``rng`` only: the same seed gives the same examples."""
@@ -97,8 +116,18 @@ def make_splits(task: Task, *, seed: int, n_train: int, n_val: int
                 ) -> tuple[list[Example], list[Example]]:
     """Seeded train/val examples with no prompt repeated inside or across the two lists.
 
-    Validation is drawn first, so it does not change with ``n_train``.
+    Validation is drawn first, so it does not change with ``n_train``. A task with a fixed list
+    (``Task.examples``) is shuffled with ``seed`` and cut: the first ``n_val`` examples validate,
+    the next ``n_train`` at most train (so ``n_train`` is a cap there, and ``n_val`` must leave one).
     """
+    pool = task.examples()
+    if pool is not None:
+        if not 1 <= n_val < len(pool):
+            raise UsageError(f"task {task.name!r} has {len(pool)} distinct prompts; n_val={n_val} must be "
+                             f"between 1 and {len(pool) - 1} to leave some for training")
+        order = list(range(len(pool)))
+        random.Random(seed).shuffle(order)
+        return [pool[i] for i in order[n_val : n_val + n_train]], [pool[i] for i in order[:n_val]]
     rng = random.Random(seed)
     val = _draw_unique(task, rng, n_val, taken=set())
     train = _draw_unique(task, rng, n_train, taken={ex.prompt for ex in val})

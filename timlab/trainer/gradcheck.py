@@ -383,7 +383,7 @@ def gradcheck(
                     ex = bp[prompt_rng.randrange(len(bp))]
                     examples.extend([ex] * G)
             t0 = time.perf_counter()
-            r_pi, r_mu, recorded = _sample_pair(pi_engine, injector, [tok.encode(ex.prompt) for ex in examples],
+            r_pi, r_mu, recorded = _sample_pair(pi_engine, injector, [task.encode_prompt(tok, ex) for ex in examples],
                                                 max_new_tokens=max_new_tokens, sampling=sampling,
                                                 seed=seed * 1_000_003 + 7919 * c + 1)
             t_roll += time.perf_counter() - t0

@@ -53,14 +53,15 @@ def rollout_rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout
 @torch.no_grad()
 def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Example], *,
                     max_new_tokens: int, batch_size: int = 128) -> tuple[float, float]:
-    """Exact-match accuracy and mean response length of greedy decoding (exact engine)."""
+    """Accuracy (the fraction of responses with reward 1, so a task's format reward does not count)
+    and mean response length of greedy decoding (exact engine)."""
     engine = build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     correct, lengths = 0.0, 0.0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
-        r = engine.generate([tok.encode(e.prompt) for e in chunk], max_new_tokens=max_new_tokens,
+        r = engine.generate([task.encode_prompt(tok, e) for e in chunk], max_new_tokens=max_new_tokens,
                             sampling=SamplingParams(temperature=0.0))
-        correct += float(rollout_rewards(task, tok, chunk, r).sum())
+        correct += float((rollout_rewards(task, tok, chunk, r) == 1.0).sum())
         lengths += float(r.lengths.sum())
     return correct / len(examples), lengths / len(examples)
 

@@ -46,6 +46,9 @@ attention is quadratic in it, and a task that needs more is a typo (task.kwargs.
 def check_warm_start(cfg: Config, task: Task) -> None:
     """One-line errors for model and task settings the warm start cannot be built with."""
     m = cfg.model
+    if not m.path and task.needs_model_path:
+        raise UsageError(f"task {cfg.task.name!r} starts from a model folder of yours: set model.path (a local HF "
+                         "model folder with config.json and tokenizer.json); the char-level warm start is not built for it")
     if not m.path:
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "pretrain_steps",
                     "pretrain_batch"):
@@ -61,7 +64,7 @@ def check_warm_start(cfg: Config, task: Task) -> None:
         if getattr(cfg.task, key) < 1:
             raise UsageError(f"task.{key} must be >= 1, got {getattr(cfg.task, key)}")
     context = task.max_prompt_chars + task.max_answer_chars
-    if context > MAX_WARM_START_CONTEXT:
+    if not m.path and context > MAX_WARM_START_CONTEXT:
         raise UsageError(f"task {cfg.task.name!r} with task.kwargs={cfg.task.kwargs} needs {context} characters of "
                          f"prompt + answer; the warm start supports up to {MAX_WARM_START_CONTEXT}")
 

@@ -419,7 +419,7 @@ class RLRun:
 
         # 1. rollout --------------------------------------------------------------------
         examples = [e for e in self._draw_prompts() for _ in range(G)]  # one per sequence, G per prompt
-        prompts = [self.tok.encode(e.prompt) for e in examples]
+        prompts = [self.task.encode_prompt(self.tok, e) for e in examples]
         try:
             rollout = self.injector.rollout(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                             sampling=self.sampling, generator=self.rollout_gen)
