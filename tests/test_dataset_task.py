@@ -185,6 +185,7 @@ def _bad_files(tmp_path: Path) -> list[tuple[dict, str]]:
         ({"path": str(tmp_path / "nonnum.jsonl")},
          "{t}/nonnum.jsonl: line 1: reference answer 'Paris' has no number for verifier 'last_number'"),
         ({"path": g, "verifier": "fuzzy"}, "unknown task.kwargs.verifier 'fuzzy'; valid choices: boxed, exact, last_number, regex"),
+        ({"path": g, "system_prompt": {"Answer": 42}}, "task.kwargs.system_prompt must be text, got a dict"),
         ({"path": g, "format_reward": 1.0}, "task.kwargs.format_reward must be a number in [0, 1), got 1.0"),
     ]
 

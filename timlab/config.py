@@ -55,7 +55,8 @@ class ModelSection:
 @dataclass(frozen=True)
 class TaskSection:
     name: str = "reverse"
-    """A registered task: reverse, sort, addition, countdown, copy."""
+    """A registered task: reverse, sort, addition, countdown, copy, scratch_add, or dataset (a local
+    JSONL/Parquet/CSV file; needs model.path)."""
     kwargs: dict = field(default_factory=dict)
     """Task options, e.g. {min_len: 4, max_len: 24} (each task lists its own)."""
     dense_reward: bool = False

@@ -66,6 +66,11 @@ class DatasetTask(Task):
     needs_model_path: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        for key in ("path", "prompt_key", "answer_key", "verifier", "pattern", "system_prompt"):
+            value = getattr(self, key)
+            if not isinstance(value, str):  # e.g. YAML read `system_prompt: Answer: 42` as a mapping
+                raise UsageError(f"task.kwargs.{key} must be text, got a {type(value).__name__} "
+                                 f"({value!r}); quote it in YAML")
         if not (isinstance(self.format_reward, (int, float)) and 0 <= self.format_reward < 1):
             raise UsageError(f"task.kwargs.format_reward must be a number in [0, 1), got {self.format_reward!r}")
         try:
