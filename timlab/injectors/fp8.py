@@ -24,7 +24,8 @@ import torch
 
 from timlab.errors import UsageError
 from timlab.injectors.base import Injector, WeightMap, register
-from timlab.model.llama import CausalLM, MappedInputLinear
+from timlab.model.linear import MappedInputLinear
+from timlab.model.llama import CausalLM
 
 E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value."""

@@ -1,10 +1,13 @@
 """Read and write ordinary Hugging Face model folders (config.json + safetensors + tokenizer).
 
-A folder written by ``transformers`` for LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM
-loads here, and a folder written here loads in ``transformers``. transformers itself is not
+A folder written by ``transformers`` for LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+Qwen3MoeForCausalLM loads here, and a folder written here loads in ``transformers``. transformers itself is not
 needed: the config is read as JSON and the weights with safetensors. Sharded checkpoints
 (``model.safetensors.index.json``) are read; ``pytorch_model.bin`` is read with
-``weights_only=True`` as a fallback.
+``weights_only=True`` as a fallback. Qwen3-MoE experts are read per expert
+(``mlp.experts.3.gate_proj.weight``, what transformers writes and the Hub holds) or fused
+(``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I), transformers
+>= 5's in-memory layout), and written per expert.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         bos_token_id=token("bos_token_id", d.get("bos_token_id")),
         eos_token_id=token("eos_token_id", eos),
         pad_token_id=token("pad_token_id", d.get("pad_token_id")),
+        **_moe_from_hf(d),
     )
 
 
@@ -121,6 +125,20 @@ def _bool(d: dict, key: str, default: bool) -> bool:
     if not isinstance(v, bool):  # "false" is a string, and bool("false") is True
         raise ModelLoadError(f"config.json: {key} must be true or false, got {v!r}")
     return v
+
+
+def _moe_from_hf(d: dict) -> dict:
+    """ModelConfig's MoE fields from a qwen3_moe config.json (HF's defaults where absent); {} otherwise."""
+    if d.get("model_type") != "qwen3_moe":
+        return {}
+    return {
+        "num_experts": int(d.get("num_experts", d.get("num_local_experts", 128))),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": int(d.get("moe_intermediate_size", 768)),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
+    }
 
 
 ROPE_KEYS = {  # the keys each RoPE type reads (besides rope_type and rope_theta), required first
@@ -194,6 +212,10 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     }
     if cfg.rope_scaling:
         d["rope_scaling"] = dict(cfg.rope_scaling)  # what transformers < 5 reads
+    if cfg.model_type == "qwen3_moe":
+        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                 decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers))
     if cfg.model_type == "llama":
         d["mlp_bias"] = cfg.mlp_bias
     else:
@@ -236,6 +258,25 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
+def _split_fused_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused expert tensors (``...mlp.experts.gate_up_proj`` (E, 2I, H), ``...mlp.experts.down_proj``
+    (E, H, I)) -> per-expert ``...mlp.experts.{e}.{gate,up,down}_proj.weight``, gate rows first (HF's
+    ``chunk(2)``); other weights as they are."""
+    out = {}
+    for key, t in weights.items():
+        prefix, _, name = key.rpartition(".")
+        if prefix.endswith("mlp.experts") and name in ("gate_up_proj", "down_proj") and t.dim() == 3:
+            for e in range(t.shape[0]):
+                if name == "down_proj":
+                    out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        else:
+            out[key] = t
+    return out
+
+
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> CausalLM:
     """Load an HF-format folder into a timlab CausalLM (eval mode, requested dtype/device)."""
     check_device(device)
@@ -252,7 +293,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     cfg = config_from_hf(hf)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    weights = _read_weights(path)
+    weights = _split_fused_experts(_read_weights(path))
     expected = model.state_dict()
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

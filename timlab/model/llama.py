@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3) in plain PyTorch, readable in one sitting.
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE) in plain PyTorch, readable in one sitting.
 
 Parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...) so a
 state dict moves between timlab and ``transformers`` without renaming. The model knows nothing
@@ -16,7 +16,8 @@ default, linear, dynamic, yarn and llama3 (``ROPE_TYPES``). Dynamic NTK scaling 
 frequency once a sequence passes ``max_position_embeddings``, differently for each length, which
 no KV cache can reproduce, so timlab runs it only up to that length (where it is the default
 RoPE, as in HF) and refuses longer sequences. Only SiLU activations and full attention are
-supported; other configs are refused at load time.
+supported; other configs are refused at load time. Qwen3-MoE's sparse MLP blocks live in
+``timlab.model.moe``.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from timlab.errors import UsageError
-from timlab.model.ops import fixed_length_attention, invariant_linear, silu, triton_kernels
+from timlab.model.linear import mode_linear
+from timlab.model.moe import Routing, SparseMoeBlock, swiglu
+from timlab.model.ops import fixed_length_attention, invariant_linear, triton_kernels
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 """Supported ``model_type`` values and the HF class each one is saved as."""
 
@@ -53,7 +57,8 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     model_type: str = "llama"
-    """One of ARCHITECTURES: llama, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm)."""
+    """One of ARCHITECTURES: llama, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), qwen3_moe (qwen3 with
+    sparse mixture-of-experts MLPs, ``timlab.model.moe``)."""
     head_dim: int | None = None
     """Defaults to hidden_size // num_attention_heads."""
     rms_norm_eps: float = 1e-6
@@ -69,6 +74,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    num_experts: int = 0
+    """qwen3_moe: experts per sparse MLP (0: every MLP dense)."""
+    num_experts_per_tok: int = 0
+    """qwen3_moe: experts each token is routed to (top k)."""
+    moe_intermediate_size: int = 0
+    """qwen3_moe: each expert's SwiGLU width (``intermediate_size`` is the dense MLPs')."""
+    norm_topk_prob: bool = False
+    """qwen3_moe: renormalize the top-k router probabilities to sum to 1 (HF's default: False)."""
+    decoder_sparse_step: int = 1
+    """qwen3_moe: layer i is sparse when (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """qwen3_moe: layers that keep a dense MLP."""
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
@@ -84,6 +101,17 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.model_type != "qwen3_moe" and self.num_experts:
+            raise UsageError(f"num_experts={self.num_experts} needs model_type='qwen3_moe', got {self.model_type!r}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise UsageError(f"num_experts_per_tok must be in 1..num_experts={self.num_experts}, "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size < 1:
+                raise UsageError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+            if self.decoder_sparse_step < 1:
+                raise UsageError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
 
     @property
     def dim_per_head(self) -> int:
@@ -103,38 +131,25 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a mixture-of-experts MLP (HF's rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_sparse(i) for i in range(self.num_hidden_layers))
 
     @property
     def layer_macs_per_token(self) -> int:
         """Multiply-adds of one position through all decoder layers' linears (no attention, no head)."""
         d, h, hk = self.dim_per_head, self.num_attention_heads, self.num_key_value_heads
-        per_layer = self.hidden_size * d * (2 * h + 2 * hk) + 3 * self.hidden_size * self.intermediate_size
-        return per_layer * self.num_hidden_layers
-
-
-class MappedInputLinear(nn.Linear):
-    """An ``nn.Linear`` (sharing the wrapped layer's parameters) whose input first goes through
-    ``input_map`` (same shape out): how a rollout injector simulates quantized activations
-    (``timlab.injectors.fp8``). A trainer's model never has one."""
-
-    def __init__(self, layer: nn.Linear, input_map: Callable[[torch.Tensor], torch.Tensor]):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.weight = layer.weight
-        self.register_parameter("bias", layer.bias)
-        self.input_map = input_map
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.input_map(x), self.weight, self.bias)
-
-
-def _linear(mode: str, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    if type(layer) is MappedInputLinear:
-        x = layer.input_map(x)
-    if mode == "exact":
-        return invariant_linear(x, layer.weight, layer.bias)
-    return F.linear(x, layer.weight, layer.bias)
+        attn = self.hidden_size * d * (2 * h + 2 * hk)
+        dense = 3 * self.hidden_size * self.intermediate_size
+        sparse = self.hidden_size * (self.num_experts + 3 * self.num_experts_per_tok * self.moe_intermediate_size)
+        return sum(attn + (sparse if self.is_sparse(i) else dense) for i in range(self.num_hidden_layers))
 
 
 class RMSNorm(nn.Module):
@@ -301,6 +316,8 @@ class Step:
     extras: dict = field(default_factory=dict)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    routing: Routing | None = None
+    """MoE models: records each sparse layer's experts (and forces them, for router replay)."""
 
 
 class Attention(nn.Module):
@@ -322,9 +339,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, step: Step, cache_k, cache_v, mode: str) -> torch.Tensor:
         B, M, _ = x.shape
-        q = _linear(mode, x, self.q_proj).view(B, M, self.n_heads, self.head_dim)
-        k = _linear(mode, x, self.k_proj).view(B, M, self.n_kv, self.head_dim)
-        v = _linear(mode, x, self.v_proj).view(B, M, self.n_kv, self.head_dim)
+        q = mode_linear(mode, x, self.q_proj).view(B, M, self.n_heads, self.head_dim)
+        k = mode_linear(mode, x, self.k_proj).view(B, M, self.n_kv, self.head_dim)
+        v = mode_linear(mode, x, self.v_proj).view(B, M, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, M, D)
@@ -358,7 +375,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, M, self.n_heads * self.head_dim)  # (B, M, H*D)
         if step.rows is not None:
             out = out.reshape(B * M, -1)[step.rows][None]  # (1, N, H*D)
-        return _linear(mode, out, self.o_proj)
+        return mode_linear(mode, out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -369,29 +386,36 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
-        gate = _linear(mode, x, self.gate_proj)
-        gate = silu(gate) if mode == "exact" else F.silu(gate)
-        return _linear(mode, gate * _linear(mode, x, self.up_proj), self.down_proj)
+        return swiglu(mode, x, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.sparse = cfg.is_sparse(index)
+        if self.sparse:
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, index)
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def ffn(self, x: torch.Tensor, step: Step, mode: str) -> torch.Tensor:
+        """The MLP (dense, or the MoE block with the call's routing record)."""
+        return self.mlp(x, mode, step.routing) if self.sparse else self.mlp(x, mode)
+
     def forward(self, x, cos, sin, step, cache_k, cache_v, mode):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, cache_k, cache_v, mode)
-        return x + self.mlp(self.post_attention_layernorm(x), mode)
+        return x + self.ffn(self.post_attention_layernorm(x), step, mode)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -471,7 +495,7 @@ class CausalLM(nn.Module):
                 x = x + a
                 h = layer.post_attention_layernorm(x)
                 self._emit(f"layers.{i}.mlp_norm", h)
-                m = layer.mlp(h, mode)
+                m = layer.ffn(h, step, mode)
                 self._emit(f"layers.{i}.mlp_out", m)
                 x = x + m
                 self._emit(f"layers.{i}.output", x)
