@@ -1,0 +1,253 @@
+"""Qwen3-MoE: parity with transformers, HF folders both ways, and exact rollouts through routing.
+
+Parity is against transformers' own Qwen3MoeForCausalLM (eager attention, fp32, max |logit diff|
+<= 1e-5) on folders it wrote, with exact ties and near-ties in the router. Exactness is the
+claim of tests/test_engines.py on MoE models: the exact engine's log-probs equal the trainer's
+forward bit for bit (fp32, bf16; ragged batches; rows finishing at different steps; 1 and 2
+threads), which needs every token's bits to be independent of the tokens sharing its batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from test_engines import EOS, PAD, V, _make_eos_likely, ragged_prompts, trainer_logprobs
+from timlab.engines import build_engine
+from timlab.errors import UsageError
+from timlab.model.forward import full_step, positions_from_valid, token_logprobs
+from timlab.model.hf_io import load_model, save_model
+from timlab.model.llama import CausalLM, ModelConfig
+from timlab.model.moe import Routing, SparseMoeBlock
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+
+
+def hf_moe(*, norm_topk_prob: bool = False, sparse_step: int = 1, mlp_only: tuple = (1,), experts: int = 8,
+           top_k: int = 2, seed: int = 0):
+    """transformers' Qwen3MoeForCausalLM, 3 layers (layer 1 dense by default), weights std 0.2."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=40, hidden_size=48, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob, decoder_sparse_step=sparse_step, mlp_only_layers=list(mlp_only),
+        max_position_embeddings=128, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    return hf.eval()
+
+
+def ragged_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens, key_valid (B=4, S=24), left padding of 0, 5, 11 and 23 columns."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 40, (4, 24), generator=g)
+    key_valid = torch.ones_like(tokens, dtype=torch.bool)
+    for b, pad in enumerate((0, 5, 11, 23)):
+        key_valid[b, :pad] = False
+        tokens[b, :pad] = PAD
+    return tokens, key_valid
+
+
+def hf_logits(hf, tokens, key_valid) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=tokens, attention_mask=key_valid.long(),
+                  position_ids=positions_from_valid(key_valid)).logits.float()
+
+
+def timlab_logits(model: CausalLM, tokens, key_valid, routing: Routing | None = None) -> torch.Tensor:
+    step = full_step(key_valid)
+    step.routing = routing
+    with torch.no_grad():
+        return model(tokens, step)
+
+
+def hf_router_choices(hf, tokens, key_valid) -> dict[int, torch.Tensor]:
+    """The experts HF's routers chose per sparse layer, (B, S, k)."""
+    chosen, handles = {}, []
+    for i, layer in enumerate(hf.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            def hook(module, args, out, i=i):
+                chosen[i] = out[2].view(*tokens.shape, -1)
+            handles.append(layer.mlp.gate.register_forward_hook(hook))
+    hf_logits(hf, tokens, key_valid)
+    for h in handles:
+        h.remove()
+    return chosen
+
+
+# ------------------------------------------------------------------------------ HF parity
+PARITY_CASES = {
+    "top2-mlp-only-1": dict(),
+    "norm-topk": dict(norm_topk_prob=True),
+    "sparse-step-2": dict(sparse_step=2, mlp_only=()),
+    "top4-of-6": dict(experts=6, top_k=4, mlp_only=(0,)),
+}
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_hf_folder_loads_with_same_logits_and_routing(tmp_path, case):
+    hf = hf_moe(**PARITY_CASES[case])
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    cfg = model.config
+    assert cfg.model_type == "qwen3_moe" and cfg.is_moe
+    assert [layer.sparse for layer in model.model.layers] == [hasattr(lay.mlp, "gate") for lay in hf.model.layers]
+    tokens, key_valid = ragged_batch()
+    routing = Routing()
+    ref, got = hf_logits(hf, tokens, key_valid), timlab_logits(model, tokens, key_valid, routing)
+    assert float(ref.abs().max()) > 1.0
+    assert float((ref[key_valid] - got[key_valid]).abs().max()) <= TOL
+    hf_chosen = hf_router_choices(hf, tokens, key_valid)
+    assert sorted(routing.chosen) == sorted(hf_chosen)
+    for i, experts in hf_chosen.items():  # same experts in the same rank order at every real token
+        assert torch.equal(routing.chosen[i][key_valid], experts[key_valid]), i
+
+
+def test_timlab_folder_loads_in_transformers_and_back(tmp_path):
+    hf_moe(norm_topk_prob=True).save_pretrained(tmp_path / "hf")
+    model = load_model(tmp_path / "hf")
+    save_model(model, tmp_path / "timlab")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "timlab", attn_implementation="eager").eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    assert (hf.config.num_experts, hf.config.num_experts_per_tok, hf.config.norm_topk_prob) == (8, 2, True)
+    assert hf.config.mlp_only_layers == [1]
+    tokens, key_valid = ragged_batch(seed=1)
+    got = timlab_logits(model, tokens, key_valid)
+    assert float((hf_logits(hf, tokens, key_valid)[key_valid] - got[key_valid]).abs().max()) <= TOL
+    assert torch.equal(timlab_logits(load_model(tmp_path / "timlab"), tokens, key_valid), got)
+
+
+def test_fused_expert_tensors_load(tmp_path):
+    """transformers' in-memory layout (experts.gate_up_proj (E, 2I, H), experts.down_proj (E, H, I))
+    saved as it is loads with the same logits."""
+    hf = hf_moe()
+    hf.save_pretrained(tmp_path / "ref")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "ref" / "config.json").read_text())
+    save_file(state, str(tmp_path / "fused" / "model.safetensors"))
+    tokens, key_valid = ragged_batch()
+    a = timlab_logits(load_model(tmp_path / "fused"), tokens, key_valid)
+    assert torch.equal(a, timlab_logits(load_model(tmp_path / "ref"), tokens, key_valid))
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_router_ties_and_near_ties_match_transformers(tmp_path, norm_topk_prob):
+    """Exact ties (experts 1 and 2, 5 and 6 have equal router rows, so equal probabilities at every
+    token) and near-ties (expert 3's row = expert 0's + 1e-3 noise) while every expert's MLP
+    differs: a tie broken the other way would move the logits by O(1)."""
+    hf = hf_moe(norm_topk_prob=norm_topk_prob)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                w = layer.mlp.gate.weight
+                w[2], w[6] = w[1], w[5]
+                w[3] = w[0] + 1e-3 * torch.randn(w.shape[1], generator=g)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    tokens, key_valid = ragged_batch(seed=3)
+    routing = Routing()
+    got = timlab_logits(model, tokens, key_valid, routing)
+    assert float((hf_logits(hf, tokens, key_valid)[key_valid] - got[key_valid]).abs().max()) <= TOL
+    hf_chosen = hf_router_choices(hf, tokens, key_valid)
+    ties = 0
+    for i, experts in hf_chosen.items():
+        assert torch.equal(routing.chosen[i][key_valid], experts[key_valid])
+        sets = experts[key_valid]
+        ties += int(((sets == 1) | (sets == 2) | (sets == 5) | (sets == 6)).any(-1).sum())
+    assert ties >= 20  # the tied experts are chosen often: the ties were exercised
+
+
+def test_moe_config_errors():
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1)
+    with pytest.raises(UsageError, match="num_experts=4 needs model_type='qwen3_moe'"):
+        ModelConfig(**base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4)
+    with pytest.raises(UsageError, match="num_experts_per_tok must be in 1..num_experts=4, got 5"):
+        ModelConfig(**base, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=4)
+    with pytest.raises(UsageError, match="moe_intermediate_size must be >= 1"):
+        ModelConfig(**base, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2)
+
+
+# ------------------------------------------------------------------------------ exactness
+def tiny_moe(dtype=torch.float32, *, seed: int = 0, hidden: int = 32, expert_width: int = 16, experts: int = 8,
+             top_k: int = 2, eos_prob: float = 0.08) -> CausalLM:
+    """A 2-layer random Qwen3-MoE (8 experts, top-2, GQA), weights std 0.3, EOS made likely."""
+    cfg = ModelConfig(
+        vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=expert_width, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=256)
+    g = torch.Generator().manual_seed(seed)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+        _make_eos_likely(model, eos_prob, g)
+    model.refresh_rope()
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=("fp32", "bf16"))
+def test_exact_engine_bitwise_equals_trainer_on_moe(dtype):
+    model = tiny_moe(dtype)
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    lengths = []
+    for B in (1, 2, 3, 7, 16, 17, 33):
+        r = engine.generate(ragged_prompts(B), max_new_tokens=12, generator=torch.Generator().manual_seed(B))
+        logp, m = trainer_logprobs(model, r), r.response_mask
+        assert torch.equal(logp[m], r.logprobs[m]), f"B={B}: max |r| {float((logp - r.logprobs)[m].abs().max())}"
+        lengths += r.lengths.tolist()
+    assert len(set(lengths)) >= 5 and 12 in lengths  # rows finished at many different steps
+
+
+def test_moe_block_bits_do_not_depend_on_the_batch():
+    """A token's MoE output (exact mode) is the same float alone, in any subset, in any order."""
+    torch.manual_seed(0)
+    block = SparseMoeBlock(32, 16, num_experts=8, top_k=2, norm_topk_prob=False, layer_idx=0)
+    x = torch.randn(40, 32)
+    with torch.no_grad():
+        full = block(x, "exact")
+        for rows in (torch.tensor([5]), torch.arange(3), torch.randperm(40)[:17], torch.randperm(40)):
+            assert torch.equal(block(x[rows], "exact"), full[rows])
+
+
+def test_trainer_skipping_positions_is_still_bitwise_on_moe(monkeypatch):
+    """The packed trainer forward (Step.rows) routes the same tokens to the same bits."""
+    import timlab.model.forward as fwd
+
+    model = tiny_moe()
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    r = engine.generate(ragged_prompts(9), max_new_tokens=10, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(fwd, "MIN_SKIP_MACS", 0)
+    logp, _ = token_logprobs(model, r.tokens, r.key_valid, score_mask=r.response_mask)
+    assert torch.equal(logp[r.response_mask], r.logprobs[r.response_mask])
+
+
+def test_moe_rollouts_same_bits_on_1_and_2_threads():
+    """Wide enough (hidden 512, experts of width 512) that the exact path's fp32 GEMMs split across
+    threads (bf16 GEMMs are never split: ``timlab.model.cpu_gemm``)."""
+    model = tiny_moe(hidden=512, expert_width=512, experts=4, eos_prob=0.05)
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    prompts = ragged_prompts(24)
+    old = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            r = engine.generate(prompts, max_new_tokens=6, generator=torch.Generator().manual_seed(0))
+            results.append((r, trainer_logprobs(model, r)))
+    finally:
+        torch.set_num_threads(old)
+    (r1, t1), (r2, t2) = results
+    assert torch.equal(r1.tokens, r2.tokens) and torch.equal(r1.logprobs, r2.logprobs)
+    m = r1.response_mask
+    assert torch.equal(t1[m], r1.logprobs[m]) and torch.equal(t2[m], r2.logprobs[m])
