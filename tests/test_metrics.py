@@ -382,3 +382,25 @@ def test_sums_merged_over_batches_give_the_one_batch_metrics():
         for field in ("mean_abs_diff", "mean_abs_sum_diff"):
             if field in w:
                 assert got[key][field] == pytest.approx(w[field], rel=1e-12)
+
+
+def test_routing_metrics_hand_computed():
+    """Two sparse layers, 1 x 4 positions, top-2; the last position is masked out. Layer 0 flips at
+    position 1 ({0,1} vs {0,2}); position 2 lists the same set in another order (no flip); layer 3
+    flips at positions 1 and 2, and at the masked position 3 (not counted)."""
+    from timlab.metrics import router_flips, routing_metrics
+
+    a = torch.tensor([[[[0, 1], [0, 1], [2, 3], [4, 5]]], [[[1, 2], [1, 2], [1, 2], [1, 2]]]])  # (L=2, B=1, T=4, k=2)
+    b = torch.tensor([[[[0, 1], [0, 2], [3, 2], [4, 5]]], [[[1, 2], [1, 3], [0, 2], [0, 1]]]])
+    assert router_flips(a, b).tolist() == [[[False, True, False, False]], [[False, True, True, True]]]
+    mask = torch.tensor([[True, True, True, False]])
+    abs_diff = torch.tensor([[0.1, 0.5, 0.3, 9.0]])
+    m = routing_metrics(a, b, mask, abs_diff, layers=[0, 3])
+    assert m["router_flip_frac_by_layer"] == {0: pytest.approx(1 / 3), 3: pytest.approx(2 / 3)}
+    assert m["mismatch/router_flip_frac"] == pytest.approx(0.5)
+    assert m["mismatch/router_flip_frac_any_layer"] == pytest.approx(2 / 3)
+    assert m["mismatch/abs_diff_mean_router_flipped"] == pytest.approx(0.4)
+    assert m["mismatch/abs_diff_mean_router_unflipped"] == pytest.approx(0.1)
+    assert (m["router_flipped_tokens"], m["router_unflipped_tokens"]) == (2, 1)
+    with pytest.raises(ValueError, match="differ in shape"):
+        router_flips(a, b[:, :, :3])

@@ -18,6 +18,11 @@ path's forward, then compares them op by op at the columns that predict response
 The replay re-runs the rollout engine's exact call sequence (same batch, same steps), so its
 log-probs must equal the rollout's; ``replay_bitwise_equal`` reports that check.
 
+On a mixture-of-experts model (Qwen3-MoE) the probe always records both paths that way (rollout
+engines ``exact``/``fast``, any score path but ``hf``) and reports the routing mismatch: how
+often the top-k expert set of a position differs between them, per sparse layer, and mean |r|
+split by whether the position producing the token flipped (``routing_mismatch``).
+
 Not from a paper: a diagnostic in the spirit of VeXact's bitwise check (docs/exactness.md).
 Metric definitions are those of ``timlab.metrics`` (docs/metrics.md).
 """
@@ -35,10 +40,16 @@ import torch
 from timlab.engines import ENGINES, Engine, Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
 from timlab.files import atomic_write_text, read_text
-from timlab.metrics import mismatch_by_position, mismatch_by_prob_bucket, mismatch_metrics, offpolicy_metrics
+from timlab.metrics import (
+    mismatch_by_position,
+    mismatch_by_prob_bucket,
+    mismatch_metrics,
+    offpolicy_metrics,
+    routing_metrics,
+)
 from timlab.model.forward import full_step, token_logprobs
 from timlab.model.hf_io import load_model
-from timlab.model.llama import CausalLM
+from timlab.model.llama import ROUTER_OP, CausalLM
 
 SCORERS = ("trainer", "exact", "fast", "hf")
 """Score paths: the trainer's forward, or the teacher-forced forward of an engine's numeric path."""
@@ -247,32 +258,61 @@ def _op_stats(name: str, a: torch.Tensor, b: torch.Tensor) -> dict:
     }
 
 
-def attribute_ops(engine: Engine, score: str, model: CausalLM, rollout: Rollout) -> dict:
-    """Op-by-op comparison of the rollout engine's replayed path and the score path.
+def _predicting(rollout: Rollout) -> torch.Tensor:
+    """(B, S) bool: column c predicts a response token (token c + 1 is one)."""
+    pred = torch.zeros_like(rollout.response_mask)
+    pred[:, :-1] = rollout.response_mask[:, 1:]
+    return pred
 
-    Compared positions: (b, c) such that token c + 1 is a response token, i.e. the activations
-    that produce every response log-prob. Returns ``ops`` (forward order), ``first_divergent_op``
-    (None when all equal) and ``replay_bitwise_equal``.
-    """
+
+def record_paths(engine: Engine, score: str, model: CausalLM, rollout: Rollout) -> tuple[_Recorder, _Recorder]:
+    """Every op's activations on the rollout engine's replayed path and on the score path."""
     if engine.name not in HOOKED_ENGINES:
         raise UsageError(
             f"attribution needs op hooks; engine {engine.name!r} has none (use {', '.join(HOOKED_ENGINES)})"
         )
     B, S = rollout.tokens.shape
-    pred = torch.zeros_like(rollout.response_mask)  # (B, S): column c predicts a response token
-    pred[:, :-1] = rollout.response_mask[:, 1:]
     rec_roll, rec_score = _Recorder(B, S), _Recorder(B, S)
     _record(model, rec_roll, lambda: _replay_engine(engine, rollout, rec_roll))
     _record(model, rec_score, lambda: _score_forward(score, model, rollout))
+    return rec_roll, rec_score
+
+
+def attribute_ops(engine: Engine, score: str, model: CausalLM, rollout: Rollout,
+                  recorded: tuple[_Recorder, _Recorder] | None = None) -> dict:
+    """Op-by-op comparison of the rollout engine's replayed path and the score path.
+
+    Compared positions: (b, c) such that token c + 1 is a response token, i.e. the activations
+    that produce every response log-prob. Returns ``ops`` (forward order; an MoE layer's expert
+    choices are compared by ``routing_mismatch`` instead), ``first_divergent_op`` (None when all
+    equal) and ``replay_bitwise_equal``. ``recorded``: ``record_paths``' result, when already made.
+    """
+    rec_roll, rec_score = recorded or record_paths(engine, score, model, rollout)
+    pred = _predicting(rollout)
 
     # the replay must reproduce the rollout's own log-probs, or the comparison means nothing
     logits = rec_roll.acts["logits"][:, :-1].float()  # (B, S-1, V)
     logp = torch.log_softmax(logits, -1).gather(-1, rollout.tokens[:, 1:, None]).squeeze(-1)  # (B, S-1)
     replay_equal = bool(torch.equal(logp[pred[:, :-1]], rollout.logprobs[:, 1:][pred[:, :-1]]))
 
-    ops = [_op_stats(n, rec_roll.acts[n][pred], rec_score.acts[n][pred]) for n in rec_score.order]
+    ops = [_op_stats(n, rec_roll.acts[n][pred], rec_score.acts[n][pred]) for n in rec_score.order
+           if not n.endswith(ROUTER_OP)]
     first = next((op["name"] for op in ops if not op["bitwise_equal"]), None)
     return {"ops": ops, "first_divergent_op": first, "replay_bitwise_equal": replay_equal}
+
+
+def routing_mismatch(rollout: Rollout, score_logp: torch.Tensor, recorded: tuple[_Recorder, _Recorder]) -> dict:
+    """Router flips between the two recorded paths (``timlab.metrics.routing_metrics``) at the
+    positions that produce response tokens, |r| split by whether the position flipped."""
+    rec_roll, rec_score = recorded
+    names = [n for n in rec_score.order if n.endswith(ROUTER_OP)]  # "layers.{i}.router_experts"
+    pred = _predicting(rollout)
+    r = (score_logp.double() - rollout.logprobs.double()).abs()
+    abs_diff = torch.zeros_like(r)
+    abs_diff[:, :-1] = r[:, 1:]  # the |r| of the token each position predicts
+    out = routing_metrics(torch.stack([rec_roll.acts[n] for n in names]), torch.stack([rec_score.acts[n] for n in names]),
+                          pred, abs_diff, layers=[int(n.split(".")[1]) for n in names])
+    return {k.removeprefix("mismatch/"): v for k, v in out.items()}
 
 
 # ------------------------------------------------------------------------------ the probe
@@ -389,8 +429,12 @@ def run_probe(
     with torch.no_grad():  # the model's own next-token entropy at each sampled token
         _, entropy = token_logprobs(model, r.tokens, r.key_valid, mode="exact", with_entropy=True)
     result["abs_diff_by_entropy"] = mismatch_by_entropy(score_logp, r, entropy)
+    routed = model.config.is_moe and rollout in HOOKED_ENGINES and score != "hf"
+    recorded = record_paths(engine, score, model, r) if attribute or routed else None
     if attribute:
-        result.update(attribute_ops(engine, score, model, r))
+        result.update(attribute_ops(engine, score, model, r, recorded))
+    if routed:
+        result.update(routing_mismatch(r, score_logp, recorded))
     return result
 
 
@@ -416,6 +460,13 @@ def format_probe(result: dict) -> str:
         "  mean |r| by response position: " + _buckets(result["abs_diff_by_position"], lambda lo, hi: f"[{lo},{hi})"),
         "  mean |r| by score prob: " + _buckets(result["abs_diff_by_prob"], lambda lo, hi: f"[{lo:g},{hi:g}]"),
     ]
+    if "router_flip_frac" in result:
+        by_layer = ", ".join(f"{i}: {_fmt(f)}" for i, f in result["router_flip_frac_by_layer"].items())
+        lines.append(f"  router flips (top-k set differs): {_fmt(result['router_flip_frac'])} of (position, layer) "
+                     f"pairs, {_fmt(result['router_flip_frac_any_layer'])} of positions; by layer {by_layer}")
+        lines.append(f"  mean |r| where a router flipped: {_fmt(result['abs_diff_mean_router_flipped'])} "
+                     f"(n={result['router_flipped_tokens']}), elsewhere "
+                     f"{_fmt(result['abs_diff_mean_router_unflipped'])} (n={result['router_unflipped_tokens']})")
     if "ops" in result:
         lines.append(f"  attribution (rollout path vs score path; replay reproduces rollout: "
                      f"{result['replay_bitwise_equal']}):")

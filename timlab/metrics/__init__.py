@@ -6,6 +6,7 @@ Inputs everywhere are (B, T) tensors: ``train_logp`` = log pi (trainer), ``rollo
 - ``offpolicy_metrics``: verl's ``compute_offpolicy_metrics`` keys, same definitions.
 - ``mismatch_metrics``: timlab extras (|r| stats, probs diff, bitwise equality, ESS, ...).
 - ``all_metrics``: both, as ``rollout_corr/*`` and ``mismatch/*``; this is what trainers log.
+- ``routing_metrics``, ``router_flips``: MoE routing mismatch (top-k expert sets that differ).
 - ``ratio_histogram``, ``mismatch_by_position``, ``mismatch_by_prob_bucket``: JSON-ready
   breakdowns for reports.
 - ``length_scaling``: noise vs bias, the growth exponents of sum_t r and sum_t |r| with the
@@ -47,6 +48,7 @@ from timlab.metrics.offpolicy import (
     mismatch_metrics,
     offpolicy_metrics,
 )
+from timlab.metrics.routing import router_flips, routing_metrics
 
 __all__ = [
     "length_scaling",
@@ -54,6 +56,8 @@ __all__ = [
     "merge_length_scaling_sums",
     "length_scaling_from_sums",
     "format_length_scaling",
+    "router_flips",
+    "routing_metrics",
     "mismatch_by_length",
     "SAFETY_BOUND",
     "PPL_LOG_BOUND",

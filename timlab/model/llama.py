@@ -45,6 +45,9 @@ ARCHITECTURES = {
 
 MODES = ("exact", "fast")
 
+ROUTER_OP = "router_experts"
+"""Op-hook name suffix (``layers.{i}.router_experts``) of an MoE layer's chosen experts (B, M, k) long."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -402,13 +405,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def ffn(self, x: torch.Tensor, step: Step, mode: str) -> torch.Tensor:
-        """The MLP (dense, or the MoE block with the call's routing record)."""
-        return self.mlp(x, mode, step.routing) if self.sparse else self.mlp(x, mode)
+    def ffn(self, x: torch.Tensor, mode: str, routing: Routing | None = None) -> torch.Tensor:
+        """The MLP: dense, or the MoE block (recording into / forced by ``routing``)."""
+        return self.mlp(x, mode, routing) if self.sparse else self.mlp(x, mode)
 
     def forward(self, x, cos, sin, step, cache_k, cache_v, mode):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, cache_k, cache_v, mode)
-        return x + self.ffn(self.post_attention_layernorm(x), step, mode)
+        return x + self.ffn(self.post_attention_layernorm(x), mode, step.routing)
 
 
 class DecoderModel(nn.Module):
@@ -434,7 +437,8 @@ class CausalLM(nn.Module):
         self.lm_head_fp32 = False
         """Compute the LM head in fp32 whatever the body's dtype (a precision remedy)."""
         self.hooks: list = []
-        """Callables ``hook(name, tensor)`` called at each op boundary (attribution probe)."""
+        """Callables ``hook(name, tensor)`` called at each op boundary (attribution probe); MoE
+        layers also report their chosen experts (``ROUTER_OP``)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -495,7 +499,10 @@ class CausalLM(nn.Module):
                 x = x + a
                 h = layer.post_attention_layernorm(x)
                 self._emit(f"layers.{i}.mlp_norm", h)
-                m = layer.ffn(h, step, mode)
+                routing = step.routing if step.routing is not None or not layer.sparse else Routing()
+                m = layer.ffn(h, mode, routing)
+                if layer.sparse:
+                    self._emit(f"layers.{i}.{ROUTER_OP}", routing.chosen[i])  # (B, M, k) long
                 self._emit(f"layers.{i}.mlp_out", m)
                 x = x + m
                 self._emit(f"layers.{i}.output", x)
