@@ -136,13 +136,15 @@ class SchedulerSection:
 class MismatchSection:
     injector: str = "none"
     """Rollout-side TIM: none, precision, engine, logit_noise, temperature, head_perturb,
-    weight_rounding, fp8, kv_cache, stale; combine with '+', e.g. 'precision+logit_noise'."""
+    weight_rounding, fp8, kv_cache, stale, router_precision (MoE models); combine with '+', e.g.
+    'precision+logit_noise'."""
     magnitude: float = 0.0
     """Size of the injected mismatch (std for logit_noise, T-1 for temperature, relative size for
     head_perturb, the lag k >= 1 in training steps for stale)."""
     dtype: str = "bfloat16"
-    """precision / weight_rounding / kv_cache: the rollout's dtype (bfloat16, float16; weight_rounding
-    also int8; kv_cache also fp8 (e4m3) and fp8_e5m2)."""
+    """precision / weight_rounding / kv_cache / router_precision: the rollout's dtype (bfloat16,
+    float16; weight_rounding also int8; kv_cache also fp8 (e4m3) and fp8_e5m2; router_precision:
+    the routers' logits only)."""
     scale_granularity: str = "per_tensor"
     """fp8: per_tensor (one scale per weight and per activation tensor) or per_channel (per output
     channel for weights, per token for activations)."""
