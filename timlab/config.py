@@ -187,6 +187,9 @@ class CorrectionSection:
     bypass_mode: bool = False
     """verl's bypass mode: pi_old = pi_rollout, so the PPO ratio is pi / mu (with ppo_clip it is the
     correction itself, so IS weights must be off) and IS / RS compare pi with mu as usual."""
+    router_replay: bool = False
+    """MoE models: the trainer's forward uses the experts the rollout's routers chose (verl's R3);
+    needs a rollout engine running timlab's model code (exact, fast)."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from timlab.errors import TimlabError, UsageError
 from timlab.model.forward import buffer_length
 from timlab.model.llama import CausalLM
+from timlab.model.moe import Routing
 from timlab.model.ops import log_softmax
 from timlab.registry import Registry
 
@@ -66,6 +67,10 @@ class Rollout:
     lengths: torch.Tensor  # (B,) long: response length including EOS
     finished: torch.Tensor  # (B,) bool: ended with EOS within max_new_tokens
     prompt_width: int
+    experts: torch.Tensor | None = None
+    """MoE models, when asked (``generate(record_routing=True)``): (L, B, S, k) long, the top-k
+    experts each of the L sparse layers' routers chose at each column, rank order; -1 where the
+    rollout computed nothing (columns after a finished row left the decode batch, the last one)."""
 
     @property
     def num_tokens(self) -> int:
@@ -232,6 +237,13 @@ class Engine:
         raise NotImplementedError
 
     # -- generation ---------------------------------------------------------------------
+    records_routing = False
+    """True for engines that run timlab's model code and can record an MoE model's expert choices."""
+
+    routing: Routing | None = None
+    """While a recording ``generate`` runs: the record the current model call writes into (the
+    subclass attaches it to the call's Step)."""
+
     refuses_logits_processor: str | None = None
     """The one-line error for an engine that cannot apply a timlab ``LogitsProcessor`` (None: it can)."""
 
@@ -244,16 +256,50 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         generator: torch.Generator | None = None,
         logits_processor: LogitsProcessor | None = None,
+        record_routing: bool = False,
     ) -> Rollout:
         """Up to ``max_new_tokens`` sampled after each prompt (token ids), drawn with ``generator``
-        (default: a fresh one seeded 0) and, where given, ``logits_processor`` applied to the logits."""
+        (default: a fresh one seeded 0) and, where given, ``logits_processor`` applied to the logits.
+        ``record_routing`` (MoE models, engines with ``records_routing``): fill ``Rollout.experts``."""
         if logits_processor is not None and self.refuses_logits_processor:
             raise UsageError(self.refuses_logits_processor)
+        if record_routing and not (self.records_routing and self.model.config.is_moe):
+            raise UsageError(f"engine {self.name!r} cannot record expert routing here: it needs a "
+                             "mixture-of-experts model and an engine running timlab's model code (exact, fast)")
         generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self._sync_if_stale()
         tokens, key_valid, P = self.pack(prompts, max_new_tokens)
-        return self._generate(prompts, tokens, key_valid, P, max_new_tokens=max_new_tokens, sampling=sampling,
-                              generator=generator, logits_processor=logits_processor)
+        if not record_routing:
+            return self._generate(prompts, tokens, key_valid, P, max_new_tokens=max_new_tokens, sampling=sampling,
+                                  generator=generator, logits_processor=logits_processor)
+        cfg = self.model.config
+        sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)]
+        experts = torch.full((len(sparse), *tokens.shape, cfg.num_experts_per_tok), -1, dtype=torch.long,
+                             device=tokens.device)  # (L, B, S, k)
+        self._routing_record = (sparse, experts)
+        try:
+            r = self._generate(prompts, tokens, key_valid, P, max_new_tokens=max_new_tokens, sampling=sampling,
+                               generator=generator, logits_processor=logits_processor)
+        finally:
+            self._routing_record, self.routing = None, None
+        r.experts = experts.to(r.tokens.device)
+        return r
+
+    _routing_record: tuple[list[int], torch.Tensor] | None = None
+
+    def _start_call(self) -> None:
+        """Before a model call of the decode loop: a fresh routing record when recording."""
+        if self._routing_record is not None:
+            self.routing = Routing()
+
+    def _end_call(self, rows, start: int, num: int) -> None:
+        """After a model call on grid rows ``rows`` (a slice or indices) and columns start..start+num-1:
+        copy the call's expert choices into the rollout's record."""
+        if self._routing_record is None:
+            return
+        sparse, experts = self._routing_record
+        for j, layer in enumerate(sparse):
+            experts[j, rows, start : start + num] = self.routing.chosen[layer]  # (n, num, k)
 
     def _rollout(self, tokens, key_valid, P: int, *, response_mask, logprobs, sampling_logprobs, finished) -> Rollout:
         """The Rollout of a filled (B, S) grid, on the model's device."""
@@ -286,7 +332,9 @@ class Engine:
         rows = None  # the full-batch rows the decode state holds, in order (None: all B)
         live = ~finished  # (n,): held rows still generating
         held_valid = key_valid
+        self._start_call()
         logits, state = self._prefill(tokens, key_valid, P)
+        self._end_call(slice(None), 0, P)
         for i in range(max_new_tokens):
             col = P + i
             if logits_processor is not None:
@@ -313,7 +361,9 @@ class Engine:
                 rows = (torch.arange(B, device=dev) if rows is None else rows)[live]
                 held_valid = key_valid[rows]
                 live = live[live]
+            self._start_call()
             logits = self._decode(state, tokens if rows is None else tokens[rows], held_valid, col)
+            self._end_call(slice(None) if rows is None else rows, col, 1)
         if not bool(torch.isfinite(logp[mask]).all()):  # NaN/Inf logits make a row's log-probs NaN
             raise NonFiniteLogitsError("non-finite values in the rollout's logits")
         return self._rollout(tokens, key_valid, P, response_mask=mask, logprobs=logp, sampling_logprobs=logp_s,

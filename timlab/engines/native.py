@@ -56,6 +56,7 @@ class _DecodeState:
 
 class _KVCachedEngine(Engine):
     mode = "exact"
+    records_routing = True
     compact_below = 0.75
 
     def _select(self, state: _DecodeState, keep: torch.Tensor) -> _DecodeState:
@@ -84,16 +85,21 @@ class _KVCachedEngine(Engine):
                 first = torch.full((n,), B, device=tokens.device).scatter_reduce(0, inverse, rows, "amin")
                 tokens, key_valid = tokens[first], key_valid[first]  # (n, S)
         cache = KVCache.empty(self.model.config, tokens.shape[0], S, self.model.dtype, self.model.device)
-        h = self.model.hidden_states(tokens[:, :P], self._step(key_valid, 0, P), cache, self.mode)
+        step = self._step(key_valid, 0, P)
+        step.routing = self.routing  # None unless the decode loop records MoE routing
+        h = self.model.hidden_states(tokens[:, :P], step, cache, self.mode)
         logits = self.model.logits_from_hidden(h[:, -1], self.mode)  # (n, V)
         if first is not None:  # back to one row per sequence: (B, ...)
             logits = logits[inverse]
             cache = cache.rows(inverse)
+            if self.routing is not None:
+                self.routing.chosen = {i: t[inverse] for i, t in self.routing.chosen.items()}
         return logits, _DecodeState.build(self.model, cache, full_valid)  # (B, V), the decode state
 
     def _decode(self, state: _DecodeState, tokens, key_valid, col):
         """Logits (B, V) after column ``col``; the held rows' ``key_valid`` is the state's own."""
         step = state.step(col, self.mode == "exact")
+        step.routing = self.routing
         h = self.model.hidden_states(tokens[:, col : col + 1], step, state.cache, self.mode)
         return self.model.logits_from_hidden(h[:, -1], self.mode)  # (B, V)
 

@@ -232,10 +232,12 @@ class RolloutInjector:
         return out
 
     def rollout(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingParams,
-                generator: torch.Generator, observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-                ) -> Rollout:
+                generator: torch.Generator, observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                record_routing: bool = False) -> Rollout:
         """Sample with the mismatch applied. ``observe(logits, col)``, if given, sees the logits
-        each decode step samples from (after the injector's processing): mu's full distribution."""
+        each decode step samples from (after the injector's processing): mu's full distribution.
+        ``record_routing``: record an MoE model's expert choices (``Rollout.experts``) where the
+        engine can."""
         engine = self.engine
         proc = self._process if any(inj.processes_logits for inj in self.injectors) else None
         if not self.active:  # before start_step: the trainer's own model, no part acting
@@ -250,7 +252,7 @@ class RolloutInjector:
                 return out
 
         return engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
-                               logits_processor=proc)
+                               logits_processor=proc, record_routing=record_routing and engine.records_routing)
 
     def state_dict(self) -> dict:
         state = {"generator": self.generator.get_state()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from timlab.model.llama import CausalLM, Step
+from timlab.model.moe import Routing
 from timlab.model.ops import log_softmax
 
 BUFFER_MULTIPLE = 16
@@ -97,6 +98,7 @@ def token_logprobs(
     with_entropy: bool = False,
     kv_len: int | None = None,
     score_mask: torch.Tensor | None = None,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Trainer-side log pi(token_t | tokens_<t) for every column, differentiable.
 
@@ -106,13 +108,17 @@ def token_logprobs(
     columns whose log-probs are wanted; the forward then skips the positions they do not depend
     on (left padding, columns after a row's last scored one) when that saves at least
     ``MIN_SKIP_MACS``, with the same bits where wanted; elsewhere logp and entropy are finite but
-    meaningless.
+    meaningless. ``routing`` (MoE models): records each sparse layer's router choices (B, L, k)
+    and applies its ``forced`` experts (B, L, k) (router replay); every position is then computed.
     """
     exact = mode == "exact"
-    needed = needed_positions(key_valid, score_mask) if exact and score_mask is not None and not model.hooks else None
+    skip = exact and score_mask is not None and not model.hooks and routing is None
+    needed = needed_positions(key_valid, score_mask) if skip else None
     if needed is not None and int((~needed).sum()) * model.config.layer_macs_per_token < MIN_SKIP_MACS:
         needed = None  # too little to save: compute every position
-    logits = model(tokens, full_step(key_valid, kv_len if exact else None, needed), mode=mode)  # (B, L, V)
+    step = full_step(key_valid, kv_len if exact else None, needed)
+    step.routing = routing
+    logits = model(tokens, step, mode=mode)  # (B, L, V)
     logp, logp_all = gather_logprobs(logits, tokens)
     entropy = None
     if with_entropy:

@@ -44,10 +44,12 @@ class Routing:
     """
 
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Written by each MoE block: the experts it used, in rank order."""
+    """Written by each MoE block: its router's own top k, in rank order (also where ``forced``
+    overrides it, so flips against a replayed choice stay measurable)."""
     forced: dict[int, torch.Tensor] = field(default_factory=dict)
     """Read by each MoE block when it holds its layer: use these experts (router replay) with the
-    router's probabilities at them, instead of the router's own top k."""
+    router's probabilities at them, instead of the router's own top k. A row of -1 (a position the
+    record does not cover) keeps the router's own choice."""
 
 
 def swiglu(mode: str, x: torch.Tensor, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear
@@ -73,22 +75,24 @@ class Expert(nn.Module):
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, forced: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits (N, E) -> (weights (N, k) fp32, experts (N, k) long), HF's rule.
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits (N, E) -> (weights (N, k) fp32, experts used (N, k) long, the router's own
+    top k (N, k) long), HF's rule.
 
     Softmax in fp32 over the experts, top k by probability (rank order), renormalized when
-    ``norm_topk_prob``. ``forced`` (N, k): take these experts (router replay) with the
-    probabilities the router gives them; the renormalization applies as for its own choice.
+    ``norm_topk_prob``. ``forced`` (N, k): use these experts (router replay; rows of -1 keep
+    the router's choice) with the probabilities the router gives them, renormalized alike.
     """
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
-    if forced is None:
-        weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, k) each
-    else:
-        experts = forced
-        weights = probs.gather(-1, experts)
+    weights, own = torch.topk(probs, top_k, dim=-1)  # (N, k) each
+    experts = own
+    if forced is not None:
+        use = forced[:, :1] >= 0  # (N, 1): rows the record covers
+        experts = torch.where(use, forced, own)
+        weights = torch.where(use, probs.gather(-1, experts), weights)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+    return weights, experts, own
 
 
 class SparseMoeBlock(nn.Module):
@@ -120,9 +124,9 @@ class SparseMoeBlock(nn.Module):
         forced = None if routing is None else routing.forced.get(self.layer_idx)
         if forced is not None:
             forced = forced.reshape(N, k)
-        weights, experts = route(self.router_logits(x2, mode), k, self.norm_topk_prob, forced)  # (N, k) each
+        weights, experts, own = route(self.router_logits(x2, mode), k, self.norm_topk_prob, forced)  # (N, k) each
         if routing is not None:
-            routing.chosen[self.layer_idx] = experts.reshape(*shape[:-1], k)
+            routing.chosen[self.layer_idx] = own.reshape(*shape[:-1], k)
         weights = weights.to(x.dtype)  # as HF: the weighting runs in the hidden dtype
 
         slots = experts.reshape(-1)  # (N*k,): slot n*k + r = token n's rank-r expert

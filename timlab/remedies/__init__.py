@@ -1,7 +1,8 @@
 """Remedies for training-inference mismatch that act on the loss: importance-sampling weights
 (TIS / MIS / IcePop two-sided / veto at token, sequence or geometric level, optionally
-self-normalized) and rejection sampling (verl's ``rollout_rs`` rules: token / seq_sum / seq_mean /
-seq_max x k1 / k2 / k3).
+self-normalized), rejection sampling (verl's ``rollout_rs`` rules: token / seq_sum / seq_mean /
+seq_max x k1 / k2 / k3), and router replay for mixture-of-experts models (``replay_experts``: the
+trainer reuses the rollout's experts).
 
 Pure torch; imports nothing from timlab but ``timlab.registry``, ``timlab.errors`` and the
 metrics' input checker. Precision remedies (FP16, FP32 LM head, exact kernels) live with the
@@ -27,6 +28,7 @@ from timlab.remedies.rejection import (
     rejection_mask,
     rule_metric_keys,
 )
+from timlab.remedies.router_replay import replay_experts
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -43,4 +45,5 @@ __all__ = [
     "parse_thresholds",
     "rejection_mask",
     "rule_metric_keys",
+    "replay_experts",
 ]

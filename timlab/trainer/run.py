@@ -43,10 +43,26 @@ from timlab.config import Config, ConfigError, flatten
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
 from timlab.injectors import build_injector, check_section
-from timlab.metrics import all_metrics, mismatch_by_length, mismatch_by_position, mismatch_by_prob_bucket, ratio_histogram
+from timlab.metrics import (
+    all_metrics,
+    mismatch_by_length,
+    mismatch_by_position,
+    mismatch_by_prob_bucket,
+    ratio_histogram,
+    routing_metrics,
+)
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
-from timlab.remedies import IS_LEVELS, IS_MODES, is_weights, parse_rules, parse_thresholds, rejection_mask
+from timlab.model.moe import Routing
+from timlab.remedies import (
+    IS_LEVELS,
+    IS_MODES,
+    is_weights,
+    parse_rules,
+    parse_thresholds,
+    rejection_mask,
+    replay_experts,
+)
 from timlab.schedulers import SCHEDULERS, scheduler_from_config
 from timlab.tasks import TASKS, make_splits
 from timlab.trainer import distributed as dist_utils
@@ -217,6 +233,8 @@ class UpdateBatch:
     is_weights: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     """The frozen reference policy's log-probs, for the KL penalty."""
+    experts: torch.Tensor | None = None
+    """Router replay: the rollout's experts (L_sparse, B, L, k) the trainer's forward uses."""
 
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:
@@ -289,6 +307,14 @@ class RLRun:
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.sampling = rollout_sampling(cfg)
+        mcfg = self.model.config
+        self.sparse_layers = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_sparse(i)]
+        self.record_routing = bool(self.sparse_layers) and self.injector.engine.records_routing
+        if cfg.correction.router_replay and not self.record_routing:
+            raise UsageError(
+                "correction.router_replay needs a mixture-of-experts model (model_type qwen3_moe) and a rollout "
+                f"engine that records routing (exact, fast); here model_type={mcfg.model_type!r}, rollout "
+                f"engine {self.injector.engine_name!r}")
 
         seed = cfg.run.seed
         self.prompt_rng = random.Random(seed)
@@ -422,7 +448,8 @@ class RLRun:
         prompts = [self.task.encode_prompt(self.tok, e) for e in examples]
         try:
             rollout = self.injector.rollout(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
-                                            sampling=self.sampling, generator=self.rollout_gen)
+                                            sampling=self.sampling, generator=self.rollout_gen,
+                                            record_routing=self.record_routing)
         except NonFiniteLogitsError:
             raise NonFiniteError(f"step {self.step}: non-finite values in the rollout logits") from None
         t_rollout = time.perf_counter() - t0
@@ -436,14 +463,17 @@ class RLRun:
         mask = rollout.response_mask[:, :L].to(self.device)  # (B, L)
         tokens, key_valid = rollout.tokens[:, :L].to(self.device), rollout.key_valid[:, :L].to(self.device)
         single_update = cfg.algorithm.epochs == 1 and cfg.algorithm.mini_batches == 1
+        experts = None if rollout.experts is None else rollout.experts[:, :, :L].to(self.device)  # (L_sparse, B, L, k)
+        replay = experts if cfg.correction.router_replay else None
+        routing = self._routing(replay, slice(None)) if experts is not None else None  # records the trainer's experts
         if single_update:
             logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True, kv_len=S,
-                                           score_mask=mask)
+                                           score_mask=mask, routing=routing)
             old_logp = logp.detach()
         else:
             with torch.no_grad():
                 old_logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True,
-                                                   kv_len=S, score_mask=mask)
+                                                   kv_len=S, score_mask=mask, routing=routing)
         self._check_finite("trainer log-probs", old_logp[mask])
         rollout_logp = rollout.logprobs[:, :L].to(self.device)
         if cfg.run.guard and cfg.rollout.engine == "exact" and self.injector.off:  # the trainer's own model rolled out
@@ -461,6 +491,11 @@ class RLRun:
                 "by_prob": mismatch_by_prob_bucket(old_logp, rollout_logp, maskf),
                 "by_length": mismatch_by_length(old_logp, rollout_logp, maskf),
             }
+        if routing is not None:
+            flips = self._routing_metrics(experts, routing, old_logp, rollout_logp, mask)
+            if dists is not None:
+                dists["router_flip_frac_by_layer"] = flips.pop("router_flip_frac_by_layer")
+            metrics.update({k: v for k, v in flips.items() if k.startswith("mismatch/")})
         t_metrics = time.perf_counter() - t_m
 
         # 4. correction -----------------------------------------------------------------
@@ -490,7 +525,7 @@ class RLRun:
         anchor_logp = rollout_logp.to(old_logp.dtype) if c.bypass_mode else old_logp  # pi_old of the loss
         loss_metrics, grad_norm, updated = self._update(UpdateBatch(
             tokens, key_valid, anchor_logp, adv, loss_mask, kv_len=S, logp=logp if single_update else None,
-            is_weights=use_weights, ref_logp=ref_logp,
+            is_weights=use_weights, ref_logp=ref_logp, experts=replay,
         ))
         metrics.update(loss_metrics)
         lengths = rollout.lengths.float()
@@ -551,6 +586,22 @@ class RLRun:
         out["time/gradcheck_s"] = time.perf_counter() - t
         return out
 
+    def _routing(self, replay: torch.Tensor | None, rows: slice) -> Routing:
+        """A routing record for the trainer's forward on sequences ``rows``, forcing the rollout's
+        experts ``replay`` (L_sparse, B, L, k) when given (router replay)."""
+        return Routing(forced={} if replay is None else replay_experts(replay, self.sparse_layers, rows))
+
+    def _routing_metrics(self, experts: torch.Tensor, routing: Routing, trainer_logp: torch.Tensor,
+                         rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+        """Router flips between the rollout's experts and the trainer's routers' own choices, at
+        the positions that produce response tokens (``timlab.metrics.routing_metrics``)."""
+        pred = torch.zeros_like(mask)  # (B, L): column c predicts a response token
+        pred[:, :-1] = mask[:, 1:]
+        abs_diff = torch.zeros_like(trainer_logp, dtype=torch.float64)
+        abs_diff[:, :-1] = (trainer_logp.double() - rollout_logp.double()).abs()[:, 1:]  # |r| of the predicted token
+        own = torch.stack([routing.chosen[i] for i in self.sparse_layers])  # (L_sparse, B, L, k)
+        return routing_metrics(experts, own, pred, abs_diff, layers=self.sparse_layers)
+
     def _guard(self, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> None:
         """Stop at the first bit of difference between the trainer's and the rollout's log-probs."""
         diff = (trainer_logp != rollout_logp) & mask
@@ -585,8 +636,9 @@ class RLRun:
                 if logp is not None:
                     lp = logp[rows]
                 else:
+                    routing = None if batch.experts is None else self._routing(batch.experts, rows)
                     lp, _ = token_logprobs(self.model, tokens[rows], key_valid[rows], mode="exact", kv_len=batch.kv_len,
-                                           score_mask=loss_mask[rows] > 0)
+                                           score_mask=loss_mask[rows] > 0, routing=routing)
                 mb_tokens = self.world.sum(float(loss_mask[rows].sum()))
                 denom = mb_tokens if a.loss_agg == "token_mean" else self.world.sum(float((loss_mask[rows].sum(-1) > 0).sum()))
                 loss, m = POLICY_LOSSES[a.loss_type](
