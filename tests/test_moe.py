@@ -447,3 +447,12 @@ def test_training_logs_router_flips_and_replays(tmp_path, moe_policy, injector, 
         assert (m["mismatch/max_abs_diff"] > 0).all()
     dists = [json.loads(line) for line in (tmp_path / "run" / "distributions.jsonl").read_text().splitlines()]
     assert set(dists[0]["router_flip_frac_by_layer"]) == {"0", "1"}
+
+
+def test_hf_engine_and_hf_score_path_run_moe_models(tmp_path, moe_folder):
+    """The hf engine copies timlab's per-expert weights into transformers' fused layout: its
+    rollouts score close to the trainer in fp32 (no router flip at fp32 noise here)."""
+    res = moe_probe(tmp_path, moe_folder, "--rollout", "hf", "--score", "trainer", "--dtype", "float32")
+    assert 0 < res["max_abs_diff"] < 1e-4
+    res = moe_probe(tmp_path, moe_folder, "--rollout", "exact", "--score", "hf", "--dtype", "float32")
+    assert 0 < res["max_abs_diff"] < 1e-4 and "router_flip_frac" not in res

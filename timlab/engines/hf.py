@@ -30,7 +30,7 @@ import torch
 from timlab.engines.base import ENGINES, Engine, LogitsProcessor, SamplingParams, import_backend
 from timlab.errors import TimlabError, UsageError
 from timlab.model.forward import gather_logprobs, positions_from_valid
-from timlab.model.hf_io import config_to_hf
+from timlab.model.hf_io import config_to_hf, fuse_experts
 from timlab.model.llama import CausalLM
 
 MISSING_TRANSFORMERS = "the hf engine needs transformers: pip install timlab[hf]"
@@ -59,9 +59,12 @@ def build_hf_model(model: CausalLM, *, attn_implementation: str = "sdpa"):
 
 
 def copy_weights(model: CausalLM, hf) -> None:
-    """Copy timlab's parameters into the HF model in place (names are the same)."""
+    """Copy timlab's parameters into the HF model in place (names are the same; an MoE model's
+    experts are fused into transformers' in-memory layout)."""
     src = model.state_dict()
     dst = hf.state_dict()
+    if any(k.endswith("experts.gate_up_proj") for k in dst):
+        src = fuse_experts(src)
     missing = [k for k in dst if k not in src and "rotary_emb" not in k]
     if missing:
         raise UsageError(f"HF model has weight {missing[0]!r} that the timlab model lacks")

@@ -277,6 +277,24 @@ def _split_fused_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert weights -> transformers >= 5's in-memory layout (``...mlp.experts.gate_up_proj``
+    (E, 2I, H) with gate rows first, ``...mlp.experts.down_proj`` (E, H, I)); the inverse of
+    ``_split_fused_experts``. Other weights as they are."""
+    out, groups = {}, {}
+    for key, t in state.items():
+        parts = key.split(".")
+        if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-1] == "weight":
+            groups.setdefault(".".join(parts[:-3]), {})[(int(parts[-3]), parts[-2])] = t
+        else:
+            out[key] = t
+    for prefix, w in groups.items():
+        n = 1 + max(e for e, _ in w)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([w[e, "gate_proj"], w[e, "up_proj"]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([w[e, "down_proj"] for e in range(n)])
+    return out
+
+
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> CausalLM:
     """Load an HF-format folder into a timlab CausalLM (eval mode, requested dtype/device)."""
     check_device(device)
