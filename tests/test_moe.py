@@ -445,6 +445,12 @@ def test_training_logs_router_flips_and_replays(tmp_path, moe_policy, injector, 
         assert (flips == 0).all() and (m["mismatch/max_abs_diff"] == 0).all()
     else:
         assert (m["mismatch/max_abs_diff"] > 0).all()
+    from test_metric_names import documented
+
+    routed = {c for c in m.columns if "router" in c}
+    assert routed == {"mismatch/router_flip_frac", "mismatch/router_flip_frac_any_layer",
+                      "mismatch/abs_diff_mean_router_flipped", "mismatch/abs_diff_mean_router_unflipped"}
+    assert routed <= documented()
     dists = [json.loads(line) for line in (tmp_path / "run" / "distributions.jsonl").read_text().splitlines()]
     assert set(dists[0]["router_flip_frac_by_layer"]) == {"0", "1"}
 
