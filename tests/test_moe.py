@@ -366,9 +366,10 @@ def injected(model, injector: str, dtype: str, replay: bool) -> dict:
 
 
 def test_router_precision_injects_flips_and_router_replay_removes_their_mismatch():
-    """Measured on this 8-expert top-2 model: router logits in bf16 flip 0.8% of positions, whose
-    tokens carry mean |r| 0.22 (0.0025 elsewhere), k3 2.8e-4; replaying the rollout's experts
-    brings k3 to 5e-6 and max |r| from 0.38 to 0.014 (what remains: the router weights)."""
+    """Measured on this 8-expert top-2 model (32 ragged prompts, 24 new tokens): router logits in
+    bf16 flip 0.8% of positions, whose tokens carry mean |r| 0.22 (0.0025 elsewhere), k3 2.8e-4;
+    replaying the rollout's experts brings k3 to 5e-6 and max |r| from 0.38 to 0.014 (what
+    remains: the router weights). A whole bf16 rollout: k3 1.3e-3, replayed 3.1e-4."""
     model = tiny_moe(eos_prob=0.02)
     free = injected(model, "router_precision", "bfloat16", replay=False)
     replayed = injected(model, "router_precision", "bfloat16", replay=True)
@@ -378,6 +379,10 @@ def test_router_precision_injects_flips_and_router_replay_removes_their_mismatch
     assert replayed["k3"] < free["k3"] / 10
     assert replayed["max_abs_diff"] < free["max_abs_diff"] / 5
     assert replayed["mismatch/abs_diff_mean_router_flipped"] < 3 * replayed["mismatch/abs_diff_mean_router_unflipped"]
+    # a whole bf16 rollout (precision): k3 1.3e-3 with 1.7% of positions flipped; replay leaves 3e-4
+    bf16, bf16_replayed = (injected(model, "precision", "bfloat16", replay=r) for r in (False, True))
+    assert bf16["mismatch/router_flip_frac_any_layer"] > 0.005
+    assert bf16_replayed["k3"] < bf16["k3"] / 2
 
 
 def test_router_precision_needs_an_moe_model_and_a_low_precision_dtype():

@@ -128,6 +128,8 @@ class SparseMoeBlock(nn.Module):
         if routing is not None:
             routing.chosen[self.layer_idx] = own.reshape(*shape[:-1], k)
         weights = weights.to(x.dtype)  # as HF: the weighting runs in the hidden dtype
+        if N == 0:
+            return torch.zeros_like(x)
 
         slots = experts.reshape(-1)  # (N*k,): slot n*k + r = token n's rank-r expert
         order = slots.argsort(stable=True)  # slots grouped by expert
