@@ -3,7 +3,7 @@
 The central claim of timlab's zero-mismatch setting: for every sampled token the exact engine's
 KV-cached log-prob is the *same float* as the trainer's teacher-forced log-prob computed with
 autograd enabled (``torch.equal``, not allclose), whatever the batch size, the padding, the
-dtype, the architecture or when each sequence hits EOS.
+dtype, the architecture (a mixture-of-experts one included) or when each sequence hits EOS.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from timlab.model.forward import full_step, token_logprobs
 from timlab.model.llama import CausalLM, ModelConfig
 
 EOS, PAD, V = 2, 0, 24
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_SIZES = (1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 33)
 
 
 def tiny_model(arch: str = "llama", dtype=torch.float32, *, seed: int = 0, eos_prob: float | None = 0.08) -> CausalLM:
-    """A 2-layer random model with non-trivial weights (std 0.3), GQA, untied head.
+    """A 2-layer random model with non-trivial weights (std 0.3), GQA, untied head (qwen3_moe: both
+    MLPs sparse, 8 experts of width 16, top-2).
 
     With ``eos_prob`` the LM head's EOS row is shifted along the mean final hidden state so the
     average EOS probability is about that value: sequences end at different steps.
@@ -33,6 +34,7 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, *, seed: int = 0, eos_p
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, model_type=arch,
         attention_bias=arch == "llama", eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=256,
+        **(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16) if arch == "qwen3_moe" else {}),
     )
     g = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
