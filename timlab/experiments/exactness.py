@@ -8,7 +8,10 @@ from a seeded space and checks each one:
 
 - architecture: every one ``timlab.model.llama.ARCHITECTURES`` supports, in folders written by
   ``transformers`` itself (random weights, the LM head scaled so the text is not uniform noise,
-  and the EOS row set so rows stop at many different steps);
+  and the EOS row set so rows stop at many different steps); a quarter of the tiny ones are
+  Qwen3-MoE (4-16 experts, top 1-4, renormalized or not, every or every other layer sparse;
+  transformers' small router init makes near-ties common), drawn after a dense arch's own
+  draws so every dense case is the one it was before MoE existed;
 - width: tiny (hidden 32-256, 1-4 layers, GQA ratios 1-4, head dims 8-128) or the per-layer
   shapes of Qwen3-0.6B, Qwen2.5-0.5B and Llama-3.2-1B at 2 layers (``REAL_WIDTHS``);
 - dtype float32 / bfloat16 / float16; 1, 2 or 4 torch threads;
@@ -35,7 +38,7 @@ import hashlib
 import json
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +48,10 @@ from timlab.engines.native import ExactEngine
 from timlab.errors import UsageError
 from timlab.model.forward import token_logprobs
 from timlab.model.llama import ARCHITECTURES
+
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+MOE_FRAC = 0.25
+"""Share of tiny architectures that are Qwen3-MoE."""
 
 PAD, BOS, EOS = 0, 1, 2
 """Special token ids of every fuzz model (prompts use ids from 3 up)."""
@@ -90,10 +97,20 @@ class Arch:
     """Target mean probability of EOS per step (rows stop after ~1/eos_rate tokens, spread widely)."""
     width: str = "tiny"
     """``tiny`` or a key of REAL_WIDTHS."""
+    experts: int = 0
+    """qwen3_moe: experts per sparse layer (0: dense)."""
+    top_k: int = 0
+    expert_intermediate: int = 0
+    norm_topk: bool = False
+    sparse_step: int = 1
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        d = asdict(self)
+        if not self.experts:  # a dense arch keeps the key (and the weights) it had before MoE
+            for name in ("experts", "top_k", "expert_intermediate", "norm_topk", "sparse_step"):
+                d.pop(name)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -127,13 +144,19 @@ def _tiny_arch(rng: random.Random) -> Arch:
     head_dim = rng.choice((8, 16, 24, 32, 64, 128))
     # transformers wants hidden divisible by the head count (head_dim is set on its own)
     hidden = heads * rng.choice([m for m in range(1, 257) if 32 <= heads * m <= 256])
-    return Arch(
-        model_type=rng.choice(sorted(ARCHITECTURES)), hidden=hidden, intermediate=rng.choice((2, 3, 4)) * hidden,
+    arch = Arch(
+        model_type=rng.choice(DENSE_ARCHITECTURES), hidden=hidden, intermediate=rng.choice((2, 3, 4)) * hidden,
         layers=rng.randint(1, 4), heads=heads, kv_heads=kv, head_dim=head_dim,
         vocab=rng.choice((16, 32, 58, 100, 256, 512)), tie=rng.random() < 0.3,
         rope_theta=rng.choice((1e4, 1e6)), head_scale=rng.choice((1.0, 8.0, 30.0)),
         eos_rate=rng.choice((0.01, 0.03, 0.1, 0.2)),
     )
+    if rng.random() < MOE_FRAC:  # drawn after the dense arch's draws, which stay as they were
+        experts = rng.choice((4, 8, 16))
+        arch = replace(arch, model_type="qwen3_moe", experts=experts, top_k=rng.randint(1, 4),
+                       expert_intermediate=rng.choice((8, 16, 24, 48, 64)), norm_topk=rng.random() < 0.5,
+                       sparse_step=rng.choice((1, 1, 2)))
+    return arch
 
 
 def _real_arch(rng: random.Random) -> Arch:
@@ -191,7 +214,8 @@ def _transformers():
 
 def _hf_config(arch: Arch):
     transformers = _transformers()
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "qwen3_moe": transformers.Qwen3MoeConfig}
     kwargs = dict(
         vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
         num_hidden_layers=arch.layers, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
@@ -200,6 +224,11 @@ def _hf_config(arch: Arch):
     )
     if arch.rope_scaling:
         kwargs["rope_scaling"] = dict(arch.rope_scaling)
+    if arch.experts:
+        kwargs.update(num_experts=arch.experts, num_experts_per_tok=arch.top_k,
+                      moe_intermediate_size=arch.expert_intermediate, norm_topk_prob=arch.norm_topk,
+                      decoder_sparse_step=arch.sparse_step, mlp_only_layers=[],
+                      experts_implementation="eager")  # the grouped GEMM refuses odd widths
     return cls[arch.model_type](**kwargs)
 
 
@@ -241,7 +270,7 @@ def model_folder(arch: Arch, cache_dir: str | Path) -> Path:
     transformers.utils.logging.disable_progress_bar()
     seed = int(arch.key[:8], 16)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM}[arch.model_type]
+           "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch.model_type]
     with torch.random.fork_rng():  # transformers initializes from the global generator
         torch.manual_seed(seed)
         model = cls(_hf_config(arch)).eval()
