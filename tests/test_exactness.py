@@ -49,6 +49,10 @@ A = {  # the architectures of the table (each folder is written once per session
     "gqa3": _arch("qwen3", 72, 3, 1, 32, layers=1, inter=156, eos_rate=0.1),
     "gqa4": _arch("qwen2", 128, 8, 2, 128, layers=1, vocab=512, head_scale=1.0, eos_rate=0.01),
     "wide_head": _arch("qwen3", 78, 2, 1, 16, layers=4, vocab=256, inter=234, head_scale=1.0, eos_rate=0.2),
+    # Qwen3-MoE: experts of odd width, renormalized top-k; every other layer sparse, top-1
+    "moe": _arch("qwen3_moe", 64, 4, 2, 16, eos_rate=0.1, experts=8, top_k=2, expert_intermediate=24, norm_topk=True),
+    "moe_step2": _arch("qwen3_moe", 96, 6, 2, 16, layers=3, vocab=100, eos_rate=0.05, experts=16, top_k=1,
+                       expert_intermediate=48, sparse_step=2),
     "qwen3-0.6b": _real("qwen3-0.6b"),
     "qwen2.5-0.5b": _real("qwen2.5-0.5b"),
     "llama-3.2-1b": _real("llama-3.2-1b"),
@@ -92,6 +96,10 @@ CASES = [
     # the per-layer shapes of real models (small vocabulary)
     _case(37, "qwen3-0.6b", "float32", rows=3, N=8), _case(38, "qwen2.5-0.5b", "bfloat16", rows=3, N=8),
     _case(39, "llama-3.2-1b", "float16", rows=2, N=6),
+    # mixture of experts: every dtype, threads, compaction, shared prefill
+    _case(40, "moe", "float32", rows=20), _case(41, "moe", "bfloat16", rows=33, samples=3),
+    _case(42, "moe", "float16", threads=2, rows=12), _case(43, "moe_step2", "bfloat16", compact=0.0, rows=16),
+    _case(44, "moe_step2", "float32", threads=4, rows=24, prefix=8, T=0.7, k=20),
 ]
 
 
@@ -135,6 +143,7 @@ def test_draw_case_is_seeded():
     cov = ex.coverage(cases)
     assert set(cov["dtype"]) == set(ex.DTYPES) and set(cov["model_type"]) == set(ARCHITECTURES)
     assert len(cov["width"]) >= 2  # some real widths among 300 draws
+    assert 40 <= cov["model_type"]["qwen3_moe"] <= 110  # MOE_FRAC of the tiny ones
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
