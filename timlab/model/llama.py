@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timlab.errors import UsageError
-from timlab.model.linear import mode_linear
+from timlab.model.linear import MappedInputLinear, mode_linear  # noqa: F401 (MappedInputLinear: re-exported)
 from timlab.model.moe import Routing, SparseMoeBlock, swiglu
 from timlab.model.ops import fixed_length_attention, invariant_linear, triton_kernels
 
