@@ -318,13 +318,12 @@ def tiny_model_dense():
 
 def injected(model, injector: str, dtype: str, replay: bool) -> dict:
     """Realized mismatch of an injector on ``model`` with the trainer's routers free or replayed."""
-    from types import SimpleNamespace
-
+    from timlab.config import MismatchSection
     from timlab.engines import SamplingParams
     from timlab.injectors import build_injector
     from timlab.metrics import offpolicy_metrics, routing_metrics
 
-    sec = SimpleNamespace(injector=injector, magnitude=0.0, dtype=dtype, engine="fast", prob_below=1.0, seed=0)
+    sec = MismatchSection(injector=injector, dtype=dtype)
     inj = build_injector(sec, model, eos_token_id=EOS, pad_token_id=PAD)
     r = inj.rollout(ragged_prompts(32), max_new_tokens=24, sampling=SamplingParams(),
                     generator=torch.Generator().manual_seed(0), record_routing=True)
@@ -363,13 +362,11 @@ def test_router_precision_injects_flips_and_router_replay_removes_their_mismatch
 
 
 def test_router_precision_needs_an_moe_model_and_a_low_precision_dtype():
-    from types import SimpleNamespace
-
+    from timlab.config import MismatchSection
     from timlab.injectors import build_injector
 
     def build(model, dtype):
-        sec = SimpleNamespace(injector="router_precision", magnitude=0.0, dtype=dtype, engine="fast", prob_below=1.0,
-                              seed=0)
+        sec = MismatchSection(injector="router_precision", dtype=dtype)
         return build_injector(sec, model, eos_token_id=EOS, pad_token_id=PAD)
 
     with pytest.raises(UsageError, match="router_precision needs a mixture-of-experts model"):
