@@ -43,6 +43,8 @@ def run_here(args, isa: str) -> dict:
 
     indices = [args.case] if args.case is not None else list(range(args.start, args.start + args.cases))
     cases = [ex.draw_case(args.seed, i, real_width_frac=args.real_width_frac) for i in indices]
+    if args.model_type:
+        cases = [c for c in cases if c.arch.model_type == args.model_type]
     Path(args.cache).mkdir(parents=True, exist_ok=True)
     failures, results, t0 = [], [], time.perf_counter()
     for n, case in enumerate(cases, 1):
@@ -83,6 +85,8 @@ def run_child(args, isa: str) -> dict:
     argv = [sys.executable, __file__, "--seed", str(args.seed), "--cases", str(args.cases), "--start", str(args.start),
             "--cache", args.cache, "--json", str(out), "--every", str(args.every),
             "--real-width-frac", str(args.real_width_frac), "--isa", "native", "--backend", args.backend]
+    if args.model_type:
+        argv += ["--model-type", args.model_type]
     if args.case is not None:
         argv += ["--case", str(args.case)]
     env = {**os.environ, **ISA_ENV, CHILD: isa}
@@ -110,6 +114,7 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=25, help="print progress every this many cases")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--verbose", action="store_true", help="a line per case")
+    ap.add_argument("--model-type", default=None, help="run only the drawn cases of this architecture (e.g. qwen3_moe)")
     ap.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
                     help="the exact path's kernels; triton on a CPU runs the GPU kernels in Triton's interpreter")
     args = ap.parse_args()
