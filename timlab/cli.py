@@ -23,6 +23,9 @@ class CLIError(TimlabError):
     """A user-facing error: printed as one line, exit code 2."""
 
 
+QUIET = "no progress bars (results are still printed)"
+
+
 def _set_threads() -> None:
     # Tiny models: one thread is 3-50x faster than two on a shared 2-core machine.
     import torch
@@ -32,28 +35,37 @@ def _set_threads() -> None:
 
 
 def _default(fn, name: str):
-    """The default of ``fn``'s keyword argument ``name``: help text quotes it from there."""
+    """The default of ``fn``'s keyword argument ``name``."""
     import inspect
 
     return inspect.signature(fn).parameters[name].default
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help as the user reads it: descriptions and examples keep their line breaks, and an
+    option's help may say ``{names:KIND}`` (the registered names of a kind, e.g. ``task``) or
+    ``{default}`` (see ``_defaults_of``). Both are read from the source by ``timlab.catalog``
+    when help is printed, so no help imports torch."""
+
+    defaults_from: str | None = None
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        import re
+
+        from timlab import catalog
+
+        text = super()._expand_help(action)
+        text = re.sub(r"\{names:(\w+)\}", lambda m: ", ".join(catalog.names(m.group(1))), text)
+        if "{default}" in text and self.defaults_from:
+            text = text.replace("{default}", catalog.function_defaults(self.defaults_from)[action.dest])
+        return text
+
+
 def _defaults_of(target: str) -> type[argparse.HelpFormatter]:
     """A help formatter that fills ``{default}`` in an option's help with the default of the
-    keyword argument named like the option's dest in ``target`` ("module:function"). The module
-    is imported only when help is printed, so building the parser stays cheap."""
-
-    class Formatter(argparse.HelpFormatter):
-        def _expand_help(self, action: argparse.Action) -> str:
-            text = super()._expand_help(action)
-            if "{default}" in text:
-                import importlib
-
-                module, name = target.split(":")
-                text = text.replace("{default}", str(_default(getattr(importlib.import_module(module), name), action.dest)))
-            return text
-
-    return Formatter
+    keyword argument named like the option's dest in ``target`` ("module:function"), read from
+    the function's source when help is printed (nothing is imported)."""
+    return type("Formatter", (_Formatter,), {"defaults_from": target})
 
 
 def _given(args: argparse.Namespace, names) -> dict:
@@ -92,14 +104,15 @@ def _add_probe(sub) -> None:
     p = sub.add_parser("probe", help="roll out with one engine, score the same tokens with another, report the mismatch",
                        formatter_class=_defaults_of("timlab.experiments.probe:run_probe"))
     p.add_argument("--model", required=True, help="HF-format model folder")
-    p.add_argument("--prompts", help="text file with one prompt per line")
-    p.add_argument("--task", help="built-in task to draw prompts from")
+    p.add_argument("--prompts", help="UTF-8 text file, one prompt per line, written as the task's prompts are "
+                   "(e.g. reverse: 'rev:abc='; `timlab probe --task NAME` shows them)")
+    p.add_argument("--task", help="built-in task to draw prompts from: {names:task}")
     # defaults are run_probe's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--num-prompts", type=int, help="the file's first N prompts (default all), or N from the task")
     p.add_argument("--samples-per-prompt", type=int, help="default {default}")
     # no argparse choices: run_probe checks the names and lists the valid ones in one line
-    p.add_argument("--rollout", help="rollout engine: exact, fast, hf (default {default})")
-    p.add_argument("--score", help="score path: trainer, exact, fast, hf (default {default})")
+    p.add_argument("--rollout", help="rollout engine: {names:engine} (default {default})")
+    p.add_argument("--score", help="score path: trainer, {names:engine} (default {default})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default {default}")
     p.add_argument("--max-new-tokens", type=int, help="default {default}")
     p.add_argument("--seed", type=int, help="default {default}")
@@ -157,19 +170,19 @@ def _add_config_args(p) -> None:
     from timlab.config import PRESETS
 
     p.add_argument("--preset", help=f"named preset(s), joined with '+' (e.g. surge+decoupled_k3_rs): {', '.join(PRESETS)}")
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable; `timlab config` lists every key)")
 
 
 # ---------------------------------------------------------------------------------- pretrain
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from timlab.trainer.pretrain import pretrain
 
-    overrides = list(args.set or [])
-    if args.task:
-        overrides.append(f"task.name={args.task}")
     from timlab.config import resolve
 
-    cfg = resolve(args.config, args.preset, overrides)
+    overrides = list(args.set or [])
+
+    cfg = resolve(args.config, args.preset, overrides, task=args.task)
     prog = Progress(not args.quiet)
     res = pretrain(cfg, args.out, force=args.force, progress=lambda s, n, m: prog("pretrain", s, n, m))
     prog.close()
@@ -181,10 +194,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def _add_pretrain(sub) -> None:
     p = sub.add_parser("pretrain", help="SFT warm start of a tiny model on a task (cached by config hash)")
     p.add_argument("config", nargs="?", help="YAML config (model and task sections are used)")
-    p.add_argument("--task", help="task name (same as --set task.name=NAME)")
+    p.add_argument("--task", help="task: {names:task} (the preset's and YAML's task.kwargs are dropped "
+                                  "when they are another task's)")
     p.add_argument("--out", help="output folder (default: the cache, keyed by the config hash)")
     p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
     p.set_defaults(func=cmd_pretrain)
 
@@ -220,7 +234,7 @@ def _add_train(sub) -> None:
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("--run-dir", required=True, help="where config.yaml, metrics.parquet and checkpoints/ go")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
@@ -255,18 +269,75 @@ def _add_demo(sub) -> None:
     p.add_argument("--steps", type=int, help=f"RL steps per run (default {PRESETS['demo']['run']['steps']}, "
                                                f"quick {demo.QUICK_STEPS})")
     p.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     p.set_defaults(func=cmd_demo)
 
 
 # ---------------------------------------------------------------------------------- main
+ABOUT = """\
+timlab: a lab for training-inference mismatch (TIM) in RL of language models.
+
+RL samples with an inference engine and computes gradients with a training engine; timlab's
+exact engine makes the two agree bit for bit, injects a controlled mismatch back, measures it
+(verl's rollout_corr/* metrics) and tests remedies (importance sampling, the length-decay LR)."""
+
+START = """\
+start here:
+  timlab demo --quick                       the main experiment, small (a few minutes on a CPU)
+  timlab train --preset smoke --run-dir runs/smoke
+  timlab config --preset demo               every config key --set accepts, with its value
+  timlab COMMAND --help                     what a command does, its options and examples
+
+docs: README.md and docs/ in the source tree"""
+
+EXAMPLES: dict[str, list[str]] = {
+    "probe": ["timlab probe --model models/reverse --task reverse --rollout exact --score trainer",
+              "timlab probe --model models/reverse --prompts prompts.txt --rollout fast --dtype bfloat16 --attribute"],
+    "pretrain": ["timlab pretrain --task reverse --out models/reverse",
+                 "timlab pretrain --preset smoke --task sort --out models/sort"],
+    "train": ["timlab train --preset smoke --run-dir runs/smoke",
+              "timlab train --preset demo --run-dir runs/r1 --set mismatch.injector=head_perturb "
+              "--set mismatch.magnitude=2",
+              "timlab train --run-dir runs/r1 --resume --set run.steps=300"],
+    "demo": ["timlab demo --quick", "timlab demo --out demo_out --seeds 3"],
+    "sweep": ["timlab sweep docs/examples/dose_response.yaml --out sweeps/dose"],
+    "runs": ['timlab runs sweeps/dose --where "collapsed AND mismatch.magnitude >= 1" --sort -final_accuracy'],
+    "report": ["timlab report sweeps/dose --out dose.html"],
+    "analyze": ["timlab analyze timlab/data/sample_logprobs.jsonl --out analysis.html"],
+    "threshold": ["timlab threshold sweeps/threshold --plot threshold.png"],
+    "gradcheck": ["timlab gradcheck --preset demo --injector head_perturb --magnitude 1 --samples 256",
+                  "timlab gradcheck --run-dir runs/r1 --step 50"],
+    "config": ["timlab config", "timlab config --preset demo --set optim.lr=3e-4"],
+}
+"""Examples shown under each command's --help (tests/test_cli_help.py parses every one)."""
+
+
+def _describe(sub) -> None:
+    """Give every subcommand a description (its one-line help, unless it has its own), its
+    examples and the user-facing formatter."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, p in sub.choices.items():
+        if not p.description:
+            import textwrap
+
+            p.description = textwrap.fill((helps.get(name) or "").rstrip(".") + ".", 90)
+        if name in EXAMPLES and not p.epilog:
+            p.epilog = "examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES[name])
+        if not issubclass(p.formatter_class, _Formatter):
+            p.formatter_class = _Formatter
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="timlab", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from timlab import __version__
+
+    parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"timlab {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _add_probe(sub)
     for register in _EXTRA_COMMANDS:
         register(sub)
+    _describe(sub)
     return parser
 
 
@@ -332,7 +403,7 @@ def _add_sweep(sub) -> None:
     p.add_argument("--out", required=True, help="sweep directory: one run directory per run + index.parquet")
     p.add_argument("--workers", type=int, help="parallel runs (default: spec's workers, else the number of cores)")
     p.add_argument("--executor", choices=("local", "ray"), help="local process pool (default) or ray")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     p.set_defaults(func=cmd_sweep)
 
 
@@ -545,7 +616,8 @@ def _add_gradcheck(sub) -> None:
     p.add_argument("--run-dir", help="a training run: use its config.yaml and a checkpoint (default: the latest)")
     p.add_argument("--step", type=int, help="with --run-dir: the checkpoint of this step (0 = the warm start)")
     p.add_argument("--model", help="an HF model folder to check instead of the config's warm start")
-    p.add_argument("--injector", help="mismatch injector (same as --set mismatch.injector=NAME)")
+    p.add_argument("--injector", help="mismatch injector: {names:injector}; combine with '+' "
+                                      "(same as --set mismatch.injector=NAME)")
     p.add_argument("--magnitude", type=float, help="injector magnitude (same as --set mismatch.magnitude=X)")
     # defaults are gradcheck's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--samples", type=int, help="sequences per side (default {default})")
@@ -563,7 +635,7 @@ def _add_gradcheck(sub) -> None:
                    help="only parameters whose name matches (bounds memory on big models)")
     p.add_argument("--json", help="write the full result as JSON here")
     p.add_argument("--plot", help="write a PNG of bias vs the T^2 bound and bias/SNR vs length here")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
     p.set_defaults(func=cmd_gradcheck)
 
@@ -591,6 +663,62 @@ def _add_export(sub) -> None:
 
 
 _EXTRA_COMMANDS.append(_add_export)
+
+
+# ---------------------------------------------------------------------------------- config
+def _value_text(value) -> str:
+    import json
+
+    return json.dumps(value) if isinstance(value, (str, dict)) and not (isinstance(value, str) and value) else str(value)
+
+
+def format_config_keys(keys, values: dict | None = None, width: int = 100) -> str:
+    """One block per key: ``key  type  value`` (the default, or ``values[key]`` marked ``*`` where
+    it differs), then its help wrapped and indented."""
+    import textwrap
+
+    lines = []
+    for k in keys:
+        value, mark = k.default, ""
+        if values is not None and k.key in values and values[k.key] != k.default:
+            value, mark = values[k.key], "  * (default " + _value_text(k.default) + ")"
+        lines.append(f"{k.key}  ({k.type}) = {_value_text(value)}{mark}")
+        if k.help:
+            lines += textwrap.wrap(k.help, width, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from timlab.catalog import config_keys
+
+    keys = config_keys()
+    if args.key:
+        wanted = [k for k in keys if k.key == args.key or k.key.startswith(args.key + ".")]
+        if not wanted:
+            sections = sorted({k.key.split(".")[0] for k in keys})
+            raise CLIError(f"unknown config key or section {args.key!r}; valid sections: {', '.join(sections)}")
+        keys = wanted
+    values = None
+    if args.config or args.preset or args.set or args.task:
+        from timlab.config import resolve
+
+        cfg = resolve(args.config, args.preset, args.set or [], task=args.task).to_dict()
+        values = {k.key: cfg[k.key.split(".")[0]][k.key.split(".", 1)[1]] for k in keys}
+    print(format_config_keys(keys, values))
+    return 0
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser("config", help="list every config key --set accepts: its type, default (or the value a "
+                                      "preset, YAML file or --set gives it) and what it does")
+    p.add_argument("key", nargs="?", help="only this key or section (e.g. optim or optim.lr)")
+    p.add_argument("--config", help="YAML config file: show the values it resolves to")
+    p.add_argument("--task", help="task: {names:task} (as for pretrain)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
+
+_EXTRA_COMMANDS.append(_add_config)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
