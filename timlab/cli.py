@@ -443,7 +443,7 @@ def _add_runs(sub) -> None:
     p.add_argument("dir", help="sweep directory (holds index.parquet)")
     p.add_argument("--where", help='SQL condition, e.g. "mismatch.magnitude > 0.5 AND collapsed" (dotted names may be bare)')
     p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
-    p.add_argument("--sort", metavar="COL", help="sort by this column (--sort=-COL or --desc: descending)")
+    p.add_argument("--sort", metavar="COL", help="sort by this column (--sort -COL or --desc: descending)")
     p.add_argument("--desc", action="store_true", help="sort descending")
     _add_rule_args(p)
     p.set_defaults(func=cmd_runs)
@@ -715,7 +715,7 @@ def _add_config(sub) -> None:
     p.add_argument("--config", help="YAML config file: show the values it resolves to")
     p.add_argument("--task", help="task: {names:task} (as for pretrain)")
     _add_config_args(p)
-    p.set_defaults(func=cmd_config)
+    p.set_defaults(func=cmd_config, torch=False)
 
 
 _EXTRA_COMMANDS.append(_add_config)
@@ -725,11 +725,29 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"timlab: warning: {message}", file=sys.stderr if file is None else file)
 
 
+DASH_VALUES = ("--sort",)
+"""Options whose value may start with '-' (``--sort -final_accuracy``): argparse would read it as an option."""
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    """``["--sort", "-col"]`` -> ``["--sort=-col"]`` for the options in ``DASH_VALUES``."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in DASH_VALUES and i + 1 < len(argv) and argv[i + 1].startswith("-") and len(argv[i + 1]) > 1:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(sys.argv[1:] if argv is None else list(argv)))
     handle_sigterm()  # kill / docker stop: the run records where it stopped, like Ctrl-C
-    _set_threads()
+    if getattr(args, "torch", True):  # a command that runs no torch code does not import it
+        _set_threads()
     if not args.debug:
         import warnings
 
