@@ -34,13 +34,6 @@ def _set_threads() -> None:
         torch.set_num_threads(1)
 
 
-def _default(fn, name: str):
-    """The default of ``fn``'s keyword argument ``name``."""
-    import inspect
-
-    return inspect.signature(fn).parameters[name].default
-
-
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Help as the user reads it: descriptions and examples keep their line breaks, and an
     option's help may say ``{names:KIND}`` (the registered names of a kind, e.g. ``task``) or
@@ -127,6 +120,55 @@ def _add_probe(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------- progress
+class LineBar:
+    """A progress bar for output that is not a terminal (a log file, a pipe): one line
+    ``desc: n/total  postfix`` at most every ``interval`` seconds and one at the end, instead of
+    tqdm's redraws (two workers' bars once made an 8,000-line log). The subset of tqdm's
+    interface that ``Progress`` and ``SweepProgress`` use."""
+
+    def __init__(self, *, total: int, desc: str = "", initial: int = 0, interval: float = 30.0, file=None, **_):
+        import time
+
+        self.total, self.desc, self.n, self.interval = total, desc, initial, interval
+        self.file = file or sys.stderr
+        self.postfix = ""
+        self._clock = time.monotonic
+        self._last = float("-inf")  # the first update prints
+        self._closed = False
+
+    def set_postfix(self, values: dict | None = None, refresh: bool = True) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in (values or {}).items())
+
+    def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
+        self.postfix = text
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        if k and self._clock() - self._last >= self.interval:
+            self._print()
+
+    def write(self, text: str, file=None) -> None:
+        print(text, file=file or self.file, flush=True)
+
+    def _print(self) -> None:
+        self._last = self._clock()
+        self.write(f"{self.desc}: {self.n}/{self.total}" + (f"  {self.postfix}" if self.postfix else ""))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._print()
+
+
+def _bar(**kwargs):
+    """A tqdm bar on stderr when it is a terminal, else a ``LineBar``."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(dynamic_ncols=True, file=sys.stderr, **kwargs)
+    return LineBar(**kwargs)
+
+
 class Progress:
     """tqdm bars for the phases a library call reports through ``progress(phase, i, n, metrics)``."""
 
@@ -141,11 +183,9 @@ class Progress:
     def __call__(self, phase: str, i: int, n: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        from tqdm import tqdm
-
         bar = self.bars.get(phase)
         if bar is None:
-            bar = self.bars[phase] = tqdm(total=n, desc=phase, initial=max(i - 1, 0), dynamic_ncols=True, file=sys.stderr)
+            bar = self.bars[phase] = _bar(total=n, desc=phase, initial=max(i - 1, 0))
         last = self.last.setdefault(phase, {})  # per phase: pretraining's loss never shows on an RL bar
         for k, short in self.KEYS.items():
             if k in metrics and metrics[k] == metrics[k]:
@@ -215,6 +255,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if set(over) - {"run"} or set(over.get("run", {})) - {"steps", "progress", "tensorboard"}:
             raise CLIError("--resume accepts only --set run.steps / run.progress / run.tensorboard")
         cfg = load_run_config(args.run_dir, over)
+        finished = _finished_note(args.run_dir, cfg.run.steps)
+        if finished:
+            print(finished)
+            return 0
     else:
         cfg = _config_from_args(args)
     prog = Progress(cfg.run.progress and not args.quiet)
@@ -227,6 +271,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0  # data parallel: rank 0 reports
     print("done: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last) + f"  ({args.run_dir})")
     return 0
+
+
+def _finished_note(run_dir: str, steps: int) -> str | None:
+    """What to say when ``--resume`` finds the run already finished at ``steps`` (else None)."""
+    from timlab.trainer.rundir import FINISHED, RunDir
+
+    status = RunDir(run_dir).read_status()
+    done = status.get("step")
+    if status.get("state") != FINISHED or not isinstance(done, int) or done < steps:
+        return None
+    return (f"{run_dir}: already finished at step {done} of run.steps={steps}; nothing to do. To train it "
+            f"further: timlab train --run-dir {run_dir} --resume --set run.steps=N (N > {done})")
 
 
 def _add_train(sub) -> None:
@@ -243,12 +299,17 @@ def _add_train(sub) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from timlab.experiments.demo import run_demo
+    from timlab.experiments.demo import SFT_SECONDS, estimate_seconds, run_demo
 
+    n_runs, n_steps, (low, high) = estimate_seconds(quick=args.quick, seeds=args.seeds, steps=args.steps,
+                                                    workers=args.workers)
+    print(f"demo: {n_runs} runs x {n_steps} steps; estimate {_minutes(low)}-{_minutes(high)} on an idle machine "
+          f"(+ about {SFT_SECONDS} s of SFT the first time; times vary with the CPU, and load can double them)",
+          flush=True)
     prog = Progress(not args.quiet)
     try:
-        res = run_demo(quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, progress=prog,
-                       **_given(args, ("out_dir",)))
+        res = run_demo(quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, force=args.force,
+                       progress=prog, **_given(args, ("out_dir",)))
     finally:
         prog.close()
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
@@ -257,18 +318,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report")
+    p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report",
+                       formatter_class=_defaults_of("timlab.experiments.demo:run_demo"))
     from timlab.config import PRESETS
     from timlab.experiments import demo
 
-    p.add_argument("--out", dest="out_dir", help=f"output folder (default: {_default(demo.run_demo, 'out_dir')})")
+    p.add_argument("--out", dest="out_dir", help="output folder (default: {default})")
     p.add_argument("--quick", action="store_true",
                    help=f"fewer conditions, {demo.QUICK_SEEDS} seeds, {demo.QUICK_STEPS} steps")
     p.add_argument("--seeds", type=int, help=f"seeds per condition (default {demo.SEEDS}, quick {demo.QUICK_SEEDS})")
     p.add_argument("--steps", type=int, help=f"RL steps per run (default {PRESETS['demo']['run']['steps']}, "
                                                f"quick {demo.QUICK_STEPS})")
     p.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
+    p.add_argument("--force", action="store_true",
+                   help="--out holds a demo with other settings: delete it and start over (default: refuse)")
     p.add_argument("--quiet", action="store_true", help=QUIET)
     p.set_defaults(func=cmd_demo)
 
@@ -357,16 +425,14 @@ class SweepProgress:
     def __call__(self, phase: str, i: int, n: int, info: dict) -> None:
         if not self.enabled:
             return
-        from tqdm import tqdm
-
         if phase == "sweep":
             if self.bar is None:
-                self.bar = tqdm(total=n, initial=i, desc="runs", unit="run", dynamic_ncols=True, file=sys.stderr)
+                self.bar = _bar(total=n, initial=i, desc="runs", unit="run")
             run_id = info.get("run_id")
             if run_id:
                 self.active.pop(run_id, None)
                 msg = f": {info['message']}" if info.get("message") else ""
-                tqdm.write(f"{run_id}: {info.get('state')} ({info.get('mode')}){msg}", file=sys.stderr)
+                self.bar.write(f"{run_id}: {info.get('state')} ({info.get('mode')}){msg}", file=sys.stderr)
             self.bar.update(i - self.bar.n)
         else:
             kind, _, key = phase.partition(":")
