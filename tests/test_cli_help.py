@@ -56,7 +56,7 @@ def test_every_help_renders_without_importing_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "``" not in res.stdout and "{names:" not in res.stdout and "{default}" not in res.stdout
+    assert "`" not in res.stdout and "{names:" not in res.stdout and "{default}" not in res.stdout
     assert "timlab: a lab for training-inference mismatch" in res.stdout
     assert res.stdout.count("examples:") >= len(COMMANDS) - 1
 

@@ -16,10 +16,11 @@ def test_resume_of_a_finished_run_says_so_and_how_to_extend_it(tmp_path, capsys)
     capsys.readouterr()
     assert cli.main(["train", "--run-dir", str(d), "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "already finished at step 4 of run.steps=4" in out and "--resume --set run.steps=N (N > 4)" in out
-    assert "done:" not in out
+    assert "already finished at step 4 of run.steps=4; nothing to train" in out
+    assert "--resume --set run.steps=N (N > 4)" in out and out.startswith("done: step=4,")
     assert cli.main(["train", "--run-dir", str(d), "--resume", "--set", "run.steps=5", "--quiet"]) == 0
-    assert "done: step=5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "done: step=5" in out and "already finished" not in out
 
 
 def test_a_failed_start_leaves_no_run_folder(tmp_path, capsys):

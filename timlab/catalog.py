@@ -108,7 +108,7 @@ class ConfigKey:
 
 @functools.cache
 def _field_docs() -> dict[str, str]:
-    """{"Section.field": the docstring under the field} from config.py's source."""
+    """{"Section.field": the docstring under the field, as plain text} from config.py's source."""
     docs = {}
     for cls in ast.parse((PACKAGE / "config.py").read_text(encoding="utf-8")).body:
         if not isinstance(cls, ast.ClassDef):
@@ -117,7 +117,7 @@ def _field_docs() -> dict[str, str]:
         for stmt, nxt in zip(body, body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
                     and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-                docs[f"{cls.name}.{stmt.target.id}"] = " ".join(nxt.value.value.split())
+                docs[f"{cls.name}.{stmt.target.id}"] = " ".join(nxt.value.value.split()).replace("`", "")
     return docs
 
 

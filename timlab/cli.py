@@ -97,8 +97,8 @@ def _add_probe(sub) -> None:
     p = sub.add_parser("probe", help="roll out with one engine, score the same tokens with another, report the mismatch",
                        formatter_class=_defaults_of("timlab.experiments.probe:run_probe"))
     p.add_argument("--model", required=True, help="HF-format model folder")
-    p.add_argument("--prompts", help="UTF-8 text file, one prompt per line, written as the task's prompts are "
-                   "(e.g. reverse: 'rev:abc='; `timlab probe --task NAME` shows them)")
+    p.add_argument("--prompts", help="UTF-8 text file, one prompt per line, written as the model's task writes "
+                   "its prompts (e.g. reverse: 'rev:abc='; README, 'Prompt files', lists each task's)")
     p.add_argument("--task", help="built-in task to draw prompts from: {names:task}")
     # defaults are run_probe's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--num-prompts", type=int, help="the file's first N prompts (default all), or N from the task")
@@ -211,7 +211,7 @@ def _add_config_args(p) -> None:
 
     p.add_argument("--preset", help=f"named preset(s), joined with '+' (e.g. surge+decoupled_k3_rs): {', '.join(PRESETS)}")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                   help="override a config key (repeatable; `timlab config` lists every key)")
+                   help="override a config key (repeatable; 'timlab config' lists every key)")
 
 
 # ---------------------------------------------------------------------------------- pretrain
@@ -220,9 +220,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
     from timlab.config import resolve
 
-    overrides = list(args.set or [])
-
-    cfg = resolve(args.config, args.preset, overrides, task=args.task)
+    cfg = resolve(args.config, args.preset, list(args.set or []), task=args.task)
     prog = Progress(not args.quiet)
     res = pretrain(cfg, args.out, force=args.force, progress=lambda s, n, m: prog("pretrain", s, n, m))
     prog.close()
@@ -255,34 +253,32 @@ def cmd_train(args: argparse.Namespace) -> int:
         if set(over) - {"run"} or set(over.get("run", {})) - {"steps", "progress", "tensorboard"}:
             raise CLIError("--resume accepts only --set run.steps / run.progress / run.tensorboard")
         cfg = load_run_config(args.run_dir, over)
-        finished = _finished_note(args.run_dir, cfg.run.steps)
-        if finished:
-            print(finished)
-            return 0
     else:
         cfg = _config_from_args(args)
     prog = Progress(cfg.run.progress and not args.quiet)
+    trained = []
+
+    def progress(phase: str, i: int, n: int, metrics: dict) -> None:
+        trained.append(phase == "train")
+        prog(phase, i, n, metrics)
+
     try:
-        last = train(cfg, args.run_dir, resume=args.resume, progress=prog)
+        last = train(cfg, args.run_dir, resume=args.resume, progress=progress)
     finally:
         prog.close()
     keys = ["step", "train/reward_mean", "val/accuracy", "rollout_corr/k3_kl", "mismatch/max_abs_diff", "train/lr"]
     if os.environ.get("RANK", "0") != "0":
         return 0  # data parallel: rank 0 reports
     print("done: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last) + f"  ({args.run_dir})")
+    if args.resume and not any(trained) and "step" in last:
+        print(_finished_note(args.run_dir, int(last["step"]), cfg.run.steps))
     return 0
 
 
-def _finished_note(run_dir: str, steps: int) -> str | None:
-    """What to say when ``--resume`` finds the run already finished at ``steps`` (else None)."""
-    from timlab.trainer.rundir import FINISHED, RunDir
-
-    status = RunDir(run_dir).read_status()
-    done = status.get("step")
-    if status.get("state") != FINISHED or not isinstance(done, int) or done < steps:
-        return None
-    return (f"{run_dir}: already finished at step {done} of run.steps={steps}; nothing to do. To train it "
-            f"further: timlab train --run-dir {run_dir} --resume --set run.steps=N (N > {done})")
+def _finished_note(run_dir: str, step: int, steps: int) -> str:
+    """What ``--resume`` says when the run had already reached run.steps (nothing was trained)."""
+    return (f"{run_dir}: already finished at step {step} of run.steps={steps}; nothing to train. To train it "
+            f"further: timlab train --run-dir {run_dir} --resume --set run.steps=N (N > {step})")
 
 
 def _add_train(sub) -> None:
