@@ -72,6 +72,7 @@ PLAN = (
     Step(r"timlab analyze .*"),
     Step(r"timlab gradcheck --preset demo .*", replace=SMOKE + (("--samples 1024", "--samples 64"), ("--buckets 4", "--buckets 1")),
          add=("--model", "models/reverse", "--quiet")),
+    Step(r"timlab export runs/r1 --step 100 --out models/learned", replace=(("--step 100", "--step 4"),)),
     Step(r"timlab gradcheck --run-dir runs/r1 --step 100", replace=(("--step 100", "--step 4"),), add=("--quiet",)),
 )
 
@@ -174,5 +175,6 @@ def test_readme_commands_run_on_a_tiny_budget(workdir, capsys):
         assert code == 0, f"{' '.join(argv)} exited {code}: {out.err.strip()[-500:]}"
         ran.append(argv[1])
     assert ran.count("train") == 3 and ran.count("probe") == 2 and ran.count("gradcheck") == 2
+    assert ran.count("runs") == 2 and (workdir / "models/learned/config.json").is_file()
     assert (workdir / "dose.html").is_file() and (workdir / "threshold.png").is_file()
     assert (workdir / "runs/r1/checkpoints").is_dir() and (workdir / "bias.png").is_file()

@@ -372,6 +372,7 @@ EXAMPLES: dict[str, list[str]] = {
     "gradcheck": ["timlab gradcheck --preset demo --injector head_perturb --magnitude 1 --samples 256",
                   "timlab gradcheck --run-dir runs/r1 --step 50"],
     "config": ["timlab config", "timlab config --preset demo --set optim.lr=3e-4"],
+    "export": ["timlab export runs/r1 --step 100 --out models/r1_step100"],
 }
 """Examples shown under each command's --help (tests/test_cli_help.py parses every one)."""
 
