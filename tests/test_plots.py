@@ -62,9 +62,13 @@ def test_identical_conditions_are_named_and_drawn_distinctly(twin_runs, tmp_path
     np.testing.assert_array_equal(lines[twin].get_ydata(), lines[first].get_ydata())
 
 
-def test_no_identical_note_when_conditions_differ(twin_runs, tmp_path):
-    runs = [r for r in twin_runs if "twin" not in r.name]
-    assert "Identical conditions" not in report.build_report(runs, tmp_path / "r.html").path.read_text()
+def test_identical_conditions_need_every_curve_equal(twin_runs):
+    runs, _ = report._collect(twin_runs, "condition")
+    groups = list(dict.fromkeys(r.group for r in runs))
+    assert len(report.identical_conditions(runs, groups)) == 1
+    # the control's reward curve equals the injected runs' in these hand-made runs: not enough
+    no_twin = [r for r in runs if "twin" not in r.name]
+    assert report.identical_conditions(no_twin, list(dict.fromkeys(r.group for r in no_twin))) == {}
 
 
 def _outside(fig) -> None:

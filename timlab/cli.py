@@ -373,6 +373,8 @@ EXAMPLES: dict[str, list[str]] = {
                   "timlab gradcheck --run-dir runs/r1 --step 50"],
     "config": ["timlab config", "timlab config --preset demo --set optim.lr=3e-4"],
     "export": ["timlab export runs/r1 --step 100 --out models/r1_step100"],
+    "check": ["timlab check --model /path/to/Qwen3-0.6B --rollout fast --score trainer --dtype bfloat16",
+              "timlab check --model models/reverse --lengths short=8:16,long=32:64 --fail-above 0"],
 }
 """Examples shown under each command's --help (tests/test_cli_help.py parses every one)."""
 
