@@ -63,7 +63,7 @@ def test_identical_conditions_are_named_and_drawn_distinctly(twin_runs, tmp_path
 
 
 def test_identical_conditions_need_every_curve_equal(twin_runs):
-    runs, _ = report._collect(twin_runs, "condition")
+    runs, _ = report._collect(twin_runs, "condition", {"rule": report.DEFAULT_RULE})
     groups = list(dict.fromkeys(r.group for r in runs))
     assert len(report.identical_conditions(runs, groups)) == 1
     # the control's reward curve equals the injected runs' in these hand-made runs: not enough
