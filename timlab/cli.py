@@ -23,6 +23,9 @@ class CLIError(TimlabError):
     """A user-facing error: printed as one line, exit code 2."""
 
 
+QUIET = "no progress bars (results are still printed)"
+
+
 def _set_threads() -> None:
     # Tiny models: one thread is 3-50x faster than two on a shared 2-core machine.
     import torch
@@ -31,29 +34,31 @@ def _set_threads() -> None:
         torch.set_num_threads(1)
 
 
-def _default(fn, name: str):
-    """The default of ``fn``'s keyword argument ``name``: help text quotes it from there."""
-    import inspect
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help as the user reads it: descriptions and examples keep their line breaks, and an
+    option's help may say ``{names:KIND}`` (the registered names of a kind, e.g. ``task``) or
+    ``{default}`` (see ``_defaults_of``). Both are read from the source by ``timlab.catalog``
+    when help is printed, so no help imports torch."""
 
-    return inspect.signature(fn).parameters[name].default
+    defaults_from: str | None = None
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        import re
+
+        from timlab import catalog
+
+        text = super()._expand_help(action)
+        text = re.sub(r"\{names:(\w+)\}", lambda m: ", ".join(catalog.names(m.group(1))), text)
+        if "{default}" in text and self.defaults_from:
+            text = text.replace("{default}", catalog.function_defaults(self.defaults_from)[action.dest])
+        return text
 
 
 def _defaults_of(target: str) -> type[argparse.HelpFormatter]:
     """A help formatter that fills ``{default}`` in an option's help with the default of the
-    keyword argument named like the option's dest in ``target`` ("module:function"). The module
-    is imported only when help is printed, so building the parser stays cheap."""
-
-    class Formatter(argparse.HelpFormatter):
-        def _expand_help(self, action: argparse.Action) -> str:
-            text = super()._expand_help(action)
-            if "{default}" in text:
-                import importlib
-
-                module, name = target.split(":")
-                text = text.replace("{default}", str(_default(getattr(importlib.import_module(module), name), action.dest)))
-            return text
-
-    return Formatter
+    keyword argument named like the option's dest in ``target`` ("module:function"), read from
+    the function's source when help is printed (nothing is imported)."""
+    return type("Formatter", (_Formatter,), {"defaults_from": target})
 
 
 def _given(args: argparse.Namespace, names) -> dict:
@@ -92,14 +97,15 @@ def _add_probe(sub) -> None:
     p = sub.add_parser("probe", help="roll out with one engine, score the same tokens with another, report the mismatch",
                        formatter_class=_defaults_of("timlab.experiments.probe:run_probe"))
     p.add_argument("--model", required=True, help="HF-format model folder")
-    p.add_argument("--prompts", help="text file with one prompt per line")
-    p.add_argument("--task", help="built-in task to draw prompts from")
+    p.add_argument("--prompts", help="UTF-8 text file, one prompt per line, written as the model's task writes "
+                   "its prompts (e.g. reverse: 'rev:abc='; README, 'Prompt files', lists each task's)")
+    p.add_argument("--task", help="built-in task to draw prompts from: {names:task}")
     # defaults are run_probe's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--num-prompts", type=int, help="the file's first N prompts (default all), or N from the task")
     p.add_argument("--samples-per-prompt", type=int, help="default {default}")
     # no argparse choices: run_probe checks the names and lists the valid ones in one line
-    p.add_argument("--rollout", help="rollout engine: exact, fast, hf (default {default})")
-    p.add_argument("--score", help="score path: trainer, exact, fast, hf (default {default})")
+    p.add_argument("--rollout", help="rollout engine: {names:engine} (default {default})")
+    p.add_argument("--score", help="score path: trainer, {names:engine} (default {default})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default {default}")
     p.add_argument("--max-new-tokens", type=int, help="default {default}")
     p.add_argument("--seed", type=int, help="default {default}")
@@ -114,6 +120,55 @@ def _add_probe(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------- progress
+class LineBar:
+    """A progress bar for output that is not a terminal (a log file, a pipe): one line
+    ``desc: n/total  postfix`` at most every ``interval`` seconds and one at the end, instead of
+    tqdm's redraws (two workers' bars once made an 8,000-line log). The subset of tqdm's
+    interface that ``Progress`` and ``SweepProgress`` use."""
+
+    def __init__(self, *, total: int, desc: str = "", initial: int = 0, interval: float = 30.0, file=None, **_):
+        import time
+
+        self.total, self.desc, self.n, self.interval = total, desc, initial, interval
+        self.file = file or sys.stderr
+        self.postfix = ""
+        self._clock = time.monotonic
+        self._last = float("-inf")  # the first update prints
+        self._closed = False
+
+    def set_postfix(self, values: dict | None = None, refresh: bool = True) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in (values or {}).items())
+
+    def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
+        self.postfix = text
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        if k and self._clock() - self._last >= self.interval:
+            self._print()
+
+    def write(self, text: str, file=None) -> None:
+        print(text, file=file or self.file, flush=True)
+
+    def _print(self) -> None:
+        self._last = self._clock()
+        self.write(f"{self.desc}: {self.n}/{self.total}" + (f"  {self.postfix}" if self.postfix else ""))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._print()
+
+
+def _bar(**kwargs):
+    """A tqdm bar on stderr when it is a terminal, else a ``LineBar``."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(dynamic_ncols=True, file=sys.stderr, **kwargs)
+    return LineBar(**kwargs)
+
+
 class Progress:
     """tqdm bars for the phases a library call reports through ``progress(phase, i, n, metrics)``."""
 
@@ -128,11 +183,9 @@ class Progress:
     def __call__(self, phase: str, i: int, n: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        from tqdm import tqdm
-
         bar = self.bars.get(phase)
         if bar is None:
-            bar = self.bars[phase] = tqdm(total=n, desc=phase, initial=max(i - 1, 0), dynamic_ncols=True, file=sys.stderr)
+            bar = self.bars[phase] = _bar(total=n, desc=phase, initial=max(i - 1, 0))
         last = self.last.setdefault(phase, {})  # per phase: pretraining's loss never shows on an RL bar
         for k, short in self.KEYS.items():
             if k in metrics and metrics[k] == metrics[k]:
@@ -157,19 +210,17 @@ def _add_config_args(p) -> None:
     from timlab.config import PRESETS
 
     p.add_argument("--preset", help=f"named preset(s), joined with '+' (e.g. surge+decoupled_k3_rs): {', '.join(PRESETS)}")
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable; 'timlab config' lists every key)")
 
 
 # ---------------------------------------------------------------------------------- pretrain
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from timlab.trainer.pretrain import pretrain
 
-    overrides = list(args.set or [])
-    if args.task:
-        overrides.append(f"task.name={args.task}")
     from timlab.config import resolve
 
-    cfg = resolve(args.config, args.preset, overrides)
+    cfg = resolve(args.config, args.preset, list(args.set or []), task=args.task)
     prog = Progress(not args.quiet)
     res = pretrain(cfg, args.out, force=args.force, progress=lambda s, n, m: prog("pretrain", s, n, m))
     prog.close()
@@ -181,10 +232,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def _add_pretrain(sub) -> None:
     p = sub.add_parser("pretrain", help="SFT warm start of a tiny model on a task (cached by config hash)")
     p.add_argument("config", nargs="?", help="YAML config (model and task sections are used)")
-    p.add_argument("--task", help="task name (same as --set task.name=NAME)")
+    p.add_argument("--task", help="task: {names:task} (the preset's and YAML's task.kwargs are dropped "
+                                  "when they are another task's)")
     p.add_argument("--out", help="output folder (default: the cache, keyed by the config hash)")
     p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
     p.set_defaults(func=cmd_pretrain)
 
@@ -204,15 +256,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = _config_from_args(args)
     prog = Progress(cfg.run.progress and not args.quiet)
+    trained = []
+
+    def progress(phase: str, i: int, n: int, metrics: dict) -> None:
+        trained.append(phase == "train")
+        prog(phase, i, n, metrics)
+
     try:
-        last = train(cfg, args.run_dir, resume=args.resume, progress=prog)
+        last = train(cfg, args.run_dir, resume=args.resume, progress=progress)
     finally:
         prog.close()
     keys = ["step", "train/reward_mean", "val/accuracy", "rollout_corr/k3_kl", "mismatch/max_abs_diff", "train/lr"]
     if os.environ.get("RANK", "0") != "0":
         return 0  # data parallel: rank 0 reports
     print("done: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last) + f"  ({args.run_dir})")
+    if args.resume and not any(trained) and "step" in last:
+        print(_finished_note(args.run_dir, int(last["step"]), cfg.run.steps))
     return 0
+
+
+def _finished_note(run_dir: str, step: int, steps: int) -> str:
+    """What ``--resume`` says when the run had already reached run.steps (nothing was trained)."""
+    return (f"{run_dir}: already finished at step {step} of run.steps={steps}; nothing to train. To train it "
+            f"further: timlab train --run-dir {run_dir} --resume --set run.steps=N (N > {step})")
 
 
 def _add_train(sub) -> None:
@@ -220,7 +286,7 @@ def _add_train(sub) -> None:
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("--run-dir", required=True, help="where config.yaml, metrics.parquet and checkpoints/ go")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
@@ -229,12 +295,17 @@ def _add_train(sub) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from timlab.experiments.demo import run_demo
+    from timlab.experiments.demo import SFT_SECONDS, estimate_seconds, run_demo
 
+    n_runs, n_steps, (low, high) = estimate_seconds(quick=args.quick, seeds=args.seeds, steps=args.steps,
+                                                    workers=args.workers)
+    print(f"demo: {n_runs} runs x {n_steps} steps; estimate {_minutes(low)}-{_minutes(high)} on an idle machine "
+          f"(+ about {SFT_SECONDS} s of SFT the first time; times vary with the CPU, and load can double them)",
+          flush=True)
     prog = Progress(not args.quiet)
     try:
-        res = run_demo(quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, progress=prog,
-                       **_given(args, ("out_dir",)))
+        res = run_demo(quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, force=args.force,
+                       progress=prog, **_given(args, ("out_dir",)))
     finally:
         prog.close()
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
@@ -243,30 +314,97 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report")
+    p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report",
+                       formatter_class=_defaults_of("timlab.experiments.demo:run_demo"))
     from timlab.config import PRESETS
     from timlab.experiments import demo
 
-    p.add_argument("--out", dest="out_dir", help=f"output folder (default: {_default(demo.run_demo, 'out_dir')})")
+    p.add_argument("--out", dest="out_dir", help="output folder (default: {default})")
     p.add_argument("--quick", action="store_true",
                    help=f"fewer conditions, {demo.QUICK_SEEDS} seeds, {demo.QUICK_STEPS} steps")
     p.add_argument("--seeds", type=int, help=f"seeds per condition (default {demo.SEEDS}, quick {demo.QUICK_SEEDS})")
     p.add_argument("--steps", type=int, help=f"RL steps per run (default {PRESETS['demo']['run']['steps']}, "
                                                f"quick {demo.QUICK_STEPS})")
     p.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="--out holds a demo with other settings: delete it and start over (default: refuse)")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     p.set_defaults(func=cmd_demo)
 
 
 # ---------------------------------------------------------------------------------- main
+ABOUT = """\
+timlab: a lab for training-inference mismatch (TIM) in RL of language models.
+
+RL samples with an inference engine and computes gradients with a training engine; timlab's
+exact engine makes the two agree bit for bit, injects a controlled mismatch back, measures it
+(verl's rollout_corr/* metrics) and tests remedies (importance sampling, the length-decay LR)."""
+
+START = """\
+start here:
+  timlab demo --quick                       the main experiment, small (a few minutes on a CPU)
+  timlab train --preset smoke --run-dir runs/smoke
+  timlab config --preset demo               every config key --set accepts, with its value
+  timlab COMMAND --help                     what a command does, its options and examples
+
+docs: README.md and docs/ in the source tree"""
+
+EXAMPLES: dict[str, list[str]] = {
+    "probe": ["timlab probe --model models/reverse --task reverse --rollout exact --score trainer",
+              "timlab probe --model models/reverse --prompts prompts.txt --rollout fast --dtype bfloat16 --attribute"],
+    "pretrain": ["timlab pretrain --task reverse --out models/reverse",
+                 "timlab pretrain --preset smoke --task sort --out models/sort"],
+    "train": ["timlab train --preset smoke --run-dir runs/smoke",
+              "timlab train --preset demo --run-dir runs/r1 --set mismatch.injector=head_perturb "
+              "--set mismatch.magnitude=2",
+              "timlab train --run-dir runs/r1 --resume --set run.steps=300"],
+    "demo": ["timlab demo --quick", "timlab demo --out demo_out --seeds 3"],
+    "sweep": ["timlab sweep docs/examples/dose_response.yaml --out sweeps/dose"],
+    "runs": ['timlab runs sweeps/dose --where "collapsed AND mismatch.magnitude >= 1" --sort -final_accuracy'],
+    "report": ["timlab report sweeps/dose --out dose.html"],
+    "analyze": ["timlab analyze timlab/data/sample_logprobs.jsonl --out analysis.html"],
+    "threshold": ["timlab threshold sweeps/threshold --plot threshold.png"],
+    "gradcheck": ["timlab gradcheck --preset demo --injector head_perturb --magnitude 1 --samples 256",
+                  "timlab gradcheck --run-dir runs/r1 --step 50"],
+    "config": ["timlab config", "timlab config --preset demo --set optim.lr=3e-4"],
+    "export": ["timlab export runs/r1 --step 100 --out models/r1_step100"],
+    "check": ["timlab check --model /path/to/Qwen3-0.6B --rollout fast --score trainer --dtype bfloat16",
+              "timlab check --model models/reverse --lengths short=8:16,long=32:64 --fail-above 0"],
+}
+"""Examples shown under each command's --help (tests/test_cli_help.py parses every one)."""
+
+
+def _describe(sub) -> None:
+    """Give every subcommand a description (its one-line help, unless it has its own), its
+    examples and the user-facing formatter."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, p in sub.choices.items():
+        if not p.description:
+            import textwrap
+
+            p.description = textwrap.fill((helps.get(name) or "").rstrip(".") + ".", 90)
+        if name in EXAMPLES and not p.epilog:
+            p.epilog = "examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES[name])
+        if not issubclass(p.formatter_class, _Formatter):
+            p.formatter_class = _Formatter
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="timlab", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from timlab import __version__
+
+    parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"timlab {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _add_probe(sub)
     for register in _EXTRA_COMMANDS:
         register(sub)
+    _describe(sub)
     return parser
 
 
@@ -286,16 +424,14 @@ class SweepProgress:
     def __call__(self, phase: str, i: int, n: int, info: dict) -> None:
         if not self.enabled:
             return
-        from tqdm import tqdm
-
         if phase == "sweep":
             if self.bar is None:
-                self.bar = tqdm(total=n, initial=i, desc="runs", unit="run", dynamic_ncols=True, file=sys.stderr)
+                self.bar = _bar(total=n, initial=i, desc="runs", unit="run")
             run_id = info.get("run_id")
             if run_id:
                 self.active.pop(run_id, None)
                 msg = f": {info['message']}" if info.get("message") else ""
-                tqdm.write(f"{run_id}: {info.get('state')} ({info.get('mode')}){msg}", file=sys.stderr)
+                self.bar.write(f"{run_id}: {info.get('state')} ({info.get('mode')}){msg}", file=sys.stderr)
             self.bar.update(i - self.bar.n)
         else:
             kind, _, key = phase.partition(":")
@@ -332,7 +468,7 @@ def _add_sweep(sub) -> None:
     p.add_argument("--out", required=True, help="sweep directory: one run directory per run + index.parquet")
     p.add_argument("--workers", type=int, help="parallel runs (default: spec's workers, else the number of cores)")
     p.add_argument("--executor", choices=("local", "ray"), help="local process pool (default) or ray")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     p.set_defaults(func=cmd_sweep)
 
 
@@ -372,7 +508,7 @@ def _add_runs(sub) -> None:
     p.add_argument("dir", help="sweep directory (holds index.parquet)")
     p.add_argument("--where", help='SQL condition, e.g. "mismatch.magnitude > 0.5 AND collapsed" (dotted names may be bare)')
     p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
-    p.add_argument("--sort", metavar="COL", help="sort by this column (--sort=-COL or --desc: descending)")
+    p.add_argument("--sort", metavar="COL", help="sort by this column (--sort -COL or --desc: descending)")
     p.add_argument("--desc", action="store_true", help="sort descending")
     _add_rule_args(p)
     p.set_defaults(func=cmd_runs)
@@ -545,7 +681,8 @@ def _add_gradcheck(sub) -> None:
     p.add_argument("--run-dir", help="a training run: use its config.yaml and a checkpoint (default: the latest)")
     p.add_argument("--step", type=int, help="with --run-dir: the checkpoint of this step (0 = the warm start)")
     p.add_argument("--model", help="an HF model folder to check instead of the config's warm start")
-    p.add_argument("--injector", help="mismatch injector (same as --set mismatch.injector=NAME)")
+    p.add_argument("--injector", help="mismatch injector: {names:injector}; combine with '+' "
+                                      "(same as --set mismatch.injector=NAME)")
     p.add_argument("--magnitude", type=float, help="injector magnitude (same as --set mismatch.magnitude=X)")
     # defaults are gradcheck's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--samples", type=int, help="sequences per side (default {default})")
@@ -563,7 +700,7 @@ def _add_gradcheck(sub) -> None:
                    help="only parameters whose name matches (bounds memory on big models)")
     p.add_argument("--json", help="write the full result as JSON here")
     p.add_argument("--plot", help="write a PNG of bias vs the T^2 bound and bias/SNR vs length here")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
     p.set_defaults(func=cmd_gradcheck)
 
@@ -593,15 +730,89 @@ def _add_export(sub) -> None:
 _EXTRA_COMMANDS.append(_add_export)
 
 
+# ---------------------------------------------------------------------------------- config
+def _value_text(value) -> str:
+    import json
+
+    return json.dumps(value) if isinstance(value, (str, dict)) and not (isinstance(value, str) and value) else str(value)
+
+
+def format_config_keys(keys, values: dict | None = None, width: int = 100) -> str:
+    """One block per key: ``key  type  value`` (the default, or ``values[key]`` marked ``*`` where
+    it differs), then its help wrapped and indented."""
+    import textwrap
+
+    lines = []
+    for k in keys:
+        value, mark = k.default, ""
+        if values is not None and k.key in values and values[k.key] != k.default:
+            value, mark = values[k.key], "  * (default " + _value_text(k.default) + ")"
+        lines.append(f"{k.key}  ({k.type}) = {_value_text(value)}{mark}")
+        if k.help:
+            lines += textwrap.wrap(k.help, width, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from timlab.catalog import config_keys
+
+    keys = config_keys()
+    if args.key:
+        wanted = [k for k in keys if k.key == args.key or k.key.startswith(args.key + ".")]
+        if not wanted:
+            sections = sorted({k.key.split(".")[0] for k in keys})
+            raise CLIError(f"unknown config key or section {args.key!r}; valid sections: {', '.join(sections)}")
+        keys = wanted
+    values = None
+    if args.config or args.preset or args.set or args.task:
+        from timlab.config import resolve
+
+        cfg = resolve(args.config, args.preset, args.set or [], task=args.task).to_dict()
+        values = {k.key: cfg[k.key.split(".")[0]][k.key.split(".", 1)[1]] for k in keys}
+    print(format_config_keys(keys, values))
+    return 0
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser("config", help="list every config key --set accepts: its type, default (or the value a "
+                                      "preset, YAML file or --set gives it) and what it does")
+    p.add_argument("key", nargs="?", help="only this key or section (e.g. optim or optim.lr)")
+    p.add_argument("--config", help="YAML config file: show the values it resolves to")
+    p.add_argument("--task", help="task: {names:task} (as for pretrain)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config, torch=False)
+
+
+_EXTRA_COMMANDS.append(_add_config)
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"timlab: warning: {message}", file=sys.stderr if file is None else file)
 
 
+DASH_VALUES = ("--sort",)
+"""Options whose value may start with '-' (``--sort -final_accuracy``): argparse would read it as an option."""
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    """``["--sort", "-col"]`` -> ``["--sort=-col"]`` for the options in ``DASH_VALUES``."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in DASH_VALUES and i + 1 < len(argv) and argv[i + 1].startswith("-") and len(argv[i + 1]) > 1:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(sys.argv[1:] if argv is None else list(argv)))
     handle_sigterm()  # kill / docker stop: the run records where it stopped, like Ctrl-C
-    _set_threads()
+    if getattr(args, "torch", True):  # a command that runs no torch code does not import it
+        _set_threads()
     if not args.debug:
         import warnings
 

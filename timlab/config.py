@@ -40,30 +40,42 @@ class ModelSection:
     model_type: str = "llama"
     """Architecture of the warm-start model: llama, qwen2 or qwen3."""
     hidden_size: int = 128
+    """Warm-start model: width of the residual stream."""
     num_layers: int = 4
+    """Warm-start model: decoder layers."""
     num_heads: int = 4
+    """Warm-start model: attention (query) heads."""
     num_kv_heads: int = 2
+    """Warm-start model: key/value heads (grouped-query attention; divides num_heads)."""
     intermediate_size: int = 384
+    """Warm-start model: width of the MLP's hidden layer."""
     max_position_embeddings: int = 256
+    """Warm-start model: the longest sequence (prompt + answer) it can take."""
     pretrain_steps: int = 400
     """SFT steps for the warm start (tuned so validation accuracy leaves room for RL)."""
     pretrain_batch: int = 64
+    """SFT examples per step."""
     pretrain_lr: float = 3e-3
+    """SFT learning rate (AdamW)."""
     pretrain_seed: int = 0
+    """Seed of the SFT warm start (initial weights and batches)."""
 
 
 @dataclass(frozen=True)
 class TaskSection:
     name: str = "reverse"
-    """A registered task: reverse, sort, addition, countdown, copy, scratch_add, or dataset (a local
-    JSONL/Parquet/CSV file; needs model.path)."""
+    """A registered task (the synthetic ones' prompt formats: README, "Prompt files"), or dataset
+    (a local JSONL/Parquet/CSV file; needs model.path)."""
     kwargs: dict = field(default_factory=dict)
     """Task options, e.g. {min_len: 4, max_len: 24} (each task lists its own)."""
     dense_reward: bool = False
     """Partial-credit reward in [0, 1] instead of 0/1 exact match."""
     n_train: int = 20000
+    """Prompts in the RL training pool."""
     n_val: int = 128
+    """Prompts in the validation set (disjoint from the training pool)."""
     split_seed: int = 1234
+    """Seed that draws the train and validation prompts."""
 
 
 @dataclass(frozen=True)
@@ -71,11 +83,17 @@ class RolloutSection:
     engine: str = "exact"
     """Rollout engine: exact (bitwise equal to the trainer) or another of ``timlab.engines.ENGINES``."""
     prompts_per_step: int = 16
+    """Prompts per RL step."""
     samples_per_prompt: int = 8
+    """Responses sampled per prompt (the group size of grpo and rloo)."""
     max_new_tokens: int = 40
+    """Longest response; a response that reaches it without EOS is cut there."""
     temperature: float = 1.0
+    """Sampling temperature of the rollout."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability (1.0 = off)."""
     top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +101,9 @@ class AlgorithmSection:
     name: str = "grpo"
     """Advantage estimator: grpo (group mean/std), rloo (leave-one-out), reinforce (group-mean baseline)."""
     clip_low: float = 0.2
+    """PPO clip: the ratio pi/pi_old is clipped below at 1 - clip_low."""
     clip_high: float = 0.28
+    """PPO clip: the ratio pi/pi_old is clipped above at 1 + clip_high (DAPO's clip-higher)."""
     loss_agg: str = "token_mean"
     """token_mean (all valid tokens of the batch weigh the same) or seq_mean (mean per sequence, then over sequences)."""
     kl_coef: float = 0.0
@@ -106,9 +126,13 @@ class OptimSection:
     accuracy at 3e-5 and 5e-5 over 120 steps (0.30 -> 0.29-0.33), fell to 0.17 at 1e-4 and
     collapsed within 10 steps at 3e-4 (0.30 -> 0.02). The presets set their own."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     beta1: float = 0.9
+    """AdamW beta1."""
     beta2: float = 0.999
+    """AdamW beta2."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
 
@@ -125,11 +149,15 @@ class SchedulerSection:
     decay_period: int = 0
     """length_decay: halve the LR every P updates; 0 = automatic (P = surge_factor x surge step)."""
     min_lr_ratio: float = 0.1
+    """cosine, length_decay: the LR never goes below this fraction of optim.lr."""
     surge_factor: float = 1.8
+    """length_decay, automatic mode: P = round(surge_factor x the surge step)."""
     surge_ratio: float = 2.0
     """Automatic mode: mean response length must grow this many times over its recent minimum."""
     surge_window: int = 10
+    """Automatic mode: the rise must happen within this many updates."""
     warmup_steps: int = 0
+    """cosine: linear warmup over this many updates."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +200,8 @@ class CorrectionSection:
     mode: str = "none"
     """none, truncate (TIS), mask (MIS), two_sided (IcePop)."""
     threshold: float = 2.0
+    """IS ratio cap C: truncate clips ratios at C, mask drops tokens or sequences above it,
+    two_sided keeps [threshold_low, C]."""
     threshold_low: float = 0.5
     """two_sided: lower bound of the kept ratio band."""
     veto_threshold: float = 0.0
@@ -195,18 +225,25 @@ class CorrectionSection:
 @dataclass(frozen=True)
 class RunSection:
     steps: int = 200
+    """RL steps (updates) of the run; raise it with --resume --set run.steps=N to continue a finished run."""
     seed: int = 0
+    """Seed of the run: prompt order, sampling and everything else random in the RL loop."""
     eval_every: int = 10
     """Validation (greedy decoding of the trainer's policy, no injector) every this many steps."""
     checkpoint_every: int = 25
+    """Save a checkpoint every this many steps (and at the last step)."""
     keep_checkpoints: int = 2
+    """Checkpoints kept: the newest this many (0 = keep all)."""
     device: str = "cpu"
+    """cpu or cuda (cuda needs the Triton kernels: pip install 'timlab[gpu]')."""
     guard: bool = True
     """Zero-mismatch guard: in exact mode stop on any bit of difference between rollout and trainer."""
     grad_norm_ema: float = 0.9
     """Smoothing of train/grad_norm_ema."""
     tensorboard: bool = False
+    """Also write TensorBoard event files (pip install 'timlab[tensorboard]')."""
     progress: bool = True
+    """Show progress bars (the CLI's --quiet turns them off)."""
     distributions_every: int = 1
     """Write the per-step histogram of r and mismatch by position/probability bucket every N steps."""
     gradcheck_every: int = 0
@@ -501,9 +538,14 @@ def resolve(
     yaml_path: str | Path | None = None,
     preset: str | None = None,
     overrides: list[str] | dict | None = None,
+    *,
+    task: str | None = None,
 ) -> Config:
-    """defaults < preset(s) < YAML file < overrides; every layer validated. ``preset`` may join
-    several names with '+' (``surge+decoupled_k3_rs``), applied left to right."""
+    """defaults < preset(s) < YAML file < ``task`` < overrides; every layer validated. ``preset``
+    may join several names with '+' (``surge+decoupled_k3_rs``), applied left to right.
+
+    ``task`` (the CLI's ``--task``) picks the task by name; when it is not the task the presets
+    and the YAML file chose, their ``task.kwargs`` (that other task's options) are dropped."""
     d = Config().to_dict()
     for name in preset.split("+") if preset else []:
         name = name.strip()
@@ -515,6 +557,8 @@ def resolve(
         if not p.exists():
             raise FileNotFoundError(f"config file not found: {p}")
         d = _merge(d, _read_yaml(p), str(p))
+    if task and task != d["task"]["name"]:
+        d["task"] = {**d["task"], "name": task, "kwargs": {}}
     if overrides:
         over = parse_set(overrides) if isinstance(overrides, list) else overrides
         d = _merge(d, over, "--set")

@@ -52,6 +52,35 @@ def conditions(quick: bool) -> list[dict]:
     return out
 
 
+CPU_SECONDS_PER_STEP = (0.12, 0.25)
+"""CPU seconds per RL step of a demo run, evaluations and start-up included: 805 s / 6750 steps
+on an idle 2-core AVX-512 machine, 1643 s / 6750 steps on an idle 2-core AVX2 one (the full
+demo, warm SFT cache). Load from other jobs can double the wall time."""
+SFT_SECONDS = 60
+"""The demo preset's SFT warm start on one core (45-60 s), paid once: it is cached."""
+
+
+def check_settings(*, seeds: int | None = None, steps: int | None = None, workers: int | None = None) -> None:
+    """One-line UsageError for a count below 1 (None means: the default)."""
+    for name, value in (("seeds", seeds), ("steps", steps), ("workers", workers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"--{name} must be an integer >= 1, got {value!r}")
+
+
+def estimate_seconds(*, quick: bool = False, seeds: int | None = None, steps: int | None = None,
+                     workers: int | None = None) -> tuple[int, int, float]:
+    """(runs, steps per run, [low, high] wall seconds without the SFT warm start) of a demo
+    with these settings, from ``CPU_SECONDS_PER_STEP``; workers default to the cores."""
+    import os
+
+    check_settings(seeds=seeds, steps=steps, workers=workers)
+    spec = demo_spec(quick=quick, seeds=seeds, steps=steps)
+    n_runs = len(spec["conditions"]) * len(spec["grid"]["run.seed"])
+    n_steps = spec["base"]["set"].get("run.steps", PRESETS["demo"]["run"]["steps"])
+    parallel = min(workers or os.cpu_count() or 1, n_runs)
+    return n_runs, n_steps, tuple(n_runs * n_steps * c / parallel for c in CPU_SECONDS_PER_STEP)
+
+
 def demo_spec(*, quick: bool, seeds: int | None = None, steps: int | None = None, workers: int | None = None) -> dict:
     n_seeds = seeds if seeds is not None else (QUICK_SEEDS if quick else SEEDS)
     base_set = {}
@@ -72,9 +101,7 @@ def check_demo_args(out: Path, spec: dict, *, seeds: int | None, steps: int | No
     path. ``out/sweep.yaml`` may only be a demo spec timlab wrote (it is replaced)."""
     from timlab.experiments.sweep_spec import expand, spec_from_dict
 
-    for flag, value in (("--seeds", seeds), ("--steps", steps), ("--workers", workers)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise UsageError(f"{flag} must be an integer >= 1, got {value!r}")
+    check_settings(seeds=seeds, steps=steps, workers=workers)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; choose a folder")
     expand(spec_from_dict(spec))  # every run's config resolves and validates
@@ -99,8 +126,44 @@ class DemoResult:
     index: "object"
 
 
+SPEC_FILE = "sweep.yaml"
+OUTPUTS = (SPEC_FILE, "runs", "report.html", "conditions.csv")
+"""What a demo writes in its folder (``force`` deletes these and nothing else)."""
+
+
+def _claim_folder(out: Path, spec: dict, *, force: bool) -> None:
+    """Refuse a folder that holds a demo with other settings (its runs would mix with this
+    one's in one index and report) unless ``force``, which deletes that demo's outputs."""
+    import shutil
+
+    spec_path = out / SPEC_FILE
+    if not spec_path.is_file():
+        return
+    old = load_yaml(read_text(spec_path, what="demo spec"), str(spec_path)) or {}
+    if {k: v for k, v in old.items() if k != "workers"} == {k: v for k, v in spec.items() if k != "workers"}:
+        return  # the same demo: continue it (finished runs are skipped)
+    if not force:
+        raise UsageError(f"{out} holds a demo with other settings ({_describe(old)}; now {_describe(spec)}); "
+                         "choose another --out, or pass --force to delete it and start over")
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()  # a link is removed, never followed
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
+def _describe(spec: dict) -> str:
+    seeds = len(spec.get("grid", {}).get("run.seed", []))
+    steps = (spec.get("base", {}).get("set") or {}).get("run.steps", PRESETS["demo"]["run"]["steps"])
+    return f"{len(spec.get('conditions', []))} conditions x {seeds} seeds, {steps} steps"
+
+
 def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: int | None = None, steps: int | None = None,
-             workers: int | None = None, progress: Callable | None = None) -> DemoResult:
+             workers: int | None = None, force: bool = False, progress: Callable | None = None) -> DemoResult:
+    """Pretrain, sweep and report into ``out_dir``. Rerunning with the same settings continues
+    (finished runs are skipped); a folder holding a demo with other settings is refused unless
+    ``force`` (which deletes that demo's outputs)."""
     from timlab.config import resolve
     from timlab.experiments.collapse import condition_table
     from timlab.experiments.report import build_report
@@ -110,6 +173,7 @@ def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: in
     out = Path(out_dir)
     spec = demo_spec(quick=quick, seeds=seeds, steps=steps, workers=workers)
     spec_path = check_demo_args(out, spec, seeds=seeds, steps=steps, workers=workers)
+    _claim_folder(out, spec, force=force)
     # ---- everything is checked; from here on files get written
     out.mkdir(parents=True, exist_ok=True)
     pretrain(resolve(preset="demo"), progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None)

@@ -26,8 +26,14 @@ th { background: #f0f0f0; } td.l, th.l { text-align: left; }
 img { max-width: 100%; display: block; margin: .5em 0 1.5em; }
 p.note { color: #555; font-size: 14px; }
 div.wide { overflow-x: auto; }
+table.fit { table-layout: fixed; width: 100%; font-size: 12px; }
+table.fit th, table.fit td { overflow-wrap: anywhere; padding: 2px 4px; }
 .rule { background: #f7f7f0; border-left: 4px solid #c9a400; padding: .5em 1em; }
 """
+
+
+LEGEND_OUTSIDE = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+"""Legend keyword arguments that put it right of the axes, off the data (``png_uri`` saves tight)."""
 
 
 def new_figure(w: float = 9.0, h: float = 3.6):
@@ -44,12 +50,16 @@ def png_uri(fig) -> str:
     """The figure as a PNG ``data:`` URI (90 dpi, tight layout). Every text is drawn as written:
     a ``$`` in a run's label or condition name is not matplotlib mathtext (``$\\foo$`` would
     abort the drawing)."""
+    import warnings
+
     from matplotlib.text import Text
 
     for text in fig.findobj(Text):
         text.set_parse_math(False)
     buf = io.BytesIO()
-    fig.tight_layout()
+    with warnings.catch_warnings():  # a legend right of the axes is kept by bbox_inches="tight" below
+        warnings.filterwarnings("ignore", "Tight layout not applied")
+        fig.tight_layout()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
@@ -63,13 +73,16 @@ def cell(v) -> str:
     return html.escape(str(v))
 
 
-def table(df: pd.DataFrame, left: tuple[str, ...] = ()) -> str:
-    """An HTML table of ``df`` (columns named in ``left`` left-aligned), scrolling when wide."""
-    head = "".join(f'<th class="{"l" if c in left else ""}">{html.escape(str(c))}</th>' for c in df.columns)
+def table(df: pd.DataFrame, left: tuple[str, ...] = (), *, fit: bool = False) -> str:
+    """An HTML table of ``df`` (columns named in ``left`` left-aligned), scrolling when wide; with
+    ``fit`` as wide as the page, its cells wrapping (long run names, many columns)."""
+    name = (lambda c: str(c).replace("_", " ")) if fit else str
+    head = "".join(f'<th class="{"l" if c in left else ""}">{html.escape(name(c))}</th>' for c in df.columns)
     body = "".join(
         "<tr>" + "".join(f'<td class="{"l" if c in left else ""}">{cell(v)}</td>' for c, v in zip(df.columns, row))
         + "</tr>" for row in df.itertuples(index=False))
-    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+    cls = ' class="fit"' if fit else ""
+    return f'<div class="wide"><table{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def img(uri: str | None, alt: str) -> str:
@@ -79,4 +92,4 @@ def img(uri: str | None, alt: str) -> str:
     return f'<img src="{uri}" alt="{html.escape(alt)}">'
 
 
-__all__ = ["STYLE", "new_figure", "png_uri", "cell", "table", "img"]
+__all__ = ["STYLE", "LEGEND_OUTSIDE", "new_figure", "png_uri", "cell", "table", "img"]

@@ -191,22 +191,63 @@ def _decay_steps(run: _Run) -> list[float]:
     return [float(s) for s in drops]
 
 
+SAME_CURVE_STYLES = (dict(ls="--", marker="x", ms=6), dict(ls=":", marker="+", ms=7), dict(ls="-.", marker="1", ms=7))
+"""How a condition whose curve equals an earlier condition's is drawn, so neither hides the other."""
+
+
+def _group_curves(runs: list[_Run], g: str, metric: str) -> pd.DataFrame | None:
+    """The condition's runs' values of ``metric``: (steps, runs in seed order), or None."""
+    series = {r.name: s for r in runs if r.group == g and (s := _series(r, metric)) is not None}
+    return pd.concat(series, axis=1).sort_index() if series else None
+
+
+def _equal(a: pd.DataFrame | None, b: pd.DataFrame | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and np.array_equal(a.index, b.index) and np.array_equal(a.to_numpy(), b.to_numpy(),
+                                                                                         equal_nan=True)
+
+
+def _same_as(curves: dict[str, tuple]) -> dict[str, str]:
+    """{condition: the earlier condition whose curves (a tuple of frames each) it equals value
+    for value}."""
+    same: dict[str, str] = {}
+    items = list(curves.items())
+    for i, (g, frames) in enumerate(items):
+        for h, other in items[:i]:
+            if h not in same and all(_equal(a, b) for a, b in zip(frames, other)):
+                same[g] = h
+                break
+    return same
+
+
+def identical_conditions(runs: list[_Run], groups: list[str]) -> dict[str, str]:
+    """Conditions whose runs trained identically to an earlier condition's (the same validation
+    accuracy, reward and K3 curves on every seed; e.g. a remedy that never acts): {later: earlier}."""
+    keys = ("val/accuracy", "train/reward_mean", "rollout_corr/k3_kl")
+    curves = {g: tuple(_group_curves(runs, g, k) for k in keys) for g in groups}
+    return _same_as({g: c for g, c in curves.items() if c[0] is not None})
+
+
 def _metric_plot(runs: list[_Run], groups: list[str], colors: dict, metric: str, title: str) -> str | None:
     fig = page.new_figure()
     ax = fig.add_subplot()
     drew = False
     marks = {"surge": False, "decay": False}
-    for g in groups:
-        series = {r.name: s for r in runs if r.group == g and (s := _series(r, metric)) is not None}
-        if not series:
-            continue
-        wide = pd.concat(series, axis=1).sort_index()  # (steps, seeds)
+    curves = {g: w for g in groups if (w := _group_curves(runs, g, metric)) is not None}
+    same = _same_as({g: (w,) for g, w in curves.items()})
+    for g, wide in curves.items():  # wide: (steps, seeds)
         steps = wide.index.to_numpy(dtype=float)
         mean, lo, hi = wide.mean(axis=1), wide.min(axis=1), wide.max(axis=1)
         sparse = metric.startswith("val/")
-        ax.plot(steps, mean, color=colors[g], marker="o" if sparse else None, ms=3, lw=1.6,
-                label=f"{g} (n={len(series)})")
-        if len(series) > 1:
+        label = f"{g} (n={wide.shape[1]})"
+        style = dict(marker="o" if sparse else None, ms=3)
+        if g in same:
+            label += f": same curve as {same[g]}"
+            style = dict(SAME_CURVE_STYLES[list(same).index(g) % len(SAME_CURVE_STYLES)],
+                         markevery=max(1, len(steps) // 12))
+        ax.plot(steps, mean, color=colors[g], lw=1.6, label=label, **style)
+        if wide.shape[1] > 1:
             ax.fill_between(steps, lo, hi, color=colors[g], alpha=0.18, lw=0)
         drew = True
         if metric in _MARK_SURGE:
@@ -236,7 +277,7 @@ def _metric_plot(runs: list[_Run], groups: list[str], colors: dict, metric: str,
     if marks["decay"]:
         handles.append(Line2D([], [], color="gray", ls=":"))
         labels.append("LR halving")
-    ax.legend(handles, labels, fontsize=8, loc="best")
+    ax.legend(handles, labels, fontsize=8, **page.LEGEND_OUTSIDE)
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title(title + " (line: mean over seeds; band: min-max)", fontsize=10)
@@ -280,7 +321,7 @@ def _collapse_aligned_plot(runs: list[_Run], colors: dict) -> str | None:
         ax.grid(alpha=0.3)
         if log:
             ax.set_yscale("log")
-    axes[0].legend(fontsize=7)
+    axes[-1].legend(*axes[0].get_legend_handles_labels(), fontsize=7, **page.LEGEND_OUTSIDE)
     return page.png_uri(fig)
 
 
@@ -310,7 +351,7 @@ def _dose_response_plot(table: pd.DataFrame, colors: dict) -> str | None:
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], marker="o", ls="", color=colors.get(g, "k")) for g in t["group"]]
-    fig.axes[1].legend(handles, [str(g) for g in t["group"]], fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.axes[1].legend(handles, [str(g) for g in t["group"]], fontsize=7, **page.LEGEND_OUTSIDE)
     return page.png_uri(fig)
 
 
@@ -374,6 +415,12 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         page.img(_dose_response_plot(table, colors), "dose-response"),
         "<h2>Training curves</h2>",
     ]
+    same = identical_conditions(runs, groups)
+    if same:
+        pairs = "; ".join(f"{html.escape(g)} = {html.escape(h)}" for g, h in same.items())
+        parts.append(f'<p class="note"><strong>Identical conditions:</strong> {pairs}. Their runs have the same '
+                     "validation accuracy, reward and K3 curves on every seed (the setting that differs never acted), "
+                     "so each later one is drawn dashed with its own markers over the earlier one.</p>")
     for metric, heading, text in PLOTS:
         parts += [f"<h3>{html.escape(heading)} <code>{html.escape(metric)}</code></h3>",
                   f'<p class="note">{html.escape(text)}</p>',
@@ -394,7 +441,8 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
                       "median over runs in 10-step bins (bold): relative gradient bias, gradient SNR under the "
                       "injector (log scale; checks with a zero estimate left out), and the realized K3 KL. A rise "
                       "before 0 is the early warning claims P3 and P7 describe.</p>", page.img(aligned, "aligned on collapse")]
-    parts += ["<h2>Runs</h2>", page.table(index_df[[c for c in run_cols if c in index_df.columns]], left=("run", "group", "state"))]
+    parts += ["<h2>Runs</h2>", page.table(index_df[[c for c in run_cols if c in index_df.columns]],
+                                          left=("run", "group", "state"), fit=True)]
     parts.append("<h2>Runs with missing metrics</h2>")
     if missing:
         parts.append('<p class="note">These runs lack the metrics listed (absent or never finite); the plots '

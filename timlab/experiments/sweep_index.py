@@ -140,7 +140,8 @@ def filter_index(df: pd.DataFrame, where: str) -> pd.DataFrame:
         con.register("runs", df)
         return con.execute(f"SELECT * FROM runs WHERE {sql}").df()
     except duckdb.Error as e:
-        raise UsageError(f"--where {where!r}: {str(e).splitlines()[0]}") from None
+        columns = f"; columns: {', '.join(df.columns)}" if isinstance(e, duckdb.BinderException) else ""
+        raise UsageError(f"--where {where!r}: {str(e).splitlines()[0]}{columns}") from None
     finally:
         con.close()
 

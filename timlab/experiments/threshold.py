@@ -239,11 +239,13 @@ def plot_threshold(result: ThresholdResult, out_png: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("mean response length T (tokens)")
     ax.set_ylabel("collapse threshold k3*")
-    ax.set_title("k3*: ^ above every dose tried, v at or below the lowest")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    ax.plot([], [], "^", color="gray", label="above every dose tried")
+    ax.plot([], [], "v", color="gray", label="at or below the lowest dose")
+    ax.set_title(f"How much mismatch makes at least {BAR:.0%} of the seeds collapse, by answer length\n"
+                 "(bar: between the two doses tried around it)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     out = Path(out_png)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     return out
 
 

@@ -274,6 +274,7 @@ class RLRun:
         self.log: MetricsLog | None = None
         self._wrote_config = False
         self._status_time = 0.0
+        created = not self.run_dir.exists()
         if self.world.is_main:
             self.rundir.lock()  # one process per run directory, for the life of the run
         try:
@@ -282,6 +283,8 @@ class RLRun:
             if self._wrote_config and not self.rundir.has_steps():
                 self.rundir.config.unlink()  # ours, from this start: a retry is a fresh start, not a resume
             self.close()
+            if self.world.is_main:
+                self.rundir.remove_if_unused(created=created)  # no folder holding only run.lock
             raise
 
     def _setup(self, resume: bool) -> None:

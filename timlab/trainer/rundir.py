@@ -206,6 +206,19 @@ class RunDir:
             release_lock(self._lock_fd)
             self._lock_fd = None
 
+    def remove_if_unused(self, *, created: bool) -> None:
+        """After a start that failed before writing anything: delete the lock file when it is
+        all the folder holds, and the folder too when this start ``created`` it. The caller has
+        released the lock."""
+        try:
+            if not self.path.is_dir() or {p.name for p in self.path.iterdir()} - {LOCK}:
+                return
+            (self.path / LOCK).unlink(missing_ok=True)
+            if created:
+                self.path.rmdir()
+        except OSError:
+            pass  # another process took the folder meanwhile: it is theirs
+
     def __enter__(self) -> "RunDir":
         return self.lock()
 
