@@ -181,3 +181,19 @@ def test_attention_bits_do_not_depend_on_the_key_layout(dtype):
     a = ops.fixed_length_attention(q, k, v, allowed, D**-0.5, start=0)
     b = ops.fixed_length_attention(q, k.contiguous(), v.contiguous(), allowed, D**-0.5, start=0)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n_out", [1, 8, 15])
+def test_narrow_linear_bits_do_not_depend_on_row_alignment(n_out):
+    """Fewer than 16 output columns (a MoE router over 8 experts): MKL's fp32 kernel gives a row other
+    bits at another 16-byte alignment; invariant_linear pads the columns, so no row's bits move."""
+    g = torch.Generator().manual_seed(n_out)
+    w, x = torch.randn(n_out, 234, generator=g), torch.randn(64, 234, generator=g)  # 234 * 4 bytes: rows alternate
+    ref = ops.invariant_linear(x, w)
+    for offset in range(8):
+        buf = torch.zeros(64 * 234 + 8)
+        moved = buf[offset : offset + 64 * 234].view(64, 234)
+        moved.copy_(x)
+        assert torch.equal(ops.invariant_linear(moved, w), ref)
+    assert all(torch.equal(ops.invariant_linear(x[i : i + 1], w), ref[i : i + 1]) for i in range(64))
+    torch.testing.assert_close(ref, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -43,6 +43,13 @@ from timlab.model import cpu_gemm
 MIN_ROWS = 16
 """Matmuls in the exact path never run on fewer rows than this (decode rows are zero-padded)."""
 
+MIN_COLS = 16
+"""Matmuls in the exact path never produce fewer output columns than this (weights are zero-padded).
+With fewer (a MoE router over 8 experts, a K/V projection of 8 channels) MKL's fp32 GEMM runs a
+kernel whose bits depend on each input row's 16-byte alignment: with K * 4 bytes not a multiple
+of 16, rows alternate alignment with their index, so a row's bits changed with its position in
+the call (measured on the AVX2 EPYC at N = 1 and 8; N >= 16 gave the same bits at every offset)."""
+
 ATTN_MIN_ROWS = 8
 """Row minimum for the two batched attention GEMMs (rows = query heads per KV head x queries).
 Measured (torch 2.13, 1 thread): on the AVX-512 EPYC batched fp32 matmul rows are invariant for
@@ -107,6 +114,11 @@ def invariant_linear(
     kernels = triton_kernels(x)
     if kernels is not None:
         return kernels.linear(x, weight, bias)
+    n_out = weight.shape[0]
+    if n_out < MIN_COLS:  # zero output columns up to MIN_COLS, dropped again below
+        weight = pad_rows(weight, MIN_COLS)  # (MIN_COLS, K)
+        bias = None if bias is None else pad_rows(bias, MIN_COLS)
+        return invariant_linear(x, weight, bias)[..., :n_out].contiguous()
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
     m = x2.shape[0]
     if m >= MIN_ROWS:  # no padding: the GEMM as it is (one thread: F.linear itself)
