@@ -8,7 +8,7 @@ over its runs) with the range over runs, and the median wall time of a training 
 
 ``slopes``: per run, the OLS slope of ``val/accuracy`` over the evaluations at steps >= ``--from``
 (50, as pre-registered), per 100 steps, and its realized k3 over the same steps; per condition, the
-mean over seeds with a 95% t-interval, the excess over the ``control`` condition with an exact
+mean over seeds with a 95% t-interval, each run's mean k3 over its first and last 20 steps, the excess over the ``control`` condition with an exact
 two-sided permutation p (``timlab.experiments.stats``), whether every control step kept k3 exactly
 0 and every token bitwise equal, and the wall-clock cost per RL step (training step time plus its
 share of evaluation time; one thread per run, so an upper bound on CPU-seconds per step on a
@@ -98,27 +98,32 @@ def slopes(sweep: str, start: int) -> str:
     guard_ok, step_s = True, []
     for row, m in runs(sweep):
         s, k3 = run_slope(m, start)
-        d = per.setdefault(arm(row["spec_condition"]), {"slope": [], "k3": [], "start": [], "final": []})
+        d = per.setdefault(arm(row["spec_condition"]), {"slope": [], "k3": [], "start": [], "final": [], "trend": []})
+        k = m.sort_values("step")["rollout_corr/k3_kl"]
+        d["trend"].append((float(k.iloc[:20].mean()), float(k.iloc[-20:].mean())))
         ev = m[["step", "val/accuracy"]].dropna()
         d["slope"].append(s), d["k3"].append(k3)
         d["start"].append(float(ev["val/accuracy"].iloc[0])), d["final"].append(float(ev["val/accuracy"].iloc[-1]))
         if arm(row["spec_condition"]) == CONTROL:
-            guard_ok &= bool((m["rollout_corr/k3_kl"] == 0).all() and (m["mismatch/frac_bitwise_equal"] == 1).all())
+            t = m[m["step"] >= 1]  # step 0 is the evaluation of the start alone (no rollout)
+            guard_ok &= bool(len(t) == int(m["step"].max()) and (t["rollout_corr/k3_kl"] == 0).all()
+                             and (t["mismatch/frac_bitwise_equal"] == 1).all())
         steps = int(m["step"].max())
         step_s.append((float(m["train/step_time_s"].sum()) + float(m["time/eval_s"].sum())) / steps)
     ctrl = per.get(CONTROL, {}).get("slope", [])
     lines = [f"| arm | seeds | realized k3 (steps >= {start}) | start -> final accuracy (per seed) | "
-             f"accuracy slope per 100 steps (95% t) | excess over control | permutation p |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+             f"k3 first 20 -> last 20 steps | accuracy slope per 100 steps (95% t) | excess over control | permutation p |",
+             "|---|---:|---:|---|---|---:|---:|---:|"]
     for c, d in per.items():
         mu, lo, hi = mean_ci(d["slope"])
         acc = ", ".join(f"{a:.2f}->{b:.2f}" for a, b in zip(d["start"], d["final"]))
         if c != CONTROL and ctrl:
             p = permutation_test(d["slope"], ctrl)
-            ex, pv = f"{p.observed:+.3f}", f"{p.p:.2f} (floor {p.floor:.2f})"
+            ex, pv = f"{p.diff:+.3f}", f"{p.p:.2f} (floor {p.floor:.2f})"
         else:
             ex, pv = "-", "-"
-        lines.append(f"| {c} | {len(d['slope'])} | {fmt(float(np.mean(d['k3'])))} | {acc} | "
+        trend = ", ".join(f"{fmt(a)}->{fmt(b)}" for a, b in d["trend"])
+        lines.append(f"| {c} | {len(d['slope'])} | {fmt(float(np.mean(d['k3'])))} | {acc} | {trend} | "
                      f"{mu:+.3f} [{lo:+.3f}, {hi:+.3f}] | {ex} | {pv} |")
     lines.append("")
     lines.append(f"control guard (k3 exactly 0 and every token bitwise equal at every step): "
