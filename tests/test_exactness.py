@@ -154,8 +154,10 @@ def test_silu_bits_do_not_depend_on_the_row_count(dtype):
     full = ops.silu(x)
     for rows in (1, 2, 3, 7, 16, 33, 69):
         assert torch.equal(ops.silu(x[:rows]), full[:rows])
-    torch.testing.assert_close(full.float(), torch.nn.functional.silu(x).float(), rtol=0, atol=0) \
-        if dtype != torch.float32 else torch.testing.assert_close(full, torch.nn.functional.silu(x), rtol=2e-7, atol=1e-7)
+    if dtype == torch.float32:  # the vectorized exp: within an ulp of the stock result
+        torch.testing.assert_close(full, torch.nn.functional.silu(x), rtol=2e-7, atol=1e-7)
+    else:  # rounding to bf16/fp16 hides the scalar/vector difference: the stock bits
+        assert torch.equal(full, torch.nn.functional.silu(x))
 
 
 def test_stock_silu_has_the_tail_that_ops_silu_avoids():

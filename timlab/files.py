@@ -19,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import fnmatch
+import hashlib
 import json
 import math
 import os
@@ -34,6 +35,15 @@ from timlab.errors import BadFileError, TimlabError, UsageError, disk_full, is_d
 
 class ForeignFilesError(TimlabError):
     """A folder timlab would replace holds files timlab did not write; nothing was deleted."""
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_text(path: str | os.PathLike, *, what: str = "file") -> str:

@@ -38,6 +38,8 @@ import hashlib
 import json
 import math
 import random
+import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -314,8 +316,6 @@ def run_case(case: Case, cache_dir: str | Path, *, backend: str = "auto") -> Cas
     ``backend``: the exact path's kernels (``timlab.model.ops.KERNEL_BACKENDS``); ``triton`` runs
     the GPU kernels, on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``).
     """
-    import time
-
     from timlab.model.hf_io import load_model
     from timlab.model.ops import kernel_backend
 
@@ -367,10 +367,7 @@ def case_command(seed: int, index: int, isa: str = "native", backend: str = "aut
 def coverage(cases: list[Case]) -> dict:
     """How many of ``cases`` fall in each value of each axis (a set that misses one is visible)."""
     def count(values) -> dict:
-        out: dict = {}
-        for v in values:
-            out[v] = out.get(v, 0) + 1
-        return dict(sorted(out.items(), key=lambda kv: str(kv[0])))
+        return dict(sorted(Counter(values).items(), key=lambda kv: str(kv[0])))
 
     return {
         "model_type": count(c.arch.model_type for c in cases),
@@ -391,8 +388,5 @@ def coverage(cases: list[Case]) -> dict:
 
 def log_ratio_histogram(results: list[CaseResult]) -> dict:
     """Cases per order of magnitude of their worst |r| (0 for exact cases)."""
-    out: dict = {}
-    for r in results:
-        k = "0" if r.max_abs_diff == 0 else f"1e{math.floor(math.log10(r.max_abs_diff))}"
-        out[k] = out.get(k, 0) + 1
-    return out
+    return dict(Counter("0" if r.max_abs_diff == 0 else f"1e{math.floor(math.log10(r.max_abs_diff))}"
+                        for r in results))

@@ -18,13 +18,13 @@ empty), and the folder is written under a temporary name and renamed into place.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from timlab.errors import UsageError
+from timlab.files import sha256_file
 from timlab.model.hf_io import TOKENIZER_FILES, load_model
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
@@ -45,14 +45,6 @@ class ExportResult:
     """The training step of the exported weights (0: the warm start)."""
     files: tuple[str, ...]
     """The files copied (model and tokenizer files; ``timlab_export.json`` comes on top)."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _source(run_dir: Path, step: int | None) -> tuple[Path, int]:
@@ -96,7 +88,7 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
         for name in names:
             shutil.copyfile(src / name, tmp / name)
         info = {"run_dir": str(run_dir.resolve()), "step": got_step, "source": str(src.resolve()),
-                "model.safetensors sha256": _sha256(tmp / "model.safetensors")}
+                "model.safetensors sha256": sha256_file(tmp / "model.safetensors")}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")
         if out.exists():
             out.rmdir()  # empty (checked above)

@@ -21,9 +21,16 @@ rules hold (checked in tests/test_ops.py) and the GEMMs are kept off MKL's threa
    up to 1024 rows at K = 8192 were reported on another VM), so no padding fixes it. The exact
    path's fp32 GEMMs run one-threaded in MKL and threads split rows and sequences instead
    (``timlab.model.cpu_gemm``): the same bits for any thread count.
+4. Every GEMM operand has one memory layout in both paths (``fixed_length_attention`` makes its
+   buffers contiguous): a transposed and a non-transposed operand take kernels that round
+   differently in bf16/fp16.
+5. SiLU goes through ``silu``: ATen's scalar tail of an elementwise op rounds exp differently
+   from its vectorized body in fp32, so ``silu`` keeps every element on the vectorized path.
+6. Every matmul produces at least ``MIN_COLS`` output columns: MKL's narrow fp32 kernel gives a
+   row other bits at another 16-byte alignment.
 
-Everything else (RMSNorm, RoPE, SwiGLU, log-softmax) reduces along the last dimension only,
-row by row, and is invariant as it stands. This differs from VeXact's GPU engine, which
+Everything else (RMSNorm, RoPE, log-softmax) reduces along the last dimension only, row by row,
+and is invariant as it stands (docs/exactness.md has the measurements behind rules 4-6). This differs from VeXact's GPU engine, which
 replaces the kernels themselves; on GPUs these shape rules are not enough, so on CUDA tensors
 the exact path runs the batch-invariant Triton kernels of ``timlab.kernels`` instead (see
 ``kernel_backend``): the linears, the attention, and (in both modes, being row-wise) RMSNorm and

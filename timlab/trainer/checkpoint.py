@@ -15,7 +15,6 @@ fail but never run code. The model itself is safetensors.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from timlab.errors import TimlabError, disk_full, is_disk_full, out_of_space
+from timlab.files import sha256_file
 from timlab.model.hf_io import save_model
 from timlab.trainer.logging import atomic_write_text
 
@@ -37,16 +37,8 @@ class CheckpointError(TimlabError, ValueError):
     """A missing or unreadable checkpoint; one-line message naming the path."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write_manifest(folder: Path, step: int) -> None:
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
     atomic_write_text(folder / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
@@ -73,7 +65,7 @@ def verify_checkpoint(ckpt: Path) -> str | None:
             return f"{name} is missing"
         if p.stat().st_size != want.get("size"):
             return f"{name} has {p.stat().st_size} bytes, the manifest says {want['size']}"
-        if _sha256(p) != want["sha256"]:
+        if sha256_file(p) != want["sha256"]:
             return f"{name} does not match its checksum"
     return None
 
