@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 import os
 import signal
 import subprocess
@@ -324,3 +326,44 @@ def test_progress_bar_of_a_phase_that_starts_at_zero_never_counts_below_zero(cap
     prog.close()
     err = capsys.readouterr().err
     assert "-1/8" not in err and "clamping" not in err and "3/8" in err
+
+
+# ------------------------------------------------------------------------------ gold log-prob
+def test_gold_logprob_scores_the_worked_answer_teacher_forced(tmp_path):
+    from timlab.model.forward import token_logprobs
+    from timlab.model.llama import CausalLM, ModelConfig
+    from timlab.tasks import get_task
+    from timlab.tokenizer import load_tokenizer, save_char_tokenizer
+    from timlab.trainer.policy import gold_logprob
+
+    task = get_task("scratch_add", max_digits=3)
+    tok = load_tokenizer(save_char_tokenizer(task.alphabet, tmp_path / "tok"))
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).eval()
+    rng = random.Random(0)
+    examples = [task.sample_one(rng) for _ in range(9)]
+    assert task.gold_completion(examples[0]).startswith(":")  # the worked form, not the terse answer
+
+    # reference: each example alone, unpadded, summed in float64
+    ref = []
+    for e in examples:
+        p, c = tok.encode(e.prompt), tok.encode(task.gold_completion(e)) + [tok.eos_token_id]
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), mode="exact")
+        ref.append(float(logp[0, len(p):].double().sum()))
+    got = gold_logprob(model, tok, task, examples, batch_size=4)
+    assert got == pytest.approx(sum(ref) / len(ref), rel=1e-6)
+    assert got < 0
+    # exact mode is batch-invariant: the batch split does not change a bit
+    assert gold_logprob(model, tok, task, examples, batch_size=1) == got
+
+
+def test_smoke_run_logs_gold_logprob_at_each_evaluation(tmp_path):
+    cfg = smoke(**{"run.steps": 2, "run.eval_every": 1})
+    train(cfg, tmp_path / "r")
+    df = pd.read_parquet(tmp_path / "r" / "metrics.parquet")
+    gold = df["val/gold_logprob"]
+    assert gold.notna().tolist() == df["val/accuracy"].notna().tolist()
+    assert (gold.dropna() < 0).all() and gold.dropna().map(math.isfinite).all()

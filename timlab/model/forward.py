@@ -30,6 +30,24 @@ def buffer_length(prompt_width: int, max_new_tokens: int) -> int:
     return -(-n // BUFFER_MULTIPLE) * BUFFER_MULTIPLE
 
 
+def teacher_forced_batch(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, key_valid, completion_mask), each (B, P + longest completion): prompts left-padded
+    to a common width P, each completion from column P, right-padded with ``pad_token_id``."""
+    P = max(len(p) for p in prompts)
+    S = P + max(len(c) for c in completions)
+    B = len(prompts)
+    tokens = torch.full((B, S), pad_token_id, dtype=torch.long)
+    key_valid = torch.ones(B, S, dtype=torch.bool)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        tokens[b, P - len(p) : P] = torch.tensor(p)
+        key_valid[b, : P - len(p)] = False
+        tokens[b, P : P + len(c)] = torch.tensor(c)
+        mask[b, P : P + len(c)] = True
+    return tokens, key_valid, mask
+
+
 def positions_from_valid(key_valid: torch.Tensor) -> torch.Tensor:
     """RoPE positions (B, S): index among valid columns; 0 on left padding."""
     return (key_valid.long().cumsum(-1) - 1).clamp(min=0)

@@ -70,6 +70,11 @@ class Task(abc.ABC):
         examples, drawing from ``rng`` (the default draws nothing)."""
         return example.answer
 
+    def gold_completion(self, example: Example) -> str:
+        """The completion ``val/gold_logprob`` scores (EOS not included): the reference answer by
+        default; a task whose answers are worked out returns the worked form."""
+        return example.answer
+
     def encode_prompt(self, tok: "Tokenizer", example: Example) -> list[int]:
         """The token ids the policy is prompted with: the prompt as written, by default."""
         return tok.encode(example.prompt)

@@ -124,9 +124,13 @@ class ScratchAddTask(Task):
 
     def demonstration(self, example: Example, rng: random.Random) -> str:
         if rng.random() < self.scratch_frac:
-            a, b = (int(x) for x in example.prompt[:-1].split("+"))
-            return scratchpad(a, b, self.verbosity) + ANSWER_MARK + example.answer
+            return self.gold_completion(example)
         return ANSWER_MARK + example.answer
+
+    def gold_completion(self, example: Example) -> str:
+        """The worked form (the one RL learns to write)."""
+        a, b = (int(x) for x in example.prompt[:-1].split("+"))
+        return scratchpad(a, b, self.verbosity) + ANSWER_MARK + example.answer
 
     def reward(self, example: Example, completion: str, *, dense: bool = False) -> float:
         answer = final_answer(completion)

@@ -2,7 +2,8 @@
 
 ``build_task`` (the configured task), ``load_policy`` (a model folder as tokenizer + fp32 master
 with its compute copy), ``rollout_rewards`` (task rewards of a rollout's responses) and
-``greedy_accuracy`` (exact-match accuracy of greedy decoding, the validation metric).
+``greedy_accuracy`` (exact-match accuracy of greedy decoding, the validation metric) and
+``gold_logprob`` (the teacher-forced log-prob of the gold completion, its continuous companion).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from timlab.config import Config
 from timlab.engines import Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
+from timlab.model.forward import teacher_forced_batch, token_logprobs
 from timlab.model.hf_io import load_model
 from timlab.model.llama import CausalLM
 from timlab.tasks import Example, Task, get_task
@@ -66,4 +68,21 @@ def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[
     return correct / len(examples), lengths / len(examples)
 
 
-__all__ = ["build_task", "load_policy", "rollout_rewards", "greedy_accuracy"]
+@torch.no_grad()
+def gold_logprob(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Example], *, batch_size: int = 128) -> float:
+    """Mean over ``examples`` of the sum of the model's log-probs (exact mode, teacher-forced) of
+    each example's gold completion (``task.gold_completion``) plus EOS, in nats."""
+    total = 0.0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        tokens, key_valid, mask = teacher_forced_batch(
+            [task.encode_prompt(tok, e) for e in chunk],
+            [tok.encode(task.gold_completion(e)) + [tok.eos_token_id] for e in chunk], tok.pad_token_id)
+        dev = model.device
+        mask = mask.to(dev)
+        logp, _ = token_logprobs(model, tokens.to(dev), key_valid.to(dev), mode="exact", score_mask=mask)
+        total += float(torch.where(mask, logp, 0.0).double().sum())
+    return total / len(examples)
+
+
+__all__ = ["build_task", "load_policy", "rollout_rewards", "greedy_accuracy", "gold_logprob"]

@@ -26,7 +26,7 @@ import torch
 from timlab.config import Config
 from timlab.errors import UsageError
 from timlab.files import foreign_entries, release_lock, remove_owned, take_lock
-from timlab.model.forward import token_logprobs
+from timlab.model.forward import teacher_forced_batch, token_logprobs
 from timlab.model.hf_io import TOKENIZER_FILES, save_model
 from timlab.model.llama import CausalLM, ModelConfig
 from timlab.tasks import Example, Task, make_splits
@@ -87,21 +87,9 @@ def sft_batch(tok: Tokenizer, examples: list[Example], targets: list[str] | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, key_valid, loss_mask), each (B, S): left-padded prompt, target + EOS, right pad.
     ``targets`` are the completions to learn (default: each example's answer)."""
-    prompts = [tok.encode(e.prompt) for e in examples]
     targets = [e.answer for e in examples] if targets is None else targets
-    answers = [tok.encode(t) + [tok.eos_token_id] for t in targets]
-    P = max(len(p) for p in prompts)
-    S = P + max(len(a) for a in answers)
-    B = len(examples)
-    tokens = torch.full((B, S), tok.pad_token_id, dtype=torch.long)
-    key_valid = torch.ones(B, S, dtype=torch.bool)
-    loss_mask = torch.zeros(B, S, dtype=torch.bool)
-    for b, (p, a) in enumerate(zip(prompts, answers)):
-        tokens[b, P - len(p) : P] = torch.tensor(p)
-        key_valid[b, : P - len(p)] = False
-        tokens[b, P : P + len(a)] = torch.tensor(a)
-        loss_mask[b, P : P + len(a)] = True
-    return tokens, key_valid, loss_mask
+    return teacher_forced_batch([tok.encode(e.prompt) for e in examples],
+                                [tok.encode(t) + [tok.eos_token_id] for t in targets], tok.pad_token_id)
 
 
 @dataclass

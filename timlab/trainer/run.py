@@ -71,7 +71,7 @@ from timlab.trainer.checkpoint import checkpoints_newest_first, load_state, save
 from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
 from timlab.trainer.logging import MetricsLog, atomic_write_text
 from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
-from timlab.trainer.policy import build_task, greedy_accuracy, load_policy, rollout_rewards
+from timlab.trainer.policy import build_task, gold_logprob, greedy_accuracy, load_policy, rollout_rewards
 from timlab.trainer.pretrain import check_warm_start, ensure_warm_start
 from timlab.trainer.precision import PRECISIONS
 from timlab.trainer.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
@@ -668,10 +668,12 @@ class RLRun:
             acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, max_new_tokens=self.cfg.rollout.max_new_tokens)
         except NonFiniteLogitsError:
             raise NonFiniteError(f"step {self.step}: non-finite values in the logits of the validation decode") from None
+        gold = gold_logprob(self.model, self.tok, self.task, shard)
         acc = self.world.weighted_mean(acc, len(shard))
         self.peak_val = max(self.peak_val, acc)
         return {"val/accuracy": acc, "val/response_length_mean": self.world.weighted_mean(mean_len, len(shard)),
-                "val/peak_accuracy": self.peak_val, "time/eval_s": time.perf_counter() - t}
+                "val/peak_accuracy": self.peak_val, "val/gold_logprob": self.world.weighted_mean(gold, len(shard)),
+                "time/eval_s": time.perf_counter() - t}
 
     def write_status(self, state: str, message: str = "", *, durable: bool = True) -> None:
         self._status_time = time.monotonic()
