@@ -9,6 +9,10 @@ intervals. numpy and the standard library only (no scipy).
   two-sided: 2/252 = 0.0079).
 - ``clopper_pearson(k, n)``: the exact (conservative) binomial interval for k successes in n,
   by bisection on the binomial CDF (the Beta-quantile form needs scipy).
+- ``bootstrap_ci(a)`` / ``bootstrap_diff_ci(a, b)``: percentile intervals of a mean and of a
+  difference in means, resampling seeds with replacement (within each group) with a fixed seed.
+- ``t_ci(a)``: the Student-t interval of a mean.
+- ``holm(ps)``: Holm's step-down adjustment of p-values for a family of tests.
 """
 
 from __future__ import annotations
@@ -104,5 +108,60 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return lower, upper
 
 
-__all__ = ["permutation_test", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
+N_BOOT = 2_000
+"""Bootstrap resamples."""
+
+T975 = (math.nan, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+"""Two-sided 95% Student t quantiles, indexed by degrees of freedom (0-20; no scipy)."""
+
+
+def t_ci(a) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% Student-t interval of the mean of ``a`` (2-21 values; NaN
+    interval for one value)."""
+    a = np.asarray(a, dtype=float)
+    if a.size > len(T975):
+        raise ValueError(f"t_ci has t quantiles for at most {len(T975)} values, got {a.size}")
+    m = float(a.mean())
+    if a.size < 2:
+        return m, math.nan, math.nan
+    h = T975[a.size - 1] * float(a.std(ddof=1)) / math.sqrt(a.size)
+    return m, m - h, m + h
+
+
+def bootstrap_means(a, *, n: int = N_BOOT, rng: np.random.Generator | None = None) -> np.ndarray:
+    """(n,) means of ``a`` resampled with replacement (``rng`` default: seed 0)."""
+    a = np.asarray(a, dtype=float)
+    rng = np.random.default_rng(0) if rng is None else rng
+    return a[rng.integers(0, a.size, size=(n, a.size))].mean(axis=1)
+
+
+def bootstrap_ci(a, *, n: int = N_BOOT, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``a``."""
+    m = bootstrap_means(a, n=n, rng=np.random.default_rng(seed))
+    q = (1 - level) / 2
+    return float(np.quantile(m, q)), float(np.quantile(m, 1 - q))
+
+
+def bootstrap_diff_ci(a, b, *, n: int = N_BOOT, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(a) - mean(b), each group resampled on its own."""
+    rng = np.random.default_rng(seed)
+    d = bootstrap_means(a, n=n, rng=rng) - bootstrap_means(b, n=n, rng=rng)
+    q = (1 - level) / 2
+    return float(np.quantile(d, q)), float(np.quantile(d, 1 - q))
+
+
+def holm(ps) -> list[float]:
+    """Holm-adjusted p-values, in the input's order: the i-th smallest p times (m - i + 1),
+    made non-decreasing along the sorted order and capped at 1."""
+    ps = [float(p) for p in ps]
+    order = sorted(range(len(ps)), key=ps.__getitem__)
+    out, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+__all__ = ["permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
            "MAX_EXACT", "N_MC"]
