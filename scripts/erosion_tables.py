@@ -118,37 +118,41 @@ def slopes(sweep: str, start: int) -> str:
     guard_ok, step_s = True, []
     for row, m in runs(sweep):
         s, k3 = run_slope(m, start)
-        d = per.setdefault(arm(row["spec_condition"]), {"slope": [], "k3": [], "start": [], "final": [], "trend": []})
+        d = per.setdefault(arm(row["spec_condition"]), {"slope": [], "k3": [], "path": [], "level": [], "trend": []})
         k = m.sort_values("step")["rollout_corr/k3_kl"]
         d["trend"].append((float(k.iloc[:20].mean()), float(k.iloc[-20:].mean())))
         ev = m[["step", "val/accuracy"]].dropna()
         d["slope"].append(s), d["k3"].append(k3)
-        d["start"].append(float(ev["val/accuracy"].iloc[0])), d["final"].append(float(ev["val/accuracy"].iloc[-1]))
+        at = dict(zip(ev["step"], ev["val/accuracy"]))
+        d["path"].append((at.get(0, math.nan), at.get(start, math.nan), float(ev["val/accuracy"].iloc[-1])))
+        d["level"].append(float(ev.loc[ev["step"] >= start, "val/accuracy"].mean()))
         if arm(row["spec_condition"]) == CONTROL:
             t = m[m["step"] >= 1]  # step 0 is the evaluation of the start alone (no rollout)
             guard_ok &= bool(len(t) == int(m["step"].max()) and (t["rollout_corr/k3_kl"] == 0).all()
                              and (t["mismatch/frac_bitwise_equal"] == 1).all())
         steps = int(m["step"].max())
         step_s.append((float(m["train/step_time_s"].sum()) + float(m["time/eval_s"].sum())) / steps)
-    ctrl = per.get(CONTROL, {}).get("slope", [])
-    lines = [f"| arm | seeds | realized k3 (steps >= {start}) | start -> final accuracy (per seed) | "
-             f"k3 first 20 -> last 20 steps | accuracy slope per 100 steps (95% t) | excess over control | permutation p |",
+    ctrl = per.get(CONTROL, {})
+    lines = [f"| arm | seeds | realized k3 (steps >= {start}) | k3 first 20 -> last 20 steps (per seed) | "
+             f"accuracy at 0 -> {start} -> last (per seed) | accuracy slope per 100 steps from {start} (95% t) | "
+             f"excess over control (permutation p) | mean accuracy from {start} minus control |",
              "|---|---:|---:|---|---|---:|---:|---:|"]
     for c, d in per.items():
         mu, lo, hi = t_ci(d["slope"])
-        acc = ", ".join(f"{a:.2f}->{b:.2f}" for a, b in zip(d["start"], d["final"]))
+        path = "; ".join(" -> ".join(f"{x:.3f}" for x in p) for p in d["path"])
         if c != CONTROL and ctrl:
-            p = permutation_test(d["slope"], ctrl)
-            ex, pv = f"{p.diff:+.3f}", f"{p.p:.2f} (floor {p.floor:.2f})"
+            p = permutation_test(d["slope"], ctrl["slope"])
+            ex = f"{p.diff:+.3f} (p {p.p:.2f}, floor {p.floor:.2f})"
+            level = f"{float(np.mean(d['level']) - np.mean(ctrl['level'])):+.3f}"
         else:
-            ex, pv = "-", "-"
-        trend = ", ".join(f"{fmt(a)}->{fmt(b)}" for a, b in d["trend"])
-        lines.append(f"| {c} | {len(d['slope'])} | {fmt(float(np.mean(d['k3'])))} | {acc} | {trend} | "
-                     f"{mu:+.3f} [{lo:+.3f}, {hi:+.3f}] | {ex} | {pv} |")
+            ex, level = "-", "-"
+        trend = "; ".join(f"{fmt(a)} -> {fmt(b)}" for a, b in d["trend"])
+        lines.append(f"| {c} | {len(d['slope'])} | {fmt(float(np.mean(d['k3'])))} | {trend} | {path} | "
+                     f"{mu:+.3f} [{lo:+.3f}, {hi:+.3f}] | {ex} | {level} |")
     lines.append("")
-    lines.append(f"control guard (k3 exactly 0 and every token bitwise equal at every step): "
-                 f"{'held' if guard_ok else 'BROKEN'}; wall seconds per RL step (train + eval share), "
-                 f"mean over {len(step_s)} runs: {np.mean(step_s):.2f} (range {min(step_s):.2f}-{max(step_s):.2f})")
+    lines.append(f"Control guard (k3 exactly 0 and every token bitwise equal at every step): "
+                 f"{'held' if guard_ok else 'BROKEN'}. Wall seconds per RL step (train + eval share), "
+                 f"mean over {len(step_s)} runs: {np.mean(step_s):.2f} (range {min(step_s):.2f}-{max(step_s):.2f}).")
     return "\n".join(lines)
 
 
@@ -242,6 +246,8 @@ def collect(sweep: str, design: dict = STUDY) -> dict[str, list[dict]]:
     its last step, and every diverged run (none is excluded for its outcome; a diverged run is a
     fall, with its endpoints over the evaluations it reached)."""
     per: dict[str, list[dict]] = {}
+    if not (Path(sweep) / "index.parquet").exists():
+        return per  # not started (or not committed yet)
     for row, m in runs(sweep):
         if (row["state"] == "finished" and int(m["step"].max()) == design["steps"]) or row["state"] == "diverged":
             per.setdefault(arm(row["spec_condition"]), []).append(

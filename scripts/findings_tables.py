@@ -36,6 +36,9 @@ from timlab.experiments.sweep import read_index  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import erosion_tables  # noqa: E402
+
 FINDINGS = ROOT / "docs" / "FINDINGS.md"
 SWEEPS = ROOT / "sweeps"
 LEARNED_AT = 0.6
@@ -368,7 +371,10 @@ def d16_300(R: pd.DataFrame) -> str:
 
 
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
-          "d16-300": d16_300}
+          "d16-300": d16_300,
+          "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
+          "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.STUDY["start"]),
+          "erosion-study": lambda R: erosion_tables.study(str(SWEEPS / "erosion"))}
 """The generated blocks of docs/FINDINGS.md, by marker name."""
 
 
