@@ -640,7 +640,8 @@ _EXTRA_COMMANDS.append(_add_threshold)
 # ---------------------------------------------------------------------------------- gradcheck
 def cmd_gradcheck(args: argparse.Namespace) -> int:
     from timlab.config import load_run_config, parse_set, resolve
-    from timlab.experiments.gradcheck import format_gradcheck, plot_gradcheck, run_checkpoint, run_gradcheck
+    from timlab.experiments.gradcheck import format_gradcheck, plot_gradcheck, run_gradcheck
+    from timlab.rundir.checkpoint import run_checkpoint
 
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot")

@@ -129,32 +129,6 @@ POOL_SIZE = 4096
 """Prompts drawn from the task's training split (its first ones) to sample gradcheck prompts from."""
 
 
-def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path | None:
-    """The checkpoint folder of a run: the latest one (step None), ``step_N`` or None for step 0
-    (the warm start the run began from). Missing pieces are one-line errors."""
-    from timlab.trainer.checkpoint import CheckpointError, latest_checkpoint
-
-    d = Path(run_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"run directory {d} does not exist")
-    if not (d / "config.yaml").exists():
-        raise FileNotFoundError(f"{d}: no config.yaml (not a timlab run directory)")
-    root = d / "checkpoints"
-    if step == 0:
-        return None
-    available = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "config.json").exists())
-    if step is None:
-        ckpt = latest_checkpoint(root)
-        if ckpt is None:
-            raise CheckpointError(f"{d}: no complete checkpoint under checkpoints/ (use --step 0 for the warm start)")
-        return ckpt
-    ckpt = root / f"step_{step:06d}"
-    if not (ckpt / "config.json").exists():
-        raise CheckpointError(f"{d}: no checkpoint for step {step}; available steps: "
-                              f"{', '.join(map(str, [0, *available]))}")
-    return ckpt
-
-
 def check_model_matches(model_dir: Path, cfg) -> None:
     """A checkpoint must have the architecture the config describes (one-line error otherwise)."""
     import json

@@ -42,6 +42,7 @@ import torch
 from timlab.config import Config, ConfigError, flatten
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
+from timlab.files import atomic_write_text
 from timlab.injectors import build_injector, check_section
 from timlab.metrics import (
     all_metrics,
@@ -63,18 +64,18 @@ from timlab.remedies import (
     rejection_mask,
     replay_experts,
 )
+from timlab.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
+from timlab.rundir.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
+from timlab.rundir.metrics_log import MetricsLog
 from timlab.schedulers import SCHEDULERS, scheduler_from_config
 from timlab.tasks import TASKS, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
-from timlab.trainer.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
 from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
-from timlab.trainer.logging import MetricsLog, atomic_write_text
 from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from timlab.trainer.policy import build_task, gold_logprob, greedy_accuracy, load_policy, rollout_rewards
 from timlab.trainer.pretrain import check_warm_start, ensure_warm_start
 from timlab.trainer.precision import PRECISIONS
-from timlab.trainer.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
 
 
 class ZeroMismatchViolation(TimlabError, RuntimeError):
@@ -263,7 +264,6 @@ class RLRun:
                  progress: Callable[[str, int, int, dict], None] | None = None):
         validate(cfg)
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
         self.rundir = RunDir(run_dir)
         self.progress = progress
         self.world = dist_utils.World.from_env(cfg.run.device)
@@ -274,7 +274,7 @@ class RLRun:
         self.log: MetricsLog | None = None
         self._wrote_config = False
         self._status_time = 0.0
-        created = not self.run_dir.exists()
+        created = not self.rundir.path.exists()
         if self.world.is_main:
             self.rundir.lock()  # one process per run directory, for the life of the run
         try:
@@ -327,7 +327,7 @@ class RLRun:
         self.step = 0
         self.grad_norm_ema: float | None = None
         self.peak_val = float("-inf")
-        self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard and self.world.is_main) if self.world.is_main else None
+        self.log = MetricsLog(self.rundir.path, tensorboard=cfg.run.tensorboard and self.world.is_main) if self.world.is_main else None
         if resume:
             self._resume()
 
@@ -427,7 +427,7 @@ class RLRun:
         state = self._trainer_state()  # collective: every rank takes part
         if not self.world.is_main:
             return None
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.precision.master, str(self.model_dir),
+        return save_checkpoint(self.rundir.checkpoints, self.step, self.precision.master, str(self.model_dir),
                                state, keep=self.cfg.run.keep_checkpoints)
 
     # ---------------------------------------------------------------------------- one step
@@ -721,7 +721,7 @@ class RLRun:
             raise
         except BaseException as e:
             if isinstance(e, Exception) and is_disk_full(e):
-                full = disk_full(self.run_dir)
+                full = disk_full(self.rundir.path)
                 self.write_status(FAILED, f"{type(full).__name__}: {one_line(full)}")
                 raise full from None
             why = one_line(e) if str(e) else "interrupted"
