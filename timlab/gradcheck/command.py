@@ -1,7 +1,7 @@
 """``timlab gradcheck`` from a config, a run directory or a model folder; console summary and plot.
 
-The estimator itself lives in ``timlab.trainer.gradcheck`` (the trainer calls it every
-``run.gradcheck_every`` steps); this module resolves what to check (the config's warm start, a
+The estimator itself lives in ``timlab.gradcheck.estimator`` (the trainer also calls it every
+``run.gradcheck_every`` steps, ``timlab.gradcheck.in_run``); this module resolves what to check (the config's warm start, a
 run's checkpoint, any HF folder), checks that it matches the config, and formats the result.
 See docs/gradcheck.md.
 """
@@ -13,15 +13,7 @@ from pathlib import Path
 import torch
 
 from timlab.errors import UsageError
-from timlab.trainer.gradcheck import (  # noqa: F401  (re-exported: the public gradcheck API)
-    ESTIMATORS,
-    GradcheckError,
-    GradcheckResult,
-    Progress,
-    gradcheck,
-    length_buckets,
-    select_params,
-)
+from timlab.gradcheck.estimator import GradcheckResult, Progress, gradcheck
 
 # ------------------------------------------------------------------------------------ output
 def format_gradcheck(res: GradcheckResult) -> str:
