@@ -366,7 +366,7 @@ def attack_hostile(t: Tally, work: Path) -> None:
     ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
     code = (f"import os, torch\nclass P:\n    def __reduce__(self): return (os.mkdir, ({str(marker)!r},))\n"
             f"torch.save({{'step': 12, 'p': P()}}, {str(ckpt / 'trainer_state.pt')!r})\n"
-            "from timlab.trainer.checkpoint import _write_manifest\n"
+            "from timlab.rundir.checkpoint import _write_manifest\n"
             f"_write_manifest(__import__('pathlib').Path({str(ckpt)!r}), 12)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=SNAPSHOT, capture_output=True)
     nomanifest = w / "nomanifest"

@@ -32,7 +32,7 @@ import torch
 
 from timlab.files import write_json  # noqa: E402
 from timlab.config import resolve
-from timlab.experiments.gradcheck import run_gradcheck
+from timlab.gradcheck.command import run_gradcheck
 from timlab.trainer.pretrain import ensure_warm_start
 
 TARGET_S = 60.0

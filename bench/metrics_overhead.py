@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timlab.config import resolve  # noqa: E402
-from timlab.trainer.logging import read_metrics  # noqa: E402
+from timlab.rundir import read_metrics  # noqa: E402
 from timlab.trainer.run import train  # noqa: E402
 
 

@@ -47,7 +47,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.collapse import judge, read_metrics  # noqa: E402
+from timlab.experiments.collapse import judge  # noqa: E402
+from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, holm,  # noqa: E402
                                       permutation_test, t_ci)
 from timlab.experiments.sweep import read_index  # noqa: E402

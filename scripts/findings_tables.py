@@ -30,7 +30,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.collapse import condition_table, judge, read_metrics, run_summary  # noqa: E402
+from timlab.experiments.collapse import condition_table, judge, run_summary  # noqa: E402
+from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import clopper_pearson, permutation_test  # noqa: E402
 from timlab.experiments.sweep import read_index  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402

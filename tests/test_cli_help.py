@@ -41,9 +41,9 @@ def test_function_defaults_equal_the_signatures():
     import inspect
 
     from timlab.experiments.probe import run_probe
-    from timlab.trainer.gradcheck import gradcheck
+    from timlab.gradcheck.estimator import gradcheck
 
-    for target, fn in (("timlab.experiments.probe:run_probe", run_probe), ("timlab.trainer.gradcheck:gradcheck", gradcheck)):
+    for target, fn in (("timlab.experiments.probe:run_probe", run_probe), ("timlab.gradcheck.estimator:gradcheck", gradcheck)):
         read = catalog.function_defaults(target)
         for name, p in inspect.signature(fn).parameters.items():
             if p.default is not inspect.Parameter.empty and isinstance(p.default, (int, float, str, type(None))):

@@ -21,7 +21,7 @@ from timlab.tasks import VERIFIERS, Example, build_verifier, get_task, make_spli
 from timlab.tasks.dataset import BUNDLED
 from timlab.tasks.verifiers import last_boxed, normalize
 from timlab.tokenizer import PLAIN_CHAT_SEP, load_tokenizer, save_char_tokenizer
-from timlab.trainer.logging import TIMING_KEYS
+from timlab.rundir.metrics_log import TIMING_KEYS
 from timlab.trainer.run import RLRun, train
 
 REPO = Path(__file__).resolve().parents[1]

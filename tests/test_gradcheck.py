@@ -14,7 +14,7 @@ from timlab.injectors import build_injector
 from timlab.model.hf_io import load_model
 from timlab.tasks import make_splits
 from timlab.tokenizer import load_tokenizer
-from timlab.trainer.gradcheck import GradcheckError, gradcheck, length_buckets
+from timlab.gradcheck.estimator import GradcheckError, gradcheck, length_buckets
 from timlab.trainer.policy import build_task
 from timlab.trainer.pretrain import ensure_warm_start
 

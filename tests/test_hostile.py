@@ -22,8 +22,8 @@ from timlab.config import ConfigError, resolve
 from timlab.errors import TimlabError
 from timlab.files import ForeignFilesError, atomic_write_text, take_lock
 from timlab.model.hf_io import ModelLoadError, config_from_hf
-from timlab.trainer.checkpoint import CheckpointError, checkpoints_newest_first, load_state, verify_checkpoint
-from timlab.trainer.logging import TIMING_KEYS
+from timlab.rundir.checkpoint import CheckpointError, checkpoints_newest_first, load_state, verify_checkpoint
+from timlab.rundir.metrics_log import TIMING_KEYS
 from timlab.trainer.run import validate
 from timlab.yaml_io import load_yaml
 
@@ -72,7 +72,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 
 def _rewrite_manifest(ckpt: Path) -> None:
     """What an attacker can do: a manifest that matches the planted files."""
-    from timlab.trainer.checkpoint import _write_manifest
+    from timlab.rundir.checkpoint import _write_manifest
 
     _write_manifest(ckpt, int(ckpt.name.split("_")[1]))
 
@@ -493,7 +493,7 @@ def test_non_utf8_parquet_column_name_is_a_one_line_error(tmp_path):
 def test_a_failed_checkpoint_write_is_a_one_line_error(tmp_path, monkeypatch):
     import errno
 
-    from timlab.trainer import checkpoint
+    from timlab.rundir import checkpoint
 
     def efbig(*args, **kwargs):
         raise OSError(errno.EFBIG, "File too large")

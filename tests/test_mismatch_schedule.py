@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from timlab.config import resolve
 from timlab.errors import TimlabError, UsageError
 from timlab.injectors.schedule import SCHEDULES, check_schedule, round_half_up, scheduled_magnitude
-from timlab.trainer.logging import TIMING_KEYS
+from timlab.rundir.metrics_log import TIMING_KEYS
 from timlab.trainer.run import train
 
 

@@ -22,10 +22,10 @@ from timlab import cli
 from timlab.config import resolve
 from timlab.errors import BadFileError, DiskFullError, TimlabError, UsageError, is_disk_full, one_line
 from timlab.files import ForeignFilesError, atomic_write_text, remove_owned
-from timlab.trainer.checkpoint import latest_checkpoint, verify_checkpoint
-from timlab.trainer.logging import TIMING_KEYS
+from timlab.rundir.checkpoint import latest_checkpoint, verify_checkpoint
+from timlab.rundir.metrics_log import TIMING_KEYS
 from timlab.trainer.pretrain import pretrain
-from timlab.trainer.rundir import RunDir, RunDirBusyError
+from timlab.rundir import RunDir, RunDirBusyError
 
 REPO = Path(__file__).resolve().parents[1]
 

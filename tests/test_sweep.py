@@ -13,7 +13,7 @@ import yaml
 
 from timlab import cli
 from timlab.experiments.sweep import SweepError, expand, load_spec, read_index, run_sweep, spec_from_dict
-from timlab.trainer.logging import TIMING_KEYS
+from timlab.rundir.metrics_log import TIMING_KEYS
 
 SPEC = {
     "base": {"preset": "smoke", "set": {"run.steps": 3}},

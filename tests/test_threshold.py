@@ -10,7 +10,7 @@ import pytest
 
 from timlab.cli import main
 from timlab.experiments.threshold import bracket, threshold_study
-from timlab.trainer.rundir import RunDir
+from timlab.rundir import RunDir
 
 
 def _doses(rows):

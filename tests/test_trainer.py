@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from timlab.cli import main
 from timlab.config import resolve
 from timlab.trainer.advantages import grpo, informative_groups, reinforce, rloo
-from timlab.trainer.logging import TIMING_KEYS
+from timlab.rundir.metrics_log import TIMING_KEYS
 from timlab.trainer.losses import aggregate, ppo_clip_loss
 from timlab.trainer.run import train
 

@@ -640,7 +640,8 @@ _EXTRA_COMMANDS.append(_add_threshold)
 # ---------------------------------------------------------------------------------- gradcheck
 def cmd_gradcheck(args: argparse.Namespace) -> int:
     from timlab.config import load_run_config, parse_set, resolve
-    from timlab.experiments.gradcheck import format_gradcheck, plot_gradcheck, run_checkpoint, run_gradcheck
+    from timlab.gradcheck.command import format_gradcheck, plot_gradcheck, run_gradcheck
+    from timlab.rundir.checkpoint import run_checkpoint
 
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot")
@@ -676,7 +677,7 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
 def _add_gradcheck(sub) -> None:
     p = sub.add_parser("gradcheck", help="policy gradient under exact vs mismatched rollouts: cosine, bias, SNR, "
                                          "and the T^2 bound; see docs/gradcheck.md",
-                       formatter_class=_defaults_of("timlab.trainer.gradcheck:gradcheck"))
+                       formatter_class=_defaults_of("timlab.gradcheck.estimator:gradcheck"))
     p.add_argument("config", nargs="?", help="YAML config (task, rollout, model.dtype and mismatch sections are used)")
     p.add_argument("--run-dir", help="a training run: use its config.yaml and a checkpoint (default: the latest)")
     p.add_argument("--step", type=int, help="with --run-dir: the checkpoint of this step (0 = the warm start)")

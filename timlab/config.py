@@ -568,7 +568,9 @@ def resolve(
 def load_run_config(run_dir: str | Path, overrides: dict | None = None) -> Config:
     """The fully resolved config.yaml a run directory was started with, plus ``overrides``
     (a nested dict as ``parse_set`` returns, validated like any other layer)."""
-    p = Path(run_dir) / "config.yaml"
+    from timlab.rundir import RunDir
+
+    p = RunDir(run_dir).config
     if not p.is_file():
         raise FileNotFoundError(f"{run_dir}: no config.yaml (not a timlab run directory)")
     d = _merge(Config().to_dict(), _read_yaml(p), str(p))

@@ -54,7 +54,7 @@ import numpy as np
 import pandas as pd
 
 from timlab.errors import UsageError
-from timlab.trainer.rundir import COMPLETE_STATES, PENDING, RunDir
+from timlab.rundir import COMPLETE_STATES, PENDING, RunDir
 
 DEFAULT_FRAC = 0.5
 """A collapse is val/accuracy below this fraction of its running peak."""
@@ -286,11 +286,6 @@ SUMMARY_KEYS = (
 """The keys of ``run_summary`` (and the summary columns of a sweep's index.parquet)."""
 
 
-def read_metrics(run_dir: str | Path) -> pd.DataFrame | None:
-    """A run's metrics.parquet sorted by step, or None when the run has none yet."""
-    return RunDir(run_dir).read_metrics()
-
-
 def run_summary(run_dir: str | Path, *, rule: str = DEFAULT_RULE, frac: float = DEFAULT_FRAC, window: int | None = None,
                 min_peak: float = DEFAULT_MIN_PEAK, allow_truncated: bool = True,
                 learned_at: float = DEFAULT_LEARNED_AT, level_window: int = DEFAULT_LEVEL_WINDOW) -> dict:
@@ -380,5 +375,5 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
 
 
 __all__ = ["collapse_step", "plateau_collapse_step", "plateau_levels", "judge", "check_rule", "rule_options", "RULES", "DEFAULT_RULE",
-           "DEFAULT_LEARNED_AT", "DEFAULT_LEVEL_WINDOW", "DEFAULT_PLATEAU_WINDOW", "run_summary", "condition_table", "accuracy_auc", "describe_rule", "read_metrics",
+           "DEFAULT_LEARNED_AT", "DEFAULT_LEVEL_WINDOW", "DEFAULT_PLATEAU_WINDOW", "run_summary", "condition_table", "accuracy_auc", "describe_rule",
            "SUMMARY_KEYS", "COMPLETE_STATES", "DEFAULT_FRAC", "DEFAULT_WINDOW", "DEFAULT_MIN_PEAK"]

@@ -50,8 +50,7 @@ class ExportResult:
 def _source(run_dir: Path, step: int | None) -> tuple[Path, int]:
     """(folder to copy, its step): a verified checkpoint, or the run's warm start for step 0."""
     from timlab.config import load_run_config
-    from timlab.experiments.gradcheck import run_checkpoint
-    from timlab.trainer.checkpoint import CheckpointError, verify_checkpoint
+    from timlab.rundir.checkpoint import CheckpointError, run_checkpoint, verify_checkpoint
     from timlab.trainer.pretrain import warm_start_dir
 
     ckpt = run_checkpoint(run_dir, step)

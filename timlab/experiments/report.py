@@ -32,8 +32,9 @@ from timlab.config import ConfigError, load_run_config
 from timlab.errors import UsageError
 from timlab.experiments import page
 from timlab.files import atomic_write_text
+from timlab.rundir import CONFIG, METRICS, STATUS, read_metrics
 from timlab.experiments.collapse import (
-    DEFAULT_FRAC, DEFAULT_MIN_PEAK, DEFAULT_RULE, check_rule, condition_table, describe_rule, read_metrics,
+    DEFAULT_FRAC, DEFAULT_MIN_PEAK, DEFAULT_RULE, check_rule, condition_table, describe_rule,
     run_summary,
 )
 
@@ -142,7 +143,7 @@ def _collect(inputs: list[str | Path] | str | Path, group_by: str, rule: dict) -
         source = f"sweep {paths[0]}"
     else:
         for p in paths:
-            if not any((p / f).exists() for f in ("config.yaml", "metrics.parquet", "status.json")):
+            if not any((p / f).exists() for f in (CONFIG, METRICS, STATUS)):
                 raise FileNotFoundError(f"report: {p} is neither a run directory nor a sweep directory")
         dirs = paths
         names = [p.name for p in paths]

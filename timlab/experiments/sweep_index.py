@@ -18,7 +18,7 @@ from timlab.experiments.collapse import SUMMARY_KEYS, run_summary
 from timlab.experiments.sweep_spec import RunSpec
 from timlab.experiments.sweep_workers import _one_line
 from timlab.files import atomic_write_with
-from timlab.trainer.rundir import RunDir
+from timlab.rundir import RunDir
 
 INDEX_FILE = "index.parquet"
 

@@ -21,7 +21,7 @@ from typing import Any
 from timlab.config import Config, ConfigError, load_run_config, resolve
 from timlab.errors import TimlabError
 from timlab.files import read_text
-from timlab.trainer.rundir import DONE_STATES, RunDir
+from timlab.rundir import DONE_STATES, RunDir
 from timlab.yaml_io import load_yaml
 
 SPEC_KEYS = ("base", "conditions", "grid", "workers", "executor")

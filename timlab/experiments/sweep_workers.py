@@ -17,7 +17,7 @@ from timlab.config import Config
 from timlab.errors import TimlabError
 from timlab.experiments.sweep_spec import SweepError
 from timlab.interrupts import Terminated, interrupt_once
-from timlab.trainer.rundir import FAILED, RunDir, RunDirBusyError
+from timlab.rundir import FAILED, RunDir, RunDirBusyError
 
 _EVENTS = None  # the worker's progress queue (set by _worker_init)
 _STOPPED = False  # set once a job in this worker was interrupted: later jobs do not start

@@ -42,6 +42,9 @@ import torch
 from timlab.config import Config, ConfigError, flatten
 from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
+from timlab.files import atomic_write_text
+from timlab.gradcheck import in_run as gradcheck_in_run
+from timlab.gradcheck.estimator import gradcheck
 from timlab.injectors import build_injector, check_section
 from timlab.metrics import (
     all_metrics,
@@ -63,18 +66,17 @@ from timlab.remedies import (
     rejection_mask,
     replay_experts,
 )
+from timlab.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
+from timlab.rundir.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
+from timlab.rundir.metrics_log import MetricsLog
 from timlab.schedulers import SCHEDULERS, scheduler_from_config
 from timlab.tasks import TASKS, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
-from timlab.trainer.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
-from timlab.trainer.gradcheck import ESTIMATORS, gradcheck
-from timlab.trainer.logging import MetricsLog, atomic_write_text
 from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from timlab.trainer.policy import build_task, gold_logprob, greedy_accuracy, load_policy, rollout_rewards
 from timlab.trainer.pretrain import check_warm_start, ensure_warm_start
 from timlab.trainer.precision import PRECISIONS
-from timlab.trainer.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
 
 
 class ZeroMismatchViolation(TimlabError, RuntimeError):
@@ -119,16 +121,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.lr must be a finite number > 0, got {cfg.optim.lr}")
     check_device(cfg.run.device)
     check_warm_start(cfg, build_task(cfg))
-    if cfg.run.gradcheck_every < 0:
-        raise ConfigError(f"run.gradcheck_every must be >= 0, got {cfg.run.gradcheck_every}")
-    if cfg.run.gradcheck_every:
-        if cfg.run.gradcheck_estimator not in ESTIMATORS:
-            raise ConfigError(f"unknown run.gradcheck_estimator {cfg.run.gradcheck_estimator!r}; "
-                              f"valid choices: {', '.join(ESTIMATORS)}")
-        mb = gradcheck_micro_batch(cfg)
-        if cfg.run.gradcheck_samples % mb or cfg.run.gradcheck_samples < 8 * mb:
-            raise ConfigError(f"run.gradcheck_samples must be a multiple of {mb} and >= {8 * mb} (8 micro-batches "
-                              f"for a confidence interval), got {cfg.run.gradcheck_samples}")
+    gradcheck_in_run.check_config(cfg)
     try:
         sampling = rollout_sampling(cfg)
     except UsageError as e:
@@ -196,18 +189,6 @@ STATUS_EVERY_S = 1.0
 replace costs ~1-6 ms here, a smoke step ~12 ms: once per step would slow training)."""
 
 
-def gradcheck_micro_batch(cfg: Config) -> int:
-    """Sequences per in-run gradcheck micro-batch: 8, or one rloo group."""
-    return cfg.rollout.samples_per_prompt if cfg.run.gradcheck_estimator == "rloo" else 8
-
-
-GRADCHECK_KEYS = ("cosine", "cosine_lo", "cosine_hi", "cosine_plugin", "rel_bias", "rel_bias_lo", "rel_bias_hi",
-                  "noise_floor_rel",
-                  "bias_norm", "grad_norm_exact", "grad_norm_tim", "snr_exact", "snr_exact_lo", "snr_exact_hi",
-                  "snr_tim", "snr_tim_lo", "snr_tim_hi")
-"""gradcheck statistics logged as ``gradcheck/<key>`` (see ``timlab.metrics.gradients``)."""
-
-
 def rollout_sampling(cfg: Config) -> SamplingParams:
     """How the rollout section says to draw tokens."""
     return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
@@ -263,7 +244,6 @@ class RLRun:
                  progress: Callable[[str, int, int, dict], None] | None = None):
         validate(cfg)
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
         self.rundir = RunDir(run_dir)
         self.progress = progress
         self.world = dist_utils.World.from_env(cfg.run.device)
@@ -274,7 +254,7 @@ class RLRun:
         self.log: MetricsLog | None = None
         self._wrote_config = False
         self._status_time = 0.0
-        created = not self.run_dir.exists()
+        created = not self.rundir.path.exists()
         if self.world.is_main:
             self.rundir.lock()  # one process per run directory, for the life of the run
         try:
@@ -327,7 +307,7 @@ class RLRun:
         self.step = 0
         self.grad_norm_ema: float | None = None
         self.peak_val = float("-inf")
-        self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard and self.world.is_main) if self.world.is_main else None
+        self.log = MetricsLog(self.rundir.path, tensorboard=cfg.run.tensorboard and self.world.is_main) if self.world.is_main else None
         if resume:
             self._resume()
 
@@ -427,7 +407,7 @@ class RLRun:
         state = self._trainer_state()  # collective: every rank takes part
         if not self.world.is_main:
             return None
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.precision.master, str(self.model_dir),
+        return save_checkpoint(self.rundir.checkpoints, self.step, self.precision.master, str(self.model_dir),
                                state, keep=self.cfg.run.keep_checkpoints)
 
     # ---------------------------------------------------------------------------- one step
@@ -576,16 +556,12 @@ class RLRun:
         t = time.perf_counter()
         res = gradcheck(
             self.model, self.tok, self.task, self.train_set, self.injector, exact_engine=self.eval_engine,
-            samples=cfg.run.gradcheck_samples, micro_batch=gradcheck_micro_batch(cfg),
+            samples=cfg.run.gradcheck_samples, micro_batch=gradcheck_in_run.micro_batch(cfg),
             estimator=cfg.run.gradcheck_estimator, group_size=cfg.rollout.samples_per_prompt,
             max_new_tokens=cfg.rollout.max_new_tokens, sampling=self.sampling, dense_reward=cfg.task.dense_reward,
             score_seqs=0, n_boot=200, seed=cfg.run.seed * 1_000_003 + self.step,
         )
-        out = {f"gradcheck/{k}": float(res.pooled[k]) for k in GRADCHECK_KEYS}
-        out.update({f"gradcheck/{k}": float(res.pooled[k]) for k in ("rel_bias_is", "rel_bias_is_lo", "rel_bias_is_hi")
-                    if k in res.pooled})  # the importance-weighted estimate (default sampling only)
-        out["gradcheck/tv_max"] = res.bound["delta_max"]
-        out["gradcheck/tv_mean"] = res.bound["delta_mean"]
+        out = gradcheck_in_run.run_metrics(res)
         out["time/gradcheck_s"] = time.perf_counter() - t
         return out
 
@@ -721,7 +697,7 @@ class RLRun:
             raise
         except BaseException as e:
             if isinstance(e, Exception) and is_disk_full(e):
-                full = disk_full(self.run_dir)
+                full = disk_full(self.rundir.path)
                 self.write_status(FAILED, f"{type(full).__name__}: {one_line(full)}")
                 raise full from None
             why = one_line(e) if str(e) else "interrupted"

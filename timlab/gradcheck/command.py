@@ -1,7 +1,7 @@
 """``timlab gradcheck`` from a config, a run directory or a model folder; console summary and plot.
 
-The estimator itself lives in ``timlab.trainer.gradcheck`` (the trainer calls it every
-``run.gradcheck_every`` steps); this module resolves what to check (the config's warm start, a
+The estimator itself lives in ``timlab.gradcheck.estimator`` (the trainer also calls it every
+``run.gradcheck_every`` steps, ``timlab.gradcheck.in_run``); this module resolves what to check (the config's warm start, a
 run's checkpoint, any HF folder), checks that it matches the config, and formats the result.
 See docs/gradcheck.md.
 """
@@ -13,15 +13,7 @@ from pathlib import Path
 import torch
 
 from timlab.errors import UsageError
-from timlab.trainer.gradcheck import (  # noqa: F401  (re-exported: the public gradcheck API)
-    ESTIMATORS,
-    GradcheckError,
-    GradcheckResult,
-    Progress,
-    gradcheck,
-    length_buckets,
-    select_params,
-)
+from timlab.gradcheck.estimator import GradcheckResult, Progress, gradcheck
 
 # ------------------------------------------------------------------------------------ output
 def format_gradcheck(res: GradcheckResult) -> str:
@@ -127,32 +119,6 @@ MODEL_KEYS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "
 
 POOL_SIZE = 4096
 """Prompts drawn from the task's training split (its first ones) to sample gradcheck prompts from."""
-
-
-def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path | None:
-    """The checkpoint folder of a run: the latest one (step None), ``step_N`` or None for step 0
-    (the warm start the run began from). Missing pieces are one-line errors."""
-    from timlab.trainer.checkpoint import CheckpointError, latest_checkpoint
-
-    d = Path(run_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"run directory {d} does not exist")
-    if not (d / "config.yaml").exists():
-        raise FileNotFoundError(f"{d}: no config.yaml (not a timlab run directory)")
-    root = d / "checkpoints"
-    if step == 0:
-        return None
-    available = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "config.json").exists())
-    if step is None:
-        ckpt = latest_checkpoint(root)
-        if ckpt is None:
-            raise CheckpointError(f"{d}: no complete checkpoint under checkpoints/ (use --step 0 for the warm start)")
-        return ckpt
-    ckpt = root / f"step_{step:06d}"
-    if not (ckpt / "config.json").exists():
-        raise CheckpointError(f"{d}: no checkpoint for step {step}; available steps: "
-                              f"{', '.join(map(str, [0, *available]))}")
-    return ckpt
 
 
 def check_model_matches(model_dir: Path, cfg) -> None:

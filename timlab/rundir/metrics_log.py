@@ -15,8 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from timlab.errors import UsageError, disk_full, is_disk_full
-from timlab.files import atomic_write_bytes, atomic_write_text, atomic_write_with, open_append  # noqa: F401
-from timlab.trainer.rundir import RunDir
+from timlab.files import atomic_write_text, atomic_write_with, open_append
+from timlab.rundir import RunDir
 
 TIMING_KEYS = ("train/step_time_s", "train/tokens_per_s", "time/rollout_s", "time/train_s", "time/eval_s", "time/metrics_s")
 """Wall-clock columns: the only ones that differ between two runs of the same config and seed."""
@@ -83,8 +83,3 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
 
-
-def read_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """The metrics table of a run sorted by step (empty DataFrame if none yet)."""
-    df = RunDir(run_dir).read_metrics()
-    return pd.DataFrame() if df is None else df

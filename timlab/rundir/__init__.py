@@ -1,4 +1,11 @@
-"""The run directory: the one type that knows its layout, its states and its lock.
+"""The run directory: its layout, states and lock (``RunDir``), its checkpoints and its metrics log.
+
+This package owns every file name a run writes and imports nothing of timlab above ``files``,
+``errors`` and ``model`` (the checkpoint writes an HF model folder):
+
+- ``timlab.rundir`` (here): ``RunDir``, the layout below, the run states, ``read_metrics``;
+- ``timlab.rundir.checkpoint``: atomic, verified checkpoints (manifest, resume state);
+- ``timlab.rundir.metrics_log``: ``MetricsLog``, the per-step metrics.parquet writer.
 
 ::
 
@@ -7,7 +14,7 @@
       status.json          {"state", "step", "total_steps", "message"}, replaced atomically
       metrics.parquet      one row per logged step, replaced atomically every step
       distributions.jsonl  per-step histograms, append-only (truncated back on resume)
-      checkpoints/         step_NNNNNN/ folders + ``latest`` (see ``timlab.trainer.checkpoint``)
+      checkpoints/         step_NNNNNN/ folders + ``latest`` (see ``timlab.rundir.checkpoint``)
       tensorboard/         only with run.tensorboard=true
       run.lock             holds the pid of the process that owns the run
 
@@ -45,6 +52,25 @@ DISTRIBUTIONS = "distributions.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
 LOCK = "run.lock"
+
+STEP_PREFIX = "step_"
+"""A checkpoint folder is ``checkpoints/step_NNNNNN`` (``checkpoint_name``)."""
+LATEST = "latest"
+"""``checkpoints/latest`` names the newest checkpoint folder."""
+CHECKPOINT_ENTRIES = (f"{STEP_PREFIX}*", f".tmp_{STEP_PREFIX}*", LATEST, f"{LATEST}.tmp")
+"""The names timlab writes in a run's checkpoints/ folder."""
+
+
+def checkpoint_name(step: int, *, temporary: bool = False) -> str:
+    """The folder name of the checkpoint of ``step`` (``temporary``: the name it is written under)."""
+    return f"{'.tmp_' if temporary else ''}{STEP_PREFIX}{step:06d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder name ``step_NNNNNN``, or None for any other name."""
+    digits = name[len(STEP_PREFIX):] if name.startswith(STEP_PREFIX) else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
 
 RUN_FILES = (CONFIG, STATUS, METRICS, DISTRIBUTIONS, CHECKPOINTS, TENSORBOARD, LOCK,
              STATUS + ".tmp", METRICS + ".tmp", DISTRIBUTIONS + ".tmp", CONFIG + ".tmp")
@@ -99,6 +125,10 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / TENSORBOARD
+
+    def checkpoint(self, step: int) -> Path:
+        """The folder of the checkpoint of ``step`` (which may not exist)."""
+        return self.checkpoints / checkpoint_name(step)
 
     def has_run(self) -> bool:
         """Whether a run was started here (config, metrics or checkpoints exist)."""
@@ -229,8 +259,6 @@ class RunDir:
     def clear(self) -> None:
         """Delete what timlab wrote here (config, status, metrics, checkpoints, ...) and nothing
         else; the caller holds the lock."""
-        from timlab.trainer.checkpoint import CHECKPOINT_ENTRIES
-
         for name in RUN_FILES:
             p = self.path / name
             if name == LOCK or not (p.exists() or p.is_symlink()):
@@ -253,10 +281,11 @@ def read_status(run_dir: str | os.PathLike) -> dict:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> pd.DataFrame | None:
-    """metrics.parquet of a run directory sorted by step (None when absent)."""
+    """metrics.parquet of a run directory sorted by step, or None when the run has logged nothing
+    yet (``RunDir.read_metrics``; the one reader of the file)."""
     return RunDir(run_dir).read_metrics()
 
 
 __all__ = ["RunDir", "RunDirBusyError", "read_status", "read_metrics", "DONE_STATES", "COMPLETE_STATES",
            "RUNNING", "FINISHED", "DIVERGED", "GUARD_FAILED", "FAILED", "PENDING", "CONFIG", "STATUS", "METRICS",
-           "DISTRIBUTIONS", "CHECKPOINTS", "LOCK"]
+           "DISTRIBUTIONS", "CHECKPOINTS", "LOCK", "CHECKPOINT_ENTRIES", "checkpoint_name", "checkpoint_step"]

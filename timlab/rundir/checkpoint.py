@@ -23,14 +23,12 @@ from pathlib import Path
 import torch
 
 from timlab.errors import TimlabError, disk_full, is_disk_full, out_of_space
-from timlab.files import sha256_file
+from timlab.files import atomic_write_text, sha256_file
 from timlab.model.hf_io import save_model
-from timlab.trainer.logging import atomic_write_text
+from timlab.rundir import LATEST, STEP_PREFIX, RunDir, checkpoint_name, checkpoint_step
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
-CHECKPOINT_ENTRIES = ("step_*", ".tmp_step_*", "latest", "latest.tmp")
-"""The names timlab writes in a run's checkpoints/ folder."""
 
 
 class CheckpointError(TimlabError, ValueError):
@@ -72,8 +70,8 @@ def verify_checkpoint(ckpt: Path) -> str | None:
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None, state: dict, keep: int = 2) -> Path:
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp_step_{step:06d}"
+    final = ckpt_root / checkpoint_name(step)
+    tmp = ckpt_root / checkpoint_name(step, temporary=True)
     try:
         if tmp.exists():
             shutil.rmtree(tmp)  # ours: a checkpoint write a kill interrupted
@@ -92,7 +90,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    atomic_write_text(ckpt_root / "latest", final.name + "\n")
+    atomic_write_text(ckpt_root / LATEST, final.name + "\n")
     if keep > 0:
         done = [p for p in checkpoints_newest_first(ckpt_root) if (p / STATE_FILE).exists()]
         for old in done[keep:]:
@@ -103,10 +101,10 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer_dir: str | None
 def checkpoints_newest_first(ckpt_root: Path) -> list[Path]:
     """step_* folders under ``ckpt_root``, newest step first (not yet verified)."""
     found = []
-    for p in Path(ckpt_root).glob("step_*"):
-        digits = p.name.split("_", 1)[1]
-        if digits.isascii() and digits.isdigit() and p.is_dir() and not p.is_symlink():
-            found.append((int(digits), p))
+    for p in Path(ckpt_root).glob(STEP_PREFIX + "*"):
+        step = checkpoint_step(p.name)
+        if step is not None and p.is_dir() and not p.is_symlink():
+            found.append((step, p))
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -127,3 +125,27 @@ def load_state(ckpt: Path) -> dict:
         return state
     except Exception as e:  # corrupt, truncated, or holding objects other than data
         raise CheckpointError(f"checkpoint {ckpt} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path | None:
+    """The checkpoint folder of a run: the latest one that verifies (step None), ``step_N``, or
+    None for step 0 (the warm start the run began from). Missing pieces are one-line errors."""
+    d = RunDir(run_dir)
+    if not d.path.is_dir():
+        raise FileNotFoundError(f"run directory {d.path} does not exist")
+    if not d.config.exists():
+        raise FileNotFoundError(f"{d.path}: no config.yaml (not a timlab run directory)")
+    if step == 0:
+        return None
+    if step is None:
+        ckpt = latest_checkpoint(d.checkpoints)
+        if ckpt is None:
+            raise CheckpointError(f"{d.path}: no complete checkpoint under checkpoints/ (use --step 0 for the warm start)")
+        return ckpt
+    ckpt = d.checkpoint(step)
+    if not (ckpt / "config.json").exists():
+        available = sorted(checkpoint_step(p.name) for p in checkpoints_newest_first(d.checkpoints)
+                           if (p / "config.json").exists())
+        raise CheckpointError(f"{d.path}: no checkpoint for step {step}; available steps: "
+                              f"{', '.join(map(str, [0, *available]))}")
+    return ckpt
