@@ -441,3 +441,56 @@ def test_hf_engine_and_hf_score_path_run_moe_models(tmp_path, moe_folder):
     assert 0 < res["max_abs_diff"] < 1e-4
     res = moe_probe(tmp_path, moe_folder, "--rollout", "exact", "--score", "hf", "--dtype", "float32")
     assert 0 < res["max_abs_diff"] < 1e-4 and "router_flip_frac" not in res
+
+
+def test_surge_moe_preset_builds_an_moe_warm_start_and_logs_routing(tmp_path):
+    """The MoE surge testbed end to end at a tiny budget: its warm start is a Qwen3-MoE with the
+    preset's experts (built like the dense one, cached under its own key), the dense surge warm
+    start keeps its key, and an exact 2-step run logs zero routing flips."""
+    import json
+
+    import pandas as pd
+
+    from timlab.config import resolve
+    from timlab.trainer.pretrain import warm_start_dir, warm_start_key
+    from timlab.trainer.run import train
+
+    cfg = resolve(preset="surge_moe")
+    m = cfg.model
+    assert (m.model_type, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == ("qwen3_moe", 8, 2, 96)
+    dense = resolve(preset="surge").model
+    # the same active MLP weights per token as the dense surge policy
+    assert m.num_experts_per_tok * m.moe_intermediate_size == dense.intermediate_size
+    assert warm_start_key(resolve(preset="surge")) == "b1c93a747d88"  # unchanged by the MoE fields
+    assert warm_start_key(cfg) != warm_start_key(resolve(preset="surge_moe", overrides=["model.num_experts=4"]))
+
+    cfg = resolve(preset="surge_moe", overrides=[
+        "model.hidden_size=32", "model.num_layers=1", "model.moe_intermediate_size=16", "model.pretrain_steps=20",
+        "task.kwargs.max_digits=2", "task.n_train=300", "task.n_val=16", "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=16", "run.steps=2", "run.eval_every=2", "run.progress=false"])
+    train(cfg, tmp_path / "run")
+    config = json.loads((warm_start_dir(cfg) / "config.json").read_text())
+    assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"]) == ("qwen3_moe", 8, 2)
+    assert config["moe_intermediate_size"] == 16 and config["norm_topk_prob"] is True
+    df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[1:]
+    assert len(df) == 2 and (df["mismatch/router_flip_frac"] == 0).all()
+    assert (df["mismatch/frac_bitwise_equal"] == 1.0).all() and (df["rollout_corr/k3_kl"] == 0.0).all()
+
+
+def test_moe_model_settings_errors():
+    from timlab.config import resolve
+    from timlab.trainer.pretrain import check_warm_start
+    from timlab.trainer.policy import build_task
+
+    for overrides, message in [
+        (["model.model_type=qwen3_moe"], "model.model_type='qwen3_moe' needs model.num_experts >= 1"),
+        (["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=8"],
+         "model.num_experts=8 needs model.model_type='qwen3_moe', got 'llama'"),
+        (["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=5"],
+         r"model.num_experts_per_tok must be in 1..model.num_experts=4, got 5"),
+        (["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2"],
+         "model.moe_intermediate_size must be >= 1, got 0"),
+    ]:
+        cfg = resolve(preset="smoke", overrides=overrides)
+        with pytest.raises(UsageError, match=message):
+            check_warm_start(cfg, build_task(cfg))

@@ -281,7 +281,7 @@ def test_tensorboard_option(tmp_path):
     assert "train/reward_mean" in acc.Tags()["scalars"] and "rollout_corr/k3_kl" in acc.Tags()["scalars"]
 
 
-@pytest.mark.parametrize("name", ["smoke", "default", "demo", "surge", "beyond-precision"])
+@pytest.mark.parametrize("name", ["smoke", "default", "demo", "surge", "beyond-precision", "surge_moe"])
 def test_every_preset_resolves_and_validates(name):
     from timlab.config import PRESETS
     from timlab.trainer.run import validate

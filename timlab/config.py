@@ -38,7 +38,8 @@ class ModelSection:
     lm_head_fp32: bool = False
     """Compute the LM head in fp32 even when the body runs in bf16/fp16 (a precision remedy)."""
     model_type: str = "llama"
-    """Architecture of the warm-start model: llama, qwen2 or qwen3."""
+    """Architecture of the warm-start model: llama, qwen2, qwen3 or qwen3_moe (sparse MLPs, the
+    num_experts fields below)."""
     hidden_size: int = 128
     """Warm-start model: width of the residual stream."""
     num_layers: int = 4
@@ -51,6 +52,15 @@ class ModelSection:
     """Warm-start model: width of the MLP's hidden layer."""
     max_position_embeddings: int = 256
     """Warm-start model: the longest sequence (prompt + answer) it can take."""
+    num_experts: int = 0
+    """Warm-start model, qwen3_moe: experts in each layer's sparse MLP (0 = dense MLPs)."""
+    num_experts_per_tok: int = 0
+    """Warm-start model, qwen3_moe: experts each token is routed to (top k)."""
+    moe_intermediate_size: int = 0
+    """Warm-start model, qwen3_moe: each expert's SwiGLU width (intermediate_size stays the dense MLPs')."""
+    norm_topk_prob: bool = True
+    """Warm-start model, qwen3_moe: renormalize the top-k router probabilities to sum to 1
+    (Qwen3-30B-A3B's setting)."""
     pretrain_steps: int = 400
     """SFT steps for the warm start (tuned so validation accuracy leaves room for RL)."""
     pretrain_batch: int = 64
@@ -349,6 +359,16 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+
+# The MoE surge testbed: the surge preset with a Qwen3-MoE policy whose active parameters match the
+# dense surge policy's: each of the 3 layers routes every token to 2 of 8 SwiGLU experts of width 96
+# (2 x 3 x 64 x 96 = the dense 3 x 64 x 192 MLP weights per token), plus a 64 x 8 router. With 3x
+# the dense total parameters, 1500 SFT steps answer tersely at 0.90 and leave RL no room; 1000 steps
+# give 0.77 terse and 1.00 worked out (bench/RESULTS.md). Routing flips are the mismatch a bf16
+# rollout causes here (docs/FINDINGS.md, "MoE study").
+PRESETS["surge_moe"] = {**PRESETS["surge"], "model": {
+    **PRESETS["surge"]["model"], "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 96, "pretrain_steps": 1000}}
 
 
 def _verl(is_level: str | None = None, is_threshold: float | str = 2.0, rs: str = "", rs_threshold: str = "",

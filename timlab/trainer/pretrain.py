@@ -54,6 +54,16 @@ def check_warm_start(cfg: Config, task: Task) -> None:
                     "pretrain_batch"):
             if getattr(m, key) < 1:
                 raise UsageError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+        if m.model_type == "qwen3_moe" and not m.num_experts:
+            raise UsageError("model.model_type='qwen3_moe' needs model.num_experts >= 1 (with num_experts_per_tok "
+                             "and moe_intermediate_size)")
+        if m.num_experts and m.model_type != "qwen3_moe":
+            raise UsageError(f"model.num_experts={m.num_experts} needs model.model_type='qwen3_moe', got {m.model_type!r}")
+        if m.num_experts and not 1 <= m.num_experts_per_tok <= m.num_experts:
+            raise UsageError(f"model.num_experts_per_tok must be in 1..model.num_experts={m.num_experts}, "
+                             f"got {m.num_experts_per_tok}")
+        if m.num_experts and m.moe_intermediate_size < 1:
+            raise UsageError(f"model.moe_intermediate_size must be >= 1, got {m.moe_intermediate_size}")
         if m.hidden_size % m.num_heads:
             raise UsageError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads}")
         if m.num_heads % m.num_kv_heads:
@@ -69,10 +79,15 @@ def check_warm_start(cfg: Config, task: Task) -> None:
                          f"prompt + answer; the warm start supports up to {MAX_WARM_START_CONTEXT}")
 
 
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+"""The model section's mixture-of-experts fields: hashed only for an MoE warm start, so the dense
+warm starts keep the keys (and cache folders) they had before these fields existed."""
+
+
 def warm_start_key(cfg: Config) -> str:
     """Hash of everything that determines the warm-start model."""
     m = dataclasses.asdict(cfg.model)
-    for k in ("path", "dtype", "lm_head_fp32"):
+    for k in ("path", "dtype", "lm_head_fp32", *(MOE_KEYS if not cfg.model.num_experts else ())):
         m.pop(k)
     t = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k in ("name", "kwargs", "n_train", "n_val", "split_seed")}
     blob = json.dumps({"model": m, "task": t, "version": 1}, sort_keys=True)
@@ -117,6 +132,9 @@ def model_config_for(cfg: Config, vocab_size: int, tok: Tokenizer, max_len: int)
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **({"num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.moe_intermediate_size, "norm_topk_prob": m.norm_topk_prob}
+           if m.num_experts else {}),
     )
 
 
