@@ -13,7 +13,8 @@ sparse layer) pairs whose top-k expert set differs between rollout and trainer
 (``mismatch/router_flip_frac``), the share of positions with a flip in any layer, mean |r| of
 tokens at flipped and unflipped positions; greedy accuracy and ``val/gold_logprob`` at the first
 and last evaluation (per seed); whether every step of the ``control`` arm kept k3 exactly 0 and
-every token bitwise equal; the wall-clock cost per RL step (training step time plus its share of
+every token bitwise equal; whether each ``control_replay`` run equals the ``control`` run of its
+seed in every logged value but the timings; the wall-clock cost per RL step (training step time plus its share of
 evaluation time; one thread per run, so an upper bound on CPU-seconds per step on a shared machine).
 """
 
@@ -36,6 +37,8 @@ from timlab.experiments.sweep import read_index  # noqa: E402
 
 CONTROL = "control"
 """The zero-mismatch arm's condition name in the MoE specs."""
+CONTROL_REPLAY = "control_replay"
+"""The control with router replay (the pilot's): it must equal the control in every logged value."""
 LEARN_BAR = 0.15
 """Issue 25's bar for "learns like the dense one": greedy accuracy gain of at least this much."""
 LEARNED = 0.95
@@ -88,7 +91,7 @@ def arms(sweep: str) -> str:
     keys = ("rollout_corr/k3_kl", "mismatch/router_flip_frac", "mismatch/router_flip_frac_any_layer",
             "mismatch/abs_diff_mean_router_flipped", "mismatch/abs_diff_mean_router_unflipped")
     per: dict[str, dict[str, list]] = {}
-    guard_ok, step_s = True, []
+    guard_ok, step_s, untimed = True, [], {}
     for row, m in runs(sweep):
         t = m[m["step"] >= 1]  # step 0 is the evaluation of the start alone (no rollout)
         d = per.setdefault(arm(row["spec_condition"]), {k: [] for k in (*keys, "acc", "gold", "step_s")})
@@ -100,6 +103,7 @@ def arms(sweep: str) -> str:
         if arm(row["spec_condition"]) == CONTROL:
             guard_ok &= bool(len(t) == int(m["step"].max()) and (t["rollout_corr/k3_kl"] == 0).all()
                              and (t["mismatch/frac_bitwise_equal"] == 1).all())
+        untimed[row["spec_condition"]] = m[[c for c in m.columns if not _timing(c)]].reset_index(drop=True)
         s = (float(m["train/step_time_s"].sum()) + float(m["time/eval_s"].sum())) / int(m["step"].max())
         d["step_s"].append(s), step_s.append(s)
     lines = ["| arm | seeds | realized k3 | router flip frac (pairs) | positions with a flip | mean \\|r\\| flipped / unflipped | "
@@ -115,7 +119,17 @@ def arms(sweep: str) -> str:
     lines.append(f"control guard (k3 exactly 0 and every token bitwise equal at every step): "
                  f"{'held' if guard_ok else 'BROKEN'}; wall seconds per RL step (train + eval share), "
                  f"mean over {len(step_s)} runs: {np.mean(step_s):.2f} (range {min(step_s):.2f}-{max(step_s):.2f})")
+    for name in sorted(c for c in untimed if arm(c) == CONTROL_REPLAY):
+        ctrl = untimed.get(name.replace(CONTROL_REPLAY, CONTROL, 1))
+        same = ctrl is not None and ctrl.shape == untimed[name].shape and ctrl.equals(untimed[name])
+        lines.append(f"{name} equals {name.replace(CONTROL_REPLAY, CONTROL, 1)} in every logged value but timings: "
+                     f"{'yes' if same else 'NO'}")
     return "\n".join(lines)
+
+
+def _timing(column: str) -> bool:
+    """Wall-clock columns (and rates derived from them): the only ones that differ between equal runs."""
+    return column.startswith("time/") or column in ("train/step_time_s", "train/tokens_per_s")
 
 
 def main(argv: list[str] | None = None) -> int:
