@@ -32,7 +32,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.collapse import read_metrics  # noqa: E402
+from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.sweep import read_index  # noqa: E402
 
 CONTROL = "control"
