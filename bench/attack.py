@@ -303,12 +303,19 @@ def attack_inputs(t: Tally, work: Path) -> None:
     t.one_line("probe --json DIR", sh(["probe", "--model", str(src), "--task", "reverse", "--json", str(w / "outdir")]))
     t.add("  ... no .tmp left", not list(w.glob("*.tmp")) and not list((w / "outdir").iterdir()))
     p = sh(["analyze", str(data), "--out", str(w / "inf.html"), "--json", str(w / "inf.json")])
-    t.one_line("analyze -1e308 log-probs", p, rc=(0,))
+    t.one_line("analyze -1e308 log-probs (refused: its means would overflow)", p)
+    t.add("  ... the error names the column", "column trainer_logprobs" in p.stderr, p.stderr.strip()[-160:])
+    with data.open("a") as f:  # the same rows after good ones: those are analyzed, with finite means
+        f.write("".join(json.dumps({"trainer_logprobs": [-0.1, -0.2], "rollout_logprobs": [-0.2, -0.3]}) + "\n"
+                        for _ in range(4)))
+    p = sh(["analyze", str(data), "--out", str(w / "inf.html"), "--json", str(w / "inf.json")])
+    t.one_line("analyze -1e308 rows among good ones", p, rc=(1,))
     try:
         json.loads((w / "inf.json").read_text(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
         t.add("  ... --json is standard JSON", True)
     except (ValueError, OSError) as e:
         t.add("  ... --json is standard JSON", False, str(e))
+    t.add("  ... the means are finite", "inf" not in p.stdout, p.stdout[:160])
 
     # 13. a full disk (needs permission to mount a small tmpfs)
     mnt = w / "small"

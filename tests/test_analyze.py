@@ -107,6 +107,87 @@ def test_metrics_equal_all_metrics_on_the_padded_batch():
     assert analyze_file(SAMPLE)["per_step"][0]["metrics"] == all_metrics(train[step1], roll[step1], mask[step1])
 
 
+def _random_rows(seed: int, n: int, steps: int) -> list[dict]:
+    """Rows of 1-40 tokens at random steps (1 to ~10 rows per step), some masked, some rewarded."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        k = rng.randint(1, 40)
+        train = [-rng.expovariate(1.0) for _ in range(k)]
+        row = {"step": rng.randrange(steps), "trainer_logprobs": train,
+               "rollout_logprobs": [min(0.0, x + rng.gauss(0, 0.05)) if rng.random() < 0.7 else x for x in train]}
+        if rng.random() < 0.5:
+            row["reward"] = rng.random()
+        if rng.random() < 0.3:
+            row["mask"] = [1] + [int(rng.random() < 0.8) for _ in range(k - 1)]
+        rows.append(row)
+    return rows
+
+
+def test_per_step_metrics_equal_all_metrics_of_each_step(tmp_path):
+    # the per-step table is computed for every step at once (steps with equal row counts stacked);
+    # each step's metrics must still be all_metrics of its own rows, bit for bit
+    rows = _random_rows(3, 120, 40) + [dict(good_row(900 + i), step=1000 + i) for i in range(30)]  # + one-row steps
+    res = analyze_file(write_jsonl(tmp_path / "steps.jsonl", rows))
+    T = max(len(r["trainer_logprobs"]) for r in rows)  # one chunk: the file's padding
+    pad = lambda xs: xs + [0.0] * (T - len(xs))  # noqa: E731
+    train = torch.tensor([pad(r["trainer_logprobs"]) for r in rows], dtype=torch.float64)
+    roll = torch.tensor([pad(r["rollout_logprobs"]) for r in rows], dtype=torch.float64)
+    mask = torch.tensor([pad([float(x) for x in r.get("mask", [1] * len(r["trainer_logprobs"]))]) for r in rows])
+    steps = sorted({r["step"] for r in rows})
+    assert [s["step"] for s in res["per_step"]] == steps
+    assert len({s["num_sequences"] for s in res["per_step"]}) >= 4  # several stacked batches
+    for s in res["per_step"]:
+        idx = [i for i, r in enumerate(rows) if r["step"] == s["step"]]
+        assert s["metrics"] == all_metrics(train[idx], roll[idx], mask[idx]), s["step"]
+        assert s["num_sequences"] == len(idx) and s["num_tokens"] == int(mask[idx].sum())
+        rewards = [rows[i]["reward"] for i in idx if "reward" in rows[i]]
+        assert s["reward_mean"] == (sum(rewards) / len(rewards) if rewards else None)
+
+
+def test_absurd_magnitudes_are_refused_and_means_stay_finite(tmp_path):
+    # issue #22: finite log-probs near -1e308 made analyze's means overflow to inf
+    absurd = [{"trainer_logprobs": [-0.1, -1e308], "rollout_logprobs": [-0.2, -0.3]} for _ in range(4)]
+    _raises(write_jsonl(tmp_path / "absurd.jsonl", absurd), "no valid rows", "column trainer_logprobs",
+            "trainer_logprobs[1] = -1e+308 is below -1e+100")
+    good = [good_row(i, 6) for i in range(8)]
+    mixed = analyze_file(write_jsonl(tmp_path / "mixed.jsonl", good + absurd[:1] + [dict(good_row(9), reward=1e300)]))
+    assert [(e["row"], e["column"]) for e in mixed["errors"]] == [(8, "trainer_logprobs"), (9, "reward")]
+    assert mixed["metrics"] == analyze_file(write_jsonl(tmp_path / "good.jsonl", good))["metrics"]
+    # at the limit every number is finite and correct: |r| = 1e100 everywhere, rewards of 1e100
+    big = [{"step": i % 3, "trainer_logprobs": [-1e100] * 50, "rollout_logprobs": [-0.5] * 50, "reward": 1e100}
+           for i in range(300)]
+    res = analyze_file(write_jsonl(tmp_path / "big.jsonl", big))
+    floats = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            [walk(v) for v in x.values()]
+        elif isinstance(x, list):
+            [walk(v) for v in x]
+        elif isinstance(x, float):
+            floats.append(x)
+
+    walk(res)
+    assert floats and not any(math.isinf(x) for x in floats)
+    for m in [res["metrics"]] + [s["metrics"] for s in res["per_step"]]:
+        assert m["mismatch/abs_diff_mean"] == pytest.approx(1e100, rel=1e-12)
+        assert m["rollout_corr/training_log_ppl"] == pytest.approx(1e100, rel=1e-12)
+        assert m["rollout_corr/training_ppl"] == pytest.approx(math.exp(600), rel=1e-12)  # the documented clamp
+    assert res["reward_mean"] == pytest.approx(1e100, rel=1e-12)
+    ls = res["length_scaling"]
+    assert ls["rms_sum"] == pytest.approx([t * (1e100 - 0.5) for t in ls["lengths"]], rel=1e-9)  # r^2 summed: finite
+
+
+def test_perplexity_mean_over_many_sequences_stays_finite():
+    # exp(700) ~ 1e304 per sequence overflowed the sum over 20k sequences; the clamp at 600 leaves room
+    lp = torch.full((20_000, 1), -1e4, dtype=torch.float64)
+    m = all_metrics(lp, torch.full_like(lp, -0.5), torch.ones_like(lp))
+    assert m["rollout_corr/training_ppl"] == pytest.approx(math.exp(600), rel=1e-12)
+    assert m["rollout_corr/ppl_ratio"] == pytest.approx(math.exp(600), rel=1e-12)
+    assert all(math.isfinite(v) for v in m.values())
+
+
 def _same_up_to_rounding(a, b, path=""):
     """Equal structure, exact ints/strings, floats equal to the last bits (sums regrouped by chunk)."""
     if isinstance(a, dict):

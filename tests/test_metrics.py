@@ -404,3 +404,28 @@ def test_routing_metrics_hand_computed():
     assert (m["router_flipped_tokens"], m["router_unflipped_tokens"]) == (2, 1)
     with pytest.raises(ValueError, match="differ in shape"):
         router_flips(a, b[:, :, :3])
+
+
+@pytest.mark.parametrize("G,B,T", [(1, 1, 1), (7, 1, 3), (5, 4, 33), (3, 16, 257), (2, 64, 1100)])
+def test_group_metric_sums_equal_each_group_bit_for_bit(G, B, T):
+    # timlab analyze's per-step table computes G steps at once; each must be its own batch's numbers
+    from timlab.metrics import group_metric_sums, metric_sums, metrics_from_group_sums
+
+    g = torch.Generator().manual_seed(G * 1000 + B * 10 + T)
+    train = -torch.rand(G, B, T, generator=g, dtype=torch.float64) * 3
+    roll = torch.where(torch.rand(G, B, T, generator=g) < 0.6, train, train + 0.05 * torch.randn(G, B, T, generator=g,
+                                                                                                    dtype=torch.float64))
+    mask = torch.rand(G, B, T, generator=g) < 0.8
+    mask[..., 0] = True
+    sums = group_metric_sums(train, roll, mask)
+    per_group = [metric_sums(train[k], roll[k], mask[k]) for k in range(G)]
+    for key, v in sums.items():
+        if key == "abs_values":
+            assert torch.equal(v, torch.cat([s[key] for s in per_group]))
+        else:
+            assert torch.equal(v, torch.stack([s[key] for s in per_group])), key
+    counts = torch.stack([s["num_tokens"] for s in per_group]).to(torch.int64)
+    groups = torch.arange(G).repeat_interleave(counts)
+    flip = torch.randperm(groups.numel(), generator=g)  # any order of the values
+    sums["abs_values"], groups = sums["abs_values"][flip], groups[flip]
+    assert metrics_from_group_sums(sums, groups) == [all_metrics(train[k], roll[k], mask[k]) for k in range(G)]

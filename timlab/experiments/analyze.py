@@ -41,12 +41,14 @@ from timlab.metrics import (
     breakdown_sums,
     breakdowns_from_sums,
     format_length_scaling,
+    group_metric_sums,
     length_scaling_from_sums,
     length_scaling_sums,
     merge_length_scaling_sums,
     merge_breakdown_sums,
     merge_metric_sums,
     metric_sums,
+    metrics_from_group_sums,
     metrics_from_sums,
 )
 
@@ -60,6 +62,14 @@ SCHEMA = ("one row per sequence: trainer_logprobs: list[float], rollout_logprobs
 POSITIVE_LOGP_TOL = 1e-3
 """A log-prob above this at a valid position is an error (log-probs are <= 0; a positive value
 usually means probabilities or negative log-probs were stored)."""
+
+MAGNITUDE_LIMIT = 1e100
+"""A log-prob below -MAGNITUDE_LIMIT at a valid position, or a reward beyond +-MAGNITUDE_LIMIT, is
+an error: finite but absurd values (near 1e308) would overflow the file's sums, so its means
+would print as inf. Under the limit every sum analyze forms stays finite: sums of |r| or of
+rewards up to ~1e208 values, the length scaling's squares (r^2 <= 4e200, and the square of a
+row's sum_t r) for files of up to ~1e50 tokens. A float32 engine's -3.4e38 "impossible token"
+value passes."""
 
 STEP_MISSING = "step is missing or null (other rows have one)"
 
@@ -235,6 +245,9 @@ def _first_bad_logp(values: list[float], mask: list[bool], column: str) -> str |
         if v > POSITIVE_LOGP_TOL:
             return (f"{column}[{j}] = {v:.4g} > 0; log-probs must be <= 0 "
                     "(probabilities or negative log-probs stored?)")
+        if v < -MAGNITUDE_LIMIT:
+            return (f"{column}[{j}] = {v:.4g} is below -{MAGNITUDE_LIMIT:g}; its sums would overflow float64 "
+                    "(a padding value? set mask to 0 there)")
     return None
 
 
@@ -285,6 +298,9 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
                                or not math.isfinite(reward)):
         errs.append(_error(row, "reward", f"reward = {reward!r} is not a finite number"))
+    elif reward is not None and abs(reward) > MAGNITUDE_LIMIT:
+        errs.append(_error(row, "reward", f"reward = {reward:.4g} is beyond +-{MAGNITUDE_LIMIT:g}; "
+                                          "the mean reward would overflow float64"))
     if errs:
         return None, errs
     return _Seq(row, train, rollout, mask, int(step) if has_step else None,
@@ -293,25 +309,27 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
 
 # ------------------------------------------------------------------------------ metrics
 def _pack(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (B, T) float64 log pi, log mu and bool mask; padding is 0 / False."""
-    B, T = len(seqs), max(len(s.train) for s in seqs)
+    """Right-padded (B, T) float64 log pi, log mu and bool mask; padding is 0 / False (and so are
+    masked-out values). Built from the rows' values in one flat pass, not a tensor per row."""
+    lengths = torch.tensor([len(s.train) for s in seqs], dtype=torch.int64)  # (B,)
+    B, T = len(seqs), int(lengths.max())
+    m = torch.tensor([x for s in seqs for x in s.mask], dtype=torch.bool)  # (N,) every row's positions
+    zero = torch.zeros((), dtype=torch.float64)
+    rows = torch.repeat_interleave(torch.arange(B), lengths)  # (N,)
+    cols = torch.arange(m.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)  # (N,)
     train = torch.zeros(B, T, dtype=torch.float64)
     rollout = torch.zeros(B, T, dtype=torch.float64)
     mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        m = torch.tensor(s.mask)  # (L,)
-        zero = torch.zeros(len(s.mask), dtype=torch.float64)
-        train[b, : len(s.train)] = torch.where(m, torch.tensor(s.train, dtype=torch.float64), zero)
-        rollout[b, : len(s.rollout)] = torch.where(m, torch.tensor(s.rollout, dtype=torch.float64), zero)
-        mask[b, : len(s.mask)] = m
+    train[rows, cols] = torch.where(m, torch.tensor([x for s in seqs for x in s.train], dtype=torch.float64), zero)
+    rollout[rows, cols] = torch.where(m, torch.tensor([x for s in seqs for x in s.rollout], dtype=torch.float64), zero)
+    mask[rows, cols] = m
     return train, rollout, mask
 
 
 class _Group:
-    """Running statistics of one group of valid rows (the file, or one step), fed chunk by chunk."""
+    """Running statistics of the file's valid rows, with the breakdowns, fed chunk by chunk."""
 
-    def __init__(self, *, breakdowns: bool):
-        self.breakdowns = breakdowns
+    def __init__(self):
         self.num_sequences = self.num_tokens = self.length_sum = 0
         self.reward_sum, self.num_rewards = 0, 0  # summed in row order, as sum() over the rows would
         self.metrics: dict | None = None
@@ -328,11 +346,10 @@ class _Group:
                 self.num_rewards += 1
         m = metric_sums(train, rollout, mask)
         self.metrics = m if self.metrics is None else merge_metric_sums(self.metrics, m)
-        if self.breakdowns:
-            b = breakdown_sums(train, rollout, mask)
-            self.shapes = b if self.shapes is None else merge_breakdown_sums(self.shapes, b)
-            ls = length_scaling_sums(train, rollout, mask)
-            self.scaling = ls if self.scaling is None else merge_length_scaling_sums(self.scaling, ls)
+        b = breakdown_sums(train, rollout, mask)
+        self.shapes = b if self.shapes is None else merge_breakdown_sums(self.shapes, b)
+        ls = length_scaling_sums(train, rollout, mask)
+        self.scaling = ls if self.scaling is None else merge_length_scaling_sums(self.scaling, ls)
 
     def summary(self) -> dict:
         return {
@@ -343,6 +360,86 @@ class _Group:
             "metrics": metrics_from_sums(self.metrics),
         }
 
+
+_CONCATENATED = ("abs_values", "row_w", "row_tokens")
+"""``metric_sums`` keys kept per token or per row, not per step (merged apart from the others)."""
+
+
+class _Steps:
+    """Running statistics of every step at once (the per-step table), fed chunk by chunk.
+
+    A chunk's rows are grouped by step, and the steps with the same number of rows in the chunk
+    are stacked into one (G, B, T) batch (``group_metric_sums``), so a chunk costs a few tensor
+    operations per distinct rows-per-step count, not per step (20k one-row steps are one batch).
+    Each step's statistics equal ``metric_sums`` of its own rows bit for bit; a step whose rows
+    span chunks is merged in row order (``merge_metric_sums``, element-wise over steps). Counts
+    and rewards are summed row by row, in row order."""
+
+    def __init__(self):
+        self.slot: dict[int, int] = {}  # step -> its index in the lists and tensors below
+        self.num_sequences: list[int] = []
+        self.num_tokens: list[int] = []
+        self.length_sum: list[int] = []
+        self.reward_sum: list[float] = []
+        self.num_rewards: list[int] = []
+        self.parts: list[tuple[torch.Tensor, dict]] = []  # per batch: (its steps' slots (G,), group_metric_sums)
+
+    def _slot(self, step: int) -> int:
+        k = self.slot.get(step)
+        if k is None:
+            k = self.slot[step] = len(self.slot)
+            for counts in (self.num_sequences, self.num_tokens, self.length_sum, self.num_rewards):
+                counts.append(0)
+            self.reward_sum.append(0)
+        return k
+
+    def add(self, seqs: list[_Seq], train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
+        slots = []
+        for s in seqs:
+            k = self._slot(s.step)
+            slots.append(k)
+            self.num_sequences[k] += 1
+            self.num_tokens[k] += sum(s.mask)
+            self.length_sum[k] += len(s.train)
+            if s.reward is not None:
+                self.reward_sum[k] += s.reward
+                self.num_rewards[k] += 1
+        slot = torch.tensor(slots, dtype=torch.int64)  # (B,)
+        order = torch.argsort(slot, stable=True)  # (B,) rows grouped by step, in row order within a step
+        steps, counts = torch.unique_consecutive(slot[order], return_counts=True)  # (S,) each
+        start = counts.cumsum(0) - counts  # (S,) each step's first position in order
+        for n in counts.unique().tolist():
+            pick = counts == n
+            rows = order[start[pick][:, None] + torch.arange(n)]  # (G, n) the rows of G steps with n rows
+            self.parts.append((steps[pick], group_metric_sums(train[rows], rollout[rows], mask[rows])))
+
+    def summaries(self) -> list[dict]:
+        """``[{step, num_sequences, num_tokens, response_length_mean, reward_mean, metrics}]`` by step."""
+        G = len(self.slot)
+        if not G:
+            return []
+        state: dict[str, torch.Tensor] = {}
+        seen = torch.zeros(G, dtype=torch.bool)
+        values, groups = [], []  # |r| of every valid token, and its step's slot
+        for slots, sums in self.parts:
+            part = {k: v for k, v in sums.items() if k not in _CONCATENATED}
+            values.append(sums["abs_values"])
+            groups.append(slots.repeat_interleave(sums["num_tokens"].to(torch.int64)))
+            if not state:
+                state = {k: torch.zeros(G, dtype=v.dtype) for k, v in part.items()}
+            again = seen[slots]  # (G_part,) steps that an earlier chunk already had
+            if again.any():
+                merged = merge_metric_sums({k: state[k][slots] for k in part}, part)
+                part = {k: torch.where(again, merged[k], v) for k, v in part.items()}
+            for k, v in part.items():
+                state[k][slots] = v
+            seen[slots] = True
+        state["abs_values"] = torch.cat(values)
+        metrics = metrics_from_group_sums(state, torch.cat(groups))  # one dict per slot
+        return [{"step": step, "num_sequences": self.num_sequences[k], "num_tokens": self.num_tokens[k],
+                 "response_length_mean": self.length_sum[k] / self.num_sequences[k],
+                 "reward_mean": self.reward_sum[k] / self.num_rewards[k] if self.num_rewards[k] else None,
+                 "metrics": metrics[k]} for step, k in sorted(self.slot.items())]
 
 
 class _Analysis:
@@ -364,8 +461,8 @@ class _Analysis:
         self.has_step = False
         self.chunk: list[_Seq] = []
         self.chunk_len = 0
-        self.total = _Group(breakdowns=True)
-        self.steps: dict[int, _Group] = {}
+        self.total = _Group()
+        self.steps = _Steps()
         self.stepless_valid = array("q")  # rows valid only if no row has a step
         self.stepless_invalid: dict[int, list[dict]] = {}  # row -> its errors if some row has a step
 
@@ -382,7 +479,7 @@ class _Analysis:
             self._flush()
             self.has_step = True
             if self.stepless_valid:  # what came before belongs to rows that are invalid now
-                self.total = _Group(breakdowns=True)
+                self.total = _Group()
         seq, errs = check_row(row, rec, has_step=self.has_step)
         if not self.has_step:
             if seq is not None:
@@ -402,10 +499,7 @@ class _Analysis:
         train, rollout, mask = _pack(self.chunk)  # (B, T) each
         self.total.add(self.chunk, train, rollout, mask)
         if self.has_step:
-            for step in sorted({s.step for s in self.chunk}):
-                idx = [b for b, s in enumerate(self.chunk) if s.step == step]
-                group = self.steps.setdefault(step, _Group(breakdowns=False))
-                group.add([self.chunk[b] for b in idx], train[idx], rollout[idx], mask[idx])
+            self.steps.add(self.chunk, train, rollout, mask)
         self.chunk, self.chunk_len = [], 0
 
     def _final_errors(self) -> list[dict]:
@@ -444,7 +538,7 @@ class _Analysis:
         T = self.total.shapes["position_counts"].numel()  # the longest valid row
         result.update(breakdowns_from_sums(self.total.shapes, num_position_buckets=min(POSITION_BUCKETS, T)))
         result["length_scaling"] = length_scaling_from_sums(self.total.scaling)
-        result["per_step"] = [{"step": step, **self.steps[step].summary()} for step in sorted(self.steps)]
+        result["per_step"] = self.steps.summaries()
         result["report"] = None
         if out_html is not None:
             result["report"] = str(write_report(result, out_html))

@@ -13,7 +13,8 @@ Inputs everywhere are (B, T) tensors: ``train_logp`` = log pi (trainer), ``rollo
   response length (bootstrap intervals, a one-line reading); ``length_scaling_sums`` /
   ``merge_length_scaling_sums`` / ``length_scaling_from_sums`` stream it.
 - ``metric_sums`` / ``merge_metric_sums`` / ``metrics_from_sums`` and ``breakdown_sums`` /
-  ``merge_breakdown_sums`` / ``breakdowns_from_sums``: the same, batch by batch (streamed files).
+  ``merge_breakdown_sums`` / ``breakdowns_from_sums``: the same, batch by batch (streamed files);
+  ``group_metric_sums`` / ``metrics_from_group_sums``: many groups of rows at once (per step).
 
 Departures from verl are listed in ``timlab.metrics.offpolicy``'s docstring.
 """
@@ -42,8 +43,10 @@ from timlab.metrics.offpolicy import (
     MISMATCH_KEYS,
     VERL_KEYS,
     all_metrics,
+    group_metric_sums,
     merge_metric_sums,
     metric_sums,
+    metrics_from_group_sums,
     metrics_from_sums,
     mismatch_metrics,
     offpolicy_metrics,
@@ -75,6 +78,8 @@ __all__ = [
     "metric_sums",
     "merge_metric_sums",
     "metrics_from_sums",
+    "group_metric_sums",
+    "metrics_from_group_sums",
     "breakdown_sums",
     "merge_breakdown_sums",
     "breakdowns_from_sums",

@@ -18,9 +18,11 @@ from timlab.errors import UsageError
 SAFETY_BOUND = 20.0
 """Clamp for log-ratios before ``exp`` (verl's ``SAFETY_BOUND``): exp(20) ~ 4.9e8."""
 
-PPL_LOG_BOUND = 700.0
-"""Clamp for the exponent of perplexities (exp(-mean log p)): keeps float64 finite (exp(709.8)
-overflows). verl does not clamp these; the two agree wherever verl's value is finite."""
+PPL_LOG_BOUND = 600.0
+"""Clamp for the exponent of perplexities (exp(-mean log p)): keeps float64 finite, also the
+mean over sequences, which sums them first: exp(600) ~ 3.8e260, so a sum over up to ~4e47
+sequences at the bound is finite (at 700, 1.0e304 each, 18k sequences overflowed to inf).
+verl does not clamp these; the two agree wherever the exponent is below 600."""
 
 
 class Prepared(NamedTuple):

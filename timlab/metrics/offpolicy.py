@@ -5,7 +5,8 @@
 stacks and the Beyond-Precision paper report (TRL, TorchTitan, slime, verl's probs-diff);
 ``all_metrics`` namespaces both (``rollout_corr/*``, ``mismatch/*``) and is what trainers log.
 ``metric_sums`` / ``merge_metric_sums`` / ``metrics_from_sums`` compute the same over batches
-streamed one at a time (``timlab analyze`` on files larger than memory).
+streamed one at a time (``timlab analyze`` on files larger than memory); ``group_metric_sums`` /
+``metrics_from_group_sums`` compute it for many groups of rows at once (analyze's per-step table).
 
 Notation: r = log pi - log mu per valid token (trainer minus rollout), w = exp(clamp(r, +-20)).
 
@@ -16,8 +17,8 @@ counts padding rows):
   every metric is 0.0 (``mismatch/num_tokens`` == 0 says why); verl asserts instead.
 - ``k3_kl`` is computed on r clamped to [-SAFETY_BOUND, SAFETY_BOUND] (exp(rc) - rc - 1, which
   stays >= 0 like the true K3); verl does not clamp. Identical for |r| <= 20.
-- Perplexity exponents (training/rollout ppl, ppl_ratio) are clamped at PPL_LOG_BOUND = 700 so
-  float64 stays finite; verl would return inf there.
+- Perplexity exponents (training/rollout ppl, ppl_ratio) are clamped at PPL_LOG_BOUND = 600 so
+  float64 stays finite, also summed over sequences for the mean; verl would return inf there.
 - Everything is computed in float64 under no_grad and returned as Python floats with one host
   sync (verl computes in the input dtype and calls .item() per key).
 - A non-finite log-prob at a valid position raises ValueError (see ``_inputs``).
@@ -76,59 +77,69 @@ DIFFERENT_TOKEN_TOL = 1e-6
 def _sums(p: Prepared) -> dict[str, torch.Tensor]:
     """Every metric's statistics over the rows of ``p``, in a form that ``merge_metric_sums``
     combines across batches: sums, counts, max/min, and the per-row and per-token values the
-    micro-batch variance and the 99th percentile need."""
-    n_b = p.validf.sum(-1)  # (B,) valid tokens per sequence
-    has = n_b > 0  # (B,)
+    micro-batch variance and the 99th percentile need.
+
+    ``p`` holds (B, T) tensors, or (G, B, T): G groups of B rows each, reduced group by group
+    (every statistic gets a leading G; ``abs_values`` stays flat, group-major). A group's values
+    are those of its own (B, T) batch bit for bit: the same reductions over the same B x T
+    contiguous values (``timlab analyze`` computes every step at once this way)."""
+    rows, cells = -1, (-2, -1)  # reduce a row over its tokens; a batch over its rows and tokens
+    lead = p.validf.shape[:-2]  # () or (G,)
+    n_b = p.validf.sum(rows)  # (..., B) valid tokens per sequence
+    has = n_b > 0  # (..., B)
     zero = torch.zeros((), dtype=torch.float64, device=n_b.device)
 
-    def seq_sum(x: torch.Tensor) -> torch.Tensor:  # sum of per-sequence values x (B,) over sequences with a token
-        return torch.where(has, x, zero).sum()
+    def seq_sum(x: torch.Tensor) -> torch.Tensor:  # sum of per-sequence values x (..., B) over sequences with a token
+        return torch.where(has, x, zero).sum(rows)
 
-    mean_lp = p.train.sum(-1) / n_b.clamp(min=1)  # (B,) mean_t log pi
-    mean_lq = p.rollout.sum(-1) / n_b.clamp(min=1)  # (B,) mean_t log mu
-    r = p.train - p.rollout  # (B, T), 0 off-mask
+    def cell_max(x: torch.Tensor) -> torch.Tensor:  # max over rows and tokens; 0 for an empty batch
+        return x.amax(cells) if x.numel() else zero.expand(lead)
+
+    mean_lp = p.train.sum(rows) / n_b.clamp(min=1)  # (..., B) mean_t log pi
+    mean_lq = p.rollout.sum(rows) / n_b.clamp(min=1)  # (..., B) mean_t log mu
+    r = p.train - p.rollout  # (..., B, T), 0 off-mask
     rc = r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     a = r.abs()
-    w = torch.exp(rc) * p.validf  # (B, T) token ratios, 0 off-mask
-    log_ppl_diff = mean_lq - mean_lp  # (B,) = log(training_ppl_b / rollout_ppl_b)
-    seq_r_sum = r.sum(-1)  # (B,)
+    w = torch.exp(rc) * p.validf  # (..., B, T) token ratios, 0 off-mask
+    log_ppl_diff = mean_lq - mean_lp  # (..., B) = log(training_ppl_b / rollout_ppl_b)
+    seq_r_sum = r.sum(rows)  # (..., B)
     probs_diff = (
         torch.exp(p.train.clamp(max=PPL_LOG_BOUND)) - torch.exp(p.rollout.clamp(max=PPL_LOG_BOUND))
-    ).abs() * p.validf  # (B, T)
-    n_tok = p.validf.sum()
-    probs_mean = probs_diff.sum() / n_tok.clamp(min=1)
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=n_b.device)
+    ).abs() * p.validf  # (..., B, T)
+    n_tok = p.validf.sum(cells)  # (...)
+    probs_mean = probs_diff.sum(cells) / n_tok.clamp(min=1)  # (...)
+    inf = torch.full((*lead, 1), float("inf"), dtype=torch.float64, device=n_b.device)  # (..., 1)
     return {
-        "num_seqs": has.sum(),
+        "num_seqs": has.sum(rows),
         "num_tokens": n_tok,
         "training_ppl": seq_sum(torch.exp((-mean_lp).clamp(max=PPL_LOG_BOUND))),
         "training_log_ppl": seq_sum(-mean_lp),
         "rollout_ppl": seq_sum(torch.exp((-mean_lq).clamp(max=PPL_LOG_BOUND))),
         "rollout_log_ppl": seq_sum(-mean_lq),
-        "kl": (-r).sum(),
-        "k3_kl": ((torch.exp(rc) - rc - 1.0) * p.validf).sum(),
+        "kl": (-r).sum(cells),
+        "k3_kl": ((torch.exp(rc) - rc - 1.0) * p.validf).sum(cells),
         "log_ppl_diff": seq_sum(log_ppl_diff),
         "log_ppl_abs_diff": seq_sum(log_ppl_diff.abs()),
-        "log_ppl_diff_max": torch.cat([torch.where(has, log_ppl_diff, -inf), -inf[None]]).max(),  # -inf: no sequence
-        "log_ppl_diff_min": torch.cat([torch.where(has, log_ppl_diff, inf), inf[None]]).min(),
+        "log_ppl_diff_max": torch.cat([torch.where(has, log_ppl_diff, -inf), -inf], -1).amax(rows),  # -inf: no sequence
+        "log_ppl_diff_min": torch.cat([torch.where(has, log_ppl_diff, inf), inf], -1).amin(rows),
         "ppl_ratio": seq_sum(torch.exp(log_ppl_diff.clamp(max=PPL_LOG_BOUND))),
-        "chi2_token": (torch.exp(2.0 * rc) * p.validf).sum(),
+        "chi2_token": (torch.exp(2.0 * rc) * p.validf).sum(cells),
         "chi2_seq": seq_sum(torch.exp(2.0 * seq_r_sum.clamp(-SAFETY_BOUND, SAFETY_BOUND))),
-        "abs_diff": a.sum(),
-        "exp_abs_diff": (torch.exp(a.clamp(max=SAFETY_BOUND)) * p.validf).sum(),
+        "abs_diff": a.sum(cells),
+        "exp_abs_diff": (torch.exp(a.clamp(max=SAFETY_BOUND)) * p.validf).sum(cells),
         "abs_values": a[p.valid],  # (N,) for the percentile
-        "diff": r.sum(),
-        "probs_diff": probs_diff.sum(),
-        "probs_diff_m2": (((probs_diff - probs_mean) ** 2) * p.validf).sum(),  # about this batch's mean
-        "probs_diff_max": probs_diff.max() if probs_diff.numel() else zero,
-        "bitwise_equal": ((p.train == p.rollout) & p.valid).sum(),
-        "max_abs_diff": a.max() if a.numel() else zero,  # a >= 0 and 0 off-mask, so no masking needed
+        "diff": r.sum(cells),
+        "probs_diff": probs_diff.sum(cells),
+        "probs_diff_m2": (((probs_diff - probs_mean[..., None, None]) ** 2) * p.validf).sum(cells),  # about this batch's mean
+        "probs_diff_max": cell_max(probs_diff),
+        "bitwise_equal": ((p.train == p.rollout) & p.valid).sum(cells),
+        "max_abs_diff": cell_max(a),  # a >= 0 and 0 off-mask, so no masking needed
         "log_ppl_abs_diff_sum": seq_sum(seq_r_sum.abs()),
-        "tokens_different": ((a > DIFFERENT_TOKEN_TOL) & p.valid).sum(),
-        "w": w.sum(),
-        "w2": (w * w).sum(),
-        "row_w": w.sum(-1),  # (B,) for the micro-batch variance
-        "row_tokens": n_b,  # (B,)
+        "tokens_different": ((a > DIFFERENT_TOKEN_TOL) & p.valid).sum(cells),
+        "w": w.sum(cells),
+        "w2": (w * w).sum(cells),
+        "row_w": w.sum(rows),  # (..., B) for the micro-batch variance
+        "row_tokens": n_b,  # (..., B)
     }
 
 
@@ -167,6 +178,20 @@ def metric_sums(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torc
         return _sums(check_inputs(train_logp, rollout_logp, mask))
 
 
+def group_metric_sums(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``metric_sums`` of G batches of equal shape at once: inputs (G, B, T). Every statistic gets
+    a leading G and equals ``metric_sums`` of that group's (B, T) batch bit for bit, except
+    ``abs_values``: one flat (N,) tensor, group-major (group g's pieces are ``num_tokens[g]``
+    long). ``metrics_from_group_sums`` turns them into metrics; ``merge_metric_sums`` merges two
+    groups' statistics element-wise (leave out the concatenated keys, ``_MERGE_CAT``)."""
+    if train_logp.dim() != 3:
+        raise UsageError(f"train_logp must be 3-D (G, B, T), got shape {tuple(train_logp.shape)}")
+    G, B, T = train_logp.shape
+    flat = [x.reshape(G * B, T) for x in (train_logp, rollout_logp, mask)]
+    with torch.no_grad():
+        return _sums(Prepared(*(t.reshape(G, B, T) for t in check_inputs(*flat))))
+
+
 def _quantile(vals: torch.Tensor, q: float) -> torch.Tensor:
     """Linear-interpolated q-quantile (numpy's default) of vals (N,), N >= 1.
 
@@ -179,6 +204,24 @@ def _quantile(vals: torch.Tensor, q: float) -> torch.Tensor:
     v_lo = torch.kthvalue(vals, lo + 1).values
     v_hi = torch.kthvalue(vals, hi + 1).values
     return v_lo + (pos - lo) * (v_hi - v_lo)
+
+
+def _group_quantile(vals: torch.Tensor, group: torch.Tensor, num_groups: int, q: float) -> torch.Tensor:
+    """(G,) ``_quantile`` of each group's values, bit for bit: ``vals`` (N,) float64, ``group``
+    (N,) int64 in [0, G). A group without values gets 0."""
+    order = torch.argsort(vals, stable=True)
+    order = order[torch.argsort(group[order], stable=True)]  # group-major, ascending within a group
+    v = vals[order]  # (N,)
+    counts = torch.bincount(group, minlength=num_groups)  # (G,)
+    start = counts.cumsum(0) - counts  # (G,) first value of each group in v
+    pos = q * (counts - 1).clamp(min=0).to(torch.float64)  # (G,) the same float64 product as q * (n - 1)
+    lo = pos.floor().to(torch.int64)  # int(pos): pos >= 0
+    hi = torch.minimum(lo + 1, (counts - 1).clamp(min=0))
+    top = max(v.numel() - 1, 0)
+    v_lo = v[(start + lo).clamp(max=top)] if v.numel() else torch.zeros(num_groups, dtype=torch.float64)
+    v_hi = v[(start + hi).clamp(max=top)] if v.numel() else v_lo
+    out = v_lo + (pos - lo.to(torch.float64)) * (v_hi - v_lo)
+    return torch.where(counts > 0, out, torch.zeros((), dtype=torch.float64))
 
 
 def _micro_batch_ratio_var(row_w: torch.Tensor, row_tokens: torch.Tensor, num_micro_batches: int) -> torch.Tensor:
@@ -219,7 +262,10 @@ def _verl_values(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: values[k] for k in VERL_KEYS}
 
 
-def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int) -> dict[str, torch.Tensor]:
+def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int, *, p99: torch.Tensor | None = None,
+                  ratio_var: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """timlab's extras from the statistics; ``p99`` and ``ratio_var`` given: used as they are
+    (``metrics_from_group_sums`` computes them group by group)."""
     n_seq = s["num_seqs"].clamp(min=1).to(torch.float64)
     n_tok = s["num_tokens"].clamp(min=1)
     w_mean = s["w"] / n_tok
@@ -227,7 +273,7 @@ def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int) -> dict[st
     return {
         "abs_diff_mean": s["abs_diff"] / n_tok,
         "exp_abs_diff_mean": s["exp_abs_diff"] / n_tok,
-        "abs_diff_p99": _quantile(s["abs_values"], 0.99),
+        "abs_diff_p99": _quantile(s["abs_values"], 0.99) if p99 is None else p99,
         "diff_mean": s["diff"] / n_tok,
         "probs_diff_mean": s["probs_diff"] / n_tok,
         "probs_diff_max": s["probs_diff_max"],
@@ -238,7 +284,8 @@ def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int) -> dict[st
         "num_tokens": s["num_tokens"],
         "frac_tokens_different": s["tokens_different"] / n_tok,
         "ess": w_mean * w_mean / w2_mean,
-        "ratio_var_across_micro_batches": _micro_batch_ratio_var(s["row_w"], s["row_tokens"], num_micro_batches),
+        "ratio_var_across_micro_batches": (_micro_batch_ratio_var(s["row_w"], s["row_tokens"], num_micro_batches)
+                                           if ratio_var is None else ratio_var),
     }
 
 
@@ -330,3 +377,24 @@ def metrics_from_sums(sums: dict, *, num_micro_batches: int = 1) -> dict[str, fl
         tensors = {f"rollout_corr/{k}": v for k, v in _verl_values(sums).items()}
         tensors.update({f"mismatch/{k}": v for k, v in _extra_values(sums, num_micro_batches).items()})
         return _to_floats(tensors)
+
+
+def metrics_from_group_sums(sums: dict, abs_group: torch.Tensor) -> list[dict[str, float]]:
+    """``metrics_from_sums`` (one micro-batch) of G groups at once, one dict per group, each equal
+    to ``metrics_from_sums`` of that group's own statistics bit for bit. ``sums``: every key of
+    ``metric_sums`` but the concatenated ones, each with a leading G (``group_metric_sums``, or
+    several merged with ``merge_metric_sums``), plus ``abs_values`` (N,) in any order with
+    ``abs_group`` (N,) int64 naming each value's group. One micro-batch holds every row, so
+    ``mismatch/ratio_var_across_micro_batches`` is 0 (the variance of a single chunk mean)."""
+    with torch.no_grad():
+        G = sums["num_tokens"].shape[0]
+        if not G:
+            return []
+        p99 = _group_quantile(sums["abs_values"], abs_group, G, 0.99)
+        zero = torch.zeros(G, dtype=torch.float64)
+        tensors = {f"rollout_corr/{k}": v for k, v in _verl_values(sums).items()}
+        tensors.update({f"mismatch/{k}": v for k, v in _extra_values(sums, 1, p99=p99, ratio_var=zero).items()})
+        has = sums["num_tokens"] > 0  # (G,) a group without a valid token gets 0.0 everywhere, as metrics_from_sums
+        stacked = torch.stack([torch.where(has, v.to(torch.float64), zero) for v in tensors.values()])  # (K, G)
+        keys = list(tensors)
+        return [dict(zip(keys, col)) for col in stacked.T.tolist()]
