@@ -295,7 +295,7 @@ def _add_train(sub) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from timlab.experiments.demo import SFT_SECONDS, estimate_seconds, run_demo
+    from timlab.experiments.demo import SFT_SECONDS, estimate_seconds, format_summary, run_demo
 
     n_runs, n_steps, (low, high) = estimate_seconds(quick=args.quick, seeds=args.seeds, steps=args.steps,
                                                     workers=args.workers)
@@ -308,8 +308,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        progress=prog, **_given(args, ("out_dir",)))
     finally:
         prog.close()
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
-        print(res.table.to_string())
+    with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 80):
+        print(format_summary(res.effects, res.table))
     print(f"\nreport: {res.report}\nruns:   {res.out_dir / 'runs'} (index.parquet; `timlab runs {res.out_dir / 'runs'}`)")
     return 0
 

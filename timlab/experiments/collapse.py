@@ -62,6 +62,9 @@ DEFAULT_WINDOW = 3
 """... for this many consecutive evaluations."""
 DEFAULT_MIN_PEAK = 0.05
 """... once the running peak is at least this (an untrained model cannot collapse)."""
+LATE_EVALS = 3
+"""``late_accuracy`` is the mean val/accuracy of a run's last this-many evaluations (fewer if it
+has fewer): the level it ends at, less noisy than the one final evaluation."""
 
 RULES = ("peak", "plateau")
 """The collapse rules: ``peak`` (the default, above) and ``plateau`` (a fall from the learned level)."""
@@ -259,6 +262,12 @@ def _last(x: np.ndarray) -> float:
     return float(x[-1]) if x.size else math.nan
 
 
+def late_accuracy(df: pd.DataFrame | None, evals: int = LATE_EVALS) -> float:
+    """Mean val/accuracy of the last ``evals`` finite evaluations (NaN without any)."""
+    acc = _col(df.sort_values("step") if df is not None and "step" in df.columns else df, "val/accuracy")
+    return _mean(acc[-evals:])
+
+
 def accuracy_auc(df: pd.DataFrame) -> float:
     """Area under val/accuracy against step (trapezoid over the evaluations), divided by the
     steps it spans: the run's average accuracy, in [0, 1]. One evaluation: that accuracy."""
@@ -278,7 +287,7 @@ def accuracy_auc(df: pd.DataFrame) -> float:
 
 
 SUMMARY_KEYS = (
-    "state", "message", "last_step", "total_steps", "peak_accuracy", "final_accuracy", "auc_accuracy",
+    "state", "message", "last_step", "total_steps", "peak_accuracy", "final_accuracy", "late_accuracy", "auc_accuracy",
     "collapsed", "steps_to_collapse", "k3_kl_mean", "log_ppl_abs_diff_mean", "abs_diff_mean",
     "grad_norm_max", "response_length_mean", "response_length_final", "response_length_peak", "surge_step",
     "decay_period",
@@ -317,6 +326,7 @@ def run_summary(run_dir: str | Path, *, rule: str = DEFAULT_RULE, frac: float = 
         "total_steps": float(status["total_steps"]) if "total_steps" in status else math.nan,
         "peak_accuracy": _max(acc),
         "final_accuracy": _last(acc),
+        "late_accuracy": late_accuracy(df),
         "auc_accuracy": accuracy_auc(df),
         "collapsed": cstep is not None,
         "steps_to_collapse": float(cstep) if cstep is not None else math.nan,
@@ -339,7 +349,7 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
     Only runs whose state is finished or diverged count (``n``); the others (failed,
     guard_failed, running, pending) are counted in ``n_incomplete``. Columns: n,
     n_incomplete, collapse_frac, n_collapsed, peak_accuracy_mean/std, final_accuracy_mean/std,
-    auc_accuracy_mean, median_steps_to_collapse (over the runs that collapsed; NaN if none),
+    late_accuracy_mean/std, auc_accuracy_mean, median_steps_to_collapse (over the runs that collapsed; NaN if none),
     k3_kl_mean (mean over seeds of each run's mean realized K3 KL), log_ppl_abs_diff_mean.
     """
     if by not in index_df.columns:
@@ -367,6 +377,8 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
             "peak_accuracy_std": stat("peak_accuracy", "std"),
             "final_accuracy_mean": stat("final_accuracy", "mean"),
             "final_accuracy_std": stat("final_accuracy", "std"),
+            "late_accuracy_mean": stat("late_accuracy", "mean"),
+            "late_accuracy_std": stat("late_accuracy", "std"),
             "auc_accuracy_mean": stat("auc_accuracy", "mean"),
             "k3_kl_mean": stat("k3_kl_mean", "mean"),
             "log_ppl_abs_diff_mean": stat("log_ppl_abs_diff_mean", "mean"),
@@ -375,5 +387,5 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
 
 
 __all__ = ["collapse_step", "plateau_collapse_step", "plateau_levels", "judge", "check_rule", "rule_options", "RULES", "DEFAULT_RULE",
-           "DEFAULT_LEARNED_AT", "DEFAULT_LEVEL_WINDOW", "DEFAULT_PLATEAU_WINDOW", "run_summary", "condition_table", "accuracy_auc", "describe_rule",
+           "DEFAULT_LEARNED_AT", "DEFAULT_LEVEL_WINDOW", "DEFAULT_PLATEAU_WINDOW", "run_summary", "condition_table", "accuracy_auc", "late_accuracy", "LATE_EVALS", "describe_rule",
            "SUMMARY_KEYS", "COMPLETE_STATES", "DEFAULT_FRAC", "DEFAULT_WINDOW", "DEFAULT_MIN_PEAK"]

@@ -3,7 +3,16 @@
 1. pretrain (cached) the ``demo`` preset's tiny model: SFT on string reversal with EOS;
 2. sweep: zero mismatch vs injected mismatch at several magnitudes vs remedies, several seeds,
    in parallel worker processes (resumable: rerunning the command skips finished runs);
-3. report: one self-contained HTML page with the curves, the dose-response plot and the table.
+3. report: one self-contained HTML page with the curves, the dose-response plot and the tables.
+
+The headline is a set of effects with intervals (``timlab.experiments.effects``), not a count of
+collapses: each dose against the zero-mismatch control, each dose against the next lower one
+(the dose ordering), each remedy against the untreated largest dose, as differences of late and
+final greedy accuracy with bootstrap intervals and exact permutation p. Collapses are counted
+only as a secondary column, under the ``plateau`` rule (a fall from the learned level that lasts
+two evaluations; never a single evaluation). Runs are bitwise repeatable on one machine, not
+across CPU instruction sets (AVX2 vs AVX-512 kernels round differently), so the headline must
+hold with margin, not at a threshold.
 
 The injected mismatch is ``head_perturb`` (a fixed random perturbation of the rollout's output
 head): a persistent, biased TIM, the kind pilot runs found can collapse a tiny model
@@ -32,6 +41,39 @@ SEEDS = 5
 QUICK_SEEDS, QUICK_STEPS = 2, 60
 """Seeds per condition and RL steps per run of ``--quick``."""
 REMEDY_DOSE = 2.0
+
+
+HEADLINE_RULE = "plateau"
+"""The collapse rule of the demo's secondary collapse column (``collapse.RULES``)."""
+
+
+def comparisons(quick: bool) -> list[tuple[str, str]]:
+    """The headline's (condition, reference) pairs: each dose vs ``zero_mismatch``, each dose vs the
+    next lower one, each remedy vs the untreated dose ``REMEDY_DOSE``."""
+    names = [c["name"] for c in conditions(quick)]
+    untreated = f"head_{REMEDY_DOSE:g}"
+    doses = [n for n in names if n.startswith("head_") and "+" not in n]
+    out = [(d, "zero_mismatch") for d in doses]
+    out += list(zip(doses[1:], doses[:-1]))
+    out += [(n, untreated) for n in names if n.startswith(untreated + "+")]
+    return out
+
+
+def summarize(runs_dir: str | Path, quick: bool) -> tuple["object", "object"]:
+    """(effects, conditions) of a demo's sweep folder: ``effects.paired_table`` of ``comparisons``
+    on late and final accuracy, and ``collapse.condition_table`` with collapses judged by
+    ``HEADLINE_RULE``."""
+    from timlab.experiments.collapse import condition_table, run_summary
+    from timlab.experiments.effects import paired_table
+    from timlab.experiments.sweep import read_index
+
+    runs_dir = Path(runs_dir)
+    index = read_index(runs_dir).reset_index(drop=True)
+    judged = index.copy()
+    for i, run in enumerate(index["run_dir"]):
+        s = run_summary(runs_dir / run, rule=HEADLINE_RULE)
+        judged.loc[i, "collapsed"], judged.loc[i, "steps_to_collapse"] = s["collapsed"], s["steps_to_collapse"]
+    return paired_table(index, comparisons(quick)), condition_table(judged)
 
 
 def conditions(quick: bool) -> list[dict]:
@@ -122,12 +164,13 @@ def check_demo_args(out: Path, spec: dict, *, seeds: int | None, steps: int | No
 class DemoResult:
     out_dir: Path
     report: Path
-    table: "object"  # pandas DataFrame of conditions
+    effects: "object"  # pandas DataFrame: effects.paired_table of the headline comparisons
+    table: "object"  # pandas DataFrame of conditions, collapses under HEADLINE_RULE
     index: "object"
 
 
 SPEC_FILE = "sweep.yaml"
-OUTPUTS = (SPEC_FILE, "runs", "report.html", "conditions.csv")
+OUTPUTS = (SPEC_FILE, "runs", "report.html", "conditions.csv", "effects.csv")
 """What a demo writes in its folder (``force`` deletes these and nothing else)."""
 
 
@@ -165,7 +208,6 @@ def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: in
     (finished runs are skipped); a folder holding a demo with other settings is refused unless
     ``force`` (which deletes that demo's outputs)."""
     from timlab.config import resolve
-    from timlab.experiments.collapse import condition_table
     from timlab.experiments.report import build_report
     from timlab.experiments.sweep import run_sweep
     from timlab.trainer.pretrain import pretrain
@@ -179,7 +221,42 @@ def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: in
     pretrain(resolve(preset="demo"), progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None)
     atomic_write_text(spec_path, yaml.safe_dump(spec, sort_keys=False))
     index = run_sweep(spec_path, out / "runs", workers=workers, progress=progress)
-    report = build_report(out / "runs", out / "report.html")
-    table = condition_table(index)
+    effects, table = summarize(out / "runs", quick)
+    report = build_report(out / "runs", out / "report.html", rule=HEADLINE_RULE, effects=effects)
     table.to_csv(out / "conditions.csv")
-    return DemoResult(out, Path(report.path), table, index)
+    effects.to_csv(out / "effects.csv", index=False)
+    return DemoResult(out, Path(report.path), effects, table, index)
+
+
+def _pm(mean: float, std: float) -> str:
+    return "-" if mean != mean else f"{mean:.3f}" + (f" +- {std:.3f}" if std == std else "")
+
+
+def conditions_view(table) -> "object":
+    """The condition table as the demo prints it (secondary to the effects)."""
+    import pandas as pd
+
+    return pd.DataFrame({
+        "condition": table["condition"],
+        "k3 KL": [f"{x:.3g}" for x in table["k3_kl_mean"]],
+        "final accuracy": [_pm(m, s) for m, s in zip(table["final_accuracy_mean"], table["final_accuracy_std"])],
+        "late accuracy": [_pm(m, s) for m, s in zip(table["late_accuracy_mean"], table["late_accuracy_std"])],
+        f"collapsed ({HEADLINE_RULE} rule)": [
+            f"{c}/{n}" + (f" (step {m:g})" if m == m else "")
+            for c, n, m in zip(table["n_collapsed"], table["n"], table["median_steps_to_collapse"])],
+    })
+
+
+def format_summary(effects, table) -> str:
+    """What ``timlab demo`` prints at the end: the headline effects with their legend, then the
+    conditions (collapses counted under ``HEADLINE_RULE``, secondary)."""
+    from timlab.experiments.effects import HOLDS_NOTE, effects_view
+
+    return "\n".join([
+        "Headline: effects with intervals",
+        effects_view(effects).to_string(index=False),
+        HOLDS_NOTE,
+        "",
+        f"Conditions (mean +- std over seeds; collapses under the {HEADLINE_RULE} rule, a secondary reading)",
+        conditions_view(table).to_string(index=False),
+    ])

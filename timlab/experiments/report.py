@@ -374,16 +374,26 @@ def _condition_view(table: pd.DataFrame) -> pd.DataFrame:
         "median steps to collapse": table["median_steps_to_collapse"],
         "peak accuracy": [_pm(m, s) for m, s in zip(table["peak_accuracy_mean"], table["peak_accuracy_std"])],
         "final accuracy": [_pm(m, s) for m, s in zip(table["final_accuracy_mean"], table["final_accuracy_std"])],
+        "late accuracy": [_pm(m, s) for m, s in zip(table["late_accuracy_mean"], table["late_accuracy_std"])],
         "accuracy AUC": table["auc_accuracy_mean"],
         "K3 KL": table["k3_kl_mean"],
         "|log ppl diff|": table["log_ppl_abs_diff_mean"],
     })
 
 
+def _effects_section(effects: pd.DataFrame) -> list[str]:
+    from timlab.experiments.effects import HOLDS_NOTE, effects_view
+
+    return ["<h2>Headline: effects with intervals</h2>", f'<p class="note">{html.escape(HOLDS_NOTE)}</p>',
+            page.table(effects_view(effects), left=("comparison",))]
+
+
 def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *, group_by: str = "condition",
-                 title: str = "timlab report", rule: str = DEFAULT_RULE) -> ReportResult:
+                 title: str = "timlab report", rule: str = DEFAULT_RULE, effects: pd.DataFrame | None = None
+                 ) -> ReportResult:
     """Write one self-contained HTML report of ONE sweep directory or a list of run directories.
-    ``rule``: the collapse rule its verdicts use (``collapse.RULES``)."""
+    ``rule``: the collapse rule its verdicts use (``collapse.RULES``). ``effects``: an
+    ``effects.paired_table``, shown first as the headline (the demo passes its comparisons)."""
     runs, source = _collect(inputs, group_by, {"rule": check_rule(rule)})
     groups = list(dict.fromkeys(r.group for r in runs))
     colors = _colors(groups)
@@ -401,13 +411,14 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         f'<p>{len(runs)} runs in {len(groups)} condition{"s" if len(groups) != 1 else ""}, from {html.escape(source)}; '
         f"grouped by <code>{html.escape(group_by)}</code>. Seeds of a condition are summarized as a mean line "
         "and a min-max band.</p>",
+        *(_effects_section(effects) if effects is not None else []),
         "<h2>Collapse rule</h2>",
         f'<p class="rule">{html.escape(describe_rule(rule=rule, frac=DEFAULT_FRAC, min_peak=DEFAULT_MIN_PEAK))}</p>',
         "<h2>Conditions</h2>",
         '<p class="note">Per condition: runs = runs that finished or diverged (incomplete: failed, guard_failed, '
         "running or pending runs, left out of the statistics); collapsed = how many of those collapsed; median "
         "steps to collapse over the runs that collapsed; accuracies are greedy val/accuracy, mean \u00b1 std over "
-        "seeds (AUC: the average accuracy over the run); realized mismatch = each run's mean over steps of "
+        "seeds (late: the mean of a run's last 3 evaluations; AUC: the average accuracy over the run); realized mismatch = each run's mean over steps of "
         "rollout_corr/k3_kl and rollout_corr/log_ppl_abs_diff, averaged over seeds.</p>",
         page.table(_condition_view(table), left=("condition",)),
         "<h2>Dose-response</h2>",
