@@ -295,13 +295,14 @@ def _add_train(sub) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from timlab.experiments.demo import SFT_SECONDS, estimate_seconds, format_summary, run_demo
+    from timlab.experiments.demo import CPU_SECONDS_PER_STEP, SFT_SECONDS, estimate_seconds, format_summary, run_demo
 
     n_runs, n_steps, (low, high) = estimate_seconds(quick=args.quick, seeds=args.seeds, steps=args.steps,
                                                     workers=args.workers)
-    print(f"demo: {n_runs} runs x {n_steps} steps; estimate {_minutes(low)}-{_minutes(high)} on an idle machine "
-          f"(+ about {SFT_SECONDS} s of SFT the first time; times vary with the CPU, and load can double them)",
-          flush=True)
+    cpu_low, cpu_high = (n_runs * n_steps * c for c in CPU_SECONDS_PER_STEP)
+    print(f"demo: {n_runs} runs x {n_steps} steps; estimate {_minutes(low)}-{_minutes(high)} on an idle machine, "
+          f"{_minutes(cpu_low)}-{_minutes(cpu_high)} of CPU time (+ about {SFT_SECONDS} s of SFT the first time; "
+          "times vary with the CPU, and load can double the wall time)", flush=True)
     prog = Progress(not args.quiet)
     try:
         res = run_demo(quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, force=args.force,

@@ -96,8 +96,10 @@ def conditions(quick: bool) -> list[dict]:
 
 CPU_SECONDS_PER_STEP = (0.12, 0.25)
 """CPU seconds per RL step of a demo run, evaluations and start-up included: 805 s / 6750 steps
-on an idle 2-core AVX-512 machine, 1643 s / 6750 steps on an idle 2-core AVX2 one (the full
-demo, warm SFT cache). Load from other jobs can double the wall time."""
+on an idle 2-core AVX-512 machine, 1643 s / 6750 steps on an idle 2-core AVX2 one, 1510 s
+(user + system) / 6750 on a shared 2-core AVX2 EPYC under load (the full demo, warm SFT cache;
+README). Load from other jobs can double the wall time, and add CPU time too (one AVX2 machine
+under a load of ~3 measured 1939 s)."""
 SFT_SECONDS = 60
 """The demo preset's SFT warm start on one core (45-60 s), paid once: it is cached."""
 
