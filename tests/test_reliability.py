@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -247,11 +248,18 @@ def test_outputs_that_are_folders(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "d"]  # no .tmp left behind
 
 
-def test_analyze_infinite_logprobs_gives_a_report_and_standard_json(tmp_path, capsys):
+def test_analyze_absurd_logprobs_are_refused_and_the_rest_gives_a_report_and_standard_json(tmp_path, capsys):
+    # -1e308 is finite, but its sums overflow: such rows are refused (naming the column), never inf means
     data = _analyze_file(tmp_path / "inf.jsonl", -1e308)
-    assert cli.main(["analyze", str(data), "--out", str(tmp_path / "r.html"), "--json", str(tmp_path / "r.json")]) == 0
+    err = _err(["analyze", str(data), "--json", str(tmp_path / "r.json")], capsys)
+    assert "column trainer_logprobs" in err and "below -1e+100" in err and not (tmp_path / "r.json").exists()
+    with data.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in json.loads(json.dumps([
+            {"trainer_logprobs": [-0.1, -0.3, -0.5], "rollout_logprobs": [-0.2, -0.3, -0.5]}] * 4))))
+    assert cli.main(["analyze", str(data), "--out", str(tmp_path / "r.html"), "--json", str(tmp_path / "r.json")]) == 1
     text = (tmp_path / "r.json").read_text()
-    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    res = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert res["num_valid"] == 4 and all(math.isfinite(v) for v in res["metrics"].values())
     assert (tmp_path / "r.html").stat().st_size > 0
 
 
