@@ -3,7 +3,6 @@ synthetic seeds), and a tiny real demo-shaped sweep whose printed numbers are re
 
 from __future__ import annotations
 
-import math
 from itertools import combinations
 
 import numpy as np
@@ -14,9 +13,9 @@ import yaml
 from timlab.errors import UsageError
 from timlab.experiments import demo
 from timlab.experiments.collapse import run_summary
-from timlab.rundir import read_metrics
 from timlab.experiments.effects import effect, effects_view
 from timlab.experiments.stats import bootstrap_diff_ci
+from timlab.rundir import read_metrics
 
 
 def test_bootstrap_interval_known_cases():
