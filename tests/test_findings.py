@@ -73,6 +73,13 @@ def test_findings_blocks_match_the_committed_sweeps():
     assert "p = 0.429" in blocks["verdict-tests"]  # P2 sooner: collapse steps 1.5 vs 2 are not separable
     assert "-2.29 to -1.41" in blocks["threshold"] and "229-1310" in blocks["threshold"]
     assert "0.023-0.035" in blocks["threshold"]
+    # the new remedies (issue 26): five arms of five seeds, the Holm-adjusted verdicts as pre-registered
+    rem = blocks["surge-remedies"]
+    for arm in ("no remedy", "token TIS (C = 2)", "bypass_ppo_clip", "decoupled_k3_rs_token_tis", "token TIS + batch normalize"):
+        assert f"| {arm} | 5 |" in rem, arm
+    assert "| bypass_ppo_clip vs no remedy | -0.595 | 0.008 | 0.048 | worse |" in rem
+    assert "| token TIS + batch normalize vs no remedy | +0.123 | 0.016 | 0.063 | not separable with 5 seeds |" in rem
+    assert rem.count("not separable with 5 seeds") == 4 and "raw p = 0.040" in rem
 
 
 def test_generic_tables_run_without_tabulate(monkeypatch):
