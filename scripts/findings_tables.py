@@ -431,7 +431,7 @@ def remedies(R: pd.DataFrame) -> str:
     none, tis = g.get("none"), g.get("token_tis")
     if none is not None and tis is not None:
         r = permutation_test(tis["final_accuracy"], none["final_accuracy"])
-        out += (f"\n\nP6 on this build (token TIS vs no remedy, final accuracy, outside the family): {r.diff:+.3f}, "
+        out += (f"\n\nP6 again (this sweep's warm start; token TIS vs no remedy, final accuracy, outside the family): {r.diff:+.3f}, "
                 f"raw p = {fmt_p(r.p)}.")
         falls = {label: int(g[a]["collapsed_plateau"].sum()) for a, label in arms}
         if any(falls.values()):
