@@ -626,15 +626,29 @@ class RLRun:
                     kl_coef=a.kl_coef, ref_logp=None if ref_logp is None else ref_logp[rows], denom=max(denom, 1.0),
                 )
                 self._check_finite("loss", loss.detach())
-                grad_norm = self.precision.backward_and_step(
-                    loss, self.optimizer, grad_clip=self.cfg.optim.grad_clip, world=self.world,
-                    on_nonfinite=lambda what: self._raise_nonfinite(what),
-                )
+                grad_norm = self._optimizer_step(loss)
                 out = {**m, "train/loss": loss.item()}
         return out, grad_norm, True
 
-    def _raise_nonfinite(self, what: str):
-        raise NonFiniteError(f"step {self.step}: non-finite values in {what}")
+    def _optimizer_step(self, loss: torch.Tensor) -> float:
+        """One update of the master weights, in cleanrl's order: zero_grad, backward, all-reduce,
+        unscale, clip, step; ``Precision`` supplies the loss scale and the master / compute
+        copies. Returns the global gradient norm before clipping."""
+        precision, optimizer = self.precision, self.optimizer
+        precision.zero_grad(optimizer)
+        precision.scale_loss(loss).backward()
+        params = precision.master_grads()
+        self.world.all_reduce_grads(params)
+        precision.unscale_(params)
+        clip = self.cfg.optim.grad_clip
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+        if not math.isfinite(grad_norm):
+            if precision.skip_overflow(optimizer):  # fp16: the loss scale overflowed; skip this update
+                return grad_norm
+            raise NonFiniteError(f"step {self.step}: non-finite values in gradients")
+        optimizer.step()
+        precision.after_step()
+        return grad_norm
 
     # ---------------------------------------------------------------------------- eval + loop
     def evaluate(self) -> dict:
