@@ -152,13 +152,12 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, group_size: int |
     estimator, seed, n_boot, score_seqs, param_filter, ...) go to ``gradcheck``, whose defaults apply."""
     from timlab.injectors import build_injector, parse_parts
     from timlab.tasks import make_splits
-    from timlab.trainer.policy import build_task, load_policy
+    from timlab.trainer.policy import load_policy
     from timlab.trainer.pretrain import ensure_warm_start
     from timlab.trainer.run import rollout_sampling, validate
 
-    validate(cfg)
+    task = validate(cfg)
     parse_parts(cfg.mismatch.injector)  # an unknown injector fails before any model is loaded
-    task = build_task(cfg)
     pool, _ = make_splits(task, seed=cfg.task.split_seed, n_train=min(cfg.task.n_train, POOL_SIZE), n_val=cfg.task.n_val)
     if model_dir is None:
         model_dir = ensure_warm_start(cfg, progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None).path

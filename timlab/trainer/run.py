@@ -75,7 +75,7 @@ from timlab.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, Run
 from timlab.rundir.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
 from timlab.rundir.metrics_log import MetricsLog
 from timlab.schedulers import SCHEDULERS, scheduler_from_config
-from timlab.tasks import TASKS, make_splits
+from timlab.tasks import TASKS, Task, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
 from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -92,8 +92,9 @@ class NonFiniteError(TimlabError, RuntimeError):
     """NaN/Inf in logits, loss or gradients; the message names the step and the tensor."""
 
 
-def validate(cfg: Config) -> None:
-    """Check every registry-backed name and numeric range before anything runs."""
+def validate(cfg: Config) -> Task:
+    """Check every registry-backed name and numeric range before anything runs. Returns the task,
+    which the checks build (a caller uses it instead of building it again)."""
     checks = [
         ("task.name", cfg.task.name, TASKS),
         ("rollout.engine", cfg.rollout.engine, ENGINES),
@@ -125,7 +126,8 @@ def validate(cfg: Config) -> None:
     if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0):
         raise ConfigError(f"optim.lr must be a finite number > 0, got {cfg.optim.lr}")
     check_device(cfg.run.device)
-    check_warm_start(cfg, build_task(cfg))
+    task = build_task(cfg)
+    check_warm_start(cfg, task)
     gradcheck_in_run.check_config(cfg)
     try:
         sampling = rollout_sampling(cfg)
@@ -140,6 +142,7 @@ def validate(cfg: Config) -> None:
     n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
+    return task
 
 
 def validate_correction(cfg: Config) -> None:
@@ -282,7 +285,7 @@ class RLRun:
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
                  progress: Callable[[str, int, int, dict], None] | None = None):
-        validate(cfg)
+        task = validate(cfg)
         self.cfg = cfg
         self.rundir = RunDir(run_dir)
         self.progress = progress
@@ -298,7 +301,7 @@ class RLRun:
         if self.world.is_main:
             self.rundir.lock()  # one process per run directory, for the life of the run
         try:
-            self._setup(resume)
+            self._setup(resume, task)
         except BaseException:
             if self._wrote_config and not self.rundir.has_steps():
                 self.rundir.config.unlink()  # ours, from this start: a retry is a fresh start, not a resume
@@ -307,11 +310,11 @@ class RLRun:
                 self.rundir.remove_if_unused(created=created)  # no folder holding only run.lock
             raise
 
-    def _setup(self, resume: bool) -> None:
+    def _setup(self, resume: bool, task: Task) -> None:
         cfg, progress = self.cfg, self.progress
         self._prepare_dir(resume)
 
-        self.task = build_task(cfg)
+        self.task = task
         self.train_set, self.val_set = make_splits(
             self.task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val
         )
@@ -735,7 +738,7 @@ class RLRun:
         with _timed(times, "time/eval_s"):
             shard = self.val_set[self.world.rank :: self.world.size]
             try:
-                acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard,
+                acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, engine=self.eval_engine,
                                                 max_new_tokens=self.cfg.rollout.max_new_tokens)
             except NonFiniteLogitsError:
                 raise NonFiniteError(f"step {self.step}: non-finite values in the logits of the validation decode") from None
