@@ -132,9 +132,8 @@ class AlgorithmSection:
 @dataclass(frozen=True)
 class OptimSection:
     lr: float = 3e-5
-    """AdamW learning rate. The default preset's zero-mismatch control held its warm start's
-    accuracy at 3e-5 and 5e-5 over 120 steps (0.30 -> 0.29-0.33), fell to 0.17 at 1e-4 and
-    collapsed within 10 steps at 3e-4 (0.30 -> 0.02). The presets set their own."""
+    """AdamW learning rate: one at which the default preset's zero-mismatch control keeps its warm
+    start's accuracy (at 3e-4 it collapses; the LR scan: bench/RESULTS.md). The presets set their own."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     beta1: float = 0.9

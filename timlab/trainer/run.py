@@ -193,8 +193,8 @@ def check_device(device: str) -> None:
 
 
 STATUS_EVERY_S = 1.0
-"""status.json follows a run's step at each checkpoint and at most this often in between (a file
-replace costs ~1-6 ms here, a smoke step ~12 ms: once per step would slow training)."""
+"""status.json follows a run's step at each checkpoint and at most this often in between: a file
+replace costs a good part of a small model's step, so once per step would slow training."""
 
 
 def rollout_sampling(cfg: Config) -> SamplingParams:
@@ -231,7 +231,7 @@ def adamw(params, **kwargs) -> torch.optim.AdamW:
     has the fused kernel for the parameters' device and dtype, else torch's default implementation.
     The fused step is deterministic and keeps the same state_dict layout (resume works either way);
     its bits differ from the per-parameter loop's in the last place (a different operation order),
-    and it is ~4x faster on the small models here (0.17 vs 0.72 ms per step on the demo preset)."""
+    and it is ~4x faster on the small models here (bench/RESULTS.md)."""
     params = list(params)
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
