@@ -291,7 +291,13 @@ class Config:
         d = self.to_dict()
         if sections:
             d = {s: d[s] for s in sections}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+        return short_hash(d, 12)
+
+
+def short_hash(obj: Any, length: int) -> str:
+    """The first ``length`` hex digits of the SHA-256 of ``obj`` as sorted-key JSON (values JSON
+    cannot hold are written as ``str``): the one hash of configs and of a sweep run's overrides."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

@@ -66,13 +66,11 @@ def format_gradcheck(res: GradcheckResult) -> str:
 
 def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     """PNG: measured ||bias|| (with CI) and 2 B Delta T^2 against T; relative bias, cosine and SNR against T."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from timlab.experiments.page import new_figure
 
     rows = sorted(res.buckets, key=lambda r: r["T_max"])
     T = [r["T_max"] for r in rows]
-    fig = Figure(figsize=(11, 4))
-    FigureCanvasAgg(fig)  # no pyplot: the caller's global backend is left alone
+    fig = new_figure(11, 4)  # no pyplot: the caller's global backend is left alone
     a1, a2 = fig.subplots(1, 2)
     bias = [r["bias_norm"] for r in rows]
     err = [[max(r["bias_norm"] - r["bias_norm_lo"], 0) for r in rows], [max(r["bias_norm_hi"] - r["bias_norm"], 0) for r in rows]]
