@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python bench/bitwise_refactor.py --out /tmp/ref.json            # before
     OMP_NUM_THREADS=1 python bench/bitwise_refactor.py --out /tmp/new.json --compare /tmp/ref.json
 
-Runs ``timlab train`` on ``--preset smoke`` (5 steps), ``--preset demo`` and ``--preset surge``
+Runs ``timlab train`` on ``--preset smoke`` (5 steps; also in float16 and in bfloat16 with two
+mini-batches, the loss-scale and master/compute-copy paths), ``--preset demo`` and ``--preset surge``
 (6 steps each), and one small ``timlab gradcheck``, each in a fresh temporary folder through the
 CLI (a subprocess of this interpreter, so only the command line is assumed, not the package's
 internals). Each run's fingerprint is the SHA-256 of its metrics table without the wall-clock
@@ -31,6 +32,9 @@ from safetensors.torch import load_file
 WALL_CLOCK = ("train/step_time_s", "train/tokens_per_s")
 TRAIN_RUNS = {
     "smoke": ["--preset", "smoke", "--set", "run.steps=5"],
+    "smoke_fp16": ["--preset", "smoke", "--set", "run.steps=5", "--set", "model.dtype=float16"],
+    "smoke_bf16": ["--preset", "smoke", "--set", "run.steps=5", "--set", "model.dtype=bfloat16",
+                   "--set", "algorithm.mini_batches=2"],
     "demo": ["--preset", "demo", "--set", "run.steps=6", "--set", "run.eval_every=3", "--set", "run.checkpoint_every=3"],
     "surge": ["--preset", "surge", "--set", "run.steps=6", "--set", "run.eval_every=3", "--set", "run.checkpoint_every=3"],
 }
@@ -83,7 +87,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="write the fingerprints here (JSON)")
     ap.add_argument("--compare", help="a reference written by an earlier --out")
-    ap.add_argument("--only", default="smoke,demo,surge,gradcheck", help="comma-separated subset")
+    ap.add_argument("--only", default=",".join([*TRAIN_RUNS, "gradcheck"]), help="comma-separated subset")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     got = fingerprint(args.only.split(","))

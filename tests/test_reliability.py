@@ -269,7 +269,7 @@ def test_sweep_workers_die_with_their_parent(tmp_path):
         import os, sys, time
         from concurrent.futures import ProcessPoolExecutor
         import multiprocessing as mp
-        from timlab.experiments.sweep import _worker_init
+        from timlab.experiments.sweep_workers import _worker_init
         if __name__ == "__main__":
             pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                        initargs=(None, os.getpid()))

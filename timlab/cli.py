@@ -27,7 +27,7 @@ QUIET = "no progress bars (results are still printed)"
 
 
 def _set_threads() -> None:
-    # Tiny models: one thread is 3-50x faster than two on a shared 2-core machine.
+    # Tiny models run fastest on one thread (measured: bench/RESULTS.md, "Measurements behind code comments").
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:

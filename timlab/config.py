@@ -132,9 +132,8 @@ class AlgorithmSection:
 @dataclass(frozen=True)
 class OptimSection:
     lr: float = 3e-5
-    """AdamW learning rate. The default preset's zero-mismatch control held its warm start's
-    accuracy at 3e-5 and 5e-5 over 120 steps (0.30 -> 0.29-0.33), fell to 0.17 at 1e-4 and
-    collapsed within 10 steps at 3e-4 (0.30 -> 0.02). The presets set their own."""
+    """AdamW learning rate: one at which the default preset's zero-mismatch control keeps its warm
+    start's accuracy (at 3e-4 it collapses; the LR scan: bench/RESULTS.md). The presets set their own."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     beta1: float = 0.9
@@ -292,7 +291,13 @@ class Config:
         d = self.to_dict()
         if sections:
             d = {s: d[s] for s in sections}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+        return short_hash(d, 12)
+
+
+def short_hash(obj: Any, length: int) -> str:
+    """The first ``length`` hex digits of the SHA-256 of ``obj`` as sorted-key JSON (values JSON
+    cannot hold are written as ``str``): the one hash of configs and of a sweep run's overrides."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

@@ -34,8 +34,6 @@ second process with the ISA capped to AVX2 (``ISA_ENV``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 import random
 import time
@@ -45,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from timlab.config import short_hash
 from timlab.engines.base import SamplingParams
 from timlab.engines.native import ExactEngine
 from timlab.errors import UsageError
@@ -112,7 +111,7 @@ class Arch:
         if not self.experts:  # a dense arch keeps the key (and the weights) it had before MoE
             for name in ("experts", "top_k", "expert_intermediate", "norm_topk", "sparse_step"):
                 d.pop(name)
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return short_hash(d, 16)
 
 
 @dataclass(frozen=True)

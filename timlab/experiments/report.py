@@ -100,7 +100,7 @@ class _Run:
 def _config_labels(dirs: list[Path], group_by: str) -> list[str]:
     """Group label of each run directory: a config key's value, or (``condition``) the config
     keys that differ between the runs, the seed excepted."""
-    from timlab.experiments.sweep import IGNORED_CONFIG_KEYS, SEED_KEY
+    from timlab.experiments.sweep_spec import IGNORED_CONFIG_KEYS, SEED_KEY
 
     flat = []
     for d in dirs:

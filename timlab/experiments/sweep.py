@@ -56,14 +56,11 @@ from typing import Callable
 import pandas as pd
 
 from timlab.files import held_lock
-from timlab.experiments.sweep_index import (  # noqa: F401  (re-exported)
-    INDEX_FILE, LIST_COLUMNS, _index_frame, _index_row, _write_index, default_columns, filter_index,
-    query_index, read_index, where_sql)
-from timlab.experiments.sweep_spec import (  # noqa: F401  (re-exported)
-    BASE_KEYS, CONDITION_KEYS, EXECUTORS, IGNORED_CONFIG_KEYS, SEED_KEY, SPEC_KEYS, Condition, RunSpec, SweepError,
-    SweepSpec, _check_flat, _check_keys, _fmt, _hash, _nest, _short_names, expand, load_spec, plan_run, spec_from_dict)
-from timlab.experiments.sweep_workers import (  # noqa: F401  (re-exported)
-    _LocalExecutor, _RayExecutor, _die_with_parent, _emit, _one_line, _require_ray, _run_job, _warm_job, _worker_init)
+from timlab.experiments.sweep_index import (  # noqa: F401  (the public names are re-exported: __all__)
+    INDEX_FILE, _index_frame, _index_row, _write_index, default_columns, filter_index, query_index, read_index)
+from timlab.experiments.sweep_spec import (  # noqa: F401  (the public names are re-exported: __all__)
+    EXECUTORS, Condition, RunSpec, SweepError, SweepSpec, expand, load_spec, plan_run, spec_from_dict)
+from timlab.experiments.sweep_workers import _LocalExecutor, _RayExecutor, _one_line, _require_ray, _run_job, _warm_job
 
 Progress = Callable[[str, int, int, dict], None]
 INDEX_EVERY_S = 2.0

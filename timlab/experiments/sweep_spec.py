@@ -8,7 +8,6 @@ which runs the sweep and re-exports these names.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import re
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 
-from timlab.config import Config, ConfigError, load_run_config, resolve
+from timlab.config import Config, ConfigError, load_run_config, resolve, short_hash
 from timlab.errors import TimlabError
 from timlab.files import read_text
 from timlab.rundir import DONE_STATES, RunDir
@@ -191,10 +190,6 @@ def _short_names(keys: list[str]) -> dict[str, str]:
     return {k: (s if last.count(s) == 1 else k.replace(".", "-")) for k, s in zip(keys, last)}
 
 
-def _hash(d: dict) -> str:
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:6]
-
-
 def expand(spec: SweepSpec) -> list[RunSpec]:
     """Conditions x grid -> runs, each config resolved and validated (SweepError on the first bad one)."""
     from timlab.trainer.run import validate
@@ -211,7 +206,7 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
             label_parts += [f"{short[k]}{_fmt(v)}" for k, v in point.items() if k != SEED_KEY]
             condition = "__".join(label_parts) or "base"
             seed = [f"seed{_fmt(point[SEED_KEY])}"] if SEED_KEY in point else []
-            run_id = "__".join([condition, *seed, _hash(overrides)])
+            run_id = "__".join([condition, *seed, short_hash(overrides, 6)])
             where = f"{spec.source}: run {run_id}"
             try:
                 cfg = resolve(spec.config, spec.preset, _nest(overrides, where))

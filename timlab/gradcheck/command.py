@@ -66,13 +66,11 @@ def format_gradcheck(res: GradcheckResult) -> str:
 
 def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     """PNG: measured ||bias|| (with CI) and 2 B Delta T^2 against T; relative bias, cosine and SNR against T."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from timlab.experiments.page import new_figure
 
     rows = sorted(res.buckets, key=lambda r: r["T_max"])
     T = [r["T_max"] for r in rows]
-    fig = Figure(figsize=(11, 4))
-    FigureCanvasAgg(fig)  # no pyplot: the caller's global backend is left alone
+    fig = new_figure(11, 4)  # no pyplot: the caller's global backend is left alone
     a1, a2 = fig.subplots(1, 2)
     bias = [r["bias_norm"] for r in rows]
     err = [[max(r["bias_norm"] - r["bias_norm_lo"], 0) for r in rows], [max(r["bias_norm_hi"] - r["bias_norm"], 0) for r in rows]]
@@ -152,13 +150,12 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, group_size: int |
     estimator, seed, n_boot, score_seqs, param_filter, ...) go to ``gradcheck``, whose defaults apply."""
     from timlab.injectors import build_injector, parse_parts
     from timlab.tasks import make_splits
-    from timlab.trainer.policy import build_task, load_policy
+    from timlab.trainer.policy import load_policy
     from timlab.trainer.pretrain import ensure_warm_start
     from timlab.trainer.run import rollout_sampling, validate
 
-    validate(cfg)
+    task = validate(cfg)
     parse_parts(cfg.mismatch.injector)  # an unknown injector fails before any model is loaded
-    task = build_task(cfg)
     pool, _ = make_splits(task, seed=cfg.task.split_seed, n_train=min(cfg.task.n_train, POOL_SIZE), n_val=cfg.task.n_val)
     if model_dir is None:
         model_dir = ensure_warm_start(cfg, progress=(lambda s, n, m: progress("pretrain", s, n, m)) if progress else None).path

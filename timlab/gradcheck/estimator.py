@@ -60,7 +60,7 @@ from timlab.tokenizer import Tokenizer
 from timlab.trainer.advantages import rloo
 from timlab.trainer.policy import rollout_rewards
 
-__all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "gradcheck", "length_buckets", "select_params"]
+__all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "GradcheckSettings", "gradcheck", "length_buckets", "select_params"]
 
 ESTIMATORS = ("reinforce", "rloo")
 ESS_MIN = 0.5
@@ -203,38 +203,84 @@ class GradcheckResult:
 
 
 # ------------------------------------------------------------------------------------ the estimator
-def _check_settings(*, samples: int, micro_batch: int, rollout_batch: int, buckets: int, estimator: str,
-                    group_size: int, score_seqs: int, n_boot: int, pool: list[Example]) -> tuple[int, int, int]:
-    """One-line errors for settings gradcheck cannot run with. Returns (sequences per prompt G,
-    the rollout batch rounded to whole micro-batches, the number K of micro-batches)."""
-    if buckets < 1:
-        raise GradcheckError(f"buckets must be >= 1, got {buckets}")
-    if score_seqs < 0:
-        raise GradcheckError(f"score_seqs must be >= 0, got {score_seqs}")
-    if n_boot < 100:
-        raise GradcheckError(f"n_boot must be >= 100 for a bootstrap interval, got {n_boot}")
-    if estimator not in ESTIMATORS:
-        raise GradcheckError(f"unknown estimator {estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
-    G = group_size if estimator == "rloo" else 1
-    if estimator == "rloo" and group_size < 2:
-        raise GradcheckError(f"estimator rloo needs group_size >= 2, got {group_size}")
-    if micro_batch < 1 or micro_batch % G:
-        raise GradcheckError(f"micro_batch ({micro_batch}) must be a positive multiple of group_size ({G})")
-    if samples < 1 or samples % micro_batch:
-        raise GradcheckError(f"samples ({samples}) must be a positive multiple of micro_batch ({micro_batch})")
-    if rollout_batch < micro_batch:
-        rollout_batch = micro_batch
-    rollout_batch -= rollout_batch % micro_batch
-    K = samples // micro_batch
-    need = MIN_MICRO_BATCHES * micro_batch * buckets
-    if K % buckets or K // buckets < MIN_MICRO_BATCHES:
-        raise GradcheckError(
-            f"samples={samples} gives {K // buckets} micro-batches of {micro_batch} per length bucket; a "
-            f"confidence interval needs >= {MIN_MICRO_BATCHES} per bucket (samples a multiple of {micro_batch * buckets}"
-            f", at least {need})")
-    if not pool:
-        raise GradcheckError("no prompts to draw from")
-    return G, rollout_batch, K
+@dataclass(frozen=True)
+class GradcheckSettings:
+    """What one gradcheck draws and how it summarizes it (``gradcheck``'s keyword arguments, whose
+    defaults live in its signature); a one-line ``GradcheckError`` for any it cannot run with."""
+
+    samples: int
+    """Sequences per side (pi and mu), a multiple of ``micro_batch * buckets``."""
+    micro_batch: int
+    """Sequences per gradient micro-batch mean (a multiple of the rloo group)."""
+    rollout_batch: int
+    """Sequences sampled per engine call (rounded down to whole micro-batches, at least one)."""
+    buckets: int
+    """Response-length buckets (prompts split by their reference answer's length)."""
+    estimator: str
+    """``reinforce`` (w = R, the bound's setting) or ``rloo`` (leave-one-out advantage)."""
+    group_size: int
+    """rloo: samples per prompt."""
+    max_new_tokens: int
+    """Longest response sampled."""
+    sampling: SamplingParams
+    """Temperature / top-p / top-k of both sides."""
+    dense_reward: bool
+    """Partial-credit reward instead of 0/1."""
+    score_seqs: int
+    """Sequences whose per-token score norms estimate B (0: the bound is not evaluated)."""
+    n_boot: int
+    """Bootstrap replicates of the confidence intervals (>= 100)."""
+    ci: float
+    """Confidence level of the intervals."""
+    seed: int
+    """Seed of the prompt draws, the samplers and the bootstrap."""
+    param_filter: str | None
+    """Regex: only parameters whose name matches (None = all)."""
+    importance_weighted: bool
+    """Also estimate the bias from mu's samples alone, E_mu[(1 - rho) w s] (default sampling only)."""
+
+    def __post_init__(self) -> None:
+        if self.buckets < 1:
+            raise GradcheckError(f"buckets must be >= 1, got {self.buckets}")
+        if self.score_seqs < 0:
+            raise GradcheckError(f"score_seqs must be >= 0, got {self.score_seqs}")
+        if self.n_boot < 100:
+            raise GradcheckError(f"n_boot must be >= 100 for a bootstrap interval, got {self.n_boot}")
+        if self.estimator not in ESTIMATORS:
+            raise GradcheckError(f"unknown estimator {self.estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
+        if self.estimator == "rloo" and self.group_size < 2:
+            raise GradcheckError(f"estimator rloo needs group_size >= 2, got {self.group_size}")
+        G, mb = self.group, self.micro_batch
+        if mb < 1 or mb % G:
+            raise GradcheckError(f"micro_batch ({mb}) must be a positive multiple of group_size ({G})")
+        if self.samples < 1 or self.samples % mb:
+            raise GradcheckError(f"samples ({self.samples}) must be a positive multiple of micro_batch ({mb})")
+        K = self.micro_batches
+        if K % self.buckets or K // self.buckets < MIN_MICRO_BATCHES:
+            raise GradcheckError(
+                f"samples={self.samples} gives {K // self.buckets} micro-batches of {mb} per length bucket; a "
+                f"confidence interval needs >= {MIN_MICRO_BATCHES} per bucket (samples a multiple of {mb * self.buckets}"
+                f", at least {MIN_MICRO_BATCHES * mb * self.buckets})")
+
+    @property
+    def group(self) -> int:
+        """Sequences per prompt G: ``group_size`` for rloo, else 1."""
+        return self.group_size if self.estimator == "rloo" else 1
+
+    @property
+    def micro_batches(self) -> int:
+        """K = samples / micro_batch."""
+        return self.samples // self.micro_batch
+
+    @property
+    def per_chunk(self) -> int:
+        """Micro-batches per engine call: ``rollout_batch`` rounded down to whole micro-batches (>= 1)."""
+        return max(self.rollout_batch, self.micro_batch) // self.micro_batch
+
+    @property
+    def default_sampling(self) -> bool:
+        """Temperature 1, no top-p / top-k: the importance-weighted estimate needs it."""
+        return self.sampling.temperature == 1.0 and self.sampling.top_p == 1.0 and self.sampling.top_k == 0
 
 
 def _sample_pair(pi_engine: Engine, injector: RolloutInjector, prompts: list[list[int]], *, max_new_tokens: int,
@@ -272,6 +318,8 @@ class _Gradients:
     trainer_lp: list[torch.Tensor] = field(default_factory=list)  # mu's samples: log pi, log mu, mask
     rollout_lp: list[torch.Tensor] = field(default_factory=list)
     masks: list[torch.Tensor] = field(default_factory=list)
+    tok_norms: list[float] = field(default_factory=list)  # per-token score norms (first score_seqs micro-batches)
+    seq_norms: list[float] = field(default_factory=list)  # their sequences' score norms
 
 
 def _gradients(acc: _Gradients, model: CausalLM, params: list[torch.nn.Parameter], pi_side: _Side, mu_side: _Side,
@@ -347,75 +395,104 @@ def gradcheck(
     ``model``; ``exact_engine``: pi's sampler (default: a new exact engine on ``model``). The
     model's weights and ``.grad`` fields are left untouched; the injector's random state is
     restored afterwards, so a training run that calls this stays bitwise on its own trajectory.
+    Three stages: draw the prompts of each chunk (``_draw``), sample and differentiate them
+    (``_run``), summarize the gradients into statistics, the bound and notes (``_summarize``).
     """
     t_start = time.perf_counter()
-    G, rollout_batch, K = _check_settings(samples=samples, micro_batch=micro_batch, rollout_batch=rollout_batch,
-                                          buckets=buckets, estimator=estimator, group_size=group_size,
-                                          score_seqs=score_seqs, n_boot=n_boot, pool=pool)
+    st = GradcheckSettings(samples=samples, micro_batch=micro_batch, rollout_batch=rollout_batch, buckets=buckets,
+                           estimator=estimator, group_size=group_size, max_new_tokens=max_new_tokens,
+                           sampling=sampling, dense_reward=dense_reward, score_seqs=score_seqs, n_boot=n_boot, ci=ci,
+                           seed=seed, param_filter=param_filter, importance_weighted=importance_weighted)
+    if not pool:
+        raise GradcheckError("no prompts to draw from")
     bucket_pools = length_buckets(pool, buckets)
     named = select_params(model, param_filter)
     params = [p for _, p in named]
-    D = sum(p.numel() for p in params)
     pi_engine = exact_engine or build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cost: dict = {}
+    acc = _run(st, model, params, tok, task, pi_engine, injector, _draw(st, bucket_pools), cost=cost, progress=progress)
+    return _summarize(st, acc, bucket_pools, injector, t_start=t_start, cost=cost)
+
+
+def _draw(st: GradcheckSettings, bucket_pools: list[list[Example]]):
+    """Per engine call (chunk): (its micro-batch indices js, one example per sequence). Micro-batch
+    j draws from length bucket j % buckets, ``micro_batch / G`` prompts each repeated G times.
+    A generator: each chunk is drawn when the loop reaches it (one seeded ``random.Random``)."""
+    K, per, G, buckets = st.micro_batches, st.per_chunk, st.group, st.buckets
+    prompt_rng = random.Random(st.seed)
+    for c in range(math.ceil(K / per)):
+        js = list(range(c * per, min(K, (c + 1) * per)))
+        examples: list[Example] = []
+        for j in js:
+            bp = bucket_pools[j % buckets]
+            for _ in range(st.micro_batch // G):
+                ex = bp[prompt_rng.randrange(len(bp))]
+                examples.extend([ex] * G)
+        yield js, examples
+
+
+def _run(st: GradcheckSettings, model: CausalLM, params: list[torch.nn.Parameter], tok: Tokenizer, task: Task,
+         pi_engine: Engine, injector: RolloutInjector, chunks, *, cost: dict,
+         progress: Progress | None) -> _Gradients:
+    """Sample each chunk from pi and mu with coupled seeds, score both sides, accumulate the
+    micro-batch gradients (and, for the first ``score_seqs`` micro-batches, score norms). Times
+    go into ``cost``; the model's mode and the injector's state are restored."""
+    K, D, G, buckets = st.micro_batches, sum(p.numel() for p in params), st.group, st.buckets
+    acc = _Gradients(
+        X=torch.zeros(K, D, dtype=torch.float32), Y=torch.zeros(K, D, dtype=torch.float32),
+        Z=torch.zeros(K, D, dtype=torch.float32) if st.importance_weighted and st.default_sampling else None,
+        per_bucket=[dict(lengths=[], tv=[], tv_seq=[], same=0, n=0) for _ in range(buckets)])
+    n_chunks = math.ceil(K / st.per_chunk)
     injector_state = injector.state_dict()
     was_training = model.training
     model.eval()
-
-    default_sampling = sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
-    acc = _Gradients(
-        X=torch.zeros(K, D, dtype=torch.float32), Y=torch.zeros(K, D, dtype=torch.float32),
-        Z=torch.zeros(K, D, dtype=torch.float32) if importance_weighted and default_sampling else None,
-        per_bucket=[dict(lengths=[], tv=[], tv_seq=[], same=0, n=0) for _ in range(buckets)])
-    strata = torch.tensor([j % buckets for j in range(K)])
-    prompt_rng = random.Random(seed)
-    tok_norms: list[float] = []
-    seq_norms: list[float] = []
-    per = rollout_batch // micro_batch
-    chunks = math.ceil(K / per)
     t_roll = t_grad = t_score = 0.0
     try:
-        for c in range(chunks):
-            js = list(range(c * per, min(K, (c + 1) * per)))
-            examples: list[Example] = []
-            for j in js:
-                bp = bucket_pools[j % buckets]
-                for _ in range(micro_batch // G):
-                    ex = bp[prompt_rng.randrange(len(bp))]
-                    examples.extend([ex] * G)
+        for c, (js, examples) in enumerate(chunks):
             t0 = time.perf_counter()
             r_pi, r_mu, recorded = _sample_pair(pi_engine, injector, [task.encode_prompt(tok, ex) for ex in examples],
-                                                max_new_tokens=max_new_tokens, sampling=sampling,
-                                                seed=seed * 1_000_003 + 7919 * c + 1)
+                                                max_new_tokens=st.max_new_tokens, sampling=st.sampling,
+                                                seed=st.seed * 1_000_003 + 7919 * c + 1)
             t_roll += time.perf_counter() - t0
-            pi_side = _score_side(r_pi, rollout_rewards(task, tok, examples, r_pi, dense=dense_reward), estimator, G)
-            mu_side = _score_side(r_mu, rollout_rewards(task, tok, examples, r_mu, dense=dense_reward), estimator, G)
+            pi_side = _score_side(r_pi, rollout_rewards(task, tok, examples, r_pi, dense=st.dense_reward), st.estimator, G)
+            mu_side = _score_side(r_mu, rollout_rewards(task, tok, examples, r_mu, dense=st.dense_reward), st.estimator, G)
             same = [a == b for a, b in zip(r_pi.responses(), r_mu.responses())]
 
             t0 = time.perf_counter()
-            _gradients(acc, model, params, pi_side, mu_side, recorded, same, js, micro_batch=micro_batch)
+            _gradients(acc, model, params, pi_side, mu_side, recorded, same, js, micro_batch=st.micro_batch)
             t_grad += time.perf_counter() - t0
 
             t0 = time.perf_counter()
             for i, j in enumerate(js):
-                if j < score_seqs:
-                    norms, sn = score_norms(model, params, mu_side, i * micro_batch)
-                    tok_norms.extend(norms)
-                    seq_norms.append(sn)
+                if j < st.score_seqs:
+                    norms, sn = score_norms(model, params, mu_side, i * st.micro_batch)
+                    acc.tok_norms.extend(norms)
+                    acc.seq_norms.append(sn)
             t_score += time.perf_counter() - t0
             if progress is not None:
-                progress("gradcheck", c + 1, chunks, {})
+                progress("gradcheck", c + 1, n_chunks, {})
     finally:
         injector.load_state_dict(injector_state)
         model.train(was_training)
+    cost.update(rollout_s=t_roll, gradient_s=t_grad, score_norm_s=t_score)
+    return acc
 
+
+def _summarize(st: GradcheckSettings, acc: _Gradients, bucket_pools: list[list[Example]], injector: RolloutInjector,
+               *, t_start: float, cost: dict) -> GradcheckResult:
+    """Statistics pooled and per length bucket, the T^2 bound, the mismatch of mu's samples and
+    the notes, as a ``GradcheckResult``."""
+    K, buckets, D = st.micro_batches, st.buckets, acc.X.shape[1]
+    strata = torch.tensor([j % buckets for j in range(K)])
     t0 = time.perf_counter()
     gzz = gram(acc.Z) if acc.Z is not None and not acc.is_overflow else None
     pooled, bucket_rows = _statistics(acc.X, acc.Y, gzz, strata=strata, per_bucket=acc.per_bucket,
-                                      bucket_pools=bucket_pools, micro_batch=micro_batch, n_boot=n_boot, ci=ci, seed=seed)
+                                      bucket_pools=bucket_pools, micro_batch=st.micro_batch, n_boot=st.n_boot,
+                                      ci=st.ci, seed=st.seed)
     t_stats = time.perf_counter() - t0
 
-    bound = _bound(bucket_rows, [v for st in acc.per_bucket for v in st["tv"]], tok_norms, seq_norms,
-                   reinforce=estimator == "reinforce")
+    bound = _bound(bucket_rows, [v for b in acc.per_bucket for v in b["tv"]], acc.tok_norms, acc.seq_norms,
+                   reinforce=st.estimator == "reinforce")
 
     mismatch = {k: float(v) for k, v in all_metrics(_pad_cat(acc.trainer_lp), _pad_cat(acc.rollout_lp),
                                                     _pad_cat(acc.masks)).items()
@@ -424,18 +501,19 @@ def gradcheck(
     if acc.rhos and gzz is not None:  # effective sample size of the sequence ratios pi/mu
         r = torch.cat(acc.rhos)
         pooled["is_ess_frac"] = float(r.sum() ** 2 / (r.numel() * (r * r).sum()))
-    notes = _notes(pooled, bucket_rows, bound, samples=samples, buckets=buckets, estimator=estimator,
-                   importance_weighted=importance_weighted, default_sampling=default_sampling,
-                   is_overflow=acc.is_overflow, scored=bool(tok_norms))
+    notes = _notes(pooled, bucket_rows, bound, samples=st.samples, buckets=buckets, estimator=st.estimator,
+                   importance_weighted=st.importance_weighted, default_sampling=st.default_sampling,
+                   is_overflow=acc.is_overflow, scored=bool(acc.tok_norms))
     return GradcheckResult(
-        settings={"samples": samples, "micro_batch": micro_batch, "dense_reward": dense_reward, "micro_batches": K, "buckets": buckets,
-                  "estimator": estimator, "group_size": G, "max_new_tokens": max_new_tokens, "seed": seed,
-                  "n_boot": n_boot, "ci": ci, "params": D, "param_filter": param_filter, "score_seqs": score_seqs,
+        settings={"samples": st.samples, "micro_batch": st.micro_batch, "dense_reward": st.dense_reward,
+                  "micro_batches": K, "buckets": buckets, "estimator": st.estimator, "group_size": st.group,
+                  "max_new_tokens": st.max_new_tokens, "seed": st.seed, "n_boot": st.n_boot, "ci": st.ci, "params": D,
+                  "param_filter": st.param_filter, "score_seqs": st.score_seqs,
                   "injector": "+".join(injector.parts) or "none", "magnitude": injector.s.magnitude,
-                  "sampling": asdict(sampling), "importance_weighted": gzz is not None},
+                  "sampling": asdict(st.sampling), "importance_weighted": gzz is not None},
         pooled=pooled, buckets=bucket_rows, bound=bound, mismatch=mismatch,
-        cost={"total_s": time.perf_counter() - t_start, "rollout_s": t_roll, "gradient_s": t_grad,
-              "score_norm_s": t_score, "stats_s": t_stats, "vector_bytes": (2 + (acc.Z is not None)) * K * D * 4},
+        cost={"total_s": time.perf_counter() - t_start, **cost, "stats_s": t_stats,
+              "vector_bytes": (2 + (acc.Z is not None)) * K * D * 4},
         notes=notes,
     )
 

@@ -20,8 +20,8 @@ BUFFER_MULTIPLE = 16
 
 MIN_SKIP_MACS = 1 << 24
 """Skip unneeded positions (``token_logprobs(score_mask=...)``) only when that saves at least this
-many multiply-adds; below it the gathers and scatters cost more than they save (on the smoke
-preset's 45k-parameter model skipping made the RL step ~9% slower)."""
+many multiply-adds; below it the gathers and scatters cost more than they save (measured on the
+smoke preset's 45k-parameter model: bench/RESULTS.md)."""
 
 
 def buffer_length(prompt_width: int, max_new_tokens: int) -> int:

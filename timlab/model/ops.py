@@ -62,7 +62,7 @@ ATTN_MIN_ROWS = 8
 Measured (torch 2.13, 1 thread): on the AVX-512 EPYC batched fp32 matmul rows are invariant for
 M >= 4 (M = 1-3 differ; bf16/fp16 never differ), for head dims 8-128 and 16-2064 keys, a 2x
 margin; on another 2-core VM the q.k GEMM at head_dim 128 differed for M = 1-5, so there the
-margin is 8 / 6. Padding decode queries to MIN_ROWS instead made the exact engine ~12% slower."""
+margin is 8 / 6. Padding decode queries to MIN_ROWS instead is slower (bench/RESULTS.md)."""
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")

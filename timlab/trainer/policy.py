@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from timlab.config import Config
-from timlab.engines import Rollout, SamplingParams, build_engine
+from timlab.engines import Engine, Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
 from timlab.model.forward import teacher_forced_batch, token_logprobs
 from timlab.model.hf_io import load_model
@@ -54,10 +54,12 @@ def rollout_rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout
 
 @torch.no_grad()
 def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Example], *,
-                    max_new_tokens: int, batch_size: int = 128) -> tuple[float, float]:
+                    max_new_tokens: int, batch_size: int = 128, engine: Engine | None = None) -> tuple[float, float]:
     """Accuracy (the fraction of responses with reward 1, so a task's format reward does not count)
-    and mean response length of greedy decoding (exact engine)."""
-    engine = build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    and mean response length of greedy decoding with the exact engine ``engine`` on ``model`` (a
+    run passes its own; default: a new one)."""
+    if engine is None:
+        engine = build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     correct, lengths = 0.0, 0.0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]

@@ -3,7 +3,9 @@
 The compute model is what both the trainer's forward and the exact engine run, so the
 zero-mismatch property holds in every precision. Gradients flow into the compute copy, are
 copied to the fp32 master, clipped, and AdamW steps the master; the compute copy is then
-re-cast. fp16 adds a dynamic loss scaler (scale 2^16, halve on overflow and skip the step,
+re-cast. ``Precision`` only holds the copies and the loss scale and offers the pieces of the
+update (``zero_grad``, ``scale_loss``, ``master_grads``, ``unscale_``, ``skip_overflow``,
+``after_step``); the update itself is written out in ``RLRun._optimizer_step``. fp16 adds a dynamic loss scaler (scale 2^16, halve on overflow and skip the step,
 double after ``growth_interval`` clean steps, as torch.amp.GradScaler and Qi et al.'s verl patch).
 With fp32 the compute model IS the master (no copies).
 """
@@ -11,8 +13,6 @@ With fp32 the compute model IS the master (no copies).
 from __future__ import annotations
 
 import copy
-import math
-from typing import Callable
 
 import torch
 
@@ -48,38 +48,50 @@ class Precision:
             for pc, pm in zip(self.compute.parameters(), self.master.parameters()):
                 pc.copy_(pm.to(pc.dtype))
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, grad_clip: float,
-                          world, on_nonfinite: Callable[[str], None]) -> float:
-        """Backward, all-reduce, unscale, clip, step. Returns the global grad norm (pre-clip)."""
+    # ---------------------------------------------------------------------------- update pieces
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the master's gradients (through the optimizer) and the compute copy's."""
         optimizer.zero_grad(set_to_none=True)
         if self.compute is not self.master:
             self.compute.zero_grad(set_to_none=True)
-        (loss * self.scale).backward()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale (1 outside fp16), to call ``backward`` on."""
+        return loss * self.scale
+
+    def master_grads(self) -> list[torch.nn.Parameter]:
+        """Copy the compute copy's gradients to the fp32 master (nothing to copy in fp32) and
+        return the master parameters that have a gradient."""
         if self.compute is not self.master:
             for pc, pm in zip(self.compute.parameters(), self.master.parameters()):
                 pm.grad = None if pc.grad is None else pc.grad.float()
-        params = [p for p in self.master.parameters() if p.grad is not None]
-        world.all_reduce_grads(params)
+        return [p for p in self.master.parameters() if p.grad is not None]
+
+    def unscale_(self, params: list[torch.nn.Parameter]) -> None:
+        """Divide the gradients by the loss scale, in place."""
         if self.scale != 1.0:
             for p in params:
                 p.grad.div_(self.scale)
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        norm_f = float(norm)
-        if not math.isfinite(norm_f):
-            if self.dtype == torch.float16:  # loss-scale overflow: skip, shrink the scale
-                self.scale /= 2.0
-                self._clean_steps = 0
-                self.skipped_steps += 1
-                optimizer.zero_grad(set_to_none=True)
-                return norm_f
-            on_nonfinite("gradients")
-        optimizer.step()
+
+    def skip_overflow(self, optimizer: torch.optim.Optimizer) -> bool:
+        """After a non-finite gradient norm: in fp16 it is a loss-scale overflow, so halve the
+        scale, drop the gradients and return True (skip this update); else False (a real NaN)."""
+        if self.dtype != torch.float16:
+            return False
+        self.scale /= 2.0
+        self._clean_steps = 0
+        self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: grow the fp16 loss scale every ``growth_interval`` clean
+        steps and re-cast the compute copy from the master."""
         if self.dtype == torch.float16:
             self._clean_steps += 1
             if self._clean_steps % self.growth_interval == 0:
                 self.scale *= 2.0
         self._sync_compute()
-        return norm_f
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self._clean_steps, "skipped_steps": self.skipped_steps}

@@ -10,7 +10,6 @@ settings, so later commands reuse it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from timlab.config import Config
+from timlab.config import Config, short_hash
 from timlab.errors import UsageError
 from timlab.files import foreign_entries, release_lock, remove_owned, take_lock
 from timlab.model.forward import teacher_forced_batch, token_logprobs
@@ -90,8 +89,7 @@ def warm_start_key(cfg: Config) -> str:
     for k in ("path", "dtype", "lm_head_fp32", *(MOE_KEYS if not cfg.model.num_experts else ())):
         m.pop(k)
     t = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k in ("name", "kwargs", "n_train", "n_val", "split_seed")}
-    blob = json.dumps({"model": m, "task": t, "version": 1}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return short_hash({"model": m, "task": t, "version": 1}, 12)
 
 
 def warm_start_dir(cfg: Config) -> Path:

@@ -18,6 +18,10 @@ A step reads top to bottom as rollout -> score -> metrics -> correction -> loss 
    them per mini-batch from the current policy (the same when epochs = mini_batches = 1);
 6. update: AdamW with gradient clipping, then the LR scheduler, fed the mean response length.
 
+``RLRun.train_step`` calls one method per phase: ``_rollout``, ``_score``, ``_mismatch_metrics``,
+``_correct``, ``_loss_batch`` + ``_update`` (whose ``_optimizer_step`` writes the update out), then
+``_step_metrics``; ``_timed`` times them.
+
 Departures from GRPO as published: clip-higher (0.2 / 0.28) and token-mean aggregation (DAPO),
 no KL term by default, groups whose rewards are all equal are dropped from the loss.
 
@@ -33,6 +37,7 @@ import math
 import random
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -40,7 +45,7 @@ from typing import Callable
 import torch
 
 from timlab.config import Config, ConfigError, flatten
-from timlab.engines import ENGINES, NonFiniteLogitsError, SamplingParams, build_engine
+from timlab.engines import ENGINES, NonFiniteLogitsError, Rollout, SamplingParams, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
 from timlab.files import atomic_write_text
 from timlab.gradcheck import in_run as gradcheck_in_run
@@ -70,7 +75,7 @@ from timlab.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, Run
 from timlab.rundir.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
 from timlab.rundir.metrics_log import MetricsLog
 from timlab.schedulers import SCHEDULERS, scheduler_from_config
-from timlab.tasks import TASKS, make_splits
+from timlab.tasks import TASKS, Task, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
 from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -87,8 +92,9 @@ class NonFiniteError(TimlabError, RuntimeError):
     """NaN/Inf in logits, loss or gradients; the message names the step and the tensor."""
 
 
-def validate(cfg: Config) -> None:
-    """Check every registry-backed name and numeric range before anything runs."""
+def validate(cfg: Config) -> Task:
+    """Check every registry-backed name and numeric range before anything runs. Returns the task,
+    which the checks build (a caller uses it instead of building it again)."""
     checks = [
         ("task.name", cfg.task.name, TASKS),
         ("rollout.engine", cfg.rollout.engine, ENGINES),
@@ -120,7 +126,8 @@ def validate(cfg: Config) -> None:
     if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0):
         raise ConfigError(f"optim.lr must be a finite number > 0, got {cfg.optim.lr}")
     check_device(cfg.run.device)
-    check_warm_start(cfg, build_task(cfg))
+    task = build_task(cfg)
+    check_warm_start(cfg, task)
     gradcheck_in_run.check_config(cfg)
     try:
         sampling = rollout_sampling(cfg)
@@ -135,6 +142,7 @@ def validate(cfg: Config) -> None:
     n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     if n % cfg.algorithm.mini_batches:
         raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
+    return task
 
 
 def validate_correction(cfg: Config) -> None:
@@ -185,8 +193,8 @@ def check_device(device: str) -> None:
 
 
 STATUS_EVERY_S = 1.0
-"""status.json follows a run's step at each checkpoint and at most this often in between (a file
-replace costs ~1-6 ms here, a smoke step ~12 ms: once per step would slow training)."""
+"""status.json follows a run's step at each checkpoint and at most this often in between: a file
+replace costs a good part of a small model's step, so once per step would slow training."""
 
 
 def rollout_sampling(cfg: Config) -> SamplingParams:
@@ -223,7 +231,7 @@ def adamw(params, **kwargs) -> torch.optim.AdamW:
     has the fused kernel for the parameters' device and dtype, else torch's default implementation.
     The fused step is deterministic and keeps the same state_dict layout (resume works either way);
     its bits differ from the per-parameter loop's in the last place (a different operation order),
-    and it is ~4x faster on the small models here (0.17 vs 0.72 ms per step on the demo preset)."""
+    and it is ~4x faster on the small models here (bench/RESULTS.md)."""
     params = list(params)
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
@@ -237,12 +245,47 @@ class StepOutput:
     distributions: dict | None
 
 
+@dataclass
+class _Scored:
+    """One step's rollout cut to its realized columns (B, L) and scored by the trainer."""
+
+    tokens: torch.Tensor
+    key_valid: torch.Tensor
+    mask: torch.Tensor
+    """Response tokens (bool)."""
+    old_logp: torch.Tensor
+    """The trainer's log-probs under the rollout weights, no autograd (log pi_old)."""
+    rollout_logp: torch.Tensor
+    """The rollout's own log-probs (log mu)."""
+    entropy: torch.Tensor
+    kv_len: int
+    """Key width S of the rollout grid (the exact attention pads its keys back to it)."""
+    logp: torch.Tensor | None = None
+    """``old_logp`` with autograd, when one update uses it (epochs = mini_batches = 1)."""
+    experts: torch.Tensor | None = None
+    """The rollout's experts (L_sparse, B, L, k) of a mixture-of-experts model."""
+    replay: torch.Tensor | None = None
+    """``experts`` when router replay forces them on the trainer's forward."""
+    routing: Routing | None = None
+    """The trainer's own routing record of this forward (MoE only)."""
+
+
+@contextmanager
+def _timed(times: dict[str, float], key: str):
+    """Add the block's wall-clock seconds to ``times[key]``."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[key] = times.get(key, 0.0) + time.perf_counter() - t
+
+
 class RLRun:
     """State that lives across steps: model, optimizer, scheduler, injector, RNGs, counters."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
                  progress: Callable[[str, int, int, dict], None] | None = None):
-        validate(cfg)
+        task = validate(cfg)
         self.cfg = cfg
         self.rundir = RunDir(run_dir)
         self.progress = progress
@@ -258,7 +301,7 @@ class RLRun:
         if self.world.is_main:
             self.rundir.lock()  # one process per run directory, for the life of the run
         try:
-            self._setup(resume)
+            self._setup(resume, task)
         except BaseException:
             if self._wrote_config and not self.rundir.has_steps():
                 self.rundir.config.unlink()  # ours, from this start: a retry is a fresh start, not a resume
@@ -267,11 +310,11 @@ class RLRun:
                 self.rundir.remove_if_unused(created=created)  # no folder holding only run.lock
             raise
 
-    def _setup(self, resume: bool) -> None:
+    def _setup(self, resume: bool, task: Task) -> None:
         cfg, progress = self.cfg, self.progress
         self._prepare_dir(resume)
 
-        self.task = build_task(cfg)
+        self.task = task
         self.train_set, self.val_set = make_splits(
             self.task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val
         )
@@ -418,15 +461,45 @@ class RLRun:
         return mine
 
     def train_step(self) -> StepOutput:
+        """One RL step: rollout -> score -> metrics -> correction -> loss + update -> step metrics."""
         cfg = self.cfg
         self.step += 1
         self.injector.begin_step(self.step)  # the mismatch schedule; before start_step no part acts
         gc = cfg.run.gradcheck_every
         grad_metrics = self.gradient_check() if gc and self.step % gc == 0 and self.world.is_main else {}
-        t0 = time.perf_counter()
-        G = cfg.rollout.samples_per_prompt
+        times: dict[str, float] = {}
+        with _timed(times, "train/step_time_s"):
+            with _timed(times, "time/rollout_s"):
+                examples, rollout = self._rollout()
+            G = cfg.rollout.samples_per_prompt
+            rewards = rollout_rewards(self.task, self.tok, examples, rollout, dense=cfg.task.dense_reward).view(-1, G)  # (N, G)
+            with _timed(times, "time/train_s"):
+                scored = self._score(rollout)
+                with _timed(times, "time/metrics_s"):
+                    metrics, dists = self._mismatch_metrics(scored)
+                weights, keep_tokens = self._correct(scored, metrics)
+                keep = informative_groups(rewards) if cfg.algorithm.reject_equal_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
+                loss_metrics, grad_norm, updated = self._update(self._loss_batch(scored, rewards, keep, weights, keep_tokens))
+                metrics.update(loss_metrics)
+                lengths = rollout.lengths.float()
+                mean_len = self.world.weighted_mean(float(lengths.mean()), lengths.numel())
+                lr_used = self.optimizer.param_groups[0]["lr"]
+                self.scheduler.step(response_length=mean_len)
+                self.injector.refresh()
+            times["time/train_s"] -= times["time/metrics_s"]
+        metrics.update(self._step_metrics(rollout, rewards, keep, scored, grad_norm=grad_norm, mean_len=mean_len,
+                                          lr_used=lr_used, updated=updated, times=times))
+        metrics.update(grad_metrics)
+        metrics.update(self.scheduler.metrics())
+        metrics.update(self.injector.metrics())
+        return StepOutput(metrics, dists)
 
-        # 1. rollout --------------------------------------------------------------------
+    # 1. rollout ------------------------------------------------------------------------
+    def _rollout(self) -> tuple[list, Rollout]:
+        """This rank's prompts, each ``samples_per_prompt`` times, through the rollout engine with the
+        mismatch injector. Returns (one example per sequence, the rollout)."""
+        cfg = self.cfg
+        G = cfg.rollout.samples_per_prompt
         examples = [e for e in self._draw_prompts() for _ in range(G)]  # one per sequence, G per prompt
         prompts = [self.task.encode_prompt(self.tok, e) for e in examples]
         try:
@@ -435,11 +508,13 @@ class RLRun:
                                             record_routing=self.record_routing)
         except NonFiniteLogitsError:
             raise NonFiniteError(f"step {self.step}: non-finite values in the rollout logits") from None
-        t_rollout = time.perf_counter() - t0
-        rewards = rollout_rewards(self.task, self.tok, examples, rollout, dense=cfg.task.dense_reward).view(-1, G)  # (N, G)
+        return examples, rollout
 
-        # 2. score: the trainer's forward, autograd on -----------------------------------
-        t1 = time.perf_counter()
+    # 2. score: the trainer's forward, autograd on ---------------------------------------
+    def _score(self, rollout: Rollout) -> _Scored:
+        """The trainer's log-probs of the rollout's tokens (autograd on when one update uses them),
+        checked finite and, in the zero-mismatch setting, bitwise equal to the rollout's."""
+        cfg = self.cfg
         # Score only the realized columns L <= S; the exact attention pads its keys back to S.
         S = rollout.tokens.shape[1]
         L = rollout.prompt_width + max(1, int(rollout.lengths.max()))
@@ -449,6 +524,7 @@ class RLRun:
         experts = None if rollout.experts is None else rollout.experts[:, :, :L].to(self.device)  # (L_sparse, B, L, k)
         replay = experts if cfg.correction.router_replay else None
         routing = self._routing(replay, slice(None)) if experts is not None else None  # records the trainer's experts
+        logp = None
         if single_update:
             logp, entropy = token_logprobs(self.model, tokens, key_valid, mode="exact", with_entropy=True, kv_len=S,
                                            score_mask=mask, routing=routing)
@@ -461,9 +537,15 @@ class RLRun:
         rollout_logp = rollout.logprobs[:, :L].to(self.device)
         if cfg.run.guard and cfg.rollout.engine == "exact" and self.injector.off:  # the trainer's own model rolled out
             self._guard(old_logp, rollout_logp, mask, rollout.prompt_width)
+        return _Scored(tokens, key_valid, mask, old_logp, rollout_logp, entropy, kv_len=S, logp=logp,
+                       experts=experts, replay=replay, routing=routing)
 
-        # 3. metrics ------------------------------------------------------------------------
-        t_m = time.perf_counter()
+    # 3. metrics --------------------------------------------------------------------------
+    def _mismatch_metrics(self, scored: _Scored) -> tuple[dict, dict | None]:
+        """rollout_corr/* and mismatch/* on (log pi_old, log mu), and on distribution steps the
+        histograms and breakdowns that go to distributions.jsonl."""
+        cfg = self.cfg
+        old_logp, rollout_logp, mask = scored.old_logp, scored.rollout_logp, scored.mask
         maskf = mask.float()
         metrics = all_metrics(old_logp, rollout_logp, maskf, num_micro_batches=max(1, cfg.algorithm.mini_batches))
         dists = None
@@ -474,29 +556,39 @@ class RLRun:
                 "by_prob": mismatch_by_prob_bucket(old_logp, rollout_logp, maskf),
                 "by_length": mismatch_by_length(old_logp, rollout_logp, maskf),
             }
-        if routing is not None:
-            flips = self._routing_metrics(experts, routing, old_logp, rollout_logp, mask)
+        if scored.routing is not None:
+            flips = self._routing_metrics(scored.experts, scored.routing, old_logp, rollout_logp, mask)
             if dists is not None:
                 dists["router_flip_frac_by_layer"] = flips.pop("router_flip_frac_by_layer")
             metrics.update({k: v for k, v in flips.items() if k.startswith("mismatch/")})
-        t_metrics = time.perf_counter() - t_m
+        return metrics, dists
 
-        # 4. correction -----------------------------------------------------------------
-        c = cfg.correction
+    # 4. correction -----------------------------------------------------------------------
+    def _correct(self, scored: _Scored, metrics: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """IS weights and rejection sampling (their metrics go into ``metrics``). Returns (the
+        weights (B, L), the response tokens rejection keeps (B, L) float)."""
+        c = self.cfg.correction
+        maskf = scored.mask.float()
         weights, is_metrics = is_weights(
-            old_logp, rollout_logp, maskf, level=c.level, mode=c.mode, threshold=c.threshold,
+            scored.old_logp, scored.rollout_logp, maskf, level=c.level, mode=c.mode, threshold=c.threshold,
             threshold_low=c.threshold_low if c.mode == "two_sided" else None,
             veto_threshold=c.veto_threshold or None, batch_normalize=c.batch_normalize,
         )
         metrics.update(is_metrics)
         keep_tokens = maskf
         if c.rs:
-            keep_tokens, rs_metrics = rejection_mask(old_logp, rollout_logp, maskf, rules=c.rs, thresholds=c.rs_threshold)
+            keep_tokens, rs_metrics = rejection_mask(scored.old_logp, scored.rollout_logp, maskf, rules=c.rs,
+                                                     thresholds=c.rs_threshold)
             metrics.update(rs_metrics)
+        return weights, keep_tokens
 
-        # 5. loss + 6. update -------------------------------------------------------------
+    # 5. loss -------------------------------------------------------------------------------
+    def _loss_batch(self, scored: _Scored, rewards: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor,
+                    keep_tokens: torch.Tensor) -> UpdateBatch:
+        """The update's inputs: advantages (from rewards (N, G)), the loss mask of the kept groups'
+        kept tokens, the IS weights the loss uses, pi_old and the reference policy's log-probs."""
+        cfg, c = self.cfg, self.cfg.correction
         adv = ADVANTAGES.get(cfg.algorithm.name)(rewards)  # (N, G)
-        keep = informative_groups(rewards) if cfg.algorithm.reject_equal_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
         seq_keep = keep[:, None].expand_as(rewards).reshape(-1).to(self.device)  # (B,)
         adv = adv.reshape(-1).to(self.device)
         loss_mask = keep_tokens * seq_keep[:, None].float()
@@ -504,27 +596,24 @@ class RLRun:
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp, _ = token_logprobs(self.ref_model, tokens, key_valid, mode="exact", kv_len=S, score_mask=mask)
-        anchor_logp = rollout_logp.to(old_logp.dtype) if c.bypass_mode else old_logp  # pi_old of the loss
-        loss_metrics, grad_norm, updated = self._update(UpdateBatch(
-            tokens, key_valid, anchor_logp, adv, loss_mask, kv_len=S, logp=logp if single_update else None,
-            is_weights=use_weights, ref_logp=ref_logp, experts=replay,
-        ))
-        metrics.update(loss_metrics)
-        lengths = rollout.lengths.float()
-        mean_len = self.world.weighted_mean(float(lengths.mean()), lengths.numel())
-        lr_used = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step(response_length=mean_len)
-        self.injector.refresh()
-        t_train = time.perf_counter() - t1 - t_metrics
+                ref_logp, _ = token_logprobs(self.ref_model, scored.tokens, scored.key_valid, mode="exact",
+                                             kv_len=scored.kv_len, score_mask=scored.mask)
+        anchor_logp = scored.rollout_logp.to(scored.old_logp.dtype) if c.bypass_mode else scored.old_logp  # pi_old of the loss
+        return UpdateBatch(scored.tokens, scored.key_valid, anchor_logp, adv, loss_mask, kv_len=scored.kv_len,
+                           logp=scored.logp, is_weights=use_weights, ref_logp=ref_logp, experts=scored.replay)
 
-        # logging ---------------------------------------------------------------------------
-        ema = cfg.run.grad_norm_ema
+    # logging ---------------------------------------------------------------------------------
+    def _step_metrics(self, rollout: Rollout, rewards: torch.Tensor, keep: torch.Tensor, scored: _Scored, *,
+                      grad_norm: float, mean_len: float, lr_used: float, updated: bool, times: dict) -> dict:
+        """train/* and time/* of the step (and the grad-norm EMA it updates)."""
+        ema = self.cfg.run.grad_norm_ema
         if math.isfinite(grad_norm):
             self.grad_norm_ema = grad_norm if self.grad_norm_ema is None else ema * self.grad_norm_ema + (1 - ema) * grad_norm
-        ent = float((entropy * maskf).sum() / maskf.sum().clamp(min=1))
-        step_time = time.perf_counter() - t0
-        metrics.update({
+        maskf = scored.mask.float()
+        ent = float((scored.entropy * maskf).sum() / maskf.sum().clamp(min=1))
+        lengths = rollout.lengths.float()
+        step_time = times["train/step_time_s"]
+        return {
             "step": self.step,
             "train/reward_mean": self.world.weighted_mean(float(rewards.mean()), rewards.numel()),
             "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -538,32 +627,25 @@ class RLRun:
             "train/lr": lr_used,
             "train/groups_kept_frac": float(keep.float().mean()),
             "train/updated": float(updated),
-            "train/step_time_s": step_time,
             "train/tokens_per_s": rollout.num_tokens / max(step_time, 1e-9),
-            "time/rollout_s": t_rollout,
-            "time/train_s": t_train,
-            "time/metrics_s": t_metrics,
-        })
-        metrics.update(grad_metrics)
-        metrics.update(self.scheduler.metrics())
-        metrics.update(self.injector.metrics())
-        return StepOutput(metrics, dists)
+            **times,
+        }
 
     def gradient_check(self) -> dict:
         """gradcheck at the current weights against this run's injector (own seeds: the run's
         trajectory is the same with or without it). Returns gradcheck/* metrics and its cost."""
         cfg = self.cfg
-        t = time.perf_counter()
-        res = gradcheck(
-            self.model, self.tok, self.task, self.train_set, self.injector, exact_engine=self.eval_engine,
-            samples=cfg.run.gradcheck_samples, micro_batch=gradcheck_in_run.micro_batch(cfg),
-            estimator=cfg.run.gradcheck_estimator, group_size=cfg.rollout.samples_per_prompt,
-            max_new_tokens=cfg.rollout.max_new_tokens, sampling=self.sampling, dense_reward=cfg.task.dense_reward,
-            score_seqs=0, n_boot=200, seed=cfg.run.seed * 1_000_003 + self.step,
-        )
-        out = gradcheck_in_run.run_metrics(res)
-        out["time/gradcheck_s"] = time.perf_counter() - t
-        return out
+        times: dict[str, float] = {}
+        with _timed(times, "time/gradcheck_s"):
+            res = gradcheck(
+                self.model, self.tok, self.task, self.train_set, self.injector, exact_engine=self.eval_engine,
+                samples=cfg.run.gradcheck_samples, micro_batch=gradcheck_in_run.micro_batch(cfg),
+                estimator=cfg.run.gradcheck_estimator, group_size=cfg.rollout.samples_per_prompt,
+                max_new_tokens=cfg.rollout.max_new_tokens, sampling=self.sampling, dense_reward=cfg.task.dense_reward,
+                score_seqs=0, n_boot=200, seed=cfg.run.seed * 1_000_003 + self.step,
+            )
+            out = gradcheck_in_run.run_metrics(res)
+        return {**out, **times}
 
     def _routing(self, replay: torch.Tensor | None, rows: slice) -> Routing:
         """A routing record for the trainer's forward on sequences ``rows``, forcing the rollout's
@@ -626,30 +708,46 @@ class RLRun:
                     kl_coef=a.kl_coef, ref_logp=None if ref_logp is None else ref_logp[rows], denom=max(denom, 1.0),
                 )
                 self._check_finite("loss", loss.detach())
-                grad_norm = self.precision.backward_and_step(
-                    loss, self.optimizer, grad_clip=self.cfg.optim.grad_clip, world=self.world,
-                    on_nonfinite=lambda what: self._raise_nonfinite(what),
-                )
+                grad_norm = self._optimizer_step(loss)
                 out = {**m, "train/loss": loss.item()}
         return out, grad_norm, True
 
-    def _raise_nonfinite(self, what: str):
-        raise NonFiniteError(f"step {self.step}: non-finite values in {what}")
+    def _optimizer_step(self, loss: torch.Tensor) -> float:
+        """One update of the master weights, in cleanrl's order: zero_grad, backward, all-reduce,
+        unscale, clip, step; ``Precision`` supplies the loss scale and the master / compute
+        copies. Returns the global gradient norm before clipping."""
+        precision, optimizer = self.precision, self.optimizer
+        precision.zero_grad(optimizer)
+        precision.scale_loss(loss).backward()
+        params = precision.master_grads()
+        self.world.all_reduce_grads(params)
+        precision.unscale_(params)
+        clip = self.cfg.optim.grad_clip
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+        if not math.isfinite(grad_norm):
+            if precision.skip_overflow(optimizer):  # fp16: the loss scale overflowed; skip this update
+                return grad_norm
+            raise NonFiniteError(f"step {self.step}: non-finite values in gradients")
+        optimizer.step()
+        precision.after_step()
+        return grad_norm
 
     # ---------------------------------------------------------------------------- eval + loop
     def evaluate(self) -> dict:
-        t = time.perf_counter()
-        shard = self.val_set[self.world.rank :: self.world.size]
-        try:
-            acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, max_new_tokens=self.cfg.rollout.max_new_tokens)
-        except NonFiniteLogitsError:
-            raise NonFiniteError(f"step {self.step}: non-finite values in the logits of the validation decode") from None
-        gold = gold_logprob(self.model, self.tok, self.task, shard)
-        acc = self.world.weighted_mean(acc, len(shard))
-        self.peak_val = max(self.peak_val, acc)
+        times: dict[str, float] = {}
+        with _timed(times, "time/eval_s"):
+            shard = self.val_set[self.world.rank :: self.world.size]
+            try:
+                acc, mean_len = greedy_accuracy(self.model, self.tok, self.task, shard, engine=self.eval_engine,
+                                                max_new_tokens=self.cfg.rollout.max_new_tokens)
+            except NonFiniteLogitsError:
+                raise NonFiniteError(f"step {self.step}: non-finite values in the logits of the validation decode") from None
+            gold = gold_logprob(self.model, self.tok, self.task, shard)
+            acc = self.world.weighted_mean(acc, len(shard))
+            self.peak_val = max(self.peak_val, acc)
         return {"val/accuracy": acc, "val/response_length_mean": self.world.weighted_mean(mean_len, len(shard)),
                 "val/peak_accuracy": self.peak_val, "val/gold_logprob": self.world.weighted_mean(gold, len(shard)),
-                "time/eval_s": time.perf_counter() - t}
+                **times}
 
     def write_status(self, state: str, message: str = "", *, durable: bool = True) -> None:
         self._status_time = time.monotonic()
