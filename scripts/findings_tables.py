@@ -40,6 +40,7 @@ from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import erosion_tables  # noqa: E402
+import moe_tables  # noqa: E402
 
 FINDINGS = ROOT / "docs" / "FINDINGS.md"
 SWEEPS = ROOT / "sweeps"
@@ -450,7 +451,9 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
           "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.STUDY["start"]),
           "erosion-study": lambda R: erosion_tables.study(str(SWEEPS / "erosion")),
-          "surge-remedies": remedies}
+          "surge-remedies": remedies,
+          "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
+          "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot"))}
 """The generated blocks of docs/FINDINGS.md, by marker name."""
 
 
