@@ -21,8 +21,6 @@ evaluation time; one thread per run, so an upper bound on CPU-seconds per step o
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import sys
 from pathlib import Path
 
@@ -32,8 +30,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.rundir import read_metrics  # noqa: E402
-from timlab.experiments.sweep import read_index  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts"))
+from erosion_tables import arm, fmt, runs  # noqa: E402  (the study tables these were modelled on)
 
 CONTROL = "control"
 """The zero-mismatch arm's condition name in the MoE specs."""
@@ -43,29 +41,6 @@ LEARN_BAR = 0.15
 """Issue 25's bar for "learns like the dense one": greedy accuracy gain of at least this much."""
 LEARNED = 0.95
 """Greedy accuracy at which a policy counts as learned (the dense surge policy ends at 0.96-0.99)."""
-
-
-def fmt(x: float) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.1e}" if x != 0 and abs(x) < 0.01 else f"{x:.3f}"
-
-
-def runs(sweep: str) -> list[tuple[pd.Series, pd.DataFrame]]:
-    """(index row, metrics) of every run of a sweep that has metrics, in index order."""
-    out = []
-    for _, row in read_index(sweep).iterrows():
-        d = Path(row["run_dir"])
-        d = d if d.is_absolute() else Path(sweep) / row["run_id"]
-        m = read_metrics(d)
-        if m is not None:
-            out.append((row, m))
-    return out
-
-
-def arm(condition: str) -> str:
-    """The arm of a condition: its name without a trailing ``_s<seed>`` (one condition per seed)."""
-    return re.sub(r"_s\d+$", "", condition)
 
 
 def learn(sweep: str) -> str:
