@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from timlab.engines import SamplingParams, build_engine  # noqa: E402
 from timlab.experiments.analyze import write_rows  # noqa: E402
 from timlab.model.forward import token_logprobs  # noqa: E402
-from timlab.model.llama import CausalLM, ModelConfig  # noqa: E402
+from timlab.model.llama import CausalLM, ModelConfig, random_init_  # noqa: E402
 from timlab.tasks import get_task  # noqa: E402
 from timlab.tokenizer import build_char_tokenizer  # noqa: E402
 
@@ -49,10 +49,7 @@ def tiny_model(vocab_size: int, *, seed: int, dtype: torch.dtype) -> CausalLM:
     )
     g = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    random_init_(model, g)
     return model.to(dtype)
 
 

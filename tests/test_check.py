@@ -10,6 +10,7 @@ import torch
 
 from timlab.cli import main
 from timlab.experiments.check import HEALTH_CHECKS, verdict
+from timlab.model.llama import random_init_
 from timlab.tokenizer import save_char_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -27,10 +28,7 @@ def folder(tmp_path_factory):
         pad_token_id=0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # logits of order 1-10, so sampling and greedy differ
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    random_init_(model, g)  # logits of order 1-10, so sampling and greedy differ
     model.save_pretrained(path)
     save_char_tokenizer(CHARS, path)
     return path

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from timlab.engines import ENGINES, SamplingParams, build_engine
 from timlab.model.forward import full_step, token_logprobs
-from timlab.model.llama import CausalLM, ModelConfig
+from timlab.model.llama import CausalLM, ModelConfig, random_init_
 
 EOS, PAD, V = 2, 0, 24
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -39,9 +39,7 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, *, seed: int = 0, eos_p
     g = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+        random_init_(model, g)
         if eos_prob is not None:
             _make_eos_likely(model, eos_prob, g)
     model.refresh_rope()

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from timlab.engines import SamplingParams, build_engine  # noqa: E402
 from timlab.model.forward import full_step, positions_from_valid, token_logprobs  # noqa: E402
 from timlab.model.hf_io import ModelLoadError, load_model, save_model  # noqa: E402
-from timlab.model.llama import ARCHITECTURES, CausalLM, ModelConfig  # noqa: E402
+from timlab.model.llama import ARCHITECTURES, CausalLM, ModelConfig, random_init_  # noqa: E402
 
 V, EOS, PAD = 40, 2, 0
 TOL = 1e-5
@@ -52,10 +52,7 @@ def hf_config(model_type: str, tied: bool, bias: bool):
 def reinit_(model: torch.nn.Module, seed: int = 0) -> None:
     """Weights with std 0.2 (norm weights 1 + 0.1 noise): logits of order 1-10, not ~0."""
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    random_init_(model, g, std=0.2)
 
 
 def hf_model(model_type: str, tied: bool, bias: bool, attn: str = "eager"):

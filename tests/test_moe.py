@@ -20,7 +20,7 @@ from timlab.engines import build_engine
 from timlab.errors import UsageError
 from timlab.model.forward import full_step, positions_from_valid, token_logprobs
 from timlab.model.hf_io import load_model, save_model
-from timlab.model.llama import CausalLM, ModelConfig
+from timlab.model.llama import CausalLM, ModelConfig, random_init_
 from timlab.model.moe import Routing, SparseMoeBlock
 
 transformers = pytest.importorskip("transformers")
@@ -38,10 +38,7 @@ def hf_moe(*, norm_topk_prob: bool = False, sparse_step: int = 1, mlp_only: tupl
         max_position_embeddings=128, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    random_init_(hf, g, std=0.2)
     return hf.eval()
 
 
@@ -190,9 +187,7 @@ def tiny_moe(dtype=torch.float32, *, seed: int = 0, hidden: int = 32, expert_wid
     g = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+        random_init_(model, g)
         _make_eos_likely(model, eos_prob, g)
     model.refresh_rope()
     return model.to(dtype)
@@ -242,10 +237,7 @@ def moe_folder(tmp_path_factory):
         bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=64)
     g = torch.Generator().manual_seed(0)
     model = CausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    random_init_(model, g)
     path = tmp_path_factory.mktemp("moe")
     save_char_tokenizer(CHARS, path)
     save_model(model, path)

@@ -14,7 +14,7 @@ import torch
 
 from timlab.cli import main
 from timlab.model.hf_io import save_model
-from timlab.model.llama import CausalLM, ModelConfig
+from timlab.model.llama import CausalLM, ModelConfig, random_init_
 from timlab.tokenizer import save_char_tokenizer
 
 CHARS = "0123456789+-= abcdef"
@@ -30,10 +30,7 @@ def _model(vocab_size: int = VOCAB, context: int = 64) -> CausalLM:
     )
     g = torch.Generator().manual_seed(0)
     model = CausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    random_init_(model, g)
     return model
 
 

@@ -11,7 +11,7 @@ import torch
 
 from timlab.engines import ENGINES, SamplingParams, build_engine
 from timlab.model.forward import token_logprobs
-from timlab.model.llama import CausalLM, ModelConfig
+from timlab.model.llama import CausalLM, ModelConfig, random_init_
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 EOS, PAD = 2, 0
@@ -24,10 +24,7 @@ def tiny(seed: int = 0, dtype: torch.dtype = torch.float32) -> CausalLM:
                       bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
     g = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    random_init_(model, g)
     return model.to(dtype)
 
 

@@ -422,6 +422,17 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+@torch.no_grad()
+def random_init_(model: nn.Module, generator: torch.Generator, std: float = 0.3) -> nn.Module:
+    """Seeded random weights, in place, for tests and sample data (timlab's model or a
+    transformers one): each parameter in ``named_parameters`` order draws N(0, 1) noise from
+    ``generator``; norm weights become 1 + 0.1 noise, every other tensor ``std`` x noise."""
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=generator)
+        p.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
+    return model
+
+
 class CausalLM(nn.Module):
     """The decoder plus its LM head; ``state_dict()`` keys are HF's."""
 
