@@ -29,7 +29,8 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file
 
-WALL_CLOCK = ("train/step_time_s", "train/tokens_per_s")
+from timlab.rundir.metrics_log import without_timings
+
 TRAIN_RUNS = {
     "smoke": ["--preset", "smoke", "--set", "run.steps=5"],
     "smoke_fp16": ["--preset", "smoke", "--set", "run.steps=5", "--set", "model.dtype=float16"],
@@ -48,7 +49,7 @@ def _timlab(args: list[str]) -> None:
 
 def _metrics_hash(path: Path) -> str:
     df = pd.read_parquet(path)
-    df = df.drop(columns=[c for c in df.columns if c.startswith("time/") or c in WALL_CLOCK])
+    df = without_timings(df)
     text = "\n".join([",".join(df.columns)] + [",".join(repr(v) for v in row) for row in df.itertuples(index=False)])
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from erosion_tables import arm, fmt, runs  # noqa: E402  (the study tables these were modelled on)
+from timlab.rundir.metrics_log import without_timings  # noqa: E402
 
 CONTROL = "control"
 """The zero-mismatch arm's condition name in the MoE specs."""
@@ -78,7 +79,7 @@ def arms(sweep: str) -> str:
         if arm(row["spec_condition"]) == CONTROL:
             guard_ok &= bool(len(t) == int(m["step"].max()) and (t["rollout_corr/k3_kl"] == 0).all()
                              and (t["mismatch/frac_bitwise_equal"] == 1).all())
-        untimed[row["spec_condition"]] = m[[c for c in m.columns if not _timing(c)]].reset_index(drop=True)
+        untimed[row["spec_condition"]] = without_timings(m).reset_index(drop=True)
         s = (float(m["train/step_time_s"].sum()) + float(m["time/eval_s"].sum())) / int(m["step"].max())
         d["step_s"].append(s), step_s.append(s)
     lines = ["| arm | seeds | realized k3 | router flip frac (pairs) | positions with a flip | mean \\|r\\| flipped / unflipped | "
@@ -102,9 +103,6 @@ def arms(sweep: str) -> str:
     return "\n".join(lines)
 
 
-def _timing(column: str) -> bool:
-    """Wall-clock columns (and rates derived from them): the only ones that differ between equal runs."""
-    return column.startswith("time/") or column in ("train/step_time_s", "train/tokens_per_s")
 
 
 def main(argv: list[str] | None = None) -> int:

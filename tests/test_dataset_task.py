@@ -21,7 +21,7 @@ from timlab.tasks import VERIFIERS, Example, build_verifier, get_task, make_spli
 from timlab.tasks.dataset import BUNDLED
 from timlab.tasks.verifiers import last_boxed, normalize
 from timlab.tokenizer import PLAIN_CHAT_SEP, load_tokenizer, save_char_tokenizer
-from timlab.rundir.metrics_log import TIMING_KEYS
+from timlab.rundir.metrics_log import without_timings
 from timlab.trainer.run import RLRun, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,8 +280,7 @@ def _rl_config(model: Path, **extra):
 
 
 def _metrics(run_dir: Path) -> pd.DataFrame:
-    df = pd.read_parquet(run_dir / "metrics.parquet")
-    return df.drop(columns=[c for c in df.columns if c in TIMING_KEYS or c.startswith("time/")])
+    return without_timings(pd.read_parquet(run_dir / "metrics.parquet"))
 
 
 def _weights(run_dir: Path) -> dict:

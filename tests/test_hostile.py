@@ -23,7 +23,7 @@ from timlab.errors import TimlabError
 from timlab.files import ForeignFilesError, atomic_write_text, take_lock
 from timlab.model.hf_io import ModelLoadError, config_from_hf
 from timlab.rundir.checkpoint import CheckpointError, checkpoints_newest_first, load_state, verify_checkpoint
-from timlab.rundir.metrics_log import TIMING_KEYS
+from timlab.rundir.metrics_log import without_timings
 from timlab.trainer.run import validate
 from timlab.yaml_io import load_yaml
 
@@ -51,8 +51,7 @@ class _Payload:
 
 
 def _metrics(run: Path) -> pd.DataFrame:
-    df = pd.read_parquet(run / "metrics.parquet")
-    return df.drop(columns=[c for c in df.columns if c in TIMING_KEYS or c.startswith("time/")])
+    return without_timings(pd.read_parquet(run / "metrics.parquet"))
 
 
 @pytest.fixture(scope="module")

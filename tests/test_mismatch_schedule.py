@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from timlab.config import resolve
 from timlab.errors import TimlabError, UsageError
 from timlab.injectors.schedule import SCHEDULES, check_schedule, round_half_up, scheduled_magnitude
-from timlab.rundir.metrics_log import TIMING_KEYS
+from timlab.rundir.metrics_log import without_timings
 from timlab.trainer.run import train
 
 
@@ -49,8 +49,7 @@ def smoke(**sets):
 
 
 def _metrics(run_dir):
-    df = pd.read_parquet(run_dir / "metrics.parquet")
-    return df.drop(columns=[c for c in df.columns if c in TIMING_KEYS or c.startswith("time/")])
+    return without_timings(pd.read_parquet(run_dir / "metrics.parquet"))
 
 
 def test_a_schedule_needs_a_part_with_a_magnitude(tmp_path):

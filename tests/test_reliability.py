@@ -24,7 +24,7 @@ from timlab.config import resolve
 from timlab.errors import BadFileError, DiskFullError, TimlabError, UsageError, is_disk_full, one_line
 from timlab.files import ForeignFilesError, atomic_write_text, remove_owned
 from timlab.rundir.checkpoint import latest_checkpoint, verify_checkpoint
-from timlab.rundir.metrics_log import TIMING_KEYS
+from timlab.rundir.metrics_log import without_timings
 from timlab.trainer.pretrain import pretrain
 from timlab.rundir import RunDir, RunDirBusyError
 
@@ -41,8 +41,7 @@ def _err(args, capsys) -> str:
 
 
 def _metrics(run: Path) -> pd.DataFrame:
-    df = pd.read_parquet(run / "metrics.parquet")
-    return df.drop(columns=[c for c in df.columns if c in TIMING_KEYS or c.startswith("time/")])
+    return without_timings(pd.read_parquet(run / "metrics.parquet"))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from timlab.cli import main
 from timlab.config import resolve
 from timlab.trainer.advantages import grpo, informative_groups, reinforce, rloo
-from timlab.rundir.metrics_log import TIMING_KEYS
+from timlab.rundir.metrics_log import without_timings
 from timlab.trainer.losses import aggregate, ppo_clip_loss
 from timlab.trainer.run import train
 
@@ -37,8 +37,7 @@ def _weights(run_dir: Path) -> dict:
 
 
 def _metrics(run_dir: Path) -> pd.DataFrame:
-    df = pd.read_parquet(run_dir / "metrics.parquet")
-    return df.drop(columns=[c for c in df.columns if c in TIMING_KEYS or c.startswith("time/")])
+    return without_timings(pd.read_parquet(run_dir / "metrics.parquet"))
 
 
 # ------------------------------------------------------------------------------ pure pieces

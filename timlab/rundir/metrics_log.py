@@ -22,6 +22,17 @@ TIMING_KEYS = ("train/step_time_s", "train/tokens_per_s", "time/rollout_s", "tim
 """Wall-clock columns: the only ones that differ between two runs of the same config and seed."""
 
 
+def is_timing(column: str) -> bool:
+    """A wall-clock column: one of TIMING_KEYS or any other ``time/*``."""
+    return column in TIMING_KEYS or column.startswith("time/")
+
+
+def without_timings(df: pd.DataFrame) -> pd.DataFrame:
+    """A metrics table without its wall-clock columns: what two runs of the same config and seed
+    must log bit for bit."""
+    return df.drop(columns=[c for c in df.columns if is_timing(c)])
+
+
 class MetricsLog:
     """Rows of ``{metric: float}`` keyed by ``step``, persisted to ``metrics.parquet``."""
 
