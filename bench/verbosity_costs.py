@@ -25,9 +25,8 @@ from timlab.config import resolve  # noqa: E402
 from timlab.model.llama import CausalLM  # noqa: E402
 from timlab.tasks import make_splits  # noqa: E402
 from timlab.tokenizer import load_tokenizer, save_char_tokenizer  # noqa: E402
-from timlab.model.forward import token_logprobs  # noqa: E402
 from timlab.trainer.policy import build_task  # noqa: E402
-from timlab.trainer.pretrain import model_config_for, sft_batch  # noqa: E402
+from timlab.trainer.pretrain import model_config_for, sft_batch, sft_update  # noqa: E402
 
 
 def main() -> None:
@@ -53,12 +52,7 @@ def main() -> None:
             batch = rng.sample(train, cfg.model.pretrain_batch)
             tokens, key_valid, loss_mask = sft_batch(tok, batch, [task.demonstration(e, rng) for e in batch])
             t0 = time.process_time()
-            logp, _ = token_logprobs(model, tokens, key_valid, mode="fast")
-            loss = -(logp * loss_mask).sum() / loss_mask.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            sft_update(model, opt, tokens, key_valid, loss_mask)
             if step >= 2:
                 seconds.append(time.process_time() - t0)
                 widths.append(tokens.shape[1])

@@ -105,6 +105,19 @@ def sft_batch(tok: Tokenizer, examples: list[Example], targets: list[str] | None
                                 [tok.encode(t) + [tok.eos_token_id] for t in targets], tok.pad_token_id)
 
 
+def sft_update(model: CausalLM, opt: torch.optim.Optimizer, tokens: torch.Tensor, key_valid: torch.Tensor,
+               loss_mask: torch.Tensor) -> torch.Tensor:
+    """One SFT step on an ``sft_batch``: the mean negative log-prob of the masked tokens (fast
+    mode), gradients clipped to norm 1, one optimizer step. Returns the loss (detached graph)."""
+    logp, _ = token_logprobs(model, tokens, key_valid, mode="fast")
+    loss = -(logp * loss_mask).sum() / loss_mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 @dataclass
 class PretrainResult:
     path: Path
@@ -218,13 +231,7 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     loss_val = float("nan")
     for step in range(1, steps + 1):
         batch = rng.sample(train, min(cfg.model.pretrain_batch, len(train)))
-        tokens, key_valid, loss_mask = sft_batch(tok, batch, [task.demonstration(e, rng) for e in batch])
-        logp, _ = token_logprobs(model, tokens, key_valid, mode="fast")
-        loss = -(logp * loss_mask).sum() / loss_mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_update(model, opt, *sft_batch(tok, batch, [task.demonstration(e, rng) for e in batch]))
         sched.step()
         loss_val = loss.item()
         if progress is not None:
@@ -265,4 +272,4 @@ def ensure_warm_start(cfg: Config, progress=None) -> PretrainResult:
     return pretrain(cfg, progress=progress)
 
 
-__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "sft_batch"]
+__all__ = ["pretrain", "ensure_warm_start", "warm_start_dir", "sft_batch", "sft_update"]
