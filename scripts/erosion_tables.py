@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from timlab.experiments.collapse import judge  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
-from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, holm,  # noqa: E402
-                                      permutation_test, t_ci)
+from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson,  # noqa: E402
+                                      compare_family, permutation_test, t_ci)
 from timlab.experiments.sweep import read_index  # noqa: E402
 
 CONTROL = "control"
@@ -283,8 +283,7 @@ def analyse(per: dict[str, list[dict]], *, design: dict = STUDY) -> str:
     verdict: dict[str, dict[str, bool]] = {a: {} for a in arms}
     for key, label in ENDPOINTS:
         c = col[CONTROL][key]
-        tests = {a: permutation_test(col[a][key], c) for a in arms}
-        adj = dict(zip(arms, holm([tests[a].p for a in arms])))
+        cmp = compare_family({a: col[a][key] for a in arms}, {a: c for a in arms})
         out += [f"**{label}**", "",
                 "| arm | realized k3 | mean [95% t] [95% bootstrap] | excess over control [95% bootstrap] | "
                 "permutation p | Holm p | erodes |", "|---|---:|---:|---:|---:|---:|---|"]
@@ -292,16 +291,11 @@ def analyse(per: dict[str, list[dict]], *, design: dict = STUDY) -> str:
         blo, bhi = bootstrap_ci(c)
         out.append(f"| {CONTROL} | 0 | {mu:+.4f} [{lo:+.4f}, {hi:+.4f}] [{blo:+.4f}, {bhi:+.4f}] | - | - | - | - |")
         for a in arms:
-            x = col[a][key]
-            mu, lo, hi = t_ci(x)
-            blo, bhi = bootstrap_ci(x)
-            dlo, dhi = bootstrap_diff_ci(x, c)
-            t = tests[a]
-            erodes = t.diff < 0 and adj[a] < 0.05 and dhi < 0
-            verdict[a][key] = erodes
-            out.append(f"| {a} | {fmt(float(col[a]['k3'].mean()))} | {mu:+.4f} [{lo:+.4f}, {hi:+.4f}] "
-                       f"[{blo:+.4f}, {bhi:+.4f}] | {t.diff:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {t.p:.4f} | "
-                       f"{adj[a]:.4f} | {'**yes**' if erodes else f'no (at most {dlo:+.4f})'} |")
+            r = cmp[a]
+            erodes = verdict[a][key] = r.below()
+            out.append(f"| {a} | {fmt(float(col[a]['k3'].mean()))} | {r.mean:+.4f} [{r.t_ci[0]:+.4f}, {r.t_ci[1]:+.4f}] "
+                       f"[{r.boot_ci[0]:+.4f}, {r.boot_ci[1]:+.4f}] | {r.diff:+.4f} [{r.diff_ci[0]:+.4f}, {r.diff_ci[1]:+.4f}] | "
+                       f"{r.p:.4f} | {r.p_holm:.4f} | {'**yes**' if erodes else f'no (at most {r.diff_ci[0]:+.4f})'} |")
         out.append("")
     # secondary: falls, k3 trend, final values
     out += ["**Secondary**", "", "| arm | falls (plateau rule) [95% Clopper-Pearson] | k3 first 20 -> last 20 steps "

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from timlab.experiments.stats import bootstrap_ci, bootstrap_diff_ci, holm, t_ci
+from timlab.experiments.stats import bootstrap_ci, bootstrap_diff_ci, compare_family, holm, t_ci
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +44,19 @@ def test_t_interval_and_bootstrap():
     assert lo > 0.25 and hi < 0.65
     dlo, dhi = bootstrap_diff_ci(x, [v + 1 for v in x])
     assert dlo < -1 < dhi and dhi < -0.7
+
+
+def test_compare_family_holm_adjusts_over_its_members():
+    ref = np.array([0.0, 0.1, -0.1, 0.05, -0.05, 0.02, -0.02, 0.0])  # 8 seeds
+    groups = {"low": ref - 1.0, "null": ref + 0.01, "high": ref + 1.0}
+    cmp = compare_family(groups, {a: ref for a in groups})
+    floor = 2 / math.comb(16, 8)  # every relabeling enumerated
+    assert cmp["low"].p == pytest.approx(floor) and cmp["low"].p_holm == pytest.approx(3 * floor)
+    assert cmp["low"].diff == pytest.approx(-1.0) and cmp["low"].diff_ci[1] < 0
+    assert cmp["low"].below() and not cmp["low"].above() and cmp["high"].above() and not cmp["null"].below()
+    assert cmp["null"].p_holm == cmp["null"].p > 0.5 and cmp["low"].t_ci[0] < cmp["low"].mean < cmp["low"].t_ci[1]
+    with pytest.raises(ValueError, match="a reference per group"):
+        compare_family(groups, {"low": ref})
 
 
 def test_fit_power_recovers_a_known_law():

@@ -13,6 +13,9 @@ intervals. numpy and the standard library only (no scipy).
   difference in means, resampling seeds with replacement (within each group) with a fixed seed.
 - ``t_ci(a)``: the Student-t interval of a mean.
 - ``holm(ps)``: Holm's step-down adjustment of p-values for a family of tests.
+- ``compare_family(groups, references)``: each group against its reference (one endpoint of a
+  pre-registered study): mean with t- and bootstrap intervals, difference with its bootstrap
+  interval, exact permutation p and the Holm-adjusted p over the family (``Comparison``).
 """
 
 from __future__ import annotations
@@ -163,5 +166,51 @@ def holm(ps) -> list[float]:
     return out
 
 
-__all__ = ["permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
+@dataclass(frozen=True)
+class Comparison:
+    """One group against its reference, one member of a Holm family (``compare_family``)."""
+
+    mean: float
+    """Mean of the group (over seeds)."""
+    t_ci: tuple[float, float]
+    """95% Student-t interval of that mean."""
+    boot_ci: tuple[float, float]
+    """95% seed-bootstrap interval of that mean."""
+    diff: float
+    """mean(group) - mean(reference)."""
+    diff_ci: tuple[float, float]
+    """95% bootstrap interval of the difference (each side's seeds resampled on their own)."""
+    p: float
+    """Exact (or Monte Carlo) two-sided permutation p of the difference."""
+    p_holm: float
+    """``p`` adjusted by Holm over the family."""
+
+    def below(self, alpha: float = 0.05) -> bool:
+        """The group is lower than its reference: negative difference, Holm p < ``alpha`` and a
+        bootstrap interval that lies below 0."""
+        return self.diff < 0 and self.p_holm < alpha and self.diff_ci[1] < 0
+
+    def above(self, alpha: float = 0.05) -> bool:
+        """The group is higher than its reference (``below`` mirrored)."""
+        return self.diff > 0 and self.p_holm < alpha and self.diff_ci[0] > 0
+
+
+def compare_family(groups: dict, references: dict) -> dict:
+    """``{name: Comparison}`` of each ``groups[name]`` (values over seeds) against
+    ``references[name]``, Holm-adjusted over all the names (one family). Intervals and tests are
+    this module's (``t_ci``, ``bootstrap_ci``, ``bootstrap_diff_ci``, ``permutation_test``)."""
+    if set(groups) != set(references):
+        raise ValueError(f"compare_family needs a reference per group: groups {sorted(groups)}, "
+                         f"references {sorted(references)}")
+    tests = {a: permutation_test(groups[a], references[a]) for a in groups}
+    adj = dict(zip(tests, holm([t.p for t in tests.values()])))
+    out = {}
+    for a, x in groups.items():
+        mu, lo, hi = t_ci(x)
+        out[a] = Comparison(mean=mu, t_ci=(lo, hi), boot_ci=bootstrap_ci(x), diff=tests[a].diff,
+                            diff_ci=bootstrap_diff_ci(x, references[a]), p=tests[a].p, p_holm=adj[a])
+    return out
+
+
+__all__ = ["Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
            "MAX_EXACT", "N_MC"]
