@@ -4,7 +4,6 @@ transformers (guard at 0 every step, interrupted run resumed bit for bit)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from script_loader import load_script
 from timlab.cli import main
 from timlab.config import resolve
 from timlab.errors import TimlabError
@@ -25,13 +25,6 @@ from timlab.rundir.metrics_log import without_timings
 from timlab.trainer.run import RLRun, train
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -118,7 +111,7 @@ def test_rewards_zero_one_and_format_reward(tmp_path):
 
 
 def test_bundled_word_problems_are_the_scripts_output():
-    mod = _script("make_word_problems")
+    mod = load_script("make_word_problems")
     assert BUNDLED.read_text(encoding="utf-8") == mod.render(mod.word_problems())
     task = get_task("dataset")  # the bundled file is the default path
     rows = task.examples()
@@ -218,7 +211,7 @@ def test_dataset_task_needs_a_model_folder(tmp_path):
 def tiny_qwen3(tmp_path_factory):
     """A random Qwen3 folder written by transformers: BPE tokenizer.json and a ChatML template."""
     pytest.importorskip("transformers")
-    return _script("make_tiny_chat_model").make_tiny_chat_model(tmp_path_factory.mktemp("qwen3") / "m")
+    return load_script("make_tiny_chat_model").make_tiny_chat_model(tmp_path_factory.mktemp("qwen3") / "m")
 
 
 def test_chat_template_prompt_matches_transformers(tiny_qwen3):

@@ -3,27 +3,18 @@ endpoints with a known answer before any study data exist; and the statistics it
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from script_loader import load_script
 from timlab.experiments.stats import bootstrap_ci, bootstrap_diff_ci, compare_family, holm, t_ci
 
-REPO = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("erosion_tables", REPO / "scripts" / "erosion_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-E = _script()
+E = load_script("erosion_tables")
 
 
 # ------------------------------------------------------------------------------- statistics

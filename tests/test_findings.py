@@ -6,21 +6,14 @@ the data (or data that change under a number) fails here."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from script_loader import load_script
 from timlab.experiments.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("findings_tables", REPO / "scripts" / "findings_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -58,7 +51,7 @@ def test_exact_permutation_test_hand_counted():
 
 # ------------------------------------------------------------------------------- FINDINGS
 def test_findings_blocks_match_the_committed_sweeps():
-    mod = _script()
+    mod = load_script("findings_tables")
     text = mod.FINDINGS.read_text()
     blocks = mod.render()
     for name in mod.BLOCKS:
@@ -90,5 +83,5 @@ def test_generic_tables_run_without_tabulate(monkeypatch):
         raise ImportError("tabulate missing")
 
     monkeypatch.setattr(pd.DataFrame, "to_markdown", refuse)
-    out = _script().generic([str(REPO / "sweeps" / "threshold_d16")])
+    out = load_script("findings_tables").generic([str(REPO / "sweeps" / "threshold_d16")])
     assert "| zero_d16 | 5 | 0 |" in out and "(no by_length data)" in out
