@@ -232,9 +232,9 @@ def validity(per: dict[str, list[dict]]) -> tuple[bool, str]:
 def primary(per: dict[str, list[dict]]) -> dict[str, tuple[dict, list[str]]]:
     """Endpoint -> (condition -> Comparison against its LR arm's control, Holm over the 12
     treatment conditions; conditions left out for a missing value)."""
-    treat = [c for c in conditions() if not c.startswith(CONTROL + "_")]
-    return {k: family({c: values(per[c], k) for c in treat},
-                      {c: values(per[f"{CONTROL}_{parse(c + '_s0')[1]}"], k) for c in treat}) for k in KEYS}
+    treat = [(a, lr) for lr in LRS for a in ARMS[1:]]
+    return {k: family({f"{a}_{lr}": values(per[f"{a}_{lr}"], k) for a, lr in treat},
+                      {f"{a}_{lr}": values(per[f"{CONTROL}_{lr}"], k) for a, lr in treat}) for k in KEYS}
 
 
 def late(per: dict[str, list[dict]]) -> dict[str, tuple[dict, list[str]]]:
@@ -261,8 +261,9 @@ def growth(per: dict[str, list[dict]], lat: dict, fl: dict) -> dict[str, dict]:
         slope_yes = bool(c is not None and c.below())
         fall_yes = fl[f"{RAMP}_{lr}"]["k"] >= GROWTH_FALLS and fl[f"{CONST}_{lr}"]["k"] == 0
         within = bool(c is not None and -EQUIV <= c.diff_ci[0] and c.diff_ci[1] <= EQUIV)
-        k3r = float(values(per[f"{RAMP}_{lr}"], "k3_all").mean() / values(per[f"{CONST}_{lr}"], "k3_all").mean())
-        out[lr] = {"slope": slope_yes, "falls": fall_yes, "within": within, "k3_ratio": k3r,
+        k3 = {a: float(values(per[f"{a}_{lr}"], "k3_all").mean()) for a in (RAMP, CONST)}
+        k3r = k3[RAMP] / k3[CONST]
+        out[lr] = {"slope": slope_yes, "falls": fall_yes, "within": within, "k3": k3, "k3_ratio": k3r,
                    "matched": 1 / UNMATCHED <= k3r <= UNMATCHED,
                    "verdict": "yes" if slope_yes or fall_yes else "no" if within else "undecided"}
     return out
@@ -357,12 +358,13 @@ def _q1_md(per, lat, fl, gr) -> list[str]:
         f = fl[c]
         steps = ", ".join(f"s{s}: {t}" for s, t in f["steps"].items()) or "-"
         out.append(f"| {c} | {f['k']}/{f['n']} [{f['ci'][0]:.2f}, {f['ci'][1]:.2f}] | {steps} |")
-    out += ["", "| LR arm | realized k3 steps 1-400, ramp / constant | late accuracy slope: ramp lower | "
+    out += ["", "| LR arm | realized k3 steps 1-400: ramp, constant (ratio) | late accuracy slope: ramp lower | "
             f"ramp falls >= {GROWTH_FALLS}, constant none | late-slope difference within +-{EQUIV} | "
             "growth matters (Q1) |", "|---|---:|---|---|---|---|"]
     for lr in LRS:
         g = gr[lr]
-        out.append(f"| {LR_LABEL[lr]} | {g['k3_ratio']:.2f}{'' if g['matched'] else ' (UNMATCHED)'} | "
+        out.append(f"| {LR_LABEL[lr]} | {E.fmt(g['k3'][RAMP])}, {E.fmt(g['k3'][CONST])} ({g['k3_ratio']:.2f}"
+                   f"{'' if g['matched'] else ', UNMATCHED'}) | "
                    f"{'yes' if g['slope'] else 'no'} | {'yes' if g['falls'] else 'no'} | "
                    f"{'yes' if g['within'] else 'no'} | **{g['verdict']}** |")
     return out + [""]

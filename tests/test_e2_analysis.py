@@ -160,6 +160,8 @@ def test_q1_a_late_fall_in_the_growing_arm_only(study):
     # planted realized k3 (steps 1-400): ramp 9.9e-4 x (19.75 - 1) / ln 19.75 = 6.2e-3 against 8.7e-3
     assert g["lr2e-4"]["k3_ratio"] == pytest.approx(9.9e-4 * (19.75 - 1) / math.log(19.75) / 8.7e-3, rel=0.1)
     assert all(x["matched"] for x in g.values())
+    skew = {c: [{**r, "k3_all": 3 * r["k3_all"]} for r in recs] if c == "const_ld" else recs for c, recs in per.items()}
+    assert [x["matched"] for x in E2.growth(skew, lat, fl).values()] == [True, True, False]  # 0.7 / 3: more than 2x apart
     cmp, _ = lat["acc_slope"]
     assert cmp["lr2e-4"].diff < -0.2 and cmp["lr1e-4"].p_holm > 0.05
     assert "| ramp_lr2e-4 | 5/8 [0.24, 0.91] | s0: 260, s1: 260, s2: 260, s3: 260, s4: 260 |" in text
