@@ -242,17 +242,20 @@ def _g(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.3g}"
 
 
-def collect(sweep: str, design: dict = STUDY) -> dict[str, list[dict]]:
+def collect(sweep: str, design: dict = STUDY, *, key=arm, record=None) -> dict[str, list[dict]]:
     """Per arm, the endpoints (``run_endpoints``) of each run that counts: every finished run at
     its last step, and every diverged run (none is excluded for its outcome; a diverged run is a
-    fall, with its endpoints over the evaluations it reached)."""
+    fall, with its endpoints over the evaluations it reached). ``key(spec_condition)`` groups the
+    runs (default: their arm); ``record(metrics, diverged=...)`` makes a run's entry instead of
+    ``run_endpoints`` (another study's per-run analysis, scripts/e2_tables.py)."""
     per: dict[str, list[dict]] = {}
     if not (Path(sweep) / "index.parquet").exists():
         return per  # not started (or not committed yet)
     for row, m in runs(sweep):
         if (row["state"] == "finished" and int(m["step"].max()) == design["steps"]) or row["state"] == "diverged":
-            per.setdefault(arm(row["spec_condition"]), []).append(
-                run_endpoints(m, design["start"], diverged=row["state"] == "diverged"))
+            diverged = row["state"] == "diverged"
+            per.setdefault(key(row["spec_condition"]), []).append(
+                record(m, diverged=diverged) if record else run_endpoints(m, design["start"], diverged=diverged))
     return per
 
 

@@ -39,6 +39,7 @@ from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: 
 from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
+import e2_tables  # noqa: E402
 import erosion_tables  # noqa: E402
 import moe_tables  # noqa: E402
 
@@ -451,6 +452,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
           "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.STUDY["start"]),
           "erosion-study": lambda R: erosion_tables.study(str(SWEEPS / "erosion")),
+          "e2-study": lambda R: e2_tables.study(str(SWEEPS / "e2")),
           "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot"))}
