@@ -453,7 +453,9 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "erosion-study": lambda R: erosion_tables.study(str(SWEEPS / "erosion")),
           "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
-          "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot"))}
+          "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
+          "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),
+          "moe-study": lambda R: moe_tables.study(str(SWEEPS / "moe"))}
 """The generated blocks of docs/FINDINGS.md, by marker name."""
 
 

@@ -1,8 +1,8 @@
 """The MoE study's pre-registered analysis (``scripts/moe_tables.py study``), checked on synthetic
 sweeps with planted effects before any study data exist; and ``stats.bootstrap_ratio_ci``.
 
-The synthetic sweep is the registered spec's 40 runs (docs/examples/moe.yaml: 5 arms x 8 seeds),
-each a run directory as the trainer leaves it (``status.json`` through ``RunDir``, one
+The synthetic sweep is the registered spec's runs (docs/examples/moe.yaml: 7 arms x 8 seeds since
+the 2026-11-25 amendment), each a run directory as the trainer leaves it (``status.json`` through ``RunDir``, one
 ``metrics.parquet`` row per step in ``MetricsLog``'s layout) under an ``index.parquet``."""
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ import pandas as pd
 import pytest
 
 from script_loader import REPO, load_script
-from timlab.experiments.stats import bootstrap_diff_ci, bootstrap_ratio_ci
-from timlab.experiments.sweep import INDEX_FILE
+from timlab.experiments.stats import bootstrap_ci, bootstrap_ratio_ci
+from timlab.experiments.sweep import INDEX_FILE, load_spec
 from timlab.rundir import RunDir
 from timlab.rundir.metrics_log import MetricsLog
 
 M = load_script("moe_tables")
 SPEC = REPO / "docs" / "examples" / "moe.yaml"
 STEPS = M.STUDY["steps"]
-ARMS = ("control", "bf16", "bf16_replay", "router_bf16", "router_bf16_replay")
+WANT = [c.name for c in load_spec(SPEC).conditions]
+"""The study's runs, ``<arm>_s<seed>`` in the spec's order."""
 SEEDS = range(8)
 START = (0.988, -0.44)
 """The shared step-0 evaluation (accuracy, gold log-prob) of every run."""
@@ -35,12 +36,9 @@ def test_bootstrap_ratio_ci():
     lo, hi = bootstrap_ratio_ci(a, b)
     assert lo < 0.1 < hi and hi - lo < 0.03 and bootstrap_ratio_ci(a, b) == (lo, hi)  # fixed seed: repeatable
     assert bootstrap_ratio_ci([2.0] * 3, [4.0] * 5) == (0.5, 0.5)  # no spread: the ratio of means
-    # the same resamples as the difference's interval: ratio of (b + d) to b for a shift d
-    x = np.array([1.0, 2.0, 3.0, 4.0])
-    rlo, rhi = bootstrap_ratio_ci(2 * x, x)
-    assert (rlo, rhi) == pytest.approx((2.0, 2.0)) or rlo < 2 < rhi
-    dlo, dhi = bootstrap_diff_ci(x + 1, x)
-    assert dlo < 1 < dhi
+    # a constant denominator: the numerator's own bootstrap interval (the same draws), scaled
+    x = [1.0, 2.0, 3.0, 4.0, 7.0]
+    assert bootstrap_ratio_ci(x, [4.0] * 3) == pytest.approx(tuple(v / 4 for v in bootstrap_ci(x)), rel=1e-12)
     with pytest.raises(ValueError, match="denominator"):
         bootstrap_ratio_ci([1.0, 2.0], [0.0, 0.0])
 
@@ -51,16 +49,16 @@ def test_seed_lists_compress_to_ranges():
 
 
 # ------------------------------------------------------------------------------- synthetic sweeps
-def _metrics(rng, *, k3: float, flip: float, acc_drop: float, gold_drop: float,
+def _metrics(rng, *, k3: float, flip: float, acc_drop: float, gold_drop: float, decline: float = 0.0,
              start: tuple[float, float] = START) -> pd.DataFrame:
     """One 500-step run: the mechanism every RL step (none at step 0, the start's evaluation), an
-    evaluation every 25 steps. A drop lowers the level from step 25 on; each run's evaluations
-    carry their own noise."""
+    evaluation every 25 steps. A drop lowers the level from step 25 on, a decline (per 100 steps)
+    tilts accuracy and gold log-prob from there; each run's evaluations carry their own noise."""
     steps = np.arange(STEPS + 1)
     rl = np.where(steps >= 1, 1.0, np.nan)  # (501,)
     ev = np.where(steps % 25 == 0, 1.0, np.nan)
-    acc = 0.97 - acc_drop + 0.004 * rng.standard_normal(steps.size)
-    gold = -0.20 - gold_drop + 0.01 * rng.standard_normal(steps.size)
+    acc = 0.97 - acc_drop - decline * steps / 100 + 0.004 * rng.standard_normal(steps.size)
+    gold = -0.20 - gold_drop - 10 * decline * steps / 100 + 0.01 * rng.standard_normal(steps.size)
     acc[0], gold[0] = start
     return pd.DataFrame({
         "step": steps, "train/step_time_s": 1.0,
@@ -72,32 +70,34 @@ def _metrics(rng, *, k3: float, flip: float, acc_drop: float, gold_drop: float,
         "val/accuracy": ev * acc, "val/gold_logprob": ev * gold, "time/eval_s": ev * 5.0})
 
 
-PLANTED = {  # arm: (k3, flip frac, accuracy drop, gold log-prob drop)
-    "control": (0.0, 0.0, 0.0, 0.0),
-    "bf16": (3e-3, 6e-3, 0.05, 0.3),          # erodes on both levels
-    "bf16_replay": (3e-4, 6e-3, 0.0, 0.0),    # replay removes most k3 and recovers both levels
-    "router_bf16": (1.5e-5, 1.6e-3, 0.0, 0.0),  # no effect: "no detectable erosion" with a bound
-    "router_bf16_replay": (8e-8, 1.5e-3, 0.0, 0.0),
+PLANTED = {  # arm: (k3, flip frac, accuracy drop, gold log-prob drop, decline per 100 steps)
+    "control": (0.0, 0.0, 0.0, 0.0, 0.0),
+    "bf16": (3e-3, 6e-3, 0.05, 0.3, 0.0),          # erodes on both levels
+    "bf16_replay": (3e-4, 6e-3, 0.0, 0.0, 0.0),    # replay removes most k3 and recovers both levels
+    "router_bf16": (1.5e-5, 1.6e-3, 0.0, 0.0, 0.0),  # no effect: "no detectable erosion" with a bound
+    "router_bf16_replay": (8e-8, 1.5e-3, 0.0, 0.0, 0.0),
+    "kv_fp8_e5m2": (5e-3, 0.05, 0.0, 0.0, 0.02),   # erodes on both slopes (a decline, no drop)
+    "kv_fp8_e5m2_replay": (3e-3, 0.05, 0.0, 0.0, 0.0),  # replay recovers both slopes
 }
 
 
 def _write_sweep(out) -> None:
-    """The spec's 40 runs with the planted effects, seed by seed as the spec lists them, each
+    """The spec's runs with the planted effects, in the spec's order (seed by seed), each
     written as the trainer writes it (``MetricsLog``'s table, ``RunDir``'s status)."""
     rng = np.random.default_rng(0)
     index = []
-    for seed in SEEDS:
-        for a in ARMS:
-            name = f"{a}_s{seed}"
-            run_id = f"{name}__{seed:06x}"
-            k3, flip, drop, gdrop = PLANTED[a]
-            (out / run_id).mkdir(parents=True)
-            log = MetricsLog(out / run_id)
-            log.rows = _metrics(rng, k3=k3, flip=flip, acc_drop=drop, gold_drop=gdrop).to_dict("records")
-            log._flush()  # the trainer appends row by row; one write of the same rows gives the same file
-            RunDir(out / run_id).write_status("finished", step=STEPS, total_steps=STEPS)
-            index.append({"run_id": run_id, "condition": name, "spec_condition": name, "run_dir": run_id,
-                          "state": "finished", "last_step": STEPS})
+    for name in WANT:
+        seed = int(name.rsplit("_s", 1)[1])
+        run_id = f"{name}__{seed:06x}"
+        k3, flip, drop, gdrop, decline = PLANTED[M.arm(name)]
+        (out / run_id).mkdir(parents=True)
+        log = MetricsLog(out / run_id)
+        log.rows = _metrics(rng, k3=k3, flip=flip, acc_drop=drop, gold_drop=gdrop, decline=decline
+                            ).to_dict("records")
+        log._flush()  # the trainer appends row by row; one write of the same rows gives the same file
+        RunDir(out / run_id).write_status("finished", step=STEPS, total_steps=STEPS)
+        index.append({"run_id": run_id, "condition": name, "spec_condition": name, "run_dir": run_id,
+                      "state": "finished", "last_step": STEPS})
     pd.DataFrame(index).to_parquet(out / INDEX_FILE, index=False)
 
 
@@ -118,10 +118,6 @@ def analysis(planted, tmp_path_factory):
     return M.study(str(planted), spec=SPEC, erosion=tmp_path_factory.mktemp("no_erosion"))
 
 
-def _want() -> list[str]:
-    return [f"{a}_s{s}" for s in SEEDS for a in ARMS]
-
-
 def _row(text: str, endpoint: str, comparison: str) -> str:
     block = text.split(f"**{endpoint}")[1].split("\n\n**")[0]
     return next(line for line in block.splitlines() if line.startswith(f"| {comparison} |"))
@@ -130,7 +126,8 @@ def _row(text: str, endpoint: str, comparison: str) -> str:
 def test_planted_sweep_is_valid_and_mechanism_is_measured(analysis):
     first = analysis.splitlines()[0]
     assert first.startswith("Validity (rule 1): control guard") and "held" in first and first.endswith("VALID.")
-    assert "the same in all 40 runs (accuracy 0.988, gold log-prob -0.440)" in first
+    assert f"the same in all {len(WANT)} runs (accuracy 0.988, gold log-prob -0.440)" in first
+    assert len(WANT) == 56  # 7 arms x 8 seeds (amendment of 2026-11-25)
     mech = analysis.split("**Mechanism**")[1].split("\n\n**")[0]
     bf16 = next(line for line in mech.splitlines() if line.startswith("| bf16 |"))
     assert "| in the MoE range |" in bf16  # 3e-3 +- 10% per step, 500 steps, 8 seeds
@@ -141,8 +138,9 @@ def test_an_eroding_arm_is_detected(analysis):
     for endpoint in ("mean accuracy", "mean gold log-prob"):
         row = _row(analysis, endpoint, "bf16 - control")
         assert row.endswith("| **erodes** |"), row
-        # all 8 bf16 seeds below all 8 controls: the exact test's floor, 2/12,870, Holm x6
-        assert "| 0.0002 | 0.0009 |" in row
+        # all 8 bf16 seeds below all 8 controls: the exact test's floor, 2/12,870, Holm over 9 at most x9
+        p, p_holm = (float(x) for x in row.split(" | ")[3:5])
+        assert p == round(2 / 12870, 4) and p_holm <= round(9 * 2 / 12870, 4)
     acc = _row(analysis, "mean accuracy", "bf16 - control")
     diff = float(acc.split(" | ")[2].split(" ")[0])
     assert diff == pytest.approx(-0.05 * 20 / 19, abs=0.005)  # 19 evaluations in the window, 20 after the drop
@@ -160,12 +158,24 @@ def test_replay_removes_mismatch_and_recovers(analysis):
         assert _row(analysis, endpoint, "bf16_replay - bf16").endswith("| **recovers** |")
 
 
+def test_a_slow_decline_erodes_the_slopes_and_replay_recovers_them(analysis):
+    for endpoint, planted in (("accuracy slope", -0.02), ("gold log-prob slope", -0.2)):
+        row = _row(analysis, endpoint, "kv_fp8_e5m2 - control")
+        assert row.endswith("| **erodes** |"), row
+        assert float(row.split(" | ")[2].split(" ")[0]) == pytest.approx(planted, rel=0.1)
+        assert _row(analysis, endpoint, "kv_fp8_e5m2_replay - kv_fp8_e5m2").endswith("| **recovers** |")
+        assert "no detectable erosion" in _row(analysis, endpoint, "bf16 - control")  # a drop is not a slope
+    mech = analysis.split("**Mechanism**")[1].split("\n\n**")[0]
+    assert "| in the MoE range |" in next(line for line in mech.splitlines() if line.startswith("| kv_fp8_e5m2 |"))
+
+
 def test_an_arm_without_effect_gets_a_bound_not_a_null(analysis):
     for endpoint in ("mean accuracy", "accuracy slope", "mean gold log-prob", "gold log-prob slope"):
         row = _row(analysis, endpoint, "router_bf16 - control")
-        assert "| no detectable erosion (costs at most -0.0" in row, row
+        assert "| no detectable erosion (costs at most " in row, row
         lo = float(row.split("costs at most ")[1].split(")")[0])
-        assert -0.1 < lo < 0
+        assert lo == float(row.split(" | ")[2].split("[")[1].split(",")[0])  # the interval's lower end
+        assert abs(lo) < 0.05  # planted: no effect; the bound is noise-sized
         # nothing to recover: the replay arm of a non-eroding arm is never said to recover
         assert "recovers" not in _row(analysis, endpoint, "router_bf16_replay - router_bf16")
     assert "no effect" not in analysis
@@ -187,10 +197,10 @@ def test_a_control_guard_violation_voids_the_study(planted, tmp_path):
 
 
 def test_a_run_whose_start_differs_voids_the_study(per):
-    assert M.analyse(per, _want()).splitlines()[0].endswith(": VALID.")
+    assert M.analyse(per, WANT).splitlines()[0].endswith(": VALID.")
     moved = {a: [dict(r) for r in v] for a, v in per.items()}
     moved["bf16"][6]["start_acc"] = 0.986  # one run did not start from the registered start
-    text = M.analyse(moved, _want())
+    text = M.analyse(moved, WANT)
     assert "held" in text and "DIFFERS between runs (2 distinct)" in text and text.endswith("VOID (re-run, do not analyse).")
 
 
@@ -200,9 +210,9 @@ def test_an_incomplete_sweep_is_refused(planted, tmp_path):
     for name in ("bf16_s7", "control_s7", "router_bf16_replay_s6"):
         RunDir(part / f"{name}__{int(name[-1]):06x}").write_status("running", step=300, total_steps=STEPS)
     assert M.study(str(part), spec=SPEC) == (
-        "INCOMPLETE: 37 of 40 runs finished at step 500 (missing: router_bf16_replay seed 6, control seed 7, "
+        "INCOMPLETE: 53 of 56 runs finished at step 500 (missing: router_bf16_replay seed 6, control seed 7, "
         "bf16 seed 7); no endpoint is computed before the study is complete (no interim analysis).")
-    assert M.study(str(tmp_path / "not_started"), spec=SPEC).startswith("INCOMPLETE: 0 of 40 runs finished")
+    assert M.study(str(tmp_path / "not_started"), spec=SPEC).startswith("INCOMPLETE: 0 of 56 runs finished")
 
 
 # ------------------------------------------------------------------------------- rule 6
