@@ -240,3 +240,20 @@ def test_cross_study_places_arms_against_the_erosion_fit():
 def _ero(rng, k3: float, slope: float) -> dict:
     x = slope + rng.normal(0, 1e-5)
     return {"k3": k3, "acc_slope": x, "gold_slope": x, "guard": True, "rows": 500, "start_acc": 0.965}
+
+
+def test_layers_table_from_distributions(tmp_path):
+    """``layers``: per arm and sparse layer, the mean over steps and runs of the flip fraction the
+    trainer appends to distributions.jsonl."""
+    index = []
+    for name, fracs in (("bf16_s0", (0.01, 0.03)), ("bf16_s1", (0.03, 0.05))):
+        log = MetricsLog(tmp_path / name)
+        (tmp_path / name).mkdir()
+        log.rows = _metrics(np.random.default_rng(0), k3=1e-3, flip=0.01, acc_drop=0, gold_drop=0).to_dict("records")
+        log._flush()
+        for step in (1, 2):
+            log.append_distribution(step, {"router_flip_frac_by_layer": {0: fracs[0] * step, 1: fracs[1] * step}})
+        index.append({"run_id": name, "spec_condition": name, "run_dir": name, "state": "finished"})
+    pd.DataFrame(index).to_parquet(tmp_path / INDEX_FILE, index=False)
+    table = M.layers(str(tmp_path))
+    assert "| bf16 | 2 | 0.030 | 0.060 |" in table  # (0.015 + 0.045) / 2, (0.045 + 0.075) / 2
