@@ -160,7 +160,8 @@ def expected(spec: str | Path = SPEC) -> list[str]:
 
 def collect(sweep: str) -> dict[str, dict]:
     """Run name -> ``run_record`` of every run that counts (``erosion_tables.collect``'s rule)."""
-    per = E.collect(sweep, DESIGN, key=lambda c: c, record=run_record)
+    per = E.collect(sweep, DESIGN, key=lambda c: c,
+                    endpoints=lambda m, start, diverged: run_record(m, diverged=diverged))
     twice = [n for n, r in per.items() if len(r) > 1]
     if twice:
         raise ValueError(f"{sweep}: more than one run of {', '.join(twice)}")

@@ -219,16 +219,19 @@ def bootstrap_fit(head: dict[str, dict[str, np.ndarray]], control: np.ndarray, k
     return fits, failed
 
 
-def off_fit(fits: list[tuple[float, float, float]], arm_k3: np.ndarray, arm_x: np.ndarray, *, seed: int = 1
-            ) -> tuple[float, float, float]:
+def off_fit(fits: list[tuple[float, float, float]], arm_k3: np.ndarray, arm_x: np.ndarray, *, seed: int = 1,
+            control: np.ndarray | None = None) -> tuple[float, float, float]:
     """How far a realistic arm's excess (per step) lies from the fitted law at its own k3:
     (observed minus fitted, and its 95% percentile interval), each fit replicate paired with a
     resample of the arm's seeds (its k3 with them) against that replicate's control mean, so the
-    interval holds both the fit's uncertainty and the arm's own seed noise."""
+    interval holds both the fit's uncertainty and the arm's own seed noise. ``control``: an arm of
+    another study, whose excess is over its own control's seeds (resampled with each replicate)."""
     rng = np.random.default_rng(seed)
     d = []
     for c, alpha, ctrl in fits:
         i = rng.integers(0, arm_x.size, arm_x.size)
+        if control is not None:
+            ctrl = control[rng.integers(0, control.size, control.size)].mean()
         d.append((arm_x[i].mean() - ctrl) / 100 + c * arm_k3[i].mean() ** alpha)
     lo, hi = _pct(d)
     return float(np.mean(d)), lo, hi
@@ -242,20 +245,20 @@ def _g(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.3g}"
 
 
-def collect(sweep: str, design: dict = STUDY, *, key=arm, record=None) -> dict[str, list[dict]]:
-    """Per arm, the endpoints (``run_endpoints``) of each run that counts: every finished run at
+def collect(sweep: str, design: dict = STUDY, *, key=arm, endpoints=run_endpoints) -> dict[str, list[dict]]:
+    """Per group (``key(spec_condition)``, default: the arm), the endpoints
+    (``endpoints(metrics, start, diverged=...)``, default ``run_endpoints``; another study passes
+    its own per-run analysis) and the ``condition`` of each run that counts: every finished run at
     its last step, and every diverged run (none is excluded for its outcome; a diverged run is a
-    fall, with its endpoints over the evaluations it reached). ``key(spec_condition)`` groups the
-    runs (default: their arm); ``record(metrics, diverged=...)`` makes a run's entry instead of
-    ``run_endpoints`` (another study's per-run analysis, scripts/e2_tables.py)."""
+    fall, with its endpoints over the evaluations it reached)."""
     per: dict[str, list[dict]] = {}
     if not (Path(sweep) / "index.parquet").exists():
         return per  # not started (or not committed yet)
     for row, m in runs(sweep):
         if (row["state"] == "finished" and int(m["step"].max()) == design["steps"]) or row["state"] == "diverged":
-            diverged = row["state"] == "diverged"
             per.setdefault(key(row["spec_condition"]), []).append(
-                record(m, diverged=diverged) if record else run_endpoints(m, design["start"], diverged=diverged))
+                {"condition": row["spec_condition"],
+                 **endpoints(m, design["start"], diverged=row["state"] == "diverged")})
     return per
 
 

@@ -455,7 +455,9 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "e2-study": lambda R: e2_tables.study(str(SWEEPS / "e2")),
           "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
-          "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot"))}
+          "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
+          "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),
+          "moe-study": lambda R: moe_tables.study(str(SWEEPS / "moe"))}
 """The generated blocks of docs/FINDINGS.md, by marker name."""
 
 

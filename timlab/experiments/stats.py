@@ -9,8 +9,9 @@ intervals. numpy and the standard library only (no scipy).
   two-sided: 2/252 = 0.0079).
 - ``clopper_pearson(k, n)``: the exact (conservative) binomial interval for k successes in n,
   by bisection on the binomial CDF (the Beta-quantile form needs scipy).
-- ``bootstrap_ci(a)`` / ``bootstrap_diff_ci(a, b)``: percentile intervals of a mean and of a
-  difference in means, resampling seeds with replacement (within each group) with a fixed seed.
+- ``bootstrap_ci(a)`` / ``bootstrap_diff_ci(a, b)`` / ``bootstrap_ratio_ci(a, b)``: percentile
+  intervals of a mean, of a difference in means and of a ratio of means, resampling seeds with
+  replacement (within each group) with a fixed seed.
 - ``t_ci(a)``: the Student-t interval of a mean.
 - ``holm(ps)``: Holm's step-down adjustment of p-values for a family of tests.
 - ``compare_family(groups, references)``: each group against its reference (one endpoint of a
@@ -154,6 +155,20 @@ def bootstrap_diff_ci(a, b, *, n: int = N_BOOT, seed: int = 0, level: float = 0.
     return float(np.quantile(d, q)), float(np.quantile(d, 1 - q))
 
 
+def bootstrap_ratio_ci(a, b, *, n: int = N_BOOT, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(a) / mean(b), each group resampled on its own (the
+    same draws as ``bootstrap_diff_ci`` with the same seed). A resample of ``b`` whose mean is 0
+    gives an infinite or NaN ratio; the function refuses rather than report a broken interval."""
+    rng = np.random.default_rng(seed)
+    num, den = bootstrap_means(a, n=n, rng=rng), bootstrap_means(b, n=n, rng=rng)
+    if not (den != 0).all():
+        raise ValueError(f"bootstrap_ratio_ci: {int((den == 0).sum())} of {n} resamples of the denominator "
+                         f"have mean 0; a ratio of means needs a denominator whose resamples are never 0")
+    q = (1 - level) / 2
+    r = num / den
+    return float(np.quantile(r, q)), float(np.quantile(r, 1 - q))
+
+
 def holm(ps) -> list[float]:
     """Holm-adjusted p-values, in the input's order: the i-th smallest p times (m - i + 1),
     made non-decreasing along the sorted order and capped at 1."""
@@ -212,5 +227,5 @@ def compare_family(groups: dict, references: dict) -> dict:
     return out
 
 
-__all__ = ["Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
+__all__ = ["Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
            "MAX_EXACT", "N_MC"]
