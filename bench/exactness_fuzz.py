@@ -79,7 +79,7 @@ def run_here(args, isa: str) -> dict:
 
 def run_child(args, isa: str) -> dict:
     """The same cases in a child process whose environment caps the ISA."""
-    from timlab.experiments.exactness import ISA_ENV
+    from timlab.machine import PIN_ENV
 
     out = Path(args.cache) / f"child-{os.getpid()}.json"
     argv = [sys.executable, __file__, "--seed", str(args.seed), "--cases", str(args.cases), "--start", str(args.start),
@@ -89,9 +89,9 @@ def run_child(args, isa: str) -> dict:
         argv += ["--model-type", args.model_type]
     if args.case is not None:
         argv += ["--case", str(args.case)]
-    env = {**os.environ, **ISA_ENV, CHILD: isa}
+    env = {**os.environ, **PIN_ENV, CHILD: isa}
     subprocess.run(argv, env=env, check=False)
-    summary = json.loads(out.read_text())  # the child ran under ``isa``: its commands carry ISA_ENV
+    summary = json.loads(out.read_text())  # the child ran under ``isa``: its commands carry PIN_ENV
     out.unlink()
     return summary
 

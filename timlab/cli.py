@@ -17,6 +17,7 @@ from pathlib import Path
 from timlab.errors import TimlabError, one_line
 from timlab.files import check_output_file, write_json
 from timlab.interrupts import Terminated, handle_sigterm
+from timlab.machine import ISAS
 
 
 class CLIError(TimlabError):
@@ -365,7 +366,8 @@ EXAMPLES: dict[str, list[str]] = {
               "--set mismatch.magnitude=2",
               "timlab train --run-dir runs/r1 --resume --set run.steps=300"],
     "demo": ["timlab demo --quick", "timlab demo --out demo_out --seeds 3"],
-    "sweep": ["timlab sweep docs/examples/dose_response.yaml --out sweeps/dose"],
+    "sweep": ["timlab sweep docs/examples/dose_response.yaml --out sweeps/dose",
+              "timlab --isa avx2 sweep docs/examples/erosion_probe.yaml --out sweeps/erosion_probe"],
     "runs": ['timlab runs sweeps/dose --where "collapsed AND mismatch.magnitude >= 1" --sort -final_accuracy'],
     "report": ["timlab report sweeps/dose --out dose.html"],
     "analyze": ["timlab analyze timlab/data/sample_logprobs.jsonl --out analysis.html"],
@@ -401,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"timlab {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="CPU instruction set to compute with: native (the machine's own) or avx2 (torch, oneDNN "
+                             "and MKL capped at AVX2, so an AVX-512 machine computes the bits of an AVX2 one: runs "
+                             "repeat bit for bit across machines; default: native)")
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _add_probe(sub)
     for register in _EXTRA_COMMANDS:
@@ -809,9 +815,31 @@ def _join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _pin_isa(isa: str, argv: list[str]) -> str | None:
+    """Re-execute this command under ``timlab.machine.PIN_ENV`` when ``--isa`` asks for a pin
+    that is not in effect. The pin must be set before torch loads, so an in-process call that
+    has already imported torch gets back the one-line error to print instead."""
+    from timlab.machine import pin_env
+
+    env = pin_env(isa)
+    if env is None:
+        return None
+    if "torch" in sys.modules:
+        return (f"--isa {isa} must be in the environment before torch loads: "
+                + " ".join(f"{k}={v}" for k, v in env.items() if os.environ.get(k) != v))
+    root = str(Path(__file__).resolve().parent.parent)  # this timlab, whatever the working directory holds
+    code = f"import sys; sys.path.insert(0, {root!r}); from timlab.cli import main; sys.exit(main(sys.argv[1:]))"
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-c", code, *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_join_dash_values(sys.argv[1:] if argv is None else list(argv)))
+    argv = _join_dash_values(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
+    if (error := _pin_isa(args.isa, argv)) is not None:
+        print(f"timlab: error: {error}", file=sys.stderr)
+        return 2
     handle_sigterm()  # kill / docker stop: the run records where it stopped, like Ctrl-C
     if getattr(args, "torch", True):  # a command that runs no torch code does not import it
         _set_threads()

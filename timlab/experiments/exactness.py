@@ -28,7 +28,7 @@ response token of any of the three differs in any bit. ``case_command`` gives th
 command that repeats a case (``bench/exactness_fuzz.py`` is the command-line front end).
 
 The CPU instruction set is fixed when torch loads, so a run covers one ISA; the front end runs a
-second process with the ISA capped to AVX2 (``ISA_ENV``).
+second process with the ISA capped to AVX2 (``timlab.machine.PIN_ENV``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from timlab.config import short_hash
 from timlab.engines.base import SamplingParams
 from timlab.engines.native import ExactEngine
 from timlab.errors import UsageError
+from timlab.machine import PIN_ENV
 from timlab.model.forward import token_logprobs
 from timlab.model.llama import ARCHITECTURES
 
@@ -59,8 +60,6 @@ PAD, BOS, EOS = 0, 1, 2
 
 DTYPES = ("float32", "bfloat16", "float16")
 THREADS = (1, 2, 4)
-ISA_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-"""Environment that caps torch, oneDNN and MKL at AVX2 (set before torch is imported)."""
 
 REAL_WIDTHS = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128,
@@ -358,7 +357,7 @@ def run_case(case: Case, cache_dir: str | Path, *, backend: str = "auto") -> Cas
 
 def case_command(seed: int, index: int, isa: str = "native", backend: str = "auto") -> str:
     """The one-line command that repeats case ``index`` of seed ``seed``."""
-    env = " ".join(f"{k}={v}" for k, v in ISA_ENV.items()) + " " if isa == "avx2" else ""
+    env = " ".join(f"{k}={v}" for k, v in PIN_ENV.items()) + " " if isa == "avx2" else ""
     tail = f" --backend {backend}" if backend != "auto" else ""
     return f"{env}python bench/exactness_fuzz.py --seed {seed} --case {index}{tail}"
 

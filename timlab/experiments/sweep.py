@@ -14,6 +14,7 @@ Spec format (every key optional; unknown keys are errors)::
       run.seed: [0, 1, 2]
     workers: 2                   # parallel runs (default: the number of cores)
     executor: local              # local (process pool) or ray
+    isa: avx2                    # optional: refuse to run unless the process computes with AVX2 bits
 
 Overrides apply in the order defaults < preset < config file < base.set < condition.set <
 grid. A key may not be set by both a condition and the grid. Conditions may be left out (one
@@ -56,6 +57,7 @@ from typing import Callable
 import pandas as pd
 
 from timlab.files import held_lock
+from timlab.machine import computes_as, describe as describe_machine
 from timlab.experiments.sweep_index import (  # noqa: F401  (the public names are re-exported: __all__)
     INDEX_FILE, _index_frame, _index_row, _write_index, default_columns, filter_index, query_index, read_index)
 from timlab.experiments.sweep_spec import (  # noqa: F401  (the public names are re-exported: __all__)
@@ -99,6 +101,9 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
         raise SweepError(f"--workers must be an integer >= 1, got {workers!r}")
     if executor not in EXECUTORS:
         raise SweepError(f"unknown executor {executor!r}; valid choices: {', '.join(EXECUTORS)}")
+    if not computes_as(spec.isa):
+        raise SweepError(f"{spec.source}: isa {spec.isa}, but this process computes with "
+                         f"{describe_machine()['cpu_capability']}: run it as `timlab --isa {spec.isa} sweep ...`")
     runs = expand(spec)
     out = Path(out_dir)
     plan = {r.run_id: plan_run(r, out / r.run_id) for r in runs}

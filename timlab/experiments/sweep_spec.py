@@ -20,10 +20,11 @@ from typing import Any
 from timlab.config import Config, ConfigError, load_run_config, resolve, short_hash
 from timlab.errors import TimlabError
 from timlab.files import read_text
+from timlab.machine import ISAS
 from timlab.rundir import DONE_STATES, RunDir
 from timlab.yaml_io import load_yaml
 
-SPEC_KEYS = ("base", "conditions", "grid", "workers", "executor")
+SPEC_KEYS = ("base", "conditions", "grid", "workers", "executor", "isa")
 MAX_RUNS = 10_000
 """Most runs one sweep may expand to (each is resolved and validated before anything runs)."""
 BASE_KEYS = ("preset", "config", "set")
@@ -57,6 +58,9 @@ class SweepSpec:
     """Flat key -> non-empty list of values."""
     workers: int | None = None
     executor: str = "local"
+    isa: str = "native"
+    """The CPU instruction set every run must compute with (``timlab.machine.ISAS``): ``avx2``
+    keeps a sweep that spans machines from mixing instruction sets."""
     source: str = "<dict>"
     """Where the spec came from (for error messages)."""
 
@@ -140,9 +144,16 @@ def spec_from_dict(d: dict, *, root: str | Path = ".", source: str = "<dict>") -
     executor = d.get("executor", "local")
     if executor not in EXECUTORS:
         raise SweepError(f"{where}: unknown executor {executor!r}; valid choices: {', '.join(EXECUTORS)}")
+    isa = d.get("isa", "native")
+    if isa not in ISAS:
+        raise SweepError(f"{where}: isa {isa!r}; valid choices: {', '.join(ISAS)}")
+    if isa != "native" and executor != "local":
+        raise SweepError(f"{where}: isa {isa} needs the local executor (remote workers do not inherit this "
+                         "process's environment)")
     preset = base.get("preset")
     return SweepSpec(preset=preset, config=config, set=_check_flat(base.get("set"), f"{where}: base.set"),
-                     conditions=tuple(conditions), grid=grid, workers=workers, executor=executor, source=source)
+                     conditions=tuple(conditions), grid=grid, workers=workers, executor=executor, isa=isa,
+                     source=source)
 
 
 def load_spec(path: str | Path) -> SweepSpec:

@@ -51,6 +51,7 @@ from timlab.files import atomic_write_text
 from timlab.gradcheck import in_run as gradcheck_in_run
 from timlab.gradcheck.estimator import gradcheck
 from timlab.injectors import build_injector, check_section
+from timlab.machine import describe as describe_machine, resume_note
 from timlab.metrics import (
     all_metrics,
     mismatch_by_length,
@@ -405,6 +406,8 @@ class RLRun:
         self.rollout_gen.set_state(state["rollout_gen"][self.world.rank])
         torch.set_rng_state(state["torch_rng"])
         self._check_resume_config(ckpt, state.get("config"))
+        if (note := resume_note(state.get("machine"))) is not None:
+            warnings.warn(f"{ckpt}: {note}", stacklevel=2)
         self.step = state["step"]
         self.grad_norm_ema = state["grad_norm_ema"]
         self.peak_val = state["peak_val"]
@@ -434,6 +437,7 @@ class RLRun:
     def _trainer_state(self) -> dict:
         return {
             "config": self.cfg.to_dict(),
+            "machine": describe_machine(),
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
