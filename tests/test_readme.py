@@ -52,7 +52,7 @@ MODEL = ("--set", "model.path=models/reverse")
 """RL from the model the README's pretrain command made (20 SFT steps here), not a fresh warm start."""
 PLAN = (
     Step(r"make (demo|test)", skip="installs a venv; `make test` runs this suite, `make demo` the demo (minutes)"),
-    Step(r"timlab sweep docs/examples/(surge_claims|threshold|threshold_d16)\.yaml .*",
+    Step(r"timlab (--isa avx2 )?sweep docs/examples/(surge_claims|threshold|threshold_d16|erosion)\.yaml .*",
          skip="hours on 2 cores; the results are committed under sweeps/"),
     Step(r"python scripts/findings_tables\.py .*", skip="a script, not the CLI; ~15 s over the committed sweep"),
     Step(r"python scripts/make_tiny_chat_model\.py .*", skip="a script, not the CLI; tests/test_dataset_task.py uses it"),
