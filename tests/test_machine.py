@@ -75,3 +75,20 @@ def test_sweep_spec_isa_is_checked_and_refused_unpinned(monkeypatch, tmp_path):
                                          r"`timlab --isa avx2 sweep \.\.\.`"):
         sweep.run_sweep(spec, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_resume_under_another_instruction_set_warns_and_goes_on(monkeypatch, tmp_path):
+    from timlab.config import resolve
+    from timlab.trainer import run as run_mod
+
+    cfg = resolve(preset="smoke", overrides=["run.steps=2", "run.checkpoint_every=2", "run.eval_every=2"])
+    here = machine.describe()
+    other = "AVX512" if here["cpu_capability"] != "AVX512" else "AVX2"
+    monkeypatch.setattr(run_mod, "describe_machine", lambda: {**here, "cpu_capability": other})
+    run_mod.train(cfg, tmp_path / "r")
+    monkeypatch.undo()
+    longer = resolve(preset="smoke", overrides=["run.steps=3", "run.checkpoint_every=2", "run.eval_every=2"])
+    with pytest.warns(UserWarning, match=rf"resuming on another instruction set or torch \(cpu_capability {other} "
+                                         rf"there, {here['cpu_capability']} here\)"):
+        out = run_mod.train(longer, tmp_path / "r", resume=True)
+    assert out["step"] == 3
