@@ -60,7 +60,7 @@ from timlab.experiments.sweep_index import (  # noqa: F401  (the public names ar
     INDEX_FILE, _index_frame, _index_row, _write_index, default_columns, filter_index, query_index, read_index)
 from timlab.experiments.sweep_spec import (  # noqa: F401  (the public names are re-exported: __all__)
     EXECUTORS, Condition, RunSpec, SweepError, SweepSpec, expand, load_spec, plan_run, spec_from_dict)
-from timlab.experiments.sweep_workers import _LocalExecutor, _RayExecutor, _one_line, _require_ray, _run_job, _warm_job
+from timlab.experiments.sweep_workers import _LocalExecutor, _RayExecutor, _require_ray, _run_job, _warm_job
 
 Progress = Callable[[str, int, int, dict], None]
 INDEX_EVERY_S = 2.0
@@ -153,7 +153,7 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
             for key, res in pool.map([(k, _warm_job, (rs[0].config,)) for k, rs in warm.items()]):
                 if isinstance(res, BaseException):
                     for r in warm[key]:
-                        finish(r.run_id, "failed", f"warm start failed: {_one_line(res)}")
+                        finish(r.run_id, "failed", f"warm start failed: {one_line(res, with_type=True)}")
                 else:
                     ready.update(r.run_id for r in warm[key])
             # 2. the runs, in spec order
@@ -161,7 +161,7 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
                      for r in todo if r.run_id in ready]
             for run_id, res in pool.map(calls):
                 if isinstance(res, BaseException):  # the worker process itself died
-                    finish(run_id, "failed", f"worker died: {_one_line(res)}")
+                    finish(run_id, "failed", f"worker died: {one_line(res, with_type=True)}")
                 else:
                     finish(run_id, res["state"], res["message"])
         except BaseException:  # Ctrl-C, SIGTERM: the queued runs must not start
