@@ -51,6 +51,7 @@ from timlab.files import atomic_write_text
 from timlab.gradcheck import in_run as gradcheck_in_run
 from timlab.gradcheck.estimator import gradcheck
 from timlab.injectors import build_injector, check_section
+from timlab.kernels import check_device
 from timlab.metrics import (
     all_metrics,
     mismatch_by_length,
@@ -125,7 +126,10 @@ def validate(cfg: Config) -> Task:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0):
         raise ConfigError(f"optim.lr must be a finite number > 0, got {cfg.optim.lr}")
-    check_device(cfg.run.device)
+    try:
+        check_device(cfg.run.device, what="run.device")
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
     task = build_task(cfg)
     check_warm_start(cfg, task)
     gradcheck_in_run.check_config(cfg)
@@ -174,22 +178,6 @@ def resume_config_changes(saved: dict, cfg: Config) -> list[str]:
     keys = sorted(k for k in set(then) | set(now) if k in then or k.startswith("task.kwargs."))
     return [f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in keys
             if k not in RESUME_OVERRIDES and then.get(k) != now.get(k)]
-
-
-def check_device(device: str) -> None:
-    """run.device must name a device torch knows and this machine has."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"run.device {device!r} is not a torch device; e.g. cpu, cuda, cuda:1, mps") from None
-    if dev.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"run.device={device}: not a device that trains; valid choices: cpu, cuda, cuda:N, mps")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"run.device={device}: CUDA is not available on this machine; use run.device=cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"run.device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"run.device={device}: MPS is not available on this machine; use run.device=cpu")
 
 
 STATUS_EVERY_S = 1.0
