@@ -313,9 +313,9 @@ def test_surge_testbed_runs_with_a_mixed_warm_start(tmp_path):
 
 def test_progress_bar_of_a_phase_that_starts_at_zero_never_counts_below_zero(capsys):
     """The sweep phase reports 0 runs done first (a training phase reports step 1 first)."""
-    from timlab.cli import Progress
+    from timlab.cli import PhaseBars
 
-    prog = Progress()
+    prog = PhaseBars()
     prog("sweep", 0, 8, {})
     assert prog.bars["sweep"].n == 0
     prog("sweep", 3, 8, {})
