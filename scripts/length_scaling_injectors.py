@@ -21,7 +21,8 @@ from timlab.injectors import build_injector  # noqa: E402
 from timlab.metrics import all_metrics, format_length_scaling, length_scaling  # noqa: E402
 from timlab.model.forward import token_logprobs  # noqa: E402
 from timlab.tasks import make_splits  # noqa: E402
-from timlab.trainer.policy import build_task, load_policy  # noqa: E402
+from timlab.trainer.precision import load_policy  # noqa: E402
+from timlab.trainer.scoring import build_task  # noqa: E402
 from timlab.trainer.pretrain import ensure_warm_start  # noqa: E402
 from timlab.trainer.run import rollout_sampling  # noqa: E402
 

@@ -15,7 +15,7 @@ from timlab.model.hf_io import load_model
 from timlab.tasks import make_splits
 from timlab.tokenizer import load_tokenizer
 from timlab.gradcheck.estimator import GradcheckError, gradcheck, length_buckets
-from timlab.trainer.policy import build_task
+from timlab.trainer.scoring import build_task
 from timlab.trainer.pretrain import ensure_warm_start
 
 

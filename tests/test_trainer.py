@@ -333,7 +333,7 @@ def test_gold_logprob_scores_the_worked_answer_teacher_forced(tmp_path):
     from timlab.model.llama import CausalLM, ModelConfig
     from timlab.tasks import get_task
     from timlab.tokenizer import load_tokenizer, save_char_tokenizer
-    from timlab.trainer.policy import gold_logprob
+    from timlab.trainer.scoring import gold_logprob
 
     task = get_task("scratch_add", max_digits=3)
     tok = load_tokenizer(save_char_tokenizer(task.alphabet, tmp_path / "tok"))

@@ -150,7 +150,7 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, group_size: int |
     estimator, seed, n_boot, score_seqs, param_filter, ...) go to ``gradcheck``, whose defaults apply."""
     from timlab.injectors import build_injector, parse_parts
     from timlab.tasks import make_splits
-    from timlab.trainer.policy import load_policy
+    from timlab.trainer.precision import load_policy
     from timlab.trainer.pretrain import ensure_warm_start
     from timlab.trainer.run import rollout_sampling, validate
 

@@ -58,7 +58,7 @@ from timlab.model.llama import CausalLM
 from timlab.tasks import Example, Task
 from timlab.tokenizer import Tokenizer
 from timlab.trainer.advantages import rloo
-from timlab.trainer.policy import rollout_rewards
+from timlab.trainer.scoring import rollout_rewards
 
 __all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "GradcheckSettings", "gradcheck", "length_buckets", "select_params"]
 

@@ -30,7 +30,7 @@ from timlab.model.hf_io import TOKENIZER_FILES, save_model
 from timlab.model.llama import CausalLM, ModelConfig
 from timlab.tasks import Example, Task, make_splits
 from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
-from timlab.trainer.policy import build_task, greedy_accuracy
+from timlab.trainer.scoring import build_task, greedy_accuracy
 
 
 def cache_root() -> Path:

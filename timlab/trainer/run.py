@@ -80,9 +80,9 @@ from timlab.tasks import TASKS, Task, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
 from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
-from timlab.trainer.policy import build_task, gold_logprob, greedy_accuracy, load_policy, rollout_rewards
+from timlab.trainer.precision import PRECISIONS, load_policy
 from timlab.trainer.pretrain import check_warm_start, ensure_warm_start
-from timlab.trainer.precision import PRECISIONS
+from timlab.trainer.scoring import build_task, gold_logprob, greedy_accuracy, rollout_rewards
 
 
 class ZeroMismatchViolation(TimlabError, RuntimeError):
