@@ -282,8 +282,7 @@ def test_tensorboard_option(tmp_path):
 
 @pytest.mark.parametrize("name", ["smoke", "default", "demo", "surge", "beyond-precision", "surge_moe"])
 def test_every_preset_resolves_and_validates(name):
-    from timlab.config import PRESETS
-    from timlab.trainer.run import validate
+    from timlab.config import PRESETS, validate
 
     assert name in PRESETS
     cfg = resolve(preset=name)

@@ -27,7 +27,7 @@ Each run lives in ``DIR/<run_id>/`` (a normal ``timlab train`` run directory).
 
 Checked before anything runs (one-line ``SweepError``): unknown spec keys, a grid key with an
 empty list, duplicate condition names or grid values, no runs at all, and every resolved
-config (``config.resolve`` + ``trainer.run.validate``: unknown keys and names, bad values). An
+config (``config.resolve`` + ``config.validate``: unknown keys and names, bad values). An
 existing run directory whose config.yaml differs from the spec's config is an error too.
 
 Resuming. Rerunning a sweep on the same ``DIR`` skips runs whose status.json says finished,

@@ -1,30 +1,20 @@
 """Scoring the policy on its task, for the trainer, the warm start and gradcheck.
 
-``build_task`` (the configured task), ``rollout_rewards`` (task rewards of a rollout's
-responses), ``greedy_accuracy`` (exact-match accuracy of greedy decoding, the validation metric)
-and ``gold_logprob`` (the teacher-forced log-prob of the gold completion, its continuous
-companion). Loading the policy itself is ``timlab.trainer.precision.load_policy``.
+``rollout_rewards`` (task rewards of a rollout's responses), ``greedy_accuracy`` (exact-match
+accuracy of greedy decoding, the validation metric) and ``gold_logprob`` (the teacher-forced
+log-prob of the gold completion, its continuous companion). The configured task itself is
+``timlab.tasks.build_task``; loading the policy is ``timlab.trainer.precision.load_policy``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from timlab.config import Config
 from timlab.engines import Engine, Rollout, SamplingParams, build_engine
-from timlab.errors import UsageError
 from timlab.model.forward import teacher_forced_batch, token_logprobs
 from timlab.model.llama import CausalLM
-from timlab.tasks import Example, Task, get_task
+from timlab.tasks import Example, Task
 from timlab.tokenizer import Tokenizer
-
-
-def build_task(cfg: Config) -> Task:
-    """The configured task; bad options become one-line errors naming task.kwargs."""
-    try:
-        return get_task(cfg.task.name, **cfg.task.kwargs)
-    except TypeError as e:
-        raise UsageError(f"task.kwargs: {e}") from None
 
 
 def rollout_rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout: Rollout, *,
@@ -72,4 +62,4 @@ def gold_logprob(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Exa
     return total / len(examples)
 
 
-__all__ = ["build_task", "rollout_rewards", "greedy_accuracy", "gold_logprob"]
+__all__ = ["rollout_rewards", "greedy_accuracy", "gold_logprob"]
