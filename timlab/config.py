@@ -5,13 +5,14 @@ Each field's default and its help text live here and nowhere else. YAML files, p
 section or key, or a value of the wrong type, is a one-line error naming the key and the valid
 choices. Every value is checked here, before any work: floats must be finite (a NaN dose would
 end a run as "diverged"), integers whole and within ``INT_RANGES`` (seeds fit a torch seed,
-counts stay below 10^9), booleans booleans. YAML is read by ``timlab.yaml_io`` (duplicate
+counts stay below 10^9), booleans booleans, and each section's ``__post_init__`` checks its own
+ranges (run.steps >= 1, optim.lr > 0, ...). YAML is read by ``timlab.yaml_io`` (duplicate
 keys and alias bombs refused). ``resolve(...)`` merges, in order: defaults < preset < YAML file < ``--set``.
 ``validate(cfg)`` checks the rest before anything runs (the trainer, a sweep's expansion and
 gradcheck call it): the names that pick a registered component (task, engine, injector, IS mode,
 scheduler, advantage estimator, ...) against their registries, which it imports on its first
-call (so reading a config imports no torch), the ranges, the device, the task's options and
-what the warm start can be built with.
+call (so reading a config imports no torch), the ranges that span sections, the device, the
+task's options and what the warm start can be built with.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ from timlab.yaml_io import load_yaml
 if TYPE_CHECKING:
     from timlab.engines import SamplingParams
     from timlab.tasks import Task
+
+
+def _at_least_one(section: str, values: Any, keys: tuple[str, ...]) -> None:
+    """A section's range check (from its ``__post_init__``): ConfigError for the first of ``keys`` below 1."""
+    for key in keys:
+        value = getattr(values, key)
+        if value < 1:
+            raise ConfigError(f"{section}.{key} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,9 @@ class RolloutSection:
     top_k: int = 0
     """Keep only the k most likely tokens (0 = off)."""
 
+    def __post_init__(self):
+        _at_least_one("rollout", self, ("prompts_per_step", "samples_per_prompt", "max_new_tokens"))
+
 
 @dataclass(frozen=True)
 class AlgorithmSection:
@@ -136,6 +148,9 @@ class AlgorithmSection:
     """Policy loss: ppo_clip (clipped surrogate of pi / pi_old) or reinforce (-A * w * log pi, no
     clipping; w = the IS weights when correction.mode is not none), verl's loss_type."""
 
+    def __post_init__(self):
+        _at_least_one("algorithm", self, ("epochs", "mini_batches"))
+
 
 @dataclass(frozen=True)
 class OptimSection:
@@ -152,6 +167,10 @@ class OptimSection:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
+
+    def __post_init__(self):
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
 
 
 @dataclass(frozen=True)
@@ -270,6 +289,11 @@ class RunSection:
     """Sequences per side for each in-run gradcheck (a multiple of 8, at least 64)."""
     gradcheck_estimator: str = "reinforce"
     """In-run gradcheck estimator: reinforce (w = R) or rloo (groups of rollout.samples_per_prompt)."""
+
+    def __post_init__(self):
+        _at_least_one("run", self, ("steps", "eval_every", "checkpoint_every"))
+        if self.gradcheck_every < 0:
+            raise ConfigError(f"run.gradcheck_every must be >= 0, got {self.gradcheck_every}")
 
 
 @dataclass(frozen=True)
@@ -614,8 +638,9 @@ def load_run_config(run_dir: str | Path, overrides: dict | None = None) -> Confi
 
 # ------------------------------------------------------------------------------- validation
 def validate(cfg: Config) -> Task:
-    """Check every registry-backed name and numeric range before anything runs. Returns the task,
-    which the checks build (a caller uses it instead of building it again)."""
+    """Check every registry-backed name and the ranges that span sections (each section checks its
+    own when it is built) before anything runs. Returns the task, which the checks build (a caller
+    uses it instead of building it again)."""
     from timlab.engines import ENGINES
     from timlab.injectors import check_section
     from timlab.kernels import check_device
@@ -645,17 +670,6 @@ def validate(cfg: Config) -> Task:
     validate_correction(cfg)
     if cfg.model.dtype not in PRECISIONS:
         raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
-    positive = {
-        "run.steps": cfg.run.steps, "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
-        "rollout.samples_per_prompt": cfg.rollout.samples_per_prompt, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
-        "run.eval_every": cfg.run.eval_every, "run.checkpoint_every": cfg.run.checkpoint_every,
-        "algorithm.epochs": cfg.algorithm.epochs, "algorithm.mini_batches": cfg.algorithm.mini_batches,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0):
-        raise ConfigError(f"optim.lr must be a finite number > 0, got {cfg.optim.lr}")
     try:
         check_device(cfg.run.device, what="run.device")
     except UsageError as e:
@@ -740,12 +754,10 @@ def check_warm_start(cfg: Config, task: Task) -> None:
 
 
 def check_gradcheck(cfg: Config) -> None:
-    """run.gradcheck_every, and when it is on, the in-run gradcheck's estimator and sample count."""
+    """When run.gradcheck_every is on, the in-run gradcheck's estimator and sample count."""
     from timlab.gradcheck.estimator import ESTIMATORS
     from timlab.gradcheck.in_run import micro_batch
 
-    if cfg.run.gradcheck_every < 0:
-        raise ConfigError(f"run.gradcheck_every must be >= 0, got {cfg.run.gradcheck_every}")
     if cfg.run.gradcheck_every:
         if cfg.run.gradcheck_estimator not in ESTIMATORS:
             raise ConfigError(f"unknown run.gradcheck_estimator {cfg.run.gradcheck_estimator!r}; "
