@@ -55,6 +55,7 @@ from typing import Callable
 
 import pandas as pd
 
+from timlab.errors import one_line
 from timlab.files import held_lock
 from timlab.experiments.sweep_index import (  # noqa: F401  (the public names are re-exported: __all__)
     INDEX_FILE, _index_frame, _index_row, _write_index, default_columns, filter_index, query_index, read_index)
