@@ -6,13 +6,13 @@ section or key, or a value of the wrong type, is a one-line error naming the key
 choices. Every value is checked here, before any work: floats must be finite (a NaN dose would
 end a run as "diverged"), integers whole and within ``INT_RANGES`` (seeds fit a torch seed,
 counts stay below 10^9), booleans booleans, and each section's ``__post_init__`` checks its own
-ranges (run.steps >= 1, optim.lr > 0, ...). YAML is read by ``timlab.yaml_io`` (duplicate
+ranges (run.steps >= 1, optim.lr > 0, ...), ``Config``'s those that span sections. YAML is read by ``timlab.yaml_io`` (duplicate
 keys and alias bombs refused). ``resolve(...)`` merges, in order: defaults < preset < YAML file < ``--set``.
 ``validate(cfg)`` checks the rest before anything runs (the trainer, a sweep's expansion and
 gradcheck call it): the names that pick a registered component (task, engine, injector, IS mode,
 scheduler, advantage estimator, ...) against their registries, which it imports on its first
-call (so reading a config imports no torch), the ranges that span sections, the device, the
-task's options and what the warm start can be built with.
+call (so reading a config imports no torch), the device, the task's options and what the warm
+start can be built with.
 """
 
 from __future__ import annotations
@@ -307,6 +307,15 @@ class Config:
     mismatch: MismatchSection = field(default_factory=MismatchSection)
     correction: CorrectionSection = field(default_factory=CorrectionSection)
     run: RunSection = field(default_factory=RunSection)
+
+    def __post_init__(self):
+        """The ranges that span sections."""
+        if self.rollout.samples_per_prompt < 2:
+            raise ConfigError(f"rollout.samples_per_prompt=1 with algorithm.name={self.algorithm.name}: a group of one "
+                              "sequence has zero advantage, so no step would update the policy; use 2 or more")
+        n = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if n % self.algorithm.mini_batches:
+            raise ConfigError(f"algorithm.mini_batches={self.algorithm.mini_batches} must divide the batch of {n} sequences")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -638,9 +647,10 @@ def load_run_config(run_dir: str | Path, overrides: dict | None = None) -> Confi
 
 # ------------------------------------------------------------------------------- validation
 def validate(cfg: Config) -> Task:
-    """Check every registry-backed name and the ranges that span sections (each section checks its
-    own when it is built) before anything runs. Returns the task, which the checks build (a caller
-    uses it instead of building it again)."""
+    """Check every registry-backed name, the device, the task and the warm start before anything
+    runs (the ranges are checked when the config is built: each section's ``__post_init__`` and
+    ``Config.__post_init__``). Returns the task, which the checks build (a caller uses it instead
+    of building it again)."""
     from timlab.engines import ENGINES
     from timlab.injectors import check_section
     from timlab.kernels import check_device
@@ -681,15 +691,9 @@ def validate(cfg: Config) -> Task:
         sampling = rollout_sampling(cfg)
     except UsageError as e:
         raise ConfigError(f"rollout.{e}") from None
-    if cfg.rollout.samples_per_prompt < 2:
-        raise ConfigError(f"rollout.samples_per_prompt=1 with algorithm.name={cfg.algorithm.name}: a group of one "
-                          "sequence has zero advantage, so no step would update the policy; use 2 or more")
     if sampling.temperature == 0:
         warnings.warn("rollout.temperature=0 (greedy): every sample of a prompt is the same sequence, so every group "
                       "has zero advantage and no step updates the policy", stacklevel=2)
-    n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    if n % cfg.algorithm.mini_batches:
-        raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
     return task
 
 
