@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timlab.config import resolve  # noqa: E402
 from timlab.model.hf_io import load_model  # noqa: E402
-from timlab.tasks import make_splits  # noqa: E402
+from timlab.tasks import build_task, make_splits  # noqa: E402
 from timlab.tasks.scratchpad import SCRATCH_MARK  # noqa: E402
 from timlab.tokenizer import load_tokenizer  # noqa: E402
-from timlab.trainer.policy import build_task, greedy_accuracy  # noqa: E402
+from timlab.trainer.scoring import greedy_accuracy  # noqa: E402
 from timlab.trainer.pretrain import ensure_warm_start  # noqa: E402
 
 

@@ -23,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from timlab.config import resolve  # noqa: E402
 from timlab.model.llama import CausalLM  # noqa: E402
-from timlab.tasks import make_splits  # noqa: E402
+from timlab.tasks import build_task, make_splits  # noqa: E402
 from timlab.tokenizer import load_tokenizer, save_char_tokenizer  # noqa: E402
-from timlab.trainer.policy import build_task  # noqa: E402
 from timlab.trainer.pretrain import model_config_for, sft_batch, sft_update  # noqa: E402
 
 

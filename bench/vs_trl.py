@@ -50,8 +50,7 @@ import torch  # noqa: E402
 from timlab.files import write_json  # noqa: E402
 from timlab.config import resolve  # noqa: E402
 from timlab.model.hf_io import load_model  # noqa: E402
-from timlab.tasks import make_splits  # noqa: E402
-from timlab.trainer.policy import build_task  # noqa: E402
+from timlab.tasks import build_task, make_splits  # noqa: E402
 from timlab.trainer.pretrain import pretrain  # noqa: E402
 from timlab.trainer.run import RLRun  # noqa: E402
 

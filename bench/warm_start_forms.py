@@ -24,10 +24,9 @@ from timlab.config import resolve  # noqa: E402
 from timlab.engines import build_engine  # noqa: E402
 from timlab.engines.base import SamplingParams  # noqa: E402
 from timlab.model.hf_io import load_model  # noqa: E402
-from timlab.tasks import make_splits  # noqa: E402
+from timlab.tasks import build_task, make_splits  # noqa: E402
 from timlab.tasks.scratchpad import SCRATCH_MARK  # noqa: E402
 from timlab.tokenizer import load_tokenizer  # noqa: E402
-from timlab.trainer.policy import build_task  # noqa: E402
 
 
 def main() -> None:

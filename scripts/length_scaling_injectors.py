@@ -16,14 +16,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timlab.config import resolve  # noqa: E402
+from timlab.config import resolve, rollout_sampling  # noqa: E402
 from timlab.injectors import build_injector  # noqa: E402
 from timlab.metrics import all_metrics, format_length_scaling, length_scaling  # noqa: E402
 from timlab.model.forward import token_logprobs  # noqa: E402
-from timlab.tasks import make_splits  # noqa: E402
-from timlab.trainer.policy import build_task, load_policy  # noqa: E402
+from timlab.tasks import build_task, make_splits  # noqa: E402
+from timlab.trainer.precision import load_policy  # noqa: E402
 from timlab.trainer.pretrain import ensure_warm_start  # noqa: E402
-from timlab.trainer.run import rollout_sampling  # noqa: E402
 
 INJECTORS = [("logit_noise", 0.3, []), ("logit_noise", 1.0, []), ("head_perturb", 0.5, []), ("head_perturb", 1.0, []),
              ("head_perturb", 2.0, []), ("precision", 0.0, ["mismatch.dtype=bfloat16"]),

@@ -71,7 +71,7 @@ def test_demo_prints_an_estimate_before_it_starts(monkeypatch, capsys):
 
 
 def test_progress_without_a_terminal_prints_a_few_lines(capsys):
-    prog = cli.Progress()
+    prog = cli.PhaseBars()
     for i in range(1, 201):
         prog("train", i, 200, {"train/reward_mean": 0.5})
     prog.close()

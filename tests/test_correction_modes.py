@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from timlab.cli import main
-from timlab.config import PRESETS, VERL_PRESETS, ConfigError, resolve
+from timlab.config import PRESETS, VERL_PRESETS, ConfigError, resolve, validate
 from timlab.trainer.losses import ppo_clip_loss, reinforce_loss
-from timlab.trainer.run import train, validate
+from timlab.trainer.run import train
 
 
 def _weights(run_dir):

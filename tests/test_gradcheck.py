@@ -12,10 +12,9 @@ from timlab.config import resolve
 from timlab.engines import SamplingParams
 from timlab.injectors import build_injector
 from timlab.model.hf_io import load_model
-from timlab.tasks import make_splits
+from timlab.tasks import build_task, make_splits
 from timlab.tokenizer import load_tokenizer
 from timlab.gradcheck.estimator import GradcheckError, gradcheck, length_buckets
-from timlab.trainer.policy import build_task
 from timlab.trainer.pretrain import ensure_warm_start
 
 

@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from timlab import cli
-from timlab.config import ConfigError, resolve
+from timlab.config import ConfigError, resolve, validate
 from timlab.errors import TimlabError
 from timlab.files import ForeignFilesError, atomic_write_text, take_lock
 from timlab.model.hf_io import ModelLoadError, config_from_hf
 from timlab.rundir.checkpoint import CheckpointError, checkpoints_newest_first, load_state, verify_checkpoint
 from timlab.rundir.metrics_log import without_timings
-from timlab.trainer.run import validate
 from timlab.yaml_io import load_yaml
 
 REPO = Path(__file__).resolve().parents[1]

@@ -141,12 +141,12 @@ def test_a_new_injector_is_one_class_and_needs_no_other_edit(model, monkeypatch)
             self.steps = 0
 
         def check(self):
-            if self.s.magnitude >= 32:
+            if self.settings.magnitude >= 32:
                 raise UsageError("ban_token: magnitude must name a token id")
 
         def process_logits(self, logits, col, generator):
             self.steps += 1
-            return logits.index_fill(-1, torch.tensor([int(self.s.magnitude)]), -1e4)
+            return logits.index_fill(-1, torch.tensor([int(self.settings.magnitude)]), -1e4)
 
         def state_dict(self):
             return {"steps": self.steps}

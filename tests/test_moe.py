@@ -470,9 +470,8 @@ def test_surge_moe_preset_builds_an_moe_warm_start_and_logs_routing(tmp_path):
 
 
 def test_moe_model_settings_errors():
-    from timlab.config import resolve
-    from timlab.trainer.pretrain import check_warm_start
-    from timlab.trainer.policy import build_task
+    from timlab.config import check_warm_start, resolve
+    from timlab.tasks import build_task
 
     for overrides, message in [
         (["model.model_type=qwen3_moe"], "model.model_type='qwen3_moe' needs model.num_experts >= 1"),

@@ -293,6 +293,16 @@ def test_sweep_workers_die_with_their_parent(tmp_path):
 
 
 # ---------------------------------------------------------------------------- 13. full disk
+def test_one_line_with_type_names_the_class_for_messages_without_a_traceback():
+    """What a sweep's index records for a failed run: the class name, then the CLI's one line."""
+    assert one_line(ValueError("bad value\nmore"), with_type=True) == "ValueError: bad value"
+    assert one_line(ValueError("bad value\nmore")) == "bad value"
+    assert one_line(RuntimeError(), with_type=True) == "RuntimeError"
+    assert one_line(KeyError("k"), with_type=True) == "KeyError: k"
+    assert one_line(FileNotFoundError(2, "No such file or directory", "s.yaml"),
+                    with_type=True) == "FileNotFoundError: s.yaml: No such file or directory"
+
+
 def test_disk_full_is_one_line_naming_the_mount_and_leaves_no_tmp(tmp_path, monkeypatch):
     target = tmp_path / "status.json"
     target.write_text('{"state": "running"}')

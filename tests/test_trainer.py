@@ -282,8 +282,7 @@ def test_tensorboard_option(tmp_path):
 
 @pytest.mark.parametrize("name", ["smoke", "default", "demo", "surge", "beyond-precision", "surge_moe"])
 def test_every_preset_resolves_and_validates(name):
-    from timlab.config import PRESETS
-    from timlab.trainer.run import validate
+    from timlab.config import PRESETS, validate
 
     assert name in PRESETS
     cfg = resolve(preset=name)
@@ -313,9 +312,9 @@ def test_surge_testbed_runs_with_a_mixed_warm_start(tmp_path):
 
 def test_progress_bar_of_a_phase_that_starts_at_zero_never_counts_below_zero(capsys):
     """The sweep phase reports 0 runs done first (a training phase reports step 1 first)."""
-    from timlab.cli import Progress
+    from timlab.cli import PhaseBars
 
-    prog = Progress()
+    prog = PhaseBars()
     prog("sweep", 0, 8, {})
     assert prog.bars["sweep"].n == 0
     prog("sweep", 3, 8, {})
@@ -333,7 +332,7 @@ def test_gold_logprob_scores_the_worked_answer_teacher_forced(tmp_path):
     from timlab.model.llama import CausalLM, ModelConfig
     from timlab.tasks import get_task
     from timlab.tokenizer import load_tokenizer, save_char_tokenizer
-    from timlab.trainer.policy import gold_logprob
+    from timlab.trainer.scoring import gold_logprob
 
     task = get_task("scratch_add", max_digits=3)
     tok = load_tokenizer(save_char_tokenizer(task.alphabet, tmp_path / "tok"))

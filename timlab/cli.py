@@ -125,7 +125,7 @@ class LineBar:
     """A progress bar for output that is not a terminal (a log file, a pipe): one line
     ``desc: n/total  postfix`` at most every ``interval`` seconds and one at the end, instead of
     tqdm's redraws (two workers' bars once made an 8,000-line log). The subset of tqdm's
-    interface that ``Progress`` and ``SweepProgress`` use."""
+    interface that ``PhaseBars`` and ``SweepProgress`` use."""
 
     def __init__(self, *, total: int, desc: str = "", initial: int = 0, interval: float = 30.0, file=None, **_):
         import time
@@ -170,8 +170,9 @@ def _bar(**kwargs):
     return LineBar(**kwargs)
 
 
-class Progress:
-    """tqdm bars for the phases a library call reports through ``progress(phase, i, n, metrics)``."""
+class PhaseBars:
+    """A tqdm bar per phase (pretrain, train, ...) that a library call reports through its
+    ``progress(phase, i, n, metrics)`` callback."""
 
     KEYS = {"train/reward_mean": "reward", "val/accuracy": "val_acc", "rollout_corr/k3_kl": "k3",
             "train/response_length_mean": "len", "train/lr": "lr", "loss": "loss"}
@@ -222,7 +223,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from timlab.config import resolve
 
     cfg = resolve(args.config, args.preset, list(args.set or []), task=args.task)
-    prog = Progress(not args.quiet)
+    prog = PhaseBars(not args.quiet)
     res = pretrain(cfg, args.out, force=args.force, progress=lambda s, n, m: prog("pretrain", s, n, m))
     prog.close()
     print(f"{'reused' if res.cached else 'pretrained'} {res.path}: {res.num_params / 1e6:.2f}M params, "
@@ -256,7 +257,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_run_config(args.run_dir, over)
     else:
         cfg = _config_from_args(args)
-    prog = Progress(cfg.run.progress and not args.quiet)
+    prog = PhaseBars(cfg.run.progress and not args.quiet)
     trained = []
 
     def progress(phase: str, i: int, n: int, metrics: dict) -> None:
@@ -304,7 +305,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo: {n_runs} runs x {n_steps} steps; estimate {_minutes(low)}-{_minutes(high)} on an idle machine, "
           f"{_minutes(cpu_low)}-{_minutes(cpu_high)} of CPU time (+ about {SFT_SECONDS} s of SFT the first time; "
           "times vary with the CPU, and load can double the wall time)", flush=True)
-    prog = Progress(not args.quiet)
+    prog = PhaseBars(not args.quiet)
     try:
         res = run_demo(quick=args.quick, seeds=args.seeds, steps=args.steps, workers=args.workers, force=args.force,
                        progress=prog, **_given(args, ("out_dir",)))
@@ -337,86 +338,6 @@ def _add_demo(sub) -> None:
                    help="--out holds a demo with other settings: delete it and start over (default: refuse)")
     p.add_argument("--quiet", action="store_true", help=QUIET)
     p.set_defaults(func=cmd_demo)
-
-
-# ---------------------------------------------------------------------------------- main
-ABOUT = """\
-timlab: a lab for training-inference mismatch (TIM) in RL of language models.
-
-RL samples with an inference engine and computes gradients with a training engine; timlab's
-exact engine makes the two agree bit for bit, injects a controlled mismatch back, measures it
-(verl's rollout_corr/* metrics) and tests remedies (importance sampling, the length-decay LR)."""
-
-START = """\
-start here:
-  timlab demo --quick                       the main experiment, small (a few minutes on a CPU)
-  timlab train --preset smoke --run-dir runs/smoke
-  timlab config --preset demo               every config key --set accepts, with its value
-  timlab COMMAND --help                     what a command does, its options and examples
-
-docs: README.md and docs/ in the source tree"""
-
-EXAMPLES: dict[str, list[str]] = {
-    "probe": ["timlab probe --model models/reverse --task reverse --rollout exact --score trainer",
-              "timlab probe --model models/reverse --prompts prompts.txt --rollout fast --dtype bfloat16 --attribute"],
-    "pretrain": ["timlab pretrain --task reverse --out models/reverse",
-                 "timlab pretrain --preset smoke --task sort --out models/sort"],
-    "train": ["timlab train --preset smoke --run-dir runs/smoke",
-              "timlab train --preset demo --run-dir runs/r1 --set mismatch.injector=head_perturb "
-              "--set mismatch.magnitude=2",
-              "timlab train --run-dir runs/r1 --resume --set run.steps=300"],
-    "demo": ["timlab demo --quick", "timlab demo --out demo_out --seeds 3"],
-    "sweep": ["timlab sweep docs/examples/dose_response.yaml --out sweeps/dose",
-              "timlab --isa avx2 sweep docs/examples/erosion_probe.yaml --out sweeps/erosion_probe"],
-    "runs": ['timlab runs sweeps/dose --where "collapsed AND mismatch.magnitude >= 1" --sort -final_accuracy'],
-    "report": ["timlab report sweeps/dose --out dose.html"],
-    "analyze": ["timlab analyze timlab/data/sample_logprobs.jsonl --out analysis.html"],
-    "threshold": ["timlab threshold sweeps/threshold --plot threshold.png"],
-    "gradcheck": ["timlab gradcheck --preset demo --injector head_perturb --magnitude 1 --samples 256",
-                  "timlab gradcheck --run-dir runs/r1 --step 50"],
-    "config": ["timlab config", "timlab config --preset demo --set optim.lr=3e-4"],
-    "export": ["timlab export runs/r1 --step 100 --out models/r1_step100"],
-    "check": ["timlab check --model /path/to/Qwen3-0.6B --rollout fast --score trainer --dtype bfloat16",
-              "timlab check --model models/reverse --lengths short=8:16,long=32:64 --fail-above 0"],
-}
-"""Examples shown under each command's --help (tests/test_cli_help.py parses every one)."""
-
-
-def _describe(sub) -> None:
-    """Give every subcommand a description (its one-line help, unless it has its own), its
-    examples and the user-facing formatter."""
-    helps = {a.dest: a.help for a in sub._choices_actions}
-    for name, p in sub.choices.items():
-        if not p.description:
-            import textwrap
-
-            p.description = textwrap.fill((helps.get(name) or "").rstrip(".") + ".", 90)
-        if name in EXAMPLES and not p.epilog:
-            p.epilog = "examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES[name])
-        if not issubclass(p.formatter_class, _Formatter):
-            p.formatter_class = _Formatter
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from timlab import __version__
-
-    parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"timlab {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    parser.add_argument("--isa", choices=ISAS, default="native",
-                        help="CPU instruction set to compute with: native (the machine's own) or avx2 (torch, oneDNN "
-                             "and MKL capped at AVX2, so an AVX-512 machine computes the bits of an AVX2 one: runs "
-                             "repeat bit for bit across machines; default: native)")
-    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
-    _add_probe(sub)
-    for register in _EXTRA_COMMANDS:
-        register(sub)
-    _describe(sub)
-    return parser
-
-
-_EXTRA_COMMANDS: list = [_add_pretrain, _add_train, _add_demo]
-"""Subcommand registrars added below (pretrain, train, ...), kept in one list for the parser."""
 
 
 # ---------------------------------------------------------------------------------- sweep
@@ -542,9 +463,6 @@ def _add_report(sub) -> None:
     p.set_defaults(func=cmd_report)
 
 
-_EXTRA_COMMANDS.extend([_add_sweep, _add_runs, _add_report])
-
-
 # ---------------------------------------------------------------------------------- analyze
 def cmd_analyze(args: argparse.Namespace) -> int:
     from timlab.experiments.analyze import analyze_file, format_analysis
@@ -564,9 +482,6 @@ def _add_analyze(sub) -> None:
     p.add_argument("--out", metavar="REPORT.html", help="write a self-contained HTML report here")
     p.add_argument("--json", help="write the full result (metrics, per step, distributions, errors) as JSON here")
     p.set_defaults(func=cmd_analyze)
-
-
-_EXTRA_COMMANDS.append(_add_analyze)
 
 
 # ---------------------------------------------------------------------------------- check
@@ -610,9 +525,6 @@ def _add_check(sub) -> None:
     p.set_defaults(func=cmd_check)
 
 
-_EXTRA_COMMANDS.append(_add_check)
-
-
 # ---------------------------------------------------------------------------------- threshold
 def cmd_threshold(args: argparse.Namespace) -> int:
     from timlab.experiments.threshold import format_threshold, plot_threshold, threshold_study
@@ -641,9 +553,6 @@ def _add_threshold(sub) -> None:
     p.set_defaults(func=cmd_threshold)
 
 
-_EXTRA_COMMANDS.append(_add_threshold)
-
-
 # ---------------------------------------------------------------------------------- gradcheck
 def cmd_gradcheck(args: argparse.Namespace) -> int:
     from timlab.config import load_run_config, parse_set, resolve
@@ -667,7 +576,7 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
             raise CLIError("--step needs --run-dir")
         cfg = resolve(args.config, args.preset, sets)
         model_dir = args.model
-    prog = Progress(not args.quiet)
+    prog = PhaseBars(not args.quiet)
     try:
         options = ("samples", "micro_batch", "buckets", "estimator", "seed", "n_boot", "score_seqs", "param_filter")
         res = run_gradcheck(cfg, model_dir=model_dir, group_size=args.group_size, dense_reward=args.dense_reward,
@@ -713,9 +622,6 @@ def _add_gradcheck(sub) -> None:
     p.set_defaults(func=cmd_gradcheck)
 
 
-_EXTRA_COMMANDS.append(_add_gradcheck)
-
-
 # ---------------------------------------------------------------------------------- export
 def cmd_export(args: argparse.Namespace) -> int:
     from timlab.experiments.export import export_checkpoint
@@ -733,9 +639,6 @@ def _add_export(sub) -> None:
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest; 0 = the warm start)")
     p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     p.set_defaults(func=cmd_export)
-
-
-_EXTRA_COMMANDS.append(_add_export)
 
 
 # ---------------------------------------------------------------------------------- config
@@ -791,9 +694,87 @@ def _add_config(sub) -> None:
     p.set_defaults(func=cmd_config, torch=False)
 
 
-_EXTRA_COMMANDS.append(_add_config)
+# ---------------------------------------------------------------------------------- the parser
+ABOUT = """\
+timlab: a lab for training-inference mismatch (TIM) in RL of language models.
+
+RL samples with an inference engine and computes gradients with a training engine; timlab's
+exact engine makes the two agree bit for bit, injects a controlled mismatch back, measures it
+(verl's rollout_corr/* metrics) and tests remedies (importance sampling, the length-decay LR)."""
+
+START = """\
+start here:
+  timlab demo --quick                       the main experiment, small (a few minutes on a CPU)
+  timlab train --preset smoke --run-dir runs/smoke
+  timlab config --preset demo               every config key --set accepts, with its value
+  timlab COMMAND --help                     what a command does, its options and examples
+
+docs: README.md and docs/ in the source tree"""
+
+EXAMPLES: dict[str, list[str]] = {
+    "probe": ["timlab probe --model models/reverse --task reverse --rollout exact --score trainer",
+              "timlab probe --model models/reverse --prompts prompts.txt --rollout fast --dtype bfloat16 --attribute"],
+    "pretrain": ["timlab pretrain --task reverse --out models/reverse",
+                 "timlab pretrain --preset smoke --task sort --out models/sort"],
+    "train": ["timlab train --preset smoke --run-dir runs/smoke",
+              "timlab train --preset demo --run-dir runs/r1 --set mismatch.injector=head_perturb "
+              "--set mismatch.magnitude=2",
+              "timlab train --run-dir runs/r1 --resume --set run.steps=300"],
+    "demo": ["timlab demo --quick", "timlab demo --out demo_out --seeds 3"],
+    "sweep": ["timlab sweep docs/examples/dose_response.yaml --out sweeps/dose",
+              "timlab --isa avx2 sweep docs/examples/erosion_probe.yaml --out sweeps/erosion_probe"],
+    "runs": ['timlab runs sweeps/dose --where "collapsed AND mismatch.magnitude >= 1" --sort -final_accuracy'],
+    "report": ["timlab report sweeps/dose --out dose.html"],
+    "analyze": ["timlab analyze timlab/data/sample_logprobs.jsonl --out analysis.html"],
+    "threshold": ["timlab threshold sweeps/threshold --plot threshold.png"],
+    "gradcheck": ["timlab gradcheck --preset demo --injector head_perturb --magnitude 1 --samples 256",
+                  "timlab gradcheck --run-dir runs/r1 --step 50"],
+    "config": ["timlab config", "timlab config --preset demo --set optim.lr=3e-4"],
+    "export": ["timlab export runs/r1 --step 100 --out models/r1_step100"],
+    "check": ["timlab check --model /path/to/Qwen3-0.6B --rollout fast --score trainer --dtype bfloat16",
+              "timlab check --model models/reverse --lengths short=8:16,long=32:64 --fail-above 0"],
+}
+"""Examples shown under each command's --help (tests/test_cli_help.py parses every one)."""
 
 
+def _describe(sub) -> None:
+    """Give every subcommand a description (its one-line help, unless it has its own), its
+    examples and the user-facing formatter."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, p in sub.choices.items():
+        if not p.description:
+            import textwrap
+
+            p.description = textwrap.fill((helps.get(name) or "").rstrip(".") + ".", 90)
+        if name in EXAMPLES and not p.epilog:
+            p.epilog = "examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES[name])
+        if not issubclass(p.formatter_class, _Formatter):
+            p.formatter_class = _Formatter
+
+
+COMMANDS = [_add_probe, _add_pretrain, _add_train, _add_demo, _add_sweep, _add_runs, _add_report, _add_analyze,
+            _add_check, _add_threshold, _add_gradcheck, _add_export, _add_config]
+"""Each subcommand's registrar, in the order ``timlab --help`` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from timlab import __version__
+
+    parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"timlab {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="CPU instruction set to compute with: native (the machine's own) or avx2 (torch, oneDNN "
+                             "and MKL capped at AVX2, so an AVX-512 machine computes the bits of an AVX2 one: runs "
+                             "repeat bit for bit across machines; default: native)")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    for register in COMMANDS:
+        register(sub)
+    _describe(sub)
+    return parser
+
+
+# ---------------------------------------------------------------------------------- main
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"timlab: warning: {message}", file=sys.stderr if file is None else file)
 

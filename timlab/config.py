@@ -5,10 +5,14 @@ Each field's default and its help text live here and nowhere else. YAML files, p
 section or key, or a value of the wrong type, is a one-line error naming the key and the valid
 choices. Every value is checked here, before any work: floats must be finite (a NaN dose would
 end a run as "diverged"), integers whole and within ``INT_RANGES`` (seeds fit a torch seed,
-counts stay below 10^9), booleans booleans. YAML is read by ``timlab.yaml_io`` (duplicate
+counts stay below 10^9), booleans booleans, and each section's ``__post_init__`` checks its own
+ranges (run.steps >= 1, optim.lr > 0, ...), ``Config``'s those that span sections. YAML is read by ``timlab.yaml_io`` (duplicate
 keys and alias bombs refused). ``resolve(...)`` merges, in order: defaults < preset < YAML file < ``--set``.
-Names that pick a registered component (task, engine, injector, IS mode, scheduler, advantage
-estimator) are checked against their registries by the trainer when it builds the run.
+``validate(cfg)`` checks the rest before anything runs (the trainer, a sweep's expansion and
+gradcheck call it): the names that pick a registered component (task, engine, injector, IS mode,
+scheduler, advantage estimator, ...) against their registries, which it imports on its first
+call (so reading a config imports no torch), the device, the task's options and what the warm
+start can be built with.
 """
 
 from __future__ import annotations
@@ -18,14 +22,27 @@ import hashlib
 import json
 import math
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from timlab.errors import TimlabError
+from timlab.errors import TimlabError, UsageError, one_line
 from timlab.yaml_io import load_yaml
+
+if TYPE_CHECKING:
+    from timlab.engines import SamplingParams
+    from timlab.tasks import Task
+
+
+def _at_least_one(section: str, values: Any, keys: tuple[str, ...]) -> None:
+    """A section's range check (from its ``__post_init__``): ConfigError for the first of ``keys`` below 1."""
+    for key in keys:
+        value = getattr(values, key)
+        if value < 1:
+            raise ConfigError(f"{section}.{key} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,9 @@ class RolloutSection:
     top_k: int = 0
     """Keep only the k most likely tokens (0 = off)."""
 
+    def __post_init__(self):
+        _at_least_one("rollout", self, ("prompts_per_step", "samples_per_prompt", "max_new_tokens"))
+
 
 @dataclass(frozen=True)
 class AlgorithmSection:
@@ -128,6 +148,9 @@ class AlgorithmSection:
     """Policy loss: ppo_clip (clipped surrogate of pi / pi_old) or reinforce (-A * w * log pi, no
     clipping; w = the IS weights when correction.mode is not none), verl's loss_type."""
 
+    def __post_init__(self):
+        _at_least_one("algorithm", self, ("epochs", "mini_batches"))
+
 
 @dataclass(frozen=True)
 class OptimSection:
@@ -144,6 +167,10 @@ class OptimSection:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
+
+    def __post_init__(self):
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
 
 
 @dataclass(frozen=True)
@@ -263,6 +290,11 @@ class RunSection:
     gradcheck_estimator: str = "reinforce"
     """In-run gradcheck estimator: reinforce (w = R) or rloo (groups of rollout.samples_per_prompt)."""
 
+    def __post_init__(self):
+        _at_least_one("run", self, ("steps", "eval_every", "checkpoint_every"))
+        if self.gradcheck_every < 0:
+            raise ConfigError(f"run.gradcheck_every must be >= 0, got {self.gradcheck_every}")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -275,6 +307,15 @@ class Config:
     mismatch: MismatchSection = field(default_factory=MismatchSection)
     correction: CorrectionSection = field(default_factory=CorrectionSection)
     run: RunSection = field(default_factory=RunSection)
+
+    def __post_init__(self):
+        """The ranges that span sections."""
+        if self.rollout.samples_per_prompt < 2:
+            raise ConfigError(f"rollout.samples_per_prompt=1 with algorithm.name={self.algorithm.name}: a group of one "
+                              "sequence has zero advantage, so no step would update the policy; use 2 or more")
+        n = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if n % self.algorithm.mini_batches:
+            raise ConfigError(f"algorithm.mini_batches={self.algorithm.mini_batches} must divide the batch of {n} sequences")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -602,3 +643,137 @@ def load_run_config(run_dir: str | Path, overrides: dict | None = None) -> Confi
     if overrides:
         d = _merge(d, overrides, "--set")
     return from_dict(d)
+
+
+# ------------------------------------------------------------------------------- validation
+def validate(cfg: Config) -> Task:
+    """Check every registry-backed name, the device, the task and the warm start before anything
+    runs (the ranges are checked when the config is built: each section's ``__post_init__`` and
+    ``Config.__post_init__``). Returns the task, which the checks build (a caller uses it instead
+    of building it again)."""
+    from timlab.engines import ENGINES
+    from timlab.injectors import check_section
+    from timlab.kernels import check_device
+    from timlab.remedies import IS_LEVELS, IS_MODES
+    from timlab.schedulers import SCHEDULERS
+    from timlab.tasks import TASKS, build_task
+    from timlab.trainer.advantages import ADVANTAGES
+    from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+    from timlab.trainer.precision import PRECISIONS
+
+    checks = [
+        ("task.name", cfg.task.name, TASKS),
+        ("rollout.engine", cfg.rollout.engine, ENGINES),
+        ("algorithm.name", cfg.algorithm.name, ADVANTAGES),
+        ("scheduler.name", cfg.scheduler.name, SCHEDULERS),
+        ("correction.level", cfg.correction.level, IS_LEVELS),
+        ("correction.mode", cfg.correction.mode, IS_MODES),
+    ]
+    for key, value, reg in checks:
+        if value not in reg:
+            raise ConfigError(f"unknown {key} {value!r}; valid choices: {', '.join(reg.names())}")
+    check_section(cfg.mismatch, default_engine=cfg.rollout.engine)  # the injector's settings, before any model loads
+    if cfg.algorithm.loss_agg not in LOSS_AGGREGATIONS:
+        raise ConfigError(f"unknown algorithm.loss_agg {cfg.algorithm.loss_agg!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
+    if cfg.algorithm.loss_type not in POLICY_LOSSES:
+        raise ConfigError(f"unknown algorithm.loss_type {cfg.algorithm.loss_type!r}; valid choices: {', '.join(POLICY_LOSSES)}")
+    validate_correction(cfg)
+    if cfg.model.dtype not in PRECISIONS:
+        raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
+    try:
+        check_device(cfg.run.device, what="run.device")
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
+    task = build_task(cfg)
+    check_warm_start(cfg, task)
+    check_gradcheck(cfg)
+    try:
+        sampling = rollout_sampling(cfg)
+    except UsageError as e:
+        raise ConfigError(f"rollout.{e}") from None
+    if sampling.temperature == 0:
+        warnings.warn("rollout.temperature=0 (greedy): every sample of a prompt is the same sequence, so every group "
+                      "has zero advantage and no step updates the policy", stacklevel=2)
+    return task
+
+
+def validate_correction(cfg: Config) -> None:
+    """The correction section's rejection rules and thresholds, and bypass mode's loss."""
+    from timlab.remedies import parse_rules, parse_thresholds
+
+    c = cfg.correction
+    if c.rs or c.rs_threshold:
+        if not (c.rs and c.rs_threshold):
+            raise ConfigError("correction.rs and correction.rs_threshold go together (verl's rollout_rs / "
+                              f"rollout_rs_threshold); got rs={c.rs!r} rs_threshold={c.rs_threshold!r}")
+        try:
+            parse_thresholds(parse_rules(c.rs), c.rs_threshold)
+        except TimlabError as e:
+            raise ConfigError(f"correction.rs / correction.rs_threshold: {one_line(e)}") from None
+    if c.bypass_mode and cfg.algorithm.loss_type == "ppo_clip" and (c.mode != "none" or c.veto_threshold):
+        raise ConfigError("correction.bypass_mode with algorithm.loss_type=ppo_clip: the PPO ratio pi / mu already is the "
+                          "IS correction, weights would count it twice; set correction.mode=none (verl's "
+                          "bypass_ppo_clip) or algorithm.loss_type=reinforce (bypass_pg_is)")
+
+
+MAX_WARM_START_CONTEXT = 8192
+"""The longest prompt + answer (in characters) a warm start is built for: the tiny decoder's
+attention is quadratic in it, and a task that needs more is a typo (task.kwargs.max_len=100000)."""
+
+
+def check_warm_start(cfg: Config, task: Task) -> None:
+    """One-line errors for model and task settings the warm start cannot be built with."""
+    m = cfg.model
+    if not m.path and task.needs_model_path:
+        raise UsageError(f"task {cfg.task.name!r} starts from a model folder of yours: set model.path (a local HF "
+                         "model folder with config.json and tokenizer.json); the char-level warm start is not built for it")
+    if not m.path:
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "pretrain_steps",
+                    "pretrain_batch"):
+            if getattr(m, key) < 1:
+                raise UsageError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+        if m.model_type == "qwen3_moe" and not m.num_experts:
+            raise UsageError("model.model_type='qwen3_moe' needs model.num_experts >= 1 (with num_experts_per_tok "
+                             "and moe_intermediate_size)")
+        if m.num_experts and m.model_type != "qwen3_moe":
+            raise UsageError(f"model.num_experts={m.num_experts} needs model.model_type='qwen3_moe', got {m.model_type!r}")
+        if m.num_experts and not 1 <= m.num_experts_per_tok <= m.num_experts:
+            raise UsageError(f"model.num_experts_per_tok must be in 1..model.num_experts={m.num_experts}, "
+                             f"got {m.num_experts_per_tok}")
+        if m.num_experts and m.moe_intermediate_size < 1:
+            raise UsageError(f"model.moe_intermediate_size must be >= 1, got {m.moe_intermediate_size}")
+        if m.hidden_size % m.num_heads:
+            raise UsageError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads}")
+        if m.num_heads % m.num_kv_heads:
+            raise UsageError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+        if not (math.isfinite(m.pretrain_lr) and m.pretrain_lr > 0):
+            raise UsageError(f"model.pretrain_lr must be a finite number > 0, got {m.pretrain_lr}")
+    for key in ("n_train", "n_val"):
+        if getattr(cfg.task, key) < 1:
+            raise UsageError(f"task.{key} must be >= 1, got {getattr(cfg.task, key)}")
+    context = task.max_prompt_chars + task.max_answer_chars
+    if not m.path and context > MAX_WARM_START_CONTEXT:
+        raise UsageError(f"task {cfg.task.name!r} with task.kwargs={cfg.task.kwargs} needs {context} characters of "
+                         f"prompt + answer; the warm start supports up to {MAX_WARM_START_CONTEXT}")
+
+
+def check_gradcheck(cfg: Config) -> None:
+    """When run.gradcheck_every is on, the in-run gradcheck's estimator and sample count."""
+    from timlab.gradcheck.estimator import ESTIMATORS
+    from timlab.gradcheck.in_run import micro_batch
+
+    if cfg.run.gradcheck_every:
+        if cfg.run.gradcheck_estimator not in ESTIMATORS:
+            raise ConfigError(f"unknown run.gradcheck_estimator {cfg.run.gradcheck_estimator!r}; "
+                              f"valid choices: {', '.join(ESTIMATORS)}")
+        mb = micro_batch(cfg)
+        if cfg.run.gradcheck_samples % mb or cfg.run.gradcheck_samples < 8 * mb:
+            raise ConfigError(f"run.gradcheck_samples must be a multiple of {mb} and >= {8 * mb} (8 micro-batches "
+                              f"for a confidence interval), got {cfg.run.gradcheck_samples}")
+
+
+def rollout_sampling(cfg: Config) -> SamplingParams:
+    """How the rollout section says to draw tokens."""
+    from timlab.engines import SamplingParams
+
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)

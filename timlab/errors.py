@@ -81,16 +81,21 @@ def disk_full(path: str | os.PathLike) -> DiskFullError:
                                        f"(writing {os.fspath(path)})")
 
 
-def one_line(e: BaseException) -> str:
+def one_line(e: BaseException, *, with_type: bool = False) -> str:
     """The message the CLI prints for a user-facing error: its first line, with the path an
-    ``OSError`` names."""
+    ``OSError`` names. ``with_type`` puts the exception's class name in front (``ValueError: ...``):
+    for a message that stands without its traceback, such as a failed sweep run's in the index."""
     if isinstance(e, DiskFullError):
-        return e.strerror or str(e)
-    if isinstance(e, OSError) and e.strerror and not isinstance(e, TimlabError):
+        text = e.strerror or str(e)
+    elif isinstance(e, OSError) and e.strerror and not isinstance(e, TimlabError):
         where = f"{e.filename}: " if e.filename else ""
-        return f"{where}{e.strerror}" + (f" -> {e.filename2}" if e.filename2 else "")
-    text = str(e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        text = f"{where}{e.strerror}" + (f" -> {e.filename2}" if e.filename2 else "")
+    else:
+        text = str(e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e).strip()
+        text = text.splitlines()[0] if text else ""
+    if not text:
+        return type(e).__name__
+    return f"{type(e).__name__}: {text}" if with_type else text
 
 
 __all__ = ["TimlabError", "UsageError", "BadFileError", "DiskFullError", "disk_full", "is_disk_full", "out_of_space",

@@ -28,7 +28,7 @@ Each run lives in ``DIR/<run_id>/`` (a normal ``timlab train`` run directory).
 
 Checked before anything runs (one-line ``SweepError``): unknown spec keys, a grid key with an
 empty list, duplicate condition names or grid values, no runs at all, and every resolved
-config (``config.resolve`` + ``trainer.run.validate``: unknown keys and names, bad values). An
+config (``config.resolve`` + ``config.validate``: unknown keys and names, bad values). An
 existing run directory whose config.yaml differs from the spec's config is an error too.
 
 Resuming. Rerunning a sweep on the same ``DIR`` skips runs whose status.json says finished,
@@ -56,13 +56,14 @@ from typing import Callable
 
 import pandas as pd
 
+from timlab.errors import one_line
 from timlab.files import held_lock
 from timlab.machine import computes_as, describe as describe_machine
 from timlab.experiments.sweep_index import (  # noqa: F401  (the public names are re-exported: __all__)
     INDEX_FILE, _index_frame, _index_row, _write_index, default_columns, filter_index, query_index, read_index)
 from timlab.experiments.sweep_spec import (  # noqa: F401  (the public names are re-exported: __all__)
     EXECUTORS, Condition, RunSpec, SweepError, SweepSpec, expand, load_spec, plan_run, spec_from_dict)
-from timlab.experiments.sweep_workers import _LocalExecutor, _RayExecutor, _one_line, _require_ray, _run_job, _warm_job
+from timlab.experiments.sweep_workers import _LocalExecutor, _RayExecutor, _require_ray, _run_job, _warm_job
 
 Progress = Callable[[str, int, int, dict], None]
 INDEX_EVERY_S = 2.0
@@ -158,7 +159,7 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
             for key, res in pool.map([(k, _warm_job, (rs[0].config,)) for k, rs in warm.items()]):
                 if isinstance(res, BaseException):
                     for r in warm[key]:
-                        finish(r.run_id, "failed", f"warm start failed: {_one_line(res)}")
+                        finish(r.run_id, "failed", f"warm start failed: {one_line(res, with_type=True)}")
                 else:
                     ready.update(r.run_id for r in warm[key])
             # 2. the runs, in spec order
@@ -166,7 +167,7 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
                      for r in todo if r.run_id in ready]
             for run_id, res in pool.map(calls):
                 if isinstance(res, BaseException):  # the worker process itself died
-                    finish(run_id, "failed", f"worker died: {_one_line(res)}")
+                    finish(run_id, "failed", f"worker died: {one_line(res, with_type=True)}")
                 else:
                     finish(run_id, res["state"], res["message"])
         except BaseException:  # Ctrl-C, SIGTERM: the queued runs must not start

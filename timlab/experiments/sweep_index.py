@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from timlab.errors import BadFileError, UsageError
+from timlab.errors import BadFileError, UsageError, one_line
 from timlab.experiments.collapse import SUMMARY_KEYS, run_summary
 from timlab.experiments.sweep_spec import RunSpec
-from timlab.experiments.sweep_workers import _one_line
 from timlab.files import atomic_write_with
 from timlab.rundir import RunDir
 
@@ -65,7 +64,7 @@ def read_index(sweep_dir: str | Path) -> pd.DataFrame:
     try:
         df = pd.read_parquet(p)
     except Exception as e:  # pyarrow raises several types for a damaged file
-        raise BadFileError(f"{p}: unreadable ({_one_line(e)[:200]}); rerun the sweep to rewrite it") from None
+        raise BadFileError(f"{p}: unreadable ({one_line(e, with_type=True)[:200]}); rerun the sweep to rewrite it") from None
     if "run_dir" in df.columns and "state" in df.columns:
         for i, d in enumerate(df["run_dir"]):
             status = RunDir(Path(sweep_dir) / str(d)).read_status()
@@ -134,7 +133,7 @@ def filter_index(df: pd.DataFrame, where: str) -> pd.DataFrame:
         try:
             return df.query(expr).reset_index(drop=True)
         except Exception as e:
-            raise UsageError(f"--where {where!r}: {_one_line(e)}") from None
+            raise UsageError(f"--where {where!r}: {one_line(e, with_type=True)}") from None
     con = duckdb.connect()
     try:
         con.register("runs", df)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 
-from timlab.config import Config, ConfigError, load_run_config, resolve, short_hash
+from timlab.config import Config, ConfigError, load_run_config, resolve, short_hash, validate
 from timlab.errors import TimlabError
 from timlab.files import read_text
 from timlab.machine import ISAS
@@ -203,8 +203,6 @@ def _short_names(keys: list[str]) -> dict[str, str]:
 
 def expand(spec: SweepSpec) -> list[RunSpec]:
     """Conditions x grid -> runs, each config resolved and validated (SweepError on the first bad one)."""
-    from timlab.trainer.run import validate
-
     conditions = spec.conditions or (Condition("base", {}),)
     keys = list(spec.grid)
     short = _short_names(keys)

@@ -14,7 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
 from timlab.config import Config
-from timlab.errors import TimlabError
+from timlab.errors import TimlabError, one_line
 from timlab.experiments.sweep_spec import SweepError
 from timlab.interrupts import Terminated, interrupt_once
 from timlab.rundir import FAILED, RunDir, RunDirBusyError
@@ -86,11 +86,6 @@ def _warm_job(cfg: Config) -> dict:
     return {"path": str(res.path), "cached": bool(res.cached)}
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
 def _run_job(run_id: str, cfg: Config, run_dir: str, mode: str) -> dict:
     """Train one run in a worker; never raises for a run that fails (returns its state). After
     an interrupt (Ctrl-C, SIGTERM) the worker starts no further run."""
@@ -108,14 +103,14 @@ def _run_job(run_id: str, cfg: Config, run_dir: str, mode: str) -> dict:
         train(cfg, rd.path, resume=mode == "resume", progress=_emit(run_id))
         return {"state": "finished", "message": ""}
     except (NonFiniteError, ZeroMismatchViolation) as e:  # an outcome (collapse / broken exactness)
-        return {"state": rd.read_status().get("state", "diverged"), "message": _one_line(e)}
+        return {"state": rd.read_status().get("state", "diverged"), "message": one_line(e, with_type=True)}
     except RunDirBusyError as e:  # another process owns the run: leave its status alone
-        return {"state": FAILED, "message": _one_line(e)}
+        return {"state": FAILED, "message": one_line(e, with_type=True)}
     except KeyboardInterrupt as e:  # the trainer recorded where it stopped
         _STOPPED = True
         return {"state": FAILED, "message": f"interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'SIGINT'})"}
     except Exception as e:
-        msg = _one_line(e)
+        msg = one_line(e, with_type=True)
         status = rd.read_status()
         if status.get("state") != FAILED:  # raised before the trainer could record it
             try:

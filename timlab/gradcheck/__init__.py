@@ -5,8 +5,9 @@
   ``GradcheckResult``, ``GradcheckError``, ``ESTIMATORS``;
 - ``timlab.gradcheck.command``: ``timlab gradcheck`` (``run_gradcheck`` from a config, a run's
   checkpoint or a model folder; ``format_gradcheck``, ``plot_gradcheck``);
-- ``timlab.gradcheck.in_run``: the trainer's periodic check (``run.gradcheck_every``): its config
-  checks, micro-batch size and the ``gradcheck/*`` metric keys (``GRADCHECK_KEYS``).
+- ``timlab.gradcheck.in_run``: the trainer's periodic check (``run.gradcheck_every``): its
+  micro-batch size and the ``gradcheck/*`` metric keys (``GRADCHECK_KEYS``); its config checks are
+  ``timlab.config.check_gradcheck``.
 
 The statistics (Gram matrices, bootstrap intervals, the power-law fit) are pure tensor functions in
 ``timlab.metrics.gradients``, the pure layer a TRL or verl user can take alone. See docs/gradcheck.md.

@@ -148,11 +148,11 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, group_size: int |
     with the config's task, sampling, trainer precision and mismatch injector. ``group_size`` and
     ``dense_reward`` default to the config's; ``options`` (samples, micro_batch, buckets,
     estimator, seed, n_boot, score_seqs, param_filter, ...) go to ``gradcheck``, whose defaults apply."""
+    from timlab.config import rollout_sampling, validate
     from timlab.injectors import build_injector, parse_parts
     from timlab.tasks import make_splits
-    from timlab.trainer.policy import load_policy
+    from timlab.trainer.precision import load_policy
     from timlab.trainer.pretrain import ensure_warm_start
-    from timlab.trainer.run import rollout_sampling, validate
 
     task = validate(cfg)
     parse_parts(cfg.mismatch.injector)  # an unknown injector fails before any model is loaded

@@ -58,7 +58,7 @@ from timlab.model.llama import CausalLM
 from timlab.tasks import Example, Task
 from timlab.tokenizer import Tokenizer
 from timlab.trainer.advantages import rloo
-from timlab.trainer.policy import rollout_rewards
+from timlab.trainer.scoring import rollout_rewards
 
 __all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "GradcheckSettings", "gradcheck", "length_buckets", "select_params"]
 
@@ -509,7 +509,7 @@ def _summarize(st: GradcheckSettings, acc: _Gradients, bucket_pools: list[list[E
                   "micro_batches": K, "buckets": buckets, "estimator": st.estimator, "group_size": st.group,
                   "max_new_tokens": st.max_new_tokens, "seed": st.seed, "n_boot": st.n_boot, "ci": st.ci, "params": D,
                   "param_filter": st.param_filter, "score_seqs": st.score_seqs,
-                  "injector": "+".join(injector.parts) or "none", "magnitude": injector.s.magnitude,
+                  "injector": "+".join(injector.parts) or "none", "magnitude": injector.settings.magnitude,
                   "sampling": asdict(st.sampling), "importance_weighted": gzz is not None},
         pooled=pooled, buckets=bucket_rows, bound=bound, mismatch=mismatch,
         cost={"total_s": time.perf_counter() - t_start, **cost, "stats_s": t_stats,

@@ -126,7 +126,7 @@ class RolloutInjector:
     def __init__(self, parts: list[str], model: CausalLM, settings: Settings, *, default_engine: str,
                  eos_token_id: int, pad_token_id: int):
         self.parts = parts
-        self.s = settings
+        self.settings = settings
         self.model = model
         self.injectors: list[Injector] = sorted((INJECTORS.get(p)(settings) for p in parts), key=lambda i: i.order)
         engine_name = check_parts(self.injectors, settings, default_engine=default_engine)
@@ -158,7 +158,7 @@ class RolloutInjector:
         """Training step ``step`` (from 1) is about to roll out with the trainer's current weights:
         set its scheduled magnitude (or switch every part off before start_step) and let the
         parts that keep state across steps (``stale``) see the weights."""
-        s = self.s
+        s = self.settings
         m = scheduled_magnitude(step, schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
                                 start_step=s.start_step, ramp_steps=s.ramp_steps)
         was_active, self.active = self.active, m is not None
@@ -166,7 +166,7 @@ class RolloutInjector:
         if m is not None and m != self.magnitude:
             self.magnitude = m
             for inj in self.injectors:
-                inj.s = dataclasses.replace(s, magnitude=m)
+                inj.settings = dataclasses.replace(s, magnitude=m)
             resync = True
         for inj in self.injectors:
             resync = inj.begin_step(step, self.model) or resync
@@ -226,9 +226,9 @@ class RolloutInjector:
         for inj in self.injectors:
             if inj.processes_logits:
                 out = inj.process_logits(out, col, self.generator)
-        if self.s.prob_below < 1.0:
+        if self.settings.prob_below < 1.0:
             p_clean = torch.softmax(clean, dim=-1)
-            out = torch.where(p_clean < self.s.prob_below, out, clean)
+            out = torch.where(p_clean < self.settings.prob_below, out, clean)
         return out
 
     def rollout(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingParams,

@@ -16,7 +16,7 @@ each a method with a do-nothing default, so a class overrides only what it chang
 
 ``magnitude_kind`` says what ``mismatch.magnitude`` is to a part (unused, a continuous size, an
 integer); the mismatch schedule (``timlab.injectors.schedule``) moves it for the parts that take
-one, and sets ``self.s.magnitude`` before each step's rollout.
+one, and sets ``self.settings.magnitude`` before each step's rollout.
 
 Parts composed with '+' act in the order of their ``order`` attribute, whatever the order of
 the spec, so 'a+b' and 'b+a' are one injector. A new injector is one file in this package with
@@ -82,7 +82,7 @@ class Injector:
     engines that serve their own copy of the weights (hf, vllm) do not run."""
 
     def __init__(self, settings: Settings):
-        self.s = settings
+        self.settings = settings
 
     def check(self) -> None:
         """Raise a one-line UsageError for settings this part cannot use."""

@@ -15,8 +15,8 @@ class EngineSwap(Injector):
     order = 0
 
     def check(self) -> None:
-        if self.s.engine not in SWAP_ENGINES:
-            raise UsageError(f"mismatch.engine {self.s.engine!r}; valid choices: {', '.join(SWAP_ENGINES)}")
+        if self.settings.engine not in SWAP_ENGINES:
+            raise UsageError(f"mismatch.engine {self.settings.engine!r}; valid choices: {', '.join(SWAP_ENGINES)}")
 
     def rollout_engine(self, default: str) -> str:
-        return self.s.engine
+        return self.settings.engine

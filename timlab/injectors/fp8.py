@@ -61,12 +61,12 @@ class FP8(Injector):
     changes_model_code = True
 
     def check(self) -> None:
-        if self.s.scale_granularity not in SCALE_GRANULARITIES:
-            raise UsageError(f"mismatch.scale_granularity {self.s.scale_granularity!r} for fp8; "
+        if self.settings.scale_granularity not in SCALE_GRANULARITIES:
+            raise UsageError(f"mismatch.scale_granularity {self.settings.scale_granularity!r} for fp8; "
                              f"valid choices: {', '.join(SCALE_GRANULARITIES)}")
 
     def transform_model(self, rollout_model: CausalLM, model: CausalLM) -> CausalLM:
-        act = functools.partial(fp8_quantize_dequantize, granularity=self.s.scale_granularity)
+        act = functools.partial(fp8_quantize_dequantize, granularity=self.settings.scale_granularity)
         owns = []
         for i, layer in enumerate(rollout_model.model.layers):
             for path in LINEARS:
@@ -83,4 +83,4 @@ class FP8(Injector):
         dst = dict(rollout_model.named_parameters())
         for name in self.owns:
             w = map_weight(src[name])
-            dst[name].copy_(fp8_quantize_dequantize(w.float(), self.s.scale_granularity).to(dst[name].dtype))
+            dst[name].copy_(fp8_quantize_dequantize(w.float(), self.settings.scale_granularity).to(dst[name].dtype))

@@ -23,7 +23,7 @@ class HeadPerturb(Injector):
 
     def transform_model(self, rollout_model: CausalLM, model: CausalLM) -> CausalLM:
         W = model.lm_head.weight
-        g = torch.Generator().manual_seed(self.s.seed + 99)
+        g = torch.Generator().manual_seed(self.settings.seed + 99)
         self.noise = torch.randn(W.shape, generator=g, dtype=torch.float32).to(W.device)  # (V, d)
         head = nn.Linear(W.shape[1], W.shape[0], bias=False, device=W.device, dtype=W.dtype)
         head.requires_grad_(False)
@@ -34,5 +34,5 @@ class HeadPerturb(Injector):
     def refresh(self, rollout_model: CausalLM, model: CausalLM, map_weight: WeightMap) -> None:
         W = map_weight(model.lm_head.weight.float())
         R = self.noise
-        delta = self.s.magnitude * (W.norm() / R.norm()) * R
+        delta = self.settings.magnitude * (W.norm() / R.norm()) * R
         rollout_model.lm_head.weight.copy_((W + delta).to(rollout_model.lm_head.weight.dtype))

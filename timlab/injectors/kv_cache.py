@@ -45,10 +45,10 @@ class KVCacheDtype(Injector):
     changes_model_code = True
 
     def check(self) -> None:
-        check_dtype(self.name, self.s.dtype, tuple(KV_DTYPES))
+        check_dtype(self.name, self.settings.dtype, tuple(KV_DTYPES))
 
     def transform_model(self, rollout_model: CausalLM, model: CausalLM) -> CausalLM:
-        store = functools.partial(store_as, dtype=KV_DTYPES[self.s.dtype])
+        store = functools.partial(store_as, dtype=KV_DTYPES[self.settings.dtype])
         for layer in rollout_model.model.layers:
             layer.self_attn.kv_store = store
         return rollout_model

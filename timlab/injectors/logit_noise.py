@@ -16,7 +16,7 @@ class LogitNoise(Injector):
     scoped = True
 
     def process_logits(self, logits: torch.Tensor, col: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        if self.s.magnitude <= 0:
+        if self.settings.magnitude <= 0:
             return logits
         noise = torch.randn(logits.shape, generator=generator, dtype=torch.float32)  # (B, V)
-        return logits + self.s.magnitude * noise.to(logits.device)
+        return logits + self.settings.magnitude * noise.to(logits.device)

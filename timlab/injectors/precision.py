@@ -16,7 +16,7 @@ class Precision(Injector):
     copies_weights = True
 
     def check(self) -> None:
-        check_dtype(self.name, self.s.dtype, PRECISION_DTYPES)
+        check_dtype(self.name, self.settings.dtype, PRECISION_DTYPES)
 
     def transform_model(self, rollout_model: CausalLM, model: CausalLM) -> CausalLM:
-        return rollout_model.to(parse_dtype(self.s.dtype))
+        return rollout_model.to(parse_dtype(self.settings.dtype))

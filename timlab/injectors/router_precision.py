@@ -22,7 +22,7 @@ class RouterPrecision(Injector):
     copies_weights = True  # the routers' dtype is a setting of the (copied) MoE blocks, not a weight
 
     def check(self) -> None:
-        check_dtype(self.name, self.s.dtype, ROUTER_DTYPES)
+        check_dtype(self.name, self.settings.dtype, ROUTER_DTYPES)
 
     def transform_model(self, rollout_model: CausalLM, model: CausalLM) -> CausalLM:
         blocks = [layer.mlp for layer in rollout_model.model.layers if layer.sparse]
@@ -30,5 +30,5 @@ class RouterPrecision(Injector):
             raise UsageError(f"router_precision needs a mixture-of-experts model (model_type qwen3_moe); "
                              f"this one is {model.config.model_type!r} with no sparse layer")
         for block in blocks:
-            block.router_dtype = parse_dtype(self.s.dtype)
+            block.router_dtype = parse_dtype(self.settings.dtype)
         return rollout_model

@@ -47,9 +47,9 @@ class Stale(Injector):
         """The largest lag of the run (a ramp is monotone between its ends): how far back the ring reaches."""
 
     def check(self) -> None:
-        keys = ["magnitude"] if self.s.schedule == "constant" else ["magnitude", "magnitude_end"]
+        keys = ["magnitude"] if self.settings.schedule == "constant" else ["magnitude", "magnitude_end"]
         for key in keys:
-            value = getattr(self.s, key)
+            value = getattr(self.settings, key)
             if value != int(value) or value < 1:
                 raise UsageError(f"mismatch.{key} for stale is the lag k in training steps: an integer >= 1, got {value}")
 
@@ -63,7 +63,7 @@ class Stale(Injector):
             self.versions[done] = {n: p.detach().clone() for n, p in model.named_parameters()}  # updates are in place
         for v in [v for v in self.versions if v < done - self.max_lag]:
             del self.versions[v]
-        want = max(done - round_half_up(self.s.magnitude), min(self.versions))
+        want = max(done - round_half_up(self.settings.magnitude), min(self.versions))
         if want == self.loaded:
             return False
         self._load(want)

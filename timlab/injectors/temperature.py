@@ -16,4 +16,4 @@ class Temperature(Injector):
     scoped = True
 
     def process_logits(self, logits: torch.Tensor, col: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return logits / (1.0 + self.s.magnitude)
+        return logits / (1.0 + self.settings.magnitude)

@@ -27,7 +27,7 @@ class WeightRounding(Injector):
     copies_weights = True
 
     def check(self) -> None:
-        check_dtype(self.name, self.s.dtype, ROUNDING_DTYPES)
+        check_dtype(self.name, self.settings.dtype, ROUNDING_DTYPES)
 
     def map_weight(self, w: torch.Tensor) -> torch.Tensor:
-        return round_weight(w, self.s.dtype)
+        return round_weight(w, self.settings.dtype)

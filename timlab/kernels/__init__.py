@@ -42,20 +42,28 @@ def available() -> bool:
 
 
 def check_device(device: str | torch.device, what: str = "device") -> None:
-    """One-line ``UsageError`` when the exact path cannot run on ``device`` (named ``what`` in the
-    message): CUDA needs a CUDA build of torch with a visible GPU, and Triton for the kernels."""
+    """One-line ``UsageError`` unless ``device`` (named ``what`` in the message, e.g.
+    ``run.device``) is one timlab runs on and this machine has: cpu, mps, or cuda[:N], which needs
+    a CUDA build of torch with that GPU visible and Triton for the exact path's batch-invariant
+    kernels."""
     try:
-        kind = torch.device(device).type
+        dev = torch.device(device)
     except RuntimeError:
-        raise UsageError(f"{what} {str(device)!r} is not a torch device (cpu, cuda, cuda:N, ...)") from None
-    if kind != "cuda":
+        raise UsageError(f"{what} {str(device)!r} is not a torch device; e.g. cpu, cuda, cuda:1, mps") from None
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"{what}={device}: not a device timlab runs on; valid choices: cpu, cuda, cuda:N, mps")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"{what}={device}: MPS is not available on this machine; use {what}=cpu")
+    if dev.type != "cuda":
         return
     if not torch.cuda.is_available():
-        raise UsageError(f"{what} {str(device)!r} asked for, but torch sees no CUDA GPU "
-                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})")
+        raise UsageError(f"{what}={device}: CUDA is not available on this machine: torch {torch.__version__} (CUDA "
+                         f"build {torch.version.cuda or 'none'}) sees no CUDA GPU; use {what}=cpu")
     if not available():
-        raise UsageError(f"{what} {str(device)!r}: the exact path on CUDA needs Triton for its batch-invariant "
-                         f"kernels; install it with pip install 'timlab[gpu]'")
+        raise UsageError(f"{what}={device}: the exact path on CUDA needs Triton for its batch-invariant kernels; "
+                         f"install it with pip install 'timlab[gpu]'")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"{what}={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def __getattr__(name: str):  # the kernels import Triton, so only when first asked for

@@ -27,6 +27,7 @@ from timlab.errors import UsageError
 from timlab.registry import Registry
 
 if TYPE_CHECKING:
+    from timlab.config import Config
     from timlab.tokenizer import Tokenizer
 
 TASKS: Registry[type["Task"]] = Registry("task")
@@ -115,6 +116,15 @@ def get_task(name: str, **kwargs: Any) -> Task:
             raise TypeError(f"task {name!r} has no option {key!r}; valid options: "
                             f"{', '.join(valid) or '(none)'}")
     return cls(**kwargs)
+
+
+def build_task(cfg: Config) -> Task:
+    """The configured task (``task.name`` with ``task.kwargs``); bad options become one-line
+    errors naming task.kwargs."""
+    try:
+        return get_task(cfg.task.name, **cfg.task.kwargs)
+    except TypeError as e:
+        raise UsageError(f"task.kwargs: {e}") from None
 
 
 def make_splits(task: Task, *, seed: int, n_train: int, n_val: int

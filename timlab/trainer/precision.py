@@ -7,17 +7,25 @@ re-cast. ``Precision`` only holds the copies and the loss scale and offers the p
 update (``zero_grad``, ``scale_loss``, ``master_grads``, ``unscale_``, ``skip_overflow``,
 ``after_step``); the update itself is written out in ``RLRun._optimizer_step``. fp16 adds a dynamic loss scaler (scale 2^16, halve on overflow and skip the step,
 double after ``growth_interval`` clean steps, as torch.amp.GradScaler and Qi et al.'s verl patch).
-With fp32 the compute model IS the master (no copies).
+With fp32 the compute model IS the master (no copies). ``load_policy`` loads a model folder into
+these copies, with its tokenizer.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from timlab.model.hf_io import parse_dtype
+from timlab.errors import UsageError
+from timlab.model.hf_io import load_model, parse_dtype
 from timlab.model.llama import CausalLM
+from timlab.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from timlab.config import Config
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 
@@ -100,3 +108,14 @@ class Precision:
         self.scale = state.get("scale", self.scale)
         self._clean_steps = state.get("clean_steps", 0)
         self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def load_policy(model_dir: str | Path, cfg: Config, *, device: str | torch.device) -> tuple[Tokenizer, Precision]:
+    """A model folder as the trainer holds it: its tokenizer, and fp32 master weights with the
+    ``model.dtype`` compute copy (``Precision``). A tokenizer larger than the model is an error."""
+    tok = load_tokenizer(model_dir)
+    master = load_model(model_dir, dtype="float32", device=device)
+    if tok.vocab_size > master.config.vocab_size:
+        raise UsageError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
+                         f"(vocab_size {master.config.vocab_size})")
+    return tok, Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)

@@ -22,60 +22,19 @@ from typing import Callable
 
 import torch
 
-from timlab.config import Config, short_hash
+from timlab.config import Config, check_warm_start, short_hash
 from timlab.errors import UsageError
 from timlab.files import foreign_entries, release_lock, remove_owned, take_lock
 from timlab.model.forward import teacher_forced_batch, token_logprobs
 from timlab.model.hf_io import TOKENIZER_FILES, save_model
 from timlab.model.llama import CausalLM, ModelConfig
-from timlab.tasks import Example, Task, make_splits
+from timlab.tasks import Example, build_task, make_splits
 from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
-from timlab.trainer.policy import build_task, greedy_accuracy
+from timlab.trainer.scoring import greedy_accuracy
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("TIMLAB_CACHE", Path.home() / ".cache" / "timlab"))
-
-
-MAX_WARM_START_CONTEXT = 8192
-"""The longest prompt + answer (in characters) a warm start is built for: the tiny decoder's
-attention is quadratic in it, and a task that needs more is a typo (task.kwargs.max_len=100000)."""
-
-
-def check_warm_start(cfg: Config, task: Task) -> None:
-    """One-line errors for model and task settings the warm start cannot be built with."""
-    m = cfg.model
-    if not m.path and task.needs_model_path:
-        raise UsageError(f"task {cfg.task.name!r} starts from a model folder of yours: set model.path (a local HF "
-                         "model folder with config.json and tokenizer.json); the char-level warm start is not built for it")
-    if not m.path:
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "pretrain_steps",
-                    "pretrain_batch"):
-            if getattr(m, key) < 1:
-                raise UsageError(f"model.{key} must be >= 1, got {getattr(m, key)}")
-        if m.model_type == "qwen3_moe" and not m.num_experts:
-            raise UsageError("model.model_type='qwen3_moe' needs model.num_experts >= 1 (with num_experts_per_tok "
-                             "and moe_intermediate_size)")
-        if m.num_experts and m.model_type != "qwen3_moe":
-            raise UsageError(f"model.num_experts={m.num_experts} needs model.model_type='qwen3_moe', got {m.model_type!r}")
-        if m.num_experts and not 1 <= m.num_experts_per_tok <= m.num_experts:
-            raise UsageError(f"model.num_experts_per_tok must be in 1..model.num_experts={m.num_experts}, "
-                             f"got {m.num_experts_per_tok}")
-        if m.num_experts and m.moe_intermediate_size < 1:
-            raise UsageError(f"model.moe_intermediate_size must be >= 1, got {m.moe_intermediate_size}")
-        if m.hidden_size % m.num_heads:
-            raise UsageError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads}")
-        if m.num_heads % m.num_kv_heads:
-            raise UsageError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
-        if not (math.isfinite(m.pretrain_lr) and m.pretrain_lr > 0):
-            raise UsageError(f"model.pretrain_lr must be a finite number > 0, got {m.pretrain_lr}")
-    for key in ("n_train", "n_val"):
-        if getattr(cfg.task, key) < 1:
-            raise UsageError(f"task.{key} must be >= 1, got {getattr(cfg.task, key)}")
-    context = task.max_prompt_chars + task.max_answer_chars
-    if not m.path and context > MAX_WARM_START_CONTEXT:
-        raise UsageError(f"task {cfg.task.name!r} with task.kwargs={cfg.task.kwargs} needs {context} characters of "
-                         f"prompt + answer; the warm start supports up to {MAX_WARM_START_CONTEXT}")
 
 
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")

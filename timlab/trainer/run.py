@@ -44,13 +44,13 @@ from typing import Callable
 
 import torch
 
-from timlab.config import Config, ConfigError, flatten
-from timlab.engines import ENGINES, NonFiniteLogitsError, Rollout, SamplingParams, build_engine
+from timlab.config import Config, ConfigError, flatten, rollout_sampling, validate
+from timlab.engines import NonFiniteLogitsError, Rollout, build_engine
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
 from timlab.files import atomic_write_text
 from timlab.gradcheck import in_run as gradcheck_in_run
 from timlab.gradcheck.estimator import gradcheck
-from timlab.injectors import build_injector, check_section
+from timlab.injectors import build_injector
 from timlab.machine import describe as describe_machine, resume_note
 from timlab.metrics import (
     all_metrics,
@@ -63,26 +63,18 @@ from timlab.metrics import (
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
 from timlab.model.moe import Routing
-from timlab.remedies import (
-    IS_LEVELS,
-    IS_MODES,
-    is_weights,
-    parse_rules,
-    parse_thresholds,
-    rejection_mask,
-    replay_experts,
-)
+from timlab.remedies import is_weights, rejection_mask, replay_experts
 from timlab.rundir import DIVERGED, FAILED, FINISHED, GUARD_FAILED, RUNNING, RunDir
 from timlab.rundir.checkpoint import checkpoints_newest_first, load_state, save_checkpoint, verify_checkpoint
 from timlab.rundir.metrics_log import MetricsLog
 from timlab.schedulers import SCHEDULERS, scheduler_from_config
-from timlab.tasks import TASKS, Task, make_splits
+from timlab.tasks import Task, make_splits
 from timlab.trainer import distributed as dist_utils
 from timlab.trainer.advantages import ADVANTAGES, informative_groups
-from timlab.trainer.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
-from timlab.trainer.policy import build_task, gold_logprob, greedy_accuracy, load_policy, rollout_rewards
-from timlab.trainer.pretrain import check_warm_start, ensure_warm_start
-from timlab.trainer.precision import PRECISIONS
+from timlab.trainer.losses import POLICY_LOSSES
+from timlab.trainer.precision import load_policy
+from timlab.trainer.pretrain import ensure_warm_start
+from timlab.trainer.scoring import gold_logprob, greedy_accuracy, rollout_rewards
 
 
 class ZeroMismatchViolation(TimlabError, RuntimeError):
@@ -91,76 +83,6 @@ class ZeroMismatchViolation(TimlabError, RuntimeError):
 
 class NonFiniteError(TimlabError, RuntimeError):
     """NaN/Inf in logits, loss or gradients; the message names the step and the tensor."""
-
-
-def validate(cfg: Config) -> Task:
-    """Check every registry-backed name and numeric range before anything runs. Returns the task,
-    which the checks build (a caller uses it instead of building it again)."""
-    checks = [
-        ("task.name", cfg.task.name, TASKS),
-        ("rollout.engine", cfg.rollout.engine, ENGINES),
-        ("algorithm.name", cfg.algorithm.name, ADVANTAGES),
-        ("scheduler.name", cfg.scheduler.name, SCHEDULERS),
-        ("correction.level", cfg.correction.level, IS_LEVELS),
-        ("correction.mode", cfg.correction.mode, IS_MODES),
-    ]
-    for key, value, reg in checks:
-        if value not in reg:
-            raise ConfigError(f"unknown {key} {value!r}; valid choices: {', '.join(reg.names())}")
-    check_section(cfg.mismatch, default_engine=cfg.rollout.engine)  # the injector's settings, before any model loads
-    if cfg.algorithm.loss_agg not in LOSS_AGGREGATIONS:
-        raise ConfigError(f"unknown algorithm.loss_agg {cfg.algorithm.loss_agg!r}; valid choices: {', '.join(LOSS_AGGREGATIONS)}")
-    if cfg.algorithm.loss_type not in POLICY_LOSSES:
-        raise ConfigError(f"unknown algorithm.loss_type {cfg.algorithm.loss_type!r}; valid choices: {', '.join(POLICY_LOSSES)}")
-    validate_correction(cfg)
-    if cfg.model.dtype not in PRECISIONS:
-        raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
-    positive = {
-        "run.steps": cfg.run.steps, "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
-        "rollout.samples_per_prompt": cfg.rollout.samples_per_prompt, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
-        "run.eval_every": cfg.run.eval_every, "run.checkpoint_every": cfg.run.checkpoint_every,
-        "algorithm.epochs": cfg.algorithm.epochs, "algorithm.mini_batches": cfg.algorithm.mini_batches,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0):
-        raise ConfigError(f"optim.lr must be a finite number > 0, got {cfg.optim.lr}")
-    check_device(cfg.run.device)
-    task = build_task(cfg)
-    check_warm_start(cfg, task)
-    gradcheck_in_run.check_config(cfg)
-    try:
-        sampling = rollout_sampling(cfg)
-    except UsageError as e:
-        raise ConfigError(f"rollout.{e}") from None
-    if cfg.rollout.samples_per_prompt < 2:
-        raise ConfigError(f"rollout.samples_per_prompt=1 with algorithm.name={cfg.algorithm.name}: a group of one "
-                          "sequence has zero advantage, so no step would update the policy; use 2 or more")
-    if sampling.temperature == 0:
-        warnings.warn("rollout.temperature=0 (greedy): every sample of a prompt is the same sequence, so every group "
-                      "has zero advantage and no step updates the policy", stacklevel=2)
-    n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    if n % cfg.algorithm.mini_batches:
-        raise ConfigError(f"algorithm.mini_batches={cfg.algorithm.mini_batches} must divide the batch of {n} sequences")
-    return task
-
-
-def validate_correction(cfg: Config) -> None:
-    """The correction section's rejection rules and thresholds, and bypass mode's loss."""
-    c = cfg.correction
-    if c.rs or c.rs_threshold:
-        if not (c.rs and c.rs_threshold):
-            raise ConfigError("correction.rs and correction.rs_threshold go together (verl's rollout_rs / "
-                              f"rollout_rs_threshold); got rs={c.rs!r} rs_threshold={c.rs_threshold!r}")
-        try:
-            parse_thresholds(parse_rules(c.rs), c.rs_threshold)
-        except TimlabError as e:
-            raise ConfigError(f"correction.rs / correction.rs_threshold: {one_line(e)}") from None
-    if c.bypass_mode and cfg.algorithm.loss_type == "ppo_clip" and (c.mode != "none" or c.veto_threshold):
-        raise ConfigError("correction.bypass_mode with algorithm.loss_type=ppo_clip: the PPO ratio pi / mu already is the "
-                          "IS correction, weights would count it twice; set correction.mode=none (verl's "
-                          "bypass_ppo_clip) or algorithm.loss_type=reinforce (bypass_pg_is)")
 
 
 RESUME_OVERRIDES = ("run.steps", "run.progress", "run.tensorboard")
@@ -177,30 +99,9 @@ def resume_config_changes(saved: dict, cfg: Config) -> list[str]:
             if k not in RESUME_OVERRIDES and then.get(k) != now.get(k)]
 
 
-def check_device(device: str) -> None:
-    """run.device must name a device torch knows and this machine has."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"run.device {device!r} is not a torch device; e.g. cpu, cuda, cuda:1, mps") from None
-    if dev.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"run.device={device}: not a device that trains; valid choices: cpu, cuda, cuda:N, mps")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"run.device={device}: CUDA is not available on this machine; use run.device=cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"run.device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"run.device={device}: MPS is not available on this machine; use run.device=cpu")
-
-
 STATUS_EVERY_S = 1.0
 """status.json follows a run's step at each checkpoint and at most this often in between: a file
 replace costs a good part of a small model's step, so once per step would slow training."""
-
-
-def rollout_sampling(cfg: Config) -> SamplingParams:
-    """How the rollout section says to draw tokens."""
-    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
 
 
 @dataclass

@@ -1,45 +1,20 @@
-"""The policy and its task as the trainer, the warm start and gradcheck all hold them.
+"""Scoring the policy on its task, for the trainer, the warm start and gradcheck.
 
-``build_task`` (the configured task), ``load_policy`` (a model folder as tokenizer + fp32 master
-with its compute copy), ``rollout_rewards`` (task rewards of a rollout's responses) and
-``greedy_accuracy`` (exact-match accuracy of greedy decoding, the validation metric) and
-``gold_logprob`` (the teacher-forced log-prob of the gold completion, its continuous companion).
+``rollout_rewards`` (task rewards of a rollout's responses), ``greedy_accuracy`` (exact-match
+accuracy of greedy decoding, the validation metric) and ``gold_logprob`` (the teacher-forced
+log-prob of the gold completion, its continuous companion). The configured task itself is
+``timlab.tasks.build_task``; loading the policy is ``timlab.trainer.precision.load_policy``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from timlab.config import Config
 from timlab.engines import Engine, Rollout, SamplingParams, build_engine
-from timlab.errors import UsageError
 from timlab.model.forward import teacher_forced_batch, token_logprobs
-from timlab.model.hf_io import load_model
 from timlab.model.llama import CausalLM
-from timlab.tasks import Example, Task, get_task
-from timlab.tokenizer import Tokenizer, load_tokenizer
-from timlab.trainer.precision import Precision
-
-
-def build_task(cfg: Config) -> Task:
-    """The configured task; bad options become one-line errors naming task.kwargs."""
-    try:
-        return get_task(cfg.task.name, **cfg.task.kwargs)
-    except TypeError as e:
-        raise UsageError(f"task.kwargs: {e}") from None
-
-
-def load_policy(model_dir: str | Path, cfg: Config, *, device: str | torch.device) -> tuple[Tokenizer, Precision]:
-    """A model folder as the trainer holds it: its tokenizer, and fp32 master weights with the
-    ``model.dtype`` compute copy (``Precision``). A tokenizer larger than the model is an error."""
-    tok = load_tokenizer(model_dir)
-    master = load_model(model_dir, dtype="float32", device=device)
-    if tok.vocab_size > master.config.vocab_size:
-        raise UsageError(f"tokenizer vocabulary ({tok.vocab_size}) does not fit the model in {model_dir} "
-                         f"(vocab_size {master.config.vocab_size})")
-    return tok, Precision(master, cfg.model.dtype, lm_head_fp32=cfg.model.lm_head_fp32)
+from timlab.tasks import Example, Task
+from timlab.tokenizer import Tokenizer
 
 
 def rollout_rewards(task: Task, tok: Tokenizer, examples: list[Example], rollout: Rollout, *,
@@ -87,4 +62,4 @@ def gold_logprob(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Exa
     return total / len(examples)
 
 
-__all__ = ["build_task", "load_policy", "rollout_rewards", "greedy_accuracy", "gold_logprob"]
+__all__ = ["rollout_rewards", "greedy_accuracy", "gold_logprob"]
