@@ -330,7 +330,7 @@ def _primary_md(per, prim) -> list[str]:
             k3 = E.fmt(float(values(per[c], "k3").mean()))
             if c in cmp:
                 r = cmp[c]
-                erodes = "**yes**" if r.below() else f"no (at most {r.diff_ci[0]:+.4f})"
+                erodes = "**yes**" if r.below() else f"no (costs {r.cost_bound()})"
                 out.append(f"| {c} | {k3} | {_comparison_row(r)} | {erodes} |")
             else:
                 x = values(per[c], k)

@@ -301,7 +301,7 @@ def analyse(per: dict[str, list[dict]], *, design: dict = STUDY) -> str:
             erodes = verdict[a][key] = r.below()
             out.append(f"| {a} | {fmt(float(col[a]['k3'].mean()))} | {r.mean:+.4f} [{r.t_ci[0]:+.4f}, {r.t_ci[1]:+.4f}] "
                        f"[{r.boot_ci[0]:+.4f}, {r.boot_ci[1]:+.4f}] | {r.diff:+.4f} [{r.diff_ci[0]:+.4f}, {r.diff_ci[1]:+.4f}] | "
-                       f"{r.p:.4f} | {r.p_holm:.4f} | {'**yes**' if erodes else f'no (at most {r.diff_ci[0]:+.4f})'} |")
+                       f"{r.p:.4f} | {r.p_holm:.4f} | {'**yes**' if erodes else f'no (costs {r.cost_bound()})'} |")
         out.append("")
     # secondary: falls, k3 trend, final values
     out += ["**Secondary**", "", "| arm | falls (plateau rule) [95% Clopper-Pearson] | k3 first 20 -> last 20 steps "
@@ -326,11 +326,14 @@ def analyse(per: dict[str, list[dict]], *, design: dict = STUDY) -> str:
         fit = fit_power(k3, ex)
         if fit is None:
             near = min(head, key=lambda a: abs(math.log(head[a]["k3"].mean() / K3_REF)))
-            dlo, _ = bootstrap_diff_ci(head[near][key], col[CONTROL][key])
-            bound = loss / (-dlo / 100) if dlo < 0 else math.inf
-            out.append(f"Fit ({name}): fewer than 3 head_perturb arms have a negative mean excess: no power law. "
-                       f"Bound from {near} (realized k3 {fmt(float(head[near]['k3'].mean()))}): losing {what} "
-                       f"takes more than {_g(bound)} steps.")
+            dlo, dhi = bootstrap_diff_ci(head[near][key], col[CONTROL][key])
+            where = f"Bound from {near} (realized k3 {fmt(float(head[near]['k3'].mean()))}): "
+            if dlo < 0:
+                where += f"losing {what} takes more than {_g(loss / (-dlo / 100))} steps."
+            else:  # the whole interval is a gain over the control: no finite loss rate fits the data
+                where += (f"its excess slope's 95% interval [{dlo:+.4f}, {dhi:+.4f}] per 100 steps lies above 0, so no "
+                          f"loss rate is consistent with the data and no finite number of steps to lose {what} follows.")
+            out.append(f"Fit ({name}): fewer than 3 head_perturb arms have a negative mean excess: no power law. {where}")
             continue
         c, alpha = fit
         fits, failed = bootstrap_fit(head, col[CONTROL][key], key)

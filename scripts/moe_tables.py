@@ -337,7 +337,7 @@ def _outcome(col: dict, mis: list[str], pairs: dict[str, str], key: str, label: 
         r = cmp[n]
         if b == CONTROL:
             erodes[a, key] = r.below()
-            verdict = "**erodes**" if r.below() else f"no detectable erosion (costs at most {r.diff_ci[0]:+.4f})"
+            verdict = "**erodes**" if r.below() else f"no detectable erosion (costs {r.cost_bound()})"
         elif r.above():
             verdict = "**recovers**" if erodes[b, key] else f"higher, not claimed ({b} does not erode)"
         else:

@@ -102,7 +102,7 @@ def test_analysis_finds_a_planted_law_and_judges_each_arm():
     rows = {line.split(" | ")[0][2:]: line for line in text.split("**accuracy slope per 100 steps**")[1]
             .split("**gold")[0].splitlines() if line.startswith("| ")}
     assert rows["head_1.1"].endswith("| **yes** |")  # -0.032 per 100 steps against noise 1e-5
-    assert "| no (at most" in rows["int8"]
+    assert "| no (costs at most" in rows["int8"]
     assert "stale_1: " in text and "off the curve" in text.split("- stale_1:")[1].splitlines()[0]
     assert "agrees with the fit" in text.split("- fp8:")[1].splitlines()[0]
 
@@ -126,3 +126,13 @@ def test_run_endpoints_from_a_metrics_table():
     assert r["acc_slope"] == pytest.approx(-0.02) and r["gold_slope"] == pytest.approx(-0.1)
     assert r["acc_level"] == pytest.approx(0.96 - 0.0002 * 275) and r["k3"] == pytest.approx(1e-3)
     assert r["start_acc"] == 0.96 and not r["guard"] and not r["fell"] and r["rows"] == 500
+
+
+def test_cost_bound_says_at_most_or_none():
+    from timlab.experiments.stats import compare_family
+
+    lower = compare_family({"a": [0.9, 0.8, 1.0, 0.95]}, {"a": [1.0, 0.9, 1.1, 1.05]})["a"]
+    assert lower.cost_bound().startswith("at most -") and float(lower.cost_bound().split()[-1]) == pytest.approx(lower.diff_ci[0], abs=5e-5)
+    higher = compare_family({"a": [2.0, 2.1, 2.2, 2.05]}, {"a": [1.0, 0.9, 1.1, 1.05]})["a"]
+    lo, hi = higher.diff_ci
+    assert lo > 0 and higher.cost_bound() == f"none: the interval [{lo:+.4f}, {hi:+.4f}] lies above 0"

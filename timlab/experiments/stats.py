@@ -209,6 +209,13 @@ class Comparison:
         """The group is higher than its reference (``below`` mirrored)."""
         return self.diff > 0 and self.p_holm < alpha and self.diff_ci[0] > 0
 
+    def cost_bound(self) -> str:
+        """What a group that is not ``below`` its reference may still cost, from the lower end of
+        the difference's interval: "at most -0.0061" (the most the data allow), or, when the
+        whole interval lies above 0, "none: the interval [+0.0016, +0.0055] lies above 0"."""
+        lo, hi = self.diff_ci
+        return f"at most {lo:+.4f}" if lo < 0 else f"none: the interval [{lo:+.4f}, {hi:+.4f}] lies above 0"
+
 
 def compare_family(groups: dict, references: dict) -> dict:
     """``{name: Comparison}`` of each ``groups[name]`` (values over seeds) against
