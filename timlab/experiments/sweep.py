@@ -52,7 +52,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 
@@ -64,8 +63,8 @@ from timlab.experiments.sweep_index import (  # noqa: F401  (the public names ar
 from timlab.experiments.sweep_spec import (  # noqa: F401  (the public names are re-exported: __all__)
     EXECUTORS, Condition, RunSpec, SweepError, SweepSpec, expand, load_spec, plan_run, spec_from_dict)
 from timlab.experiments.sweep_workers import _LocalExecutor, _RayExecutor, _require_ray, _run_job, _warm_job
+from timlab.progress import Progress
 
-Progress = Callable[[str, int, int, dict], None]
 INDEX_EVERY_S = 2.0
 """The index is rewritten as runs finish at most this often (and when the sweep ends): once per
 run would make a sweep of n runs write n tables of up to n rows."""

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from timlab.errors import UsageError
-from timlab.gradcheck.estimator import GradcheckResult, Progress, gradcheck
+from timlab.gradcheck.estimator import GradcheckResult, gradcheck
+from timlab.progress import Progress
 
 # ------------------------------------------------------------------------------------ output
 def format_gradcheck(res: GradcheckResult) -> str:

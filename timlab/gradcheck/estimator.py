@@ -44,7 +44,6 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
@@ -59,6 +58,7 @@ from timlab.tasks import Example, Task
 from timlab.tokenizer import Tokenizer
 from timlab.trainer.advantages import rloo
 from timlab.trainer.scoring import rollout_rewards
+from timlab.progress import Progress
 
 __all__ = ["ESTIMATORS", "GradcheckError", "GradcheckResult", "GradcheckSettings", "gradcheck", "length_buckets", "select_params"]
 
@@ -69,7 +69,6 @@ bias estimate is flagged as unreliable (its bootstrap interval misses rare large
 REWARD_MAX = 1.0
 """Every timlab task's reward lies in [0, 1] (the theorem's R in {0, 1} generalizes to this)."""
 
-Progress = Callable[[str, int, int, dict], None]
 
 
 class GradcheckError(TimlabError, ValueError):

@@ -40,7 +40,6 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -52,6 +51,7 @@ from timlab.gradcheck import in_run as gradcheck_in_run
 from timlab.gradcheck.estimator import gradcheck
 from timlab.injectors import build_injector
 from timlab.machine import describe as describe_machine, resume_note
+from timlab.progress import Progress
 from timlab.metrics import (
     all_metrics,
     mismatch_by_length,
@@ -186,7 +186,7 @@ class RLRun:
     """State that lives across steps: model, optimizer, scheduler, injector, RNGs, counters."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
-                 progress: Callable[[str, int, int, dict], None] | None = None):
+                 progress: Progress | None = None):
         task = validate(cfg)
         self.cfg = cfg
         self.rundir = RunDir(run_dir)
