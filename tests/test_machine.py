@@ -75,6 +75,9 @@ def test_sweep_spec_isa_is_checked_and_refused_unpinned(monkeypatch, tmp_path):
                                          r"`timlab --isa avx2 sweep \.\.\.`"):
         sweep.run_sweep(spec, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
+    monkeypatch.setattr(sweep, "describe_machine", lambda: {"torch": "x", "cpu_capability": "DEFAULT", "pinned_avx2": True})
+    with pytest.raises(SweepError, match=r"computes with DEFAULT even pinned: the spec's bits need an x86 CPU with AVX2"):
+        sweep.run_sweep(spec, tmp_path / "out")
 
 
 def test_resume_under_another_instruction_set_warns_and_goes_on(monkeypatch, tmp_path):

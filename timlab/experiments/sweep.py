@@ -102,8 +102,12 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
     if executor not in EXECUTORS:
         raise SweepError(f"unknown executor {executor!r}; valid choices: {', '.join(EXECUTORS)}")
     if not computes_as(spec.isa):
+        here = describe_machine()
+        if here["pinned_avx2"]:  # pinned, and torch still cannot dispatch AVX2: no pin can help here
+            raise SweepError(f"{spec.source}: isa {spec.isa}, but this CPU computes with {here['cpu_capability']} "
+                             "even pinned: the spec's bits need an x86 CPU with AVX2")
         raise SweepError(f"{spec.source}: isa {spec.isa}, but this process computes with "
-                         f"{describe_machine()['cpu_capability']}: run it as `timlab --isa {spec.isa} sweep ...`")
+                         f"{here['cpu_capability']}: run it as `timlab --isa {spec.isa} sweep ...`")
     runs = expand(spec)
     out = Path(out_dir)
     plan = {r.run_id: plan_run(r, out / r.run_id) for r in runs}
