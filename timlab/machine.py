@@ -31,11 +31,15 @@ def check_isa(isa: str, where: str = "--isa") -> str:
     return isa
 
 
+def _pinned(environ) -> bool:
+    return all(environ.get(k) == v for k, v in PIN_ENV.items())
+
+
 def pin_env(isa: str, environ: dict | None = None) -> dict | None:
     """The environment to re-execute under so that ``isa`` holds, or None when ``environ`` (default:
     this process's) already gives it. ``native`` never asks for a change."""
     environ = os.environ if environ is None else environ
-    if check_isa(isa) == "native" or all(environ.get(k) == v for k, v in PIN_ENV.items()):
+    if check_isa(isa) == "native" or _pinned(environ):
         return None
     return {**environ, **PIN_ENV}
 
@@ -58,7 +62,7 @@ def describe() -> dict:
 
     # plain str and bool, so that a checkpoint holding this loads with weights_only=True
     return {"torch": str(torch.__version__), "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
-            "pinned_avx2": all(os.environ.get(k) == v for k, v in PIN_ENV.items())}
+            "pinned_avx2": _pinned(os.environ)}
 
 
 def computes_as(isa: str) -> bool:
