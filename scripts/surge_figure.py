@@ -17,15 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timlab.experiments.sweep import read_index  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_figure import band  # noqa: E402
+
 DEFAULT = ["zero_mismatch", "bf16_rollout", "head_0.5", "head_1", "head_1.5", "head_2"]
-
-
-def _band(ax, frames: list[pd.DataFrame], col: str, color: str, label: str, smooth: int = 1) -> None:
-    series = [f.set_index("step")[col].dropna().rolling(smooth, min_periods=1).mean() for f in frames]
-    table = pd.concat(series, axis=1)
-    steps = table.index.to_numpy()
-    ax.plot(steps, table.mean(axis=1), color=color, label=label)
-    ax.fill_between(steps, table.min(axis=1), table.max(axis=1), color=color, alpha=0.15, lw=0)
 
 
 def main() -> None:
@@ -40,8 +35,8 @@ def main() -> None:
         if not frames:
             continue
         label = f"{cond} ({len(frames)} seeds)"
-        _band(ax_acc, frames, "val/accuracy", f"C{i}", label)
-        _band(ax_len, [f[f["step"] > 0] for f in frames], "train/response_length_mean", f"C{i}", label, smooth=5)
+        band(ax_acc, frames, "val/accuracy", f"C{i}", label)
+        band(ax_len, [f[f["step"] > 0] for f in frames], "train/response_length_mean", f"C{i}", label, smooth=5)
     ax_acc.set(xlabel="step", ylabel="greedy val accuracy (pi, no injector)", ylim=(0, 1.02))
     ax_len.set(xlabel="step", ylabel="mean sampled response length (5-step mean)")
     ax_acc.legend(fontsize=7, loc="lower right")
