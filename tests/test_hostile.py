@@ -20,7 +20,7 @@ import torch
 from timlab import cli
 from timlab.config import ConfigError, resolve, validate
 from timlab.errors import TimlabError
-from timlab.files import ForeignFilesError, atomic_write_text, take_lock
+from timlab.files import ForeignFilesError, atomic_write_text, held_folder_lock, take_lock
 from timlab.model.hf_io import ModelLoadError, config_from_hf
 from timlab.rundir.checkpoint import CheckpointError, checkpoints_newest_first, load_state, verify_checkpoint
 from timlab.rundir.metrics_log import without_timings
@@ -346,6 +346,21 @@ def test_5_a_second_sweep_into_one_directory_is_refused(tmp_path, capsys):
         os.close(fd)
     assert "in use by process" in err
     assert not (out / "index.parquet").exists()
+
+
+def test_5b_deleting_a_held_sweep_lock_file_does_not_let_a_second_sweep_in(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    spec = tmp_path / "s.yaml"
+    spec.write_text("base: {preset: smoke}\ngrid: {run.seed: [0]}\n")
+    with held_folder_lock(out, "sweep.lock", busy=RuntimeError):  # another sweep holds it
+        (out / "sweep.lock").unlink()  # someone deletes the lock file while it is held
+        err = _err(["sweep", str(spec), "--out", str(out), "--quiet"], capsys)
+        assert "is in use by process ? (another timlab sweep)" in err
+        assert not (out / "index.parquet").exists()
+    # released: the folder is free again
+    with held_folder_lock(out, "sweep.lock", busy=RuntimeError):
+        assert (out / "sweep.lock").read_text() == f"{os.getpid()}\n"
 
 
 def test_7_an_interrupted_sweep_worker_starts_no_further_run(tmp_path, monkeypatch):

@@ -185,6 +185,31 @@ def held_lock(path: str | os.PathLike, *, busy: Callable[[str], Exception] | Non
         release_lock(fd)
 
 
+@contextlib.contextmanager
+def held_folder_lock(folder: str | os.PathLike, lock_name: str, *, busy: Callable[[str], Exception]):
+    """An exclusive ``flock`` on ``folder`` itself, then ``take_lock`` on ``folder/lock_name`` (which
+    names the holder's pid), for the body of a ``with`` block. The folder's lock is the one that
+    excludes: deleting the lock file while it is held (which would let a second ``take_lock`` create a
+    new file and lock that) does not let a second holder in. ``busy(holder_pid)`` makes the error
+    when another process holds it."""
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            try:
+                holder = (Path(folder) / lock_name).read_bytes()[:64].decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            raise busy(holder or "?") from None
+        with held_lock(Path(folder) / lock_name, busy=busy) as fd:
+            yield fd
+    finally:
+        os.close(dfd)  # drops the folder's flock
+
+
 def foreign_entries(folder: Path, patterns: Iterable[str]) -> list[str]:
     """Names directly under ``folder`` that match none of ``patterns`` (fnmatch globs)."""
     pats = tuple(patterns)

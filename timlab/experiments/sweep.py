@@ -56,7 +56,7 @@ from pathlib import Path
 import pandas as pd
 
 from timlab.errors import one_line
-from timlab.files import held_lock
+from timlab.files import held_folder_lock
 from timlab.machine import computes_as, describe as describe_machine
 from timlab.experiments.sweep_index import (  # noqa: F401  (the public names are re-exported: __all__)
     INDEX_FILE, _index_frame, _index_row, _write_index, default_columns, filter_index, query_index, read_index)
@@ -117,7 +117,7 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
     out.mkdir(parents=True, exist_ok=True)
     busy = lambda holder: SweepError(f"sweep directory {out} is in use by process {holder} (another timlab sweep); "  # noqa: E731
                                      "wait for it or stop it")
-    with held_lock(out / LOCK_FILE, busy=busy):
+    with held_folder_lock(out, LOCK_FILE, busy=busy):
         rows = {r.run_id: _index_row(r, out) for r in runs}
         _write_index(out, list(rows.values()))
 
