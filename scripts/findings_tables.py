@@ -40,6 +40,7 @@ from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import e2_tables  # noqa: E402
+import e3_tables  # noqa: E402
 import erosion_tables  # noqa: E402
 import moe_tables  # noqa: E402
 
@@ -453,6 +454,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.STUDY["start"]),
           "erosion-study": lambda R: erosion_tables.study(str(SWEEPS / "erosion")),
           "e2-study": lambda R: e2_tables.study(str(SWEEPS / "e2")),
+          "e3-starts": lambda R: e3_tables.starts(str(SWEEPS / "e3_starts")),
           "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),

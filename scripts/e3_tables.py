@@ -1,0 +1,60 @@
+"""Tables of Study E3, length at fixed difficulty (docs/FINDINGS.md, "Study E3"), from its sweeps.
+
+    python scripts/e3_tables.py starts sweeps/e3_starts
+
+``starts``: the calibration of E3's learned starts (docs/examples/e3_starts.yaml): per condition
+(verbosity level, SFT step count), the greedy accuracy and gold log-prob at the step-0 evaluation
+(the SFT's own) and after 10 and 20 zero-mismatch RL steps, the step-0 gold log-prob per answer
+token (over the level's mean worked answer + EOS), the share of GRPO groups kept (not all-equal:
+0 means RL makes no update) and the mean sampled response length over steps 1-20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from erosion_tables import runs  # noqa: E402
+
+ANSWER_TOKENS = {0: 22, 1: 61, 2: 149, 3: 302}
+"""Mean worked answer per verbosity level at 1-4-digit sums, in tokens (bench/verbosity.py, bench/RESULTS.md)."""
+
+
+def starts(sweep: str) -> str:
+    rows = []
+    for row, m in runs(sweep):
+        level, sft = map(int, re.fullmatch(r"v(\d)_sft(\d+)", row["spec_condition"]).groups())
+        ev = m[["step", "val/accuracy", "val/gold_logprob"]].dropna().set_index("step")
+        train = m[m["step"] > 0]
+        rows.append((level, sft, ev, float(train["train/groups_kept_frac"].mean()),
+                     float(train["train/response_length_mean"].mean())))
+    lines = ["| level | SFT steps | accuracy at RL steps 0, 10, 20 | gold log-prob at 0, 10, 20 | "
+             "step 0 per answer token | groups kept, steps 1-20 | sampled length |",
+             "|---:|---:|---|---|---:|---:|---:|"]
+    for level, sft, ev, kept, length in sorted(rows, key=lambda r: (r[0], r[1])):
+        acc = ", ".join(f"{v:.3f}" for v in ev["val/accuracy"])
+        gold = ", ".join(f"{v:.3g}" for v in ev["val/gold_logprob"])
+        per_token = ev["val/gold_logprob"].iloc[0] / (ANSWER_TOKENS[level] + 1)
+        lines.append(f"| {level} | {sft} | {acc} | {gold} | {per_token:.1e} | {kept:.2f} | {length:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("table", choices=["starts"])
+    p.add_argument("sweep")
+    a = p.parse_args(argv)
+    np.seterr(all="ignore")
+    print({"starts": starts}[a.table](a.sweep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
