@@ -168,18 +168,6 @@ def collect(sweep: str) -> dict[str, dict]:
     return {n: r[0] for n, r in per.items()}
 
 
-def _seeds(s: list[int]) -> str:
-    """[0, 1, 2, 5] -> 'seeds 0-2, 5'."""
-    parts, i = [], 0
-    while i < len(s):
-        j = i
-        while j + 1 < len(s) and s[j + 1] == s[j] + 1:
-            j += 1
-        parts.append(f"{s[i]}-{s[j]}" if j > i else f"{s[i]}")
-        i = j + 1
-    return ("seed " if len(s) == 1 else "seeds ") + ", ".join(parts)
-
-
 def incomplete(done: int, want: int, missing: list[str]) -> str:
     """The one line printed instead of any number while runs are missing (no interim analysis)."""
     by: dict[str, list[int]] = {}
@@ -190,7 +178,7 @@ def incomplete(done: int, want: int, missing: list[str]) -> str:
     for c, s in by.items():
         groups.setdefault(tuple(sorted(s)), []).append(c)
     n_cond = len(ARMS) * len(LRS)
-    parts = [f"{_seeds(list(s))} of {f'all {n_cond} conditions' if len(cs) == n_cond else ', '.join(cs)}"
+    parts = [f"{'seed' if len(s) == 1 else 'seeds'} {E.seed_ranges(s)} of {f'all {n_cond} conditions' if len(cs) == n_cond else ', '.join(cs)}"
              for s, cs in groups.items()]
     return (f"INCOMPLETE: {done} of {want} runs finished at step {DESIGN['steps']} (missing: {'; '.join(parts)}); "
             f"no endpoint is computed before the study is complete (no interim analysis).")
@@ -305,15 +293,6 @@ def signals(per: dict[str, list[dict]]) -> dict:
 
 
 # ------------------------------------------------------------------------------ markdown
-def _ci(x: tuple[float, float], f: str = "+.4f") -> str:
-    return f"[{x[0]:{f}}, {x[1]:{f}}]"
-
-
-def _comparison_row(c) -> str:
-    return (f"{c.mean:+.4f} {_ci(c.t_ci)} {_ci(c.boot_ci)} | {c.diff:+.4f} {_ci(c.diff_ci)} | "
-            f"{c.p:.4f} | {c.p_holm:.4f}")
-
-
 def _left_out(dropped: list[str]) -> list[str]:
     return [f"Left out of this family (a run without a value: it diverged before the window): "
             f"{', '.join(map(str, dropped))}.", ""] if dropped else [""]
@@ -331,12 +310,9 @@ def _primary_md(per, prim) -> list[str]:
             if c in cmp:
                 r = cmp[c]
                 erodes = "**yes**" if r.below() else f"no (costs {r.cost_bound()})"
-                out.append(f"| {c} | {k3} | {_comparison_row(r)} | {erodes} |")
+                out.append(f"| {c} | {k3} | {E.comparison_cells(r)} | {erodes} |")
             else:
-                x = values(per[c], k)
-                mu, lo, hi = t_ci(x) if np.isfinite(x).all() else (math.nan,) * 3
-                b = bootstrap_ci(x) if np.isfinite(x).all() else (math.nan, math.nan)
-                out.append(f"| {c} | {k3} | {mu:+.4f} {_ci((lo, hi))} {_ci(b)} | - | - | - | - |")
+                out.append(f"| {c} | {k3} | {E.mean_cells(values(per[c], k))} | - | - | - | - |")
         out += _left_out(dropped)
     return out
 
@@ -351,7 +327,7 @@ def _q1_md(per, lat, fl, gr) -> list[str]:
         for lr in LRS:
             if lr in cmp:
                 r = cmp[lr]
-                out.append(f"| {LABEL[k]} | {LR_LABEL[lr]} | {_comparison_row(r)} | {'**yes**' if r.below() else 'no'} |")
+                out.append(f"| {LABEL[k]} | {LR_LABEL[lr]} | {E.comparison_cells(r)} | {'**yes**' if r.below() else 'no'} |")
             else:
                 out.append(f"| {LABEL[k]} | {LR_LABEL[lr]} | left out (a run without a value) | - | - | - | - |")
     out += ["", "| condition | falls (plateau rule) [95% Clopper-Pearson] | fall steps (seed: step) |", "|---|---:|---|"]

@@ -75,6 +75,38 @@ def fmt(x: float) -> str:
     return f"{x:.1e}" if x != 0 and abs(x) < 0.01 else f"{x:.3f}"
 
 
+def ci_text(x: tuple[float, float]) -> str:
+    """An interval as the study tables print it: ``[-0.0123, +0.0045]``."""
+    return f"[{x[0]:+.4f}, {x[1]:+.4f}]"
+
+
+def mean_cells(x) -> str:
+    """A group's mean with its 95% t- and seed-bootstrap intervals, as the study tables print it
+    (NaN where a run has no value)."""
+    x = np.asarray(x, dtype=float)
+    mu, lo, hi = t_ci(x) if np.isfinite(x).all() else (math.nan,) * 3
+    b = bootstrap_ci(x) if np.isfinite(x).all() else (math.nan, math.nan)
+    return f"{mu:+.4f} {ci_text((lo, hi))} {ci_text(b)}"
+
+
+def comparison_cells(c) -> str:
+    """A ``stats.Comparison`` as the study tables' cells: mean [t] [bootstrap] | difference
+    [bootstrap] | permutation p | Holm p."""
+    return (f"{c.mean:+.4f} {ci_text(c.t_ci)} {ci_text(c.boot_ci)} | {c.diff:+.4f} {ci_text(c.diff_ci)} | "
+            f"{c.p:.4f} | {c.p_holm:.4f}")
+
+
+def seed_ranges(seeds) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5' (sorted)."""
+    s, parts = sorted(seeds), []
+    for x in s:
+        if parts and x == parts[-1][1] + 1:
+            parts[-1][1] = x
+        else:
+            parts.append([x, x])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
+
+
 def runs(sweep: str) -> list[tuple[pd.Series, pd.DataFrame]]:
     """(index row, metrics) of every run of a sweep that has metrics."""
     out = []
@@ -293,15 +325,12 @@ def analyse(per: dict[str, list[dict]], *, design: dict = STUDY) -> str:
         out += [f"**{label}**", "",
                 "| arm | realized k3 | mean [95% t] [95% bootstrap] | excess over control [95% bootstrap] | "
                 "permutation p | Holm p | erodes |", "|---|---:|---:|---:|---:|---:|---|"]
-        mu, lo, hi = t_ci(c)
-        blo, bhi = bootstrap_ci(c)
-        out.append(f"| {CONTROL} | 0 | {mu:+.4f} [{lo:+.4f}, {hi:+.4f}] [{blo:+.4f}, {bhi:+.4f}] | - | - | - | - |")
+        out.append(f"| {CONTROL} | 0 | {mean_cells(c)} | - | - | - | - |")
         for a in arms:
             r = cmp[a]
             erodes = verdict[a][key] = r.below()
-            out.append(f"| {a} | {fmt(float(col[a]['k3'].mean()))} | {r.mean:+.4f} [{r.t_ci[0]:+.4f}, {r.t_ci[1]:+.4f}] "
-                       f"[{r.boot_ci[0]:+.4f}, {r.boot_ci[1]:+.4f}] | {r.diff:+.4f} [{r.diff_ci[0]:+.4f}, {r.diff_ci[1]:+.4f}] | "
-                       f"{r.p:.4f} | {r.p_holm:.4f} | {'**yes**' if erodes else f'no (costs {r.cost_bound()})'} |")
+            out.append(f"| {a} | {fmt(float(col[a]['k3'].mean()))} | {comparison_cells(r)} | "
+                       f"{'**yes**' if erodes else f'no (costs {r.cost_bound()})'} |")
         out.append("")
     # secondary: falls, k3 trend, final values
     out += ["**Secondary**", "", "| arm | falls (plateau rule) [95% Clopper-Pearson] | k3 first 20 -> last 20 steps "

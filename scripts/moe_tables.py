@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from erosion_tables import CONTROL as ERO_CONTROL, HEAD, STUDY as ERO_STUDY  # noqa: E402  (the study tables
 from erosion_tables import arm, bootstrap_fit, collect, fit_power, fmt, off_fit, runs  # noqa: E402  these follow)
+from erosion_tables import comparison_cells, mean_cells, seed_ranges  # noqa: E402
 from erosion_tables import run_endpoints as erosion_run_endpoints  # noqa: E402
 from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_ratio_ci, clopper_pearson,  # noqa: E402
                                       compare_family, t_ci)
@@ -189,15 +190,8 @@ def _seeds(conditions: list[str]) -> str:
         by.setdefault(m.group(1) if m else c, []).append(int(m.group(2)) if m else -1)
     parts = []
     for a, s in by.items():
-        s = sorted(x for x in s if x >= 0)
-        runs_ = [[s[0], s[0]]] if s else []
-        for x in s[1:]:
-            if x == runs_[-1][1] + 1:
-                runs_[-1][1] = x
-            else:
-                runs_.append([x, x])
-        seeds = ", ".join(f"{a_}" if a_ == b_ else f"{a_}-{b_}" for a_, b_ in runs_)
-        parts.append(f"{a} seed{'s' if len(s) > 1 else ''} {seeds}" if s else a)
+        s = [x for x in s if x >= 0]
+        parts.append(f"{a} seed{'s' if len(s) > 1 else ''} {seed_ranges(s)}" if s else a)
     return ", ".join(parts)
 
 
@@ -259,10 +253,6 @@ def analyse(per: dict[str, list[dict]], want: list[str], *, design: dict = STUDY
         "Per-layer flip fractions (secondary) are in each run's distributions.jsonl, which sweeps do not commit: "
         "`python scripts/moe_tables.py layers SWEEP` on the machine that ran it."]
     return "\n".join(out)
-
-
-def _ci(r) -> str:
-    return f"[{r[0]:+.4f}, {r[1]:+.4f}]"
 
 
 def _k3_range(lo: float, hi: float) -> str:
@@ -327,12 +317,10 @@ def _outcome(col: dict, mis: list[str], pairs: dict[str, str], key: str, label: 
     minus its no-replay arm (recovery, rule 5), one Holm family."""
     comps = {f"{a} - {CONTROL}": (a, CONTROL) for a in mis} | {f"{a} - {b}": (a, b) for a, b in pairs.items()}
     cmp = compare_family({n: col[a][key] for n, (a, _) in comps.items()}, {n: col[b][key] for n, (_, b) in comps.items()})
-    mu, lo, hi = t_ci(col[CONTROL][key])
-    blo, bhi = bootstrap_ci(col[CONTROL][key])
     out = [f"**{label}** (Holm over the {len(comps)} comparisons)", "",
            "| comparison | first arm's mean [95% t] [95% bootstrap] | difference [95% bootstrap] | permutation p | "
            "Holm p | verdict |", "|---|---:|---:|---:|---:|---|",
-           f"| {CONTROL} (reference) | {mu:+.4f} [{lo:+.4f}, {hi:+.4f}] [{blo:+.4f}, {bhi:+.4f}] | - | - | - | - |"]
+           f"| {CONTROL} (reference) | {mean_cells(col[CONTROL][key])} | - | - | - | - |"]
     for n, (a, b) in comps.items():
         r = cmp[n]
         if b == CONTROL:
@@ -342,8 +330,7 @@ def _outcome(col: dict, mis: list[str], pairs: dict[str, str], key: str, label: 
             verdict = "**recovers**" if erodes[b, key] else f"higher, not claimed ({b} does not erode)"
         else:
             verdict = f"lower than {b}" if r.below() else "no detectable recovery"
-        out.append(f"| {n} | {r.mean:+.4f} {_ci(r.t_ci)} {_ci(r.boot_ci)} | {r.diff:+.4f} {_ci(r.diff_ci)} | "
-                   f"{r.p:.4f} | {r.p_holm:.4f} | {verdict} |")
+        out.append(f"| {n} | {comparison_cells(r)} | {verdict} |")
     return out + [""]
 
 
