@@ -1,12 +1,17 @@
 """Tables of Study E3, length at fixed difficulty (docs/FINDINGS.md, "Study E3"), from its sweeps.
 
     python scripts/e3_tables.py starts sweeps/e3_starts
+    python scripts/e3_tables.py followup sweeps/e3_starts_rl
 
 ``starts``: the calibration of E3's learned starts (docs/examples/e3_starts.yaml): per condition
 (verbosity level, SFT step count), the greedy accuracy and gold log-prob at the step-0 evaluation
 (the SFT's own) and after 10 and 20 zero-mismatch RL steps, the step-0 gold log-prob per answer
 token (over the level's mean worked answer + EOS), the share of GRPO groups kept (not all-equal:
 0 means RL makes no update) and the mean sampled response length over steps 1-20.
+
+``followup``: the run directories of a folder (the RL runs made after the calibration, from
+chosen SFT lengths; FINDINGS gives their commands): each evaluation's greedy accuracy and gold
+log-prob, and the share of GRPO groups kept.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from erosion_tables import runs  # noqa: E402
+from timlab.rundir import read_metrics  # noqa: E402
 
 ANSWER_TOKENS = {0: 22, 1: 61, 2: 149, 3: 302}
 """Mean worked answer per verbosity level at 1-4-digit sums, in tokens (bench/verbosity.py, bench/RESULTS.md)."""
@@ -46,13 +52,29 @@ def starts(sweep: str) -> str:
     return "\n".join(lines)
 
 
+def followup(folder: str) -> str:
+    lines = ["| run | accuracy at each evaluation (step: value) | gold log-prob at each evaluation | groups kept |",
+             "|---|---|---|---:|"]
+    for d in sorted(p for p in Path(folder).iterdir() if (p / "metrics.parquet").exists()):
+        m = read_metrics(d)
+        ev = m[["step", "val/accuracy", "val/gold_logprob"]].dropna()
+        acc = ", ".join(f"{int(s)}: {a:.3f}" for s, a in zip(ev["step"], ev["val/accuracy"]))
+        gold = ", ".join(f"{g:.3g}" for g in ev["val/gold_logprob"])
+        kept = float(m.loc[m["step"] > 0, "train/groups_kept_frac"].mean())
+        lines.append(f"| {d.name} | {acc} | {gold} | {kept:.2f} |")
+    return "\n".join(lines)
+
+
+TABLES = {"starts": starts, "followup": followup}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("table", choices=["starts"])
-    p.add_argument("sweep")
+    p.add_argument("table", choices=list(TABLES))
+    p.add_argument("sweep", help="the sweep (starts) or the folder of run directories (followup)")
     a = p.parse_args(argv)
     np.seterr(all="ignore")
-    print({"starts": starts}[a.table](a.sweep))
+    print(TABLES[a.table](a.sweep))
     return 0
 
 
