@@ -2,6 +2,7 @@
 
     python scripts/e3_tables.py starts sweeps/e3_starts
     python scripts/e3_tables.py followup sweeps/e3_starts_rl
+    python scripts/e3_tables.py study sweeps/e3                # the pre-registered analysis
 
 ``starts``: the calibration of E3's learned starts (docs/examples/e3_starts.yaml): per condition
 (verbosity level, SFT step count), the greedy accuracy and gold log-prob at the step-0 evaluation
@@ -12,22 +13,47 @@ token (over the level's mean worked answer + EOS), the share of GRPO groups kept
 ``followup``: the run directories of a folder (the RL runs made after the calibration, from
 chosen SFT lengths; FINDINGS gives their commands): each evaluation's greedy accuracy and gold
 log-prob, and the share of GRPO groups kept.
+
+``study``: the analysis pre-registered in FINDINGS ("Study E3"), run only when every condition of
+the study's spec (``--spec``, default docs/examples/e3.yaml; one condition ``v<L>_<arm>_s<seed>``
+per run) has finished at step 150 or diverged; before that one ``INCOMPLETE`` line (no interim
+analysis), and a control stopped by the zero-mismatch guard voids the study at once. Per level:
+validity (every control step keeps k3 exactly 0 and every token bitwise equal; every run of the
+level evaluates its start identically at step 0, with accuracy >= 0.95; a level that fails is void
+and left out of the tables and the fit); per run, the erosion study's endpoints (``erosion_tables.run_endpoints``) over the
+evaluations at steps 50-150 and the mean sampled response length over those steps; per arm the
+realized k3 with its intervals and, per endpoint, the excess over the level's control (bootstrap
+interval, exact permutation p over the 252 relabelings of 5 vs 5, Holm over the level's 4
+treatment arms); falls under the plateau rule with Clopper-Pearson intervals. The length fit:
+log(-level loss) = a + alpha log k3 + beta log T over the (level, treatment arm) cells with a
+negative mean accuracy-level excess (at least 4 cells over at least 2 valid levels), T the level's
+control mean response length, refitted on 2,000 seed resamples; rho = beta / alpha decides between
+T * k3 (rho = 1), T^2 * k3 (rho = 2), neither, or undecided; the fitted loss at k3 1e-3 and T =
+1,000-8,000 (an extrapolation). The same fit on the accuracy slopes is secondary. The threshold
+study's k3*(T) = 1e-3 (T / 465)^-1.85 is tested cell by cell: above it a cell should fall in at
+least half its seeds, below it in fewer.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from erosion_tables import runs  # noqa: E402
-from timlab.rundir import read_metrics  # noqa: E402
+from erosion_tables import collect, comparison_cells, fmt, mean_cells, run_endpoints, runs, seed_ranges  # noqa: E402
+from timlab.experiments.stats import N_BOOT, bootstrap_ci, clopper_pearson, compare_family, t_ci  # noqa: E402
+from timlab.experiments.sweep import INDEX_FILE, load_spec, read_index  # noqa: E402
+from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ANSWER_TOKENS = {0: 22, 1: 61, 2: 149, 3: 302}
 """Mean worked answer per verbosity level at 1-4-digit sums, in tokens (bench/verbosity.py, bench/RESULTS.md)."""
@@ -65,16 +91,269 @@ def followup(folder: str) -> str:
     return "\n".join(lines)
 
 
-TABLES = {"starts": starts, "followup": followup}
+# ------------------------------------------------------------------------------ the study
+SPEC = ROOT / "docs" / "examples" / "e3.yaml"
+"""The registered study's spec: its conditions (``v<L>_<arm>_s<seed>``) are the runs the analysis waits for."""
+STUDY = {"steps": 150, "start": 50, "min_start_accuracy": 0.95}
+"""The registered design besides the spec's runs: steps per run, the first step of the outcome
+window, and the validity bar for each level's step-0 accuracy."""
+CONTROL = "control"
+"""The zero-mismatch arm's name in the spec's conditions."""
+ENDPOINTS = (("acc_level", "mean accuracy"), ("acc_slope", "accuracy slope per 100 steps"),
+             ("gold_level", "mean gold log-prob"), ("gold_slope", "gold log-prob slope per 100 steps"))
+"""The primary endpoints (key, label); each is one Holm family per level (the level's treatment arms)."""
+K3_REF = 1e-3
+"""The realized k3 the extrapolation is for."""
+T_EXTRAPOLATE = (1000, 2000, 4000, 8000)
+"""Answer lengths (tokens) where real runs collapse: the fitted loss is extrapolated to them."""
+MIN_CELLS, MIN_LEVELS = 4, 2
+"""The length fit needs at least this many cells with a negative excess, over at least this many levels."""
+RHO = {"T * k3": 1.0, "T^2 * k3": 2.0}
+"""The two hypotheses for rho = beta / alpha."""
+
+
+def threshold_k3(T: float) -> float:
+    """The threshold study's fit, k3*(T) = 1e-3 x (T / 465)^-1.85 (FINDINGS, "Threshold")."""
+    return 1e-3 * (T / 465) ** -1.85
+
+
+def cell(condition: str) -> tuple[int, str]:
+    """``v2_head_0.49_s3`` -> (2, 'head_0.49'): the (level, arm) of a condition."""
+    m = re.fullmatch(r"v(\d+)_(.+)_s\d+", condition)
+    if m is None:
+        raise ValueError(f"condition {condition!r}: expected v<level>_<arm>_s<seed>")
+    return int(m.group(1)), m.group(2)
+
+
+def study_endpoints(m: pd.DataFrame, start: int = STUDY["start"], *, diverged: bool = False) -> dict:
+    """One run's endpoints: the erosion study's over the evaluations at steps >= ``start``, the mean
+    sampled response length over the training steps >= ``start``, and the step-0 evaluation."""
+    out = run_endpoints(m, start, diverged=diverged)
+    m = m.sort_values("step")
+    ev = m[m["val/accuracy"].notna()]
+    out.update({"length": float(m.loc[m["step"] >= start, "train/response_length_mean"].mean()),
+                "start_step": int(ev["step"].iloc[0]), "start_gold": float(ev["val/gold_logprob"].iloc[0])})
+    return out
+
+
+def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY) -> str:
+    """The pre-registered analysis of the E3 sweep as markdown (FINDINGS' "Study E3")."""
+    want = [c.name for c in load_spec(spec).conditions]
+    done: set[str] = set()
+    if (Path(sweep) / INDEX_FILE).exists():
+        idx = read_index(sweep)  # states and steps read live from each run's status.json
+        rows = list(zip(idx["spec_condition"], idx["state"], idx["last_step"]))
+        tripped = sorted(c for c, s, _ in rows if cell(c)[1] == CONTROL and s == GUARD_FAILED)
+        if tripped:
+            return (f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (every control step keeps k3 "
+                    f"exactly 0 and every token bitwise equal); the study is re-run, not analysed.")
+        done = {c for c, s, n in rows if (s == FINISHED and n == design["steps"]) or s == DIVERGED}
+    if any(c not in done for c in want):  # no run's metrics are read before the study is complete
+        return _incomplete(want, done, design)
+    per = collect(sweep, design, key=cell, endpoints=study_endpoints)
+    return analyse(per, want, design=design)
+
+
+def _incomplete(want: list[str], done: set[str], design: dict) -> str:
+    missing = [c for c in want if c not in done]
+    by: dict[tuple[int, str], list[int]] = {}
+    for c in missing:
+        by.setdefault(cell(c), []).append(int(c.rsplit("_s", 1)[1]))
+    listed = ", ".join(f"v{lv} {a} seed{'s' if len(s) > 1 else ''} {seed_ranges(s)}" for (lv, a), s in by.items())
+    return (f"INCOMPLETE: {len(want) - len(missing)} of {len(want)} runs finished at step {design['steps']} "
+            f"(missing: {listed}); no endpoint is computed before the study is complete (no interim analysis).")
+
+
+def analyse(per: dict[tuple[int, str], list[dict]], want: list[str], *, design: dict = STUDY,
+            n: int = N_BOOT) -> str:
+    """The analysis of per-cell run endpoints (``collect`` with ``key=cell``, ``study_endpoints``)."""
+    done = {r["condition"] for v in per.values() for r in v}
+    if any(c not in done for c in want):
+        return _incomplete(want, done, design)
+    cells = list(dict.fromkeys(cell(c) for c in want))  # spec order
+    per = {k: [r for r in per[k] if r["condition"] in want] for k in cells}
+    levels = sorted({lv for lv, _ in cells})
+    col = {k: {e: np.array([r[e] for r in per[k]], float) for e in per[k][0] if e != "condition"} for k in cells}
+    out, valid = [], {}
+    for lv in levels:
+        ctrl = per[lv, CONTROL]
+        guard = all(r["guard"] and r["rows"] == design["steps"] for r in ctrl)
+        starts = {(r["start_step"], r["start_acc"], r["start_gold"]) for k in cells if k[0] == lv for r in per[k]}
+        s0 = next(iter(starts))
+        learned = s0[1] >= design["min_start_accuracy"]
+        valid[lv] = guard and len(starts) == 1 and s0[0] == 0 and learned
+        out.append(f"Validity, level {lv}: control guard (k3 exactly 0, every token bitwise equal, every step) "
+                   f"{'held' if guard else 'BROKEN'}; step-0 evaluation "
+                   + (f"the same in all its runs (accuracy {s0[1]:.3f}, gold log-prob {s0[2]:.3f})" if len(starts) == 1
+                      else f"DIFFERS between its runs ({len(starts)} distinct)")
+                   + ("" if learned or len(starts) > 1 else f", below the bar {design['min_start_accuracy']}")
+                   + f": {'VALID' if valid[lv] else 'VOID (left out of every table and the fit)'}.")
+    out.append("")
+    ok = [lv for lv in levels if valid[lv]]
+    arms = {lv: [a for v, a in cells if v == lv and a != CONTROL] for lv in ok}
+    T = {lv: float(col[lv, CONTROL]["length"].mean()) for lv in ok}
+    out += _mechanism(col, ok, arms, T, design)
+    erodes: dict[tuple[int, str, str], bool] = {}
+    for key, label in ENDPOINTS:
+        out += _outcome(col, ok, arms, key, f"{label}, evaluations at steps {design['start']}-{design['steps']}", erodes)
+    out += _falls(per, ok, arms, design)
+    treated = [(lv, a) for lv in ok for a in arms[lv]]
+    out += _length_fit(col, treated, "acc_level", "mean accuracy (primary)", n=n)
+    out += _length_fit(col, treated, "acc_slope", "accuracy slope per 100 steps (secondary)", n=n)
+    out += _threshold(per, col, treated)
+    return "\n".join(out)
+
+
+def _mechanism(col: dict, ok: list[int], arms: dict, T: dict, design: dict) -> list[str]:
+    out = [f"**Realized mismatch and length** (means over steps {design['start']}-{design['steps']}, then over seeds)", "",
+           "| level | arm | realized k3 [95% t] [95% bootstrap] | mean response length | T * k3 | T^2 * k3 |",
+           "|---:|---|---:|---:|---:|---:|"]
+    for lv in ok:
+        for a in (CONTROL, *arms[lv]):
+            c = col[lv, a]
+            mu, lo, hi = t_ci(c["k3"])
+            blo, bhi = bootstrap_ci(c["k3"])
+            out.append(f"| {lv} | {a} | {fmt(mu)} [{fmt(lo)}, {fmt(hi)}] [{fmt(blo)}, {fmt(bhi)}] | "
+                       f"{float(c['length'].mean()):.1f} | {fmt(T[lv] * mu)} | {fmt(T[lv] ** 2 * mu)} |")
+    return out + ["", "T is the level's control mean response length (the fit's T).", ""]
+
+
+def _outcome(col: dict, ok: list[int], arms: dict, key: str, label: str, erodes: dict) -> list[str]:
+    out = [f"**{label}** (per level, Holm over the level's {max(len(v) for v in arms.values())} treatment arms)", "",
+           "| level | arm | mean [95% t] [95% bootstrap] | excess over control [95% bootstrap] | permutation p | "
+           "Holm p | verdict |", "|---:|---|---:|---:|---:|---:|---|"]
+    for lv in ok:
+        ctrl = col[lv, CONTROL][key]
+        cmp = compare_family({a: col[lv, a][key] for a in arms[lv]}, {a: ctrl for a in arms[lv]})
+        out.append(f"| {lv} | {CONTROL} | {mean_cells(ctrl)} | - | - | - | - |")
+        for a in arms[lv]:
+            r = cmp[a]
+            erodes[lv, a, key] = r.below()
+            verdict = "**erodes**" if r.below() else f"no detectable erosion (costs {r.cost_bound()})"
+            out.append(f"| {lv} | {a} | {comparison_cells(r)} | {verdict} |")
+    return out + [""]
+
+
+def _falls(per: dict, ok: list[int], arms: dict, design: dict) -> list[str]:
+    out = ["**Falls and final values**", "", f"| level | arm | falls (plateau rule) [95% Clopper-Pearson] | "
+           f"k3 first 20 -> last 20 steps | accuracy at step {design['steps']} [95% t] |", "|---:|---|---:|---|---:|"]
+    for lv in ok:
+        for a in (CONTROL, *arms[lv]):
+            rs = per[lv, a]
+            k = sum(r["fell"] for r in rs)
+            clo, chi = clopper_pearson(k, len(rs))
+            fa = t_ci([r["final_acc"] for r in rs])
+            out.append(f"| {lv} | {a} | {k}/{len(rs)} [{clo:.2f}, {chi:.2f}] | "
+                       f"{fmt(float(np.mean([r['k3_first'] for r in rs])))} -> "
+                       f"{fmt(float(np.mean([r['k3_last'] for r in rs])))} | {fa[0]:.3f} [{fa[1]:.3f}, {fa[2]:.3f}] |")
+    return out + [""]
+
+
+def fit_length(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndarray) -> tuple[float, float, float] | None:
+    """(a, alpha, beta) of log(-excess) = a + alpha log k3 + beta log T by least squares over the
+    cells with a negative excess; None with fewer than ``MIN_CELLS`` such cells, fewer than
+    ``MIN_LEVELS`` levels among them, or a rank-deficient design (k3 and T not separable)."""
+    keep = excess < 0
+    if keep.sum() < MIN_CELLS or len(set(level[keep].tolist())) < MIN_LEVELS:
+        return None
+    X = np.column_stack([np.ones(keep.sum()), np.log(k3[keep]), np.log(T[keep])])  # (cells, 3)
+    if np.linalg.matrix_rank(X) < 3:
+        return None
+    coef = np.linalg.lstsq(X, np.log(-excess[keep]), rcond=None)[0]
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def _cells(col: dict, treated: list, key: str, rng: np.random.Generator | None = None):
+    """(k3, T, excess, level) per treated cell: means over seeds (resampled with ``rng``), the
+    excess over the level's control and T its control's mean response length (resampled too)."""
+    pick = (lambda x: x) if rng is None else (lambda x: x[rng.integers(0, x.size, x.size)])
+    ctrl = {}
+    for lv in sorted({lv for lv, _ in treated}):
+        i = pick(np.arange(col[lv, CONTROL][key].size))
+        ctrl[lv] = (col[lv, CONTROL][key][i].mean(), col[lv, CONTROL]["length"][i].mean())
+    k3, T, ex, level = [], [], [], []
+    for lv, a in treated:
+        i = pick(np.arange(col[lv, a][key].size))
+        k3.append(col[lv, a]["k3"][i].mean())
+        ex.append(col[lv, a][key][i].mean() - ctrl[lv][0])
+        T.append(ctrl[lv][1])
+        level.append(lv)
+    return np.array(k3), np.array(T), np.array(ex), np.array(level)
+
+
+def _length_fit(col: dict, treated: list, key: str, label: str, *, n: int = N_BOOT, seed: int = 0) -> list[str]:
+    k3, T, ex, level = _cells(col, treated, key)
+    head = f"**Length fit, {label}**: "
+    fit = fit_length(k3, T, ex, level)
+    neg = int((ex < 0).sum())
+    if fit is None:
+        return [head + f"{neg} cells with a negative mean excess over {len(set(level[ex < 0].tolist()))} levels "
+                f"(needs {MIN_CELLS} over {MIN_LEVELS}, with k3 and T separable): no fit; the result is stated per level "
+                f"in the tables above.", ""]
+    a, alpha, beta = fit
+    rng = np.random.default_rng(seed)
+    reps, failed = [], 0
+    for _ in range(n):
+        f = fit_length(*_cells(col, treated, key, rng))
+        if f is None:
+            failed += 1
+        else:
+            reps.append(f)
+    R = np.array(reps)  # (fits, 3)
+    rho = beta / alpha if alpha else math.nan
+    out = [head + f"log(-excess) = a + alpha log k3 + beta log T over {neg} cells with a negative mean excess: "
+           f"alpha = {alpha:.2f}, beta = {beta:.2f}, rho = beta / alpha = {rho:.2f}"]
+    if len(R) < n / 2:
+        return out + [f"; only {len(R)} of {n} resamples could be fitted ({failed} had too few negative cells or "
+                      f"levels): no interval, no decision.", ""]
+    rhos = R[:, 2] / R[:, 1]
+    lo, hi = (float(np.percentile(rhos, q)) for q in (2.5, 97.5))
+    holds = {h: lo <= v <= hi for h, v in RHO.items()}
+    decision = ("**T * k3**" if holds["T * k3"] and not holds["T^2 * k3"] else
+                "**T^2 * k3**" if holds["T^2 * k3"] and not holds["T * k3"] else
+                "**neither**" if not any(holds.values()) else "**undecided** (the interval holds both 1 and 2)")
+    alo, ahi = (float(np.percentile(R[:, 1], q)) for q in (2.5, 97.5))
+    blo, bhi = (float(np.percentile(R[:, 2], q)) for q in (2.5, 97.5))
+    out = [out[0] + f" [95% bootstrap {lo:.2f}, {hi:.2f}] (alpha [{alo:.2f}, {ahi:.2f}], beta [{blo:.2f}, {bhi:.2f}]; "
+           f"{len(R)} of {n} resamples fitted, {failed} had too few negative cells or levels): {decision}.", "",
+           f"Extrapolated {label.split(' (')[0]} lost at a realized k3 of {K3_REF:g}, beyond the T measured "
+           f"({T.min():.0f}-{T.max():.0f}; a loss above what there is to lose means the fit predicts a fall):", "",
+           "| T | fitted loss | 95% bootstrap |", "|---:|---:|---:|"]
+    for t in T_EXTRAPOLATE:
+        pts = np.exp(R[:, 0] + R[:, 1] * math.log(K3_REF) + R[:, 2] * math.log(t))
+        fit_t = math.exp(a + alpha * math.log(K3_REF) + beta * math.log(t))
+        out.append(f"| {t:,} | {fmt(fit_t)} | [{fmt(float(np.percentile(pts, 2.5)))}, {fmt(float(np.percentile(pts, 97.5)))}] |")
+    return out + [""]
+
+
+def _threshold(per: dict, col: dict, treated: list) -> list[str]:
+    out = ["**The threshold fit's test** (k3*(T) = 1e-3 x (T / 465)^-1.85 at each level's mean worked answer; "
+           "a cell above it should fall in at least half its seeds, one below it in fewer)", "",
+           "| level | T | k3*(T) | arm | realized k3 | above k3* | falls | agrees |", "|---:|---:|---:|---|---:|---|---:|---|"]
+    agree = 0
+    for lv, a in treated:
+        star = threshold_k3(ANSWER_TOKENS[lv])
+        k = float(col[lv, a]["k3"].mean())
+        falls = sum(r["fell"] for r in per[lv, a])
+        above = k > star
+        ok = (falls >= len(per[lv, a]) / 2) == above
+        agree += ok
+        out.append(f"| {lv} | {ANSWER_TOKENS[lv]} | {fmt(star)} | {a} | {fmt(k)} | {'yes' if above else 'no'} | "
+                   f"{falls}/{len(per[lv, a])} | {'yes' if ok else 'no'} |")
+    return out + ["", f"Cells that agree with the threshold fit: {agree} of {len(treated)}.", ""]
+
+
+TABLES = {"starts": starts, "followup": followup, "study": study}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("table", choices=list(TABLES))
-    p.add_argument("sweep", help="the sweep (starts) or the folder of run directories (followup)")
+    p.add_argument("sweep", help="the sweep (starts, study) or the folder of run directories (followup)")
+    p.add_argument("--spec", default=str(SPEC), help=f"the study's spec (study only; default {SPEC.relative_to(ROOT)})")
     a = p.parse_args(argv)
     np.seterr(all="ignore")
-    print(TABLES[a.table](a.sweep))
+    print(study(a.sweep, spec=a.spec) if a.table == "study" else TABLES[a.table](a.sweep))
     return 0
 
 

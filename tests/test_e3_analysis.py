@@ -1,0 +1,193 @@
+"""Study E3's pre-registered analysis (``scripts/e3_tables.py study``), checked on a synthetic
+sweep with planted effects before any study data exist: the registered spec's 75 runs
+(docs/examples/e3.yaml), each a run directory as the trainer leaves it (metrics.parquet: step 0
+holds the start's evaluation, steps 1-150 a training row each, evaluations every 25 steps;
+status.json; the sweep's index.parquet)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from script_loader import REPO, load_script
+from timlab.experiments.sweep import load_spec
+from timlab.rundir import RunDir
+
+E3 = load_script("e3_tables")
+SPEC = REPO / "docs" / "examples" / "e3.yaml"
+WANT = [c.name for c in load_spec(SPEC).conditions]
+STEPS, EVERY = E3.STUDY["steps"], 25
+LENGTH = {0: 23.0, 1: 62.0, 2: 150.0}
+"""Planted mean sampled response length per level (the fit's T)."""
+K3 = {"fp8": 3e-4, "stale_1": 6e-4, "head_0.175": 1e-3, "head_0.49": 1e-2}
+"""Planted realized k3 per arm, scaled per level by ``K3_LEVEL`` so that k3 and T are not collinear."""
+K3_LEVEL = {0: 1.0, 1: 0.6, 2: 1.5}
+C = 4.0
+"""Planted level loss: C * k3 * (T / 100)^RHO of accuracy over steps 25-150 (rho planted)."""
+
+
+def loss(level: int, arm: str, rho: float) -> float:
+    k3 = K3[arm] * K3_LEVEL[level]
+    return C * k3 * (LENGTH[level] / 100) ** rho
+
+
+def _metrics(level: int, arm: str, seed: int, *, rho: float = 2.0, start=(0.99, -0.05)) -> pd.DataFrame:
+    rng = np.random.default_rng([level, list(K3).index(arm) + 1 if arm in K3 else 0, seed])
+    steps = np.arange(1, STEPS + 1)  # (150,)
+    ev = np.arange(0, STEPS + 1, EVERY)  # (7,)
+    acc = 0.99 + rng.normal(0, 1e-5, ev.size)
+    gold = -0.05 + rng.normal(0, 1e-3, ev.size)
+    if arm != "control":
+        acc[ev >= 25] -= loss(level, arm, rho)
+        gold[ev >= 25] -= 10 * loss(level, arm, rho)
+    acc[0], gold[0] = start
+    k3 = np.zeros(steps.size) if arm == "control" else \
+        K3[arm] * K3_LEVEL[level] * np.exp(rng.normal(0, 0.02, steps.size))
+    train = pd.DataFrame({"step": steps, "rollout_corr/k3_kl": k3,
+                          "mismatch/frac_bitwise_equal": 1.0 if arm == "control" else 0.2,
+                          "train/response_length_mean": LENGTH[level] * np.exp(rng.normal(0, 0.01, steps.size)),
+                          "train/step_time_s": 0.3})
+    val = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold})
+    m = val.merge(train, on="step", how="outer").sort_values("step")
+    return m[["step"] + sorted(c for c in m.columns if c != "step")]  # the column order MetricsLog writes
+
+
+def _sweep(root, names=WANT, *, states: dict | None = None, metrics=_metrics):
+    """A sweep directory holding the runs ``names`` (finished at step 150 unless ``states`` says
+    otherwise: name -> (state, last step))."""
+    rows = []
+    for name in names:
+        level, arm = E3.cell(name)
+        seed = int(name.rsplit("_s", 1)[1])
+        state, last = (states or {}).get(name, ("finished", STEPS))
+        rd = RunDir(root / f"{name}__abc123")
+        rd.path.mkdir(parents=True)
+        m = metrics(level, arm, seed)
+        m[m["step"] <= last].to_parquet(rd.metrics_file, index=False)
+        rd.write_status(state, step=last, total_steps=STEPS)
+        rows.append({"run_id": rd.path.name, "run_dir": rd.path.name, "spec_condition": name, "condition": name,
+                     "state": "running", "last_step": 0})
+    pd.DataFrame(rows).to_parquet(root / "index.parquet", index=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    return _sweep(tmp_path_factory.mktemp("e3"))
+
+
+@pytest.fixture(scope="module")
+def per(sweep):
+    return E3.collect(str(sweep), E3.STUDY, key=E3.cell, endpoints=E3.study_endpoints)
+
+
+@pytest.fixture(scope="module")
+def analysis(sweep):
+    return E3.study(str(sweep), spec=SPEC)
+
+
+def _row(text: str, section: str, level: int, arm: str) -> str:
+    part = text.split(f"**{section}")[1].split("\n\n", 2)[1]
+    return next(line for line in part.splitlines() if line.startswith(f"| {level} | {arm} |"))
+
+
+def test_the_spec_is_the_registered_design():
+    assert len(WANT) == 75 and {E3.cell(c) for c in WANT} == {(lv, a) for lv in range(3) for a in ("control", *K3)}
+    assert E3.cell("v2_head_0.49_s3") == (2, "head_0.49")
+    with pytest.raises(ValueError, match="v<level>_<arm>_s<seed>"):
+        E3.cell("control_s0")
+
+
+def test_threshold_fit_values_as_registered():
+    # FINDINGS: "0.28, 0.043, 8.2e-3 and 2.2e-3 at T = 22, 61, 149, 302"
+    got = [E3.threshold_k3(E3.ANSWER_TOKENS[lv]) for lv in range(4)]
+    assert got == pytest.approx([0.28, 0.043, 8.2e-3, 2.2e-3], rel=0.03)
+    assert E3.threshold_k3(465) == pytest.approx(1e-3)
+
+
+def test_fit_length_recovers_planted_exponents():
+    rng = np.random.default_rng(0)
+    k3 = np.exp(rng.uniform(-9, -4, 9))
+    T = np.repeat([22.0, 61.0, 149.0], 3)
+    ex = -0.7 * k3 ** 0.8 * T ** 1.6
+    a, alpha, beta = E3.fit_length(k3, T, ex, np.repeat([0, 1, 2], 3))
+    assert (a, alpha, beta) == pytest.approx((math.log(0.7), 0.8, 1.6), abs=1e-9)
+    # too few negative cells, one level only, or k3 and T collinear: no fit
+    assert E3.fit_length(k3, T, np.where(np.arange(9) < 6, 1.0, ex), np.repeat([0, 1, 2], 3)) is None
+    assert E3.fit_length(k3[:3], T[:3], ex[:3], np.zeros(3)) is None
+    assert E3.fit_length(k3[6:], np.full(3, 149.0), ex[6:], np.array([2, 2, 2])) is None
+    T2 = np.repeat([22.0, 61.0], 3)
+    assert E3.fit_length(T2 * 1e-5, T2, -(T2 * 1e-5) * T2, np.repeat([0, 1], 3)) is None  # log k3 = log T + const
+
+
+def test_valid_study_erodes_where_planted(analysis):
+    for lv in range(3):
+        assert f"Validity, level {lv}: control guard (k3 exactly 0, every token bitwise equal, every step) held" in analysis
+        assert f"level {lv}" in analysis and "VOID" not in analysis
+    # the largest planted loss (level 2, head 0.49: 4 * 1.5e-2 * 2.25 = 0.135) erodes the accuracy level
+    r = _row(analysis, "mean accuracy, evaluations", 2, "head_0.49")
+    assert "**erodes**" in r and f"{-loss(2, 'head_0.49', 2.0):+.4f}" in r
+    # the smallest (level 1, fp8: 4 * 1.8e-4 * 0.384 = 2.8e-4) is still separable with this little noise
+    assert "| 1 | fp8 |" in analysis
+    # realized k3 and T as planted
+    k = _row(analysis, "Realized mismatch", 2, "head_0.49")
+    assert "| 0.015 [" in k and "| 150.0 |" in k
+
+
+def test_length_fit_decides_the_planted_shape(analysis):
+    fit = analysis.split("**Length fit, mean accuracy (primary)**: ")[1].split("\n")[0]
+    assert "over 12 cells" in fit and "**T^2 * k3**" in fit
+    alpha = float(fit.split("alpha = ")[1].split(",")[0])
+    beta = float(fit.split("beta = ")[1].split(",")[0])
+    assert alpha == pytest.approx(1.0, abs=0.05) and beta == pytest.approx(2.0, abs=0.1)
+    # extrapolation at k3 1e-3: C * 1e-3 * (T / 100)^2 -> 0.4 at T = 1,000
+    assert "| 1,000 | 0.39" in analysis and "| 8,000 |" in analysis
+
+
+def test_planted_linear_length_decides_t_k3(tmp_path):
+    root = _sweep(tmp_path / "lin", metrics=lambda lv, a, s: _metrics(lv, a, s, rho=1.0))
+    text = E3.study(str(root), spec=SPEC)
+    fit = text.split("**Length fit, mean accuracy (primary)**: ")[1].split("\n")[0]
+    assert "**T * k3**" in fit, fit
+
+
+def test_no_fit_without_enough_negative_cells(per):
+    flat = {k: [dict(r, acc_level=0.99, acc_slope=0.0) for r in v] for k, v in per.items()}
+    text = E3.analyse(flat, WANT)
+    assert "0 cells with a negative mean excess over 0 levels (needs 4 over 2" in text
+    assert "no detectable erosion (costs" in text
+
+
+def test_threshold_test_counts_agreeing_cells(per):
+    # plant falls: level 2 head 0.49 (k3 1.5e-2 > k3*(149) = 8.2e-3) falls in 3 of 5 seeds, level 0
+    # fp8 (3e-4 < 0.28) in 4 of 5 (disagrees); every other cell none (agrees when below)
+    fell = {(2, "head_0.49"): 3, (0, "fp8"): 4}
+    p = {k: [dict(r, fell=i < fell.get(k, 0)) for i, r in enumerate(v)] for k, v in per.items()}
+    text = E3.analyse(p, WANT)
+    assert "| 2 | 149 | 8.2e-03 | head_0.49 | 0.015 | yes | 3/5 | yes |" in text
+    assert "| 0 | 22 | 0.283 | fp8 | 3.0e-04 | no | 4/5 | no |" in text
+    assert "Cells that agree with the threshold fit: 11 of 12." in text
+
+
+def test_incomplete_sweeps_are_refused(tmp_path):
+    root = _sweep(tmp_path / "part", WANT[:40], states={WANT[39]: ("running", 60)})
+    text = E3.study(str(root), spec=SPEC)
+    assert text.startswith("INCOMPLETE: 39 of 75 runs finished at step 150") and "no interim analysis" in text
+    assert "v2 head_0.49 seeds 2-4" in text
+
+
+def test_a_guard_trip_voids_the_study_and_a_differing_start_voids_its_level(tmp_path, per):
+    root = _sweep(tmp_path / "trip", WANT[:5], states={"v0_control_s0": ("guard_failed", 12)})
+    assert E3.study(str(root), spec=SPEC).startswith("VOID: the zero-mismatch guard stopped v0_control_s0")
+    p = {k: [dict(r) for r in v] for k, v in per.items()}
+    p[1, "fp8"][2]["start_acc"] = 0.5
+    text = E3.analyse(p, WANT)
+    assert "Validity, level 1:" in text and "DIFFERS between its runs (2 distinct): VOID" in text
+    assert "| 1 | fp8 |" not in text and "over 8 cells" in text  # level 1 left out of the tables and the fit
+    p = {k: [dict(r, start_acc=0.93) if k[0] == 2 else r for r in v] for k, v in per.items()}
+    text = E3.analyse(p, WANT)
+    assert "Validity, level 2:" in text and "(accuracy 0.930, gold log-prob -0.050), below the bar 0.95: VOID" in text
+    assert "Validity, level 0:" in text and text.count(": VALID.") == 2
