@@ -3,6 +3,7 @@
     python scripts/e3_tables.py starts sweeps/e3_starts
     python scripts/e3_tables.py followup sweeps/e3_starts_rl
     python scripts/e3_tables.py study sweeps/e3                # the pre-registered analysis
+    python scripts/e3_tables.py figure sweeps/e3 --out docs/img/e3_length.png
 
 ``starts``: the calibration of E3's learned starts (docs/examples/e3_starts.yaml): per condition
 (verbosity level, SFT step count), the greedy accuracy and gold log-prob at the step-0 evaluation
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from erosion_tables import collect, comparison_cells, fmt, mean_cells, run_endpoints, runs, seed_ranges  # noqa: E402
-from timlab.experiments.stats import N_BOOT, bootstrap_ci, clopper_pearson, compare_family, t_ci  # noqa: E402
+from timlab.experiments.stats import N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, compare_family, t_ci  # noqa: E402
 from timlab.experiments.sweep import INDEX_FILE, load_spec, read_index  # noqa: E402
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics  # noqa: E402
 
@@ -343,16 +344,65 @@ def _threshold(per: dict, col: dict, treated: list) -> list[str]:
     return out + ["", f"Cells that agree with the threshold fit: {agree} of {len(treated)}.", ""]
 
 
+def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict = STUDY) -> Path:
+    """Each treated (level, arm) cell's excess mean accuracy over its level's control, with its 95%
+    bootstrap interval, against realized k3, T * k3 and T^2 * k3 (T: the level's control mean
+    response length): under the shape that holds, the levels fall on one curve. Only for a
+    complete sweep (the study's own refusal otherwise)."""
+    from matplotlib.figure import Figure
+
+    text = study(sweep, spec=spec, design=design)
+    if text.startswith(("INCOMPLETE", "VOID")):
+        raise SystemExit(text)
+    want = [c.name for c in load_spec(spec).conditions]
+    per = collect(sweep, design, key=cell, endpoints=study_endpoints)
+    cells = list(dict.fromkeys(cell(c) for c in want))
+    col = {k: {e: np.array([r[e] for r in per[k] if r["condition"] in want], float) for e in ("k3", "acc_level", "length")}
+           for k in cells}
+    levels = sorted({lv for lv, _ in cells})
+    arms = list(dict.fromkeys(a for _, a in cells if a != CONTROL))
+    fig = Figure(figsize=(14, 4))
+    axes = [fig.add_subplot(1, 3, i + 1) for i in range(3)]
+    for lv in levels:
+        T = float(col[lv, CONTROL]["length"].mean())
+        for j, a in enumerate(arms):
+            c = col[lv, a]
+            ex = float(c["acc_level"].mean() - col[lv, CONTROL]["acc_level"].mean())
+            lo, hi = bootstrap_diff_ci(c["acc_level"], col[lv, CONTROL]["acc_level"])
+            k = float(c["k3"].mean())
+            for ax, x in zip(axes, (k, T * k, T * T * k)):
+                ax.errorbar([x], [ex], yerr=[[ex - lo], [hi - ex]], fmt="osD^v"[j % 5], color=f"C{lv}", ms=5, capsize=2,
+                            label=f"level {lv} (T {T:.0f})" if j == 0 else None)
+    for ax, xl in zip(axes, ("realized k3", "T * k3", "T^2 * k3")):
+        ax.set_xscale("log")
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set(xlabel=xl, ylabel="mean accuracy minus the level's control")
+    axes[0].legend(fontsize=7, loc="lower left")
+    axes[1].set_title("markers: " + ", ".join(f"{'osD^v'[j % 5]} {a}" for j, a in enumerate(arms)), fontsize=8)
+    fig.suptitle(f"{sweep}: accuracy cost of each (level, arm) cell, steps {design['start']}-{design['steps']}, "
+                 f"mean over seeds with 95% bootstrap interval", fontsize=9)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=100)
+    return out
+
+
 TABLES = {"starts": starts, "followup": followup, "study": study}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("table", choices=list(TABLES))
+    p.add_argument("table", choices=[*TABLES, "figure"])
     p.add_argument("sweep", help="the sweep (starts, study) or the folder of run directories (followup)")
     p.add_argument("--spec", default=str(SPEC), help=f"the study's spec (study only; default {SPEC.relative_to(ROOT)})")
+    p.add_argument("--out", help="the figure's file (figure only)")
     a = p.parse_args(argv)
     np.seterr(all="ignore")
+    if a.table == "figure":
+        if not a.out:
+            p.error("figure needs --out FILE.png")
+        print(f"wrote {figure(a.sweep, a.out, spec=a.spec)}")
+        return 0
     print(study(a.sweep, spec=a.spec) if a.table == "study" else TABLES[a.table](a.sweep))
     return 0
 

@@ -191,3 +191,11 @@ def test_a_guard_trip_voids_the_study_and_a_differing_start_voids_its_level(tmp_
     text = E3.analyse(p, WANT)
     assert "Validity, level 2:" in text and "(accuracy 0.930, gold log-prob -0.050), below the bar 0.95: VOID" in text
     assert "Validity, level 0:" in text and text.count(": VALID.") == 2
+
+
+def test_figure_of_a_complete_sweep_and_refusal_of_an_incomplete_one(sweep, tmp_path):
+    out = E3.figure(str(sweep), tmp_path / "e3.png", spec=SPEC)
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    part = _sweep(tmp_path / "part", WANT[:3])
+    with pytest.raises(SystemExit, match="INCOMPLETE: 3 of 75"):
+        E3.figure(str(part), tmp_path / "no.png", spec=SPEC)
