@@ -50,9 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from erosion_tables import collect, comparison_cells, fmt, mean_cells, run_endpoints, runs, seed_ranges  # noqa: E402
+from erosion_tables import sweep_states  # noqa: E402
 from timlab.experiments.stats import N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, compare_family, t_ci  # noqa: E402
-from timlab.experiments.sweep import INDEX_FILE, load_spec, read_index  # noqa: E402
-from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics  # noqa: E402
+from timlab.experiments.sweep import load_spec  # noqa: E402
+from timlab.rundir import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,15 +141,10 @@ def study_endpoints(m: pd.DataFrame, start: int = STUDY["start"], *, diverged: b
 def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY) -> str:
     """The pre-registered analysis of the E3 sweep as markdown (FINDINGS' "Study E3")."""
     want = [c.name for c in load_spec(spec).conditions]
-    done: set[str] = set()
-    if (Path(sweep) / INDEX_FILE).exists():
-        idx = read_index(sweep)  # states and steps read live from each run's status.json
-        rows = list(zip(idx["spec_condition"], idx["state"], idx["last_step"]))
-        tripped = sorted(c for c, s, _ in rows if cell(c)[1] == CONTROL and s == GUARD_FAILED)
-        if tripped:
-            return (f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (every control step keeps k3 "
-                    f"exactly 0 and every token bitwise equal); the study is re-run, not analysed.")
-        done = {c for c, s, n in rows if (s == FINISHED and n == design["steps"]) or s == DIVERGED}
+    tripped, done = sweep_states(sweep, design["steps"], lambda c: cell(c)[1] == CONTROL)
+    if tripped:
+        return (f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (every control step keeps k3 "
+                f"exactly 0 and every token bitwise equal); the study is re-run, not analysed.")
     if any(c not in done for c in want):  # no run's metrics are read before the study is complete
         return _incomplete(want, done, design)
     per = collect(sweep, design, key=cell, endpoints=study_endpoints)

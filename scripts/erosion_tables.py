@@ -51,7 +51,8 @@ from timlab.experiments.collapse import judge  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson,  # noqa: E402
                                       compare_family, permutation_test, t_ci)
-from timlab.experiments.sweep import read_index  # noqa: E402
+from timlab.experiments.sweep import INDEX_FILE, read_index  # noqa: E402
+from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED  # noqa: E402
 
 CONTROL = "control"
 """The zero-mismatch arm's condition name in the erosion specs."""
@@ -275,6 +276,18 @@ def _pct(x, lo: float = 2.5, hi: float = 97.5) -> tuple[float, float]:
 
 def _g(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.3g}"
+
+
+def sweep_states(sweep: str, steps: int, is_control) -> tuple[list[str], set[str]]:
+    """(the control conditions the zero-mismatch guard stopped, sorted; the conditions finished at
+    ``steps`` or diverged) of a sweep, states and steps read live from each run's status.json; both
+    empty when the sweep has no index yet. ``is_control(condition)`` picks the control runs."""
+    if not (Path(sweep) / INDEX_FILE).exists():
+        return [], set()
+    idx = read_index(sweep)
+    rows = list(zip(idx["spec_condition"], idx["state"], idx["last_step"]))
+    tripped = sorted(c for c, s, _ in rows if is_control(c) and s == GUARD_FAILED)
+    return tripped, {c for c, s, n in rows if (s == FINISHED and n == steps) or s == DIVERGED}
 
 
 def collect(sweep: str, design: dict = STUDY, *, key=arm, endpoints=run_endpoints) -> dict[str, list[dict]]:

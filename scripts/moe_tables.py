@@ -60,12 +60,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from erosion_tables import CONTROL as ERO_CONTROL, HEAD, STUDY as ERO_STUDY  # noqa: E402  (the study tables
 from erosion_tables import arm, bootstrap_fit, collect, fit_power, fmt, off_fit, runs  # noqa: E402  these follow)
-from erosion_tables import comparison_cells, mean_cells, seed_ranges  # noqa: E402
+from erosion_tables import comparison_cells, mean_cells, seed_ranges, sweep_states  # noqa: E402
 from erosion_tables import run_endpoints as erosion_run_endpoints  # noqa: E402
 from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_ratio_ci, clopper_pearson,  # noqa: E402
                                       compare_family, t_ci)
-from timlab.experiments.sweep import INDEX_FILE, load_spec, read_index  # noqa: E402
-from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED  # noqa: E402
+from timlab.experiments.sweep import INDEX_FILE, load_spec  # noqa: E402
 from timlab.rundir.metrics_log import without_timings  # noqa: E402
 
 CONTROL = "control"
@@ -198,15 +197,10 @@ def _seeds(conditions: list[str]) -> str:
 def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY, erosion: str | Path = EROSION_SWEEP) -> str:
     """The pre-registered analysis of the MoE study sweep as markdown (rules 1-7 of FINDINGS' "MoE study")."""
     want = [c.name for c in load_spec(spec).conditions]
-    done: set[str] = set()
-    if (Path(sweep) / INDEX_FILE).exists():
-        idx = read_index(sweep)  # states and steps read live from each run's status.json
-        rows = list(zip(idx["spec_condition"], idx["state"], idx["last_step"]))
-        tripped = sorted(c for c, s, _ in rows if arm(c) == CONTROL and s == GUARD_FAILED)
-        if tripped:
-            return (f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (rule 1: every control step keeps k3 "
-                    f"exactly 0 and every token bitwise equal); the study is re-run, not analysed.")
-        done = {c for c, s, n in rows if (s == FINISHED and n == design["steps"]) or s == DIVERGED}
+    tripped, done = sweep_states(sweep, design["steps"], lambda c: arm(c) == CONTROL)
+    if tripped:
+        return (f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (rule 1: every control step keeps k3 "
+                f"exactly 0 and every token bitwise equal); the study is re-run, not analysed.")
     if any(c not in done for c in want):  # no run's metrics are read before the study is complete
         return _incomplete(want, done, design)
     per = collect(sweep, design, endpoints=study_endpoints)

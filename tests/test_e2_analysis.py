@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from script_loader import load_script
+from study_sweep import write_sweep
 from timlab.experiments.stats import clopper_pearson
-from timlab.rundir import RunDir
 
 E2 = load_script("e2_tables")
 
@@ -76,19 +76,7 @@ def _metrics(arm: str, lr: str, seed: int) -> pd.DataFrame:
 def _sweep(root, names, *, states: dict | None = None):
     """A sweep directory holding the runs ``names`` (finished at step 400 unless ``states`` says
     otherwise: name -> (state, last step))."""
-    rows = []
-    for name in names:
-        arm, lr, seed = E2.parse(name)
-        state, last = (states or {}).get(name, ("finished", STEPS))
-        rd = RunDir(root / f"{name}__abc123")
-        rd.path.mkdir(parents=True)
-        m = _metrics(arm, lr, seed)
-        m[m["step"] <= last].to_parquet(rd.metrics_file, index=False)
-        rd.write_status(state, step=last, total_steps=STEPS)
-        rows.append({"run_id": rd.path.name, "run_dir": rd.path.name, "spec_condition": name, "condition": name,
-                     "state": "running", "last_step": 0})
-    pd.DataFrame(rows).to_parquet(root / "index.parquet", index=False)
-    return root
+    return write_sweep(root, names, lambda name: _metrics(*E2.parse(name)), STEPS, states=states)
 
 
 @pytest.fixture(scope="module")

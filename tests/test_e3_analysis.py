@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 
 from script_loader import REPO, load_script
+from study_sweep import write_sweep
 from timlab.experiments.sweep import load_spec
-from timlab.rundir import RunDir
 
 E3 = load_script("e3_tables")
 SPEC = REPO / "docs" / "examples" / "e3.yaml"
@@ -58,20 +58,8 @@ def _metrics(level: int, arm: str, seed: int, *, rho: float = 2.0, start=(0.99, 
 def _sweep(root, names=WANT, *, states: dict | None = None, metrics=_metrics):
     """A sweep directory holding the runs ``names`` (finished at step 150 unless ``states`` says
     otherwise: name -> (state, last step))."""
-    rows = []
-    for name in names:
-        level, arm = E3.cell(name)
-        seed = int(name.rsplit("_s", 1)[1])
-        state, last = (states or {}).get(name, ("finished", STEPS))
-        rd = RunDir(root / f"{name}__abc123")
-        rd.path.mkdir(parents=True)
-        m = metrics(level, arm, seed)
-        m[m["step"] <= last].to_parquet(rd.metrics_file, index=False)
-        rd.write_status(state, step=last, total_steps=STEPS)
-        rows.append({"run_id": rd.path.name, "run_dir": rd.path.name, "spec_condition": name, "condition": name,
-                     "state": "running", "last_step": 0})
-    pd.DataFrame(rows).to_parquet(root / "index.parquet", index=False)
-    return root
+    return write_sweep(root, names, lambda name: metrics(*E3.cell(name), int(name.rsplit("_s", 1)[1])), STEPS,
+                       states=states)
 
 
 @pytest.fixture(scope="module")
