@@ -100,7 +100,9 @@ class TaskSection:
     n_train: int = 20000
     """Prompts in the RL training pool."""
     n_val: int = 128
-    """Prompts in the validation set (disjoint from the training pool)."""
+    """Prompts in the validation set (disjoint from the training pool). Drawn first, so changing
+    it also changes which prompts train: an SFT warm start built with another n_val is another
+    model (its cache key holds n_val)."""
     split_seed: int = 1234
     """Seed that draws the train and validation prompts."""
 

@@ -131,7 +131,9 @@ def make_splits(task: Task, *, seed: int, n_train: int, n_val: int
                 ) -> tuple[list[Example], list[Example]]:
     """Seeded train/val examples with no prompt repeated inside or across the two lists.
 
-    Validation is drawn first, so it does not change with ``n_train``. A task with a fixed list
+    Validation is drawn first, so it does not change with ``n_train``; the training draw does
+    change with ``n_val`` (it follows in the same seeded stream), so the SFT warm start, whose
+    examples come from the training draw, depends on ``n_val`` too. A task with a fixed list
     (``Task.examples``) is shuffled with ``seed`` and cut: the first ``n_val`` examples validate,
     the next ``n_train`` at most train (so ``n_train`` is a cap there, and ``n_val`` must leave one).
     """
