@@ -73,6 +73,10 @@ def test_findings_blocks_match_the_committed_sweeps():
     assert "| bypass_ppo_clip vs no remedy | -0.595 | 0.008 | 0.048 | worse |" in rem
     assert "| token TIS + batch normalize vs no remedy | +0.123 | 0.016 | 0.063 | not separable with 5 seeds |" in rem
     assert rem.count("not separable with 5 seeds") == 4 and "raw p = 0.040" in rem
+    # Study E3 (issue 24 item 4): valid at every level, the length fit undecided, no cell at its threshold
+    e3 = blocks["e3-study"]
+    assert e3.count(": VALID.") == 3 and "rho = beta / alpha = 5.74 [95% bootstrap -18.32, 20.60]" in e3
+    assert "**undecided**" in e3 and "Cells that agree with the threshold fit: 12 of 12." in e3
 
 
 def test_generic_tables_run_without_tabulate(monkeypatch):
