@@ -187,3 +187,12 @@ def test_figure_of_a_complete_sweep_and_refusal_of_an_incomplete_one(sweep, tmp_
     part = _sweep(tmp_path / "part", WANT[:3])
     with pytest.raises(SystemExit, match="INCOMPLETE: 3 of 75"):
         E3.figure(str(part), tmp_path / "no.png", spec=SPEC)
+
+
+def test_e3b_spec_is_analysed_by_the_same_code(tmp_path):
+    spec = REPO / "docs" / "examples" / "e3b.yaml"
+    want = [c.name for c in load_spec(spec).conditions]
+    assert len(want) == 96 and {E3.cell(c) for c in want} == {
+        (lv, a) for lv in range(3) for a in ("control", "head_0.52", "head_0.72", "head_0.95")}
+    assert [int(c.rsplit("_s", 1)[1]) for c in want[:12]] == [0] * 12  # seed by seed
+    assert E3.study(str(tmp_path / "not_started"), spec=spec).startswith("INCOMPLETE: 0 of 96 runs finished at step 150")
