@@ -216,7 +216,7 @@ def _mechanism(col: dict, ok: list[int], arms: dict, T: dict, design: dict) -> l
 
 
 def _outcome(col: dict, ok: list[int], arms: dict, key: str, label: str, erodes: dict) -> list[str]:
-    out = [f"**{label}** (per level, Holm over the level's {max(len(v) for v in arms.values())} treatment arms)", "",
+    out = [f"**{label}** (per level, Holm over the level's {max((len(v) for v in arms.values()), default=0)} treatment arms)", "",
            "| level | arm | mean [95% t] [95% bootstrap] | excess over control [95% bootstrap] | permutation p | "
            "Holm p | verdict |", "|---:|---|---:|---:|---:|---:|---|"]
     for lv in ok:

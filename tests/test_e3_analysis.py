@@ -179,6 +179,9 @@ def test_a_guard_trip_voids_the_study_and_a_differing_start_voids_its_level(tmp_
     text = E3.analyse(p, WANT)
     assert "Validity, level 2:" in text and "(accuracy 0.930, gold log-prob -0.050), below the bar 0.95: VOID" in text
     assert "Validity, level 0:" in text and text.count(": VALID.") == 2
+    p = {k: [dict(r, start_acc=0.5) for r in v] for k, v in per.items()}  # every level void: tables empty, no fit
+    text = E3.analyse(p, WANT)
+    assert text.count("below the bar 0.95: VOID") == 3 and "0 cells with a negative mean excess over 0 levels" in text
 
 
 def test_figure_of_a_complete_sweep_and_refusal_of_an_incomplete_one(sweep, tmp_path):
