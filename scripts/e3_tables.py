@@ -49,7 +49,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from erosion_tables import collect, comparison_cells, fmt, mean_cells, run_endpoints, runs, seed_ranges  # noqa: E402
+from erosion_tables import collect, comparison_cells, fmt, incomplete_line, mean_cells, run_endpoints, runs  # noqa: E402
 from erosion_tables import sweep_states  # noqa: E402
 from timlab.experiments.stats import N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, compare_family, t_ci  # noqa: E402
 from timlab.experiments.sweep import load_spec  # noqa: E402
@@ -138,27 +138,28 @@ def study_endpoints(m: pd.DataFrame, start: int = STUDY["start"], *, diverged: b
     return out
 
 
-def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY) -> str:
-    """The pre-registered analysis of the E3 sweep as markdown (FINDINGS' "Study E3")."""
-    want = [c.name for c in load_spec(spec).conditions]
+def _refusal(sweep: str, want: list[str], design: dict) -> str | None:
+    """The line printed instead of any number (a control stopped by the guard: VOID; runs
+    missing: INCOMPLETE), or None when the study is complete. Reads run states only, no metrics."""
     tripped, done = sweep_states(sweep, design["steps"], lambda c: cell(c)[1] == CONTROL)
     if tripped:
         return (f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (every control step keeps k3 "
                 f"exactly 0 and every token bitwise equal); the study is re-run, not analysed.")
-    if any(c not in done for c in want):  # no run's metrics are read before the study is complete
-        return _incomplete(want, done, design)
+    return _incomplete(want, done, design) if any(c not in done for c in want) else None
+
+
+def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY) -> str:
+    """The pre-registered analysis of the E3 sweep as markdown (FINDINGS' "Study E3")."""
+    want = [c.name for c in load_spec(spec).conditions]
+    refusal = _refusal(sweep, want, design)  # no run's metrics are read before the study is complete
+    if refusal:
+        return refusal
     per = collect(sweep, design, key=cell, endpoints=study_endpoints)
     return analyse(per, want, design=design)
 
 
 def _incomplete(want: list[str], done: set[str], design: dict) -> str:
-    missing = [c for c in want if c not in done]
-    by: dict[tuple[int, str], list[int]] = {}
-    for c in missing:
-        by.setdefault(cell(c), []).append(int(c.rsplit("_s", 1)[1]))
-    listed = ", ".join(f"v{lv} {a} seed{'s' if len(s) > 1 else ''} {seed_ranges(s)}" for (lv, a), s in by.items())
-    return (f"INCOMPLETE: {len(want) - len(missing)} of {len(want)} runs finished at step {design['steps']} "
-            f"(missing: {listed}); no endpoint is computed before the study is complete (no interim analysis).")
+    return incomplete_line(want, done, design["steps"], label=lambda c: "v{} {}".format(*cell(c)))
 
 
 def analyse(per: dict[tuple[int, str], list[dict]], want: list[str], *, design: dict = STUDY,
@@ -347,10 +348,10 @@ def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict
     complete sweep (the study's own refusal otherwise)."""
     from matplotlib.figure import Figure
 
-    text = study(sweep, spec=spec, design=design)
-    if text.startswith(("INCOMPLETE", "VOID")):
-        raise SystemExit(text)
     want = [c.name for c in load_spec(spec).conditions]
+    refusal = _refusal(sweep, want, design)
+    if refusal:
+        raise SystemExit(refusal)
     per = collect(sweep, design, key=cell, endpoints=study_endpoints)
     cells = list(dict.fromkeys(cell(c) for c in want))
     col = {k: {e: np.array([r[e] for r in per[k] if r["condition"] in want], float) for e in ("k3", "acc_level", "length")}

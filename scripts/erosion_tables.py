@@ -108,6 +108,26 @@ def seed_ranges(seeds) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
 
 
+def grouped_seeds(conditions: list[str], label=None) -> str:
+    """Conditions named ``<group>_s<seed>`` as ``<group> seeds 0-2, 7, <other> seed 3`` in
+    first-seen order; ``label(condition)`` names a condition's group (default: ``arm``); a
+    condition without a seed suffix is listed by its label alone."""
+    by: dict[str, list[int]] = {}
+    for c in conditions:
+        m = re.fullmatch(r".+_s(\d+)", c)
+        by.setdefault((label or arm)(c), []).extend([int(m.group(1))] if m else [])
+    return ", ".join(f"{g} seed{'s' if len(s) > 1 else ''} {seed_ranges(s)}" if s else g for g, s in by.items())
+
+
+def incomplete_line(want: list[str], done: set[str], steps: int, label=None) -> str:
+    """The one line a pre-registered analysis prints instead of any number while runs of ``want``
+    are not in ``done`` (no interim analysis); missing runs grouped by ``grouped_seeds``."""
+    missing = [c for c in want if c not in done]
+    return (f"INCOMPLETE: {len(want) - len(missing)} of {len(want)} runs finished at step {steps} "
+            f"(missing: {grouped_seeds(missing, label)}); no endpoint is computed before the study is complete "
+            f"(no interim analysis).")
+
+
 def runs(sweep: str) -> list[tuple[pd.Series, pd.DataFrame]]:
     """(index row, metrics) of every run of a sweep that has metrics."""
     out = []

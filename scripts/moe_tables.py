@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -60,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from erosion_tables import CONTROL as ERO_CONTROL, HEAD, STUDY as ERO_STUDY  # noqa: E402  (the study tables
 from erosion_tables import arm, bootstrap_fit, collect, fit_power, fmt, off_fit, runs  # noqa: E402  these follow)
-from erosion_tables import comparison_cells, mean_cells, seed_ranges, sweep_states  # noqa: E402
+from erosion_tables import comparison_cells, incomplete_line, mean_cells, sweep_states  # noqa: E402
 from erosion_tables import run_endpoints as erosion_run_endpoints  # noqa: E402
 from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_ratio_ci, clopper_pearson,  # noqa: E402
                                       compare_family, t_ci)
@@ -181,19 +180,6 @@ def study_endpoints(m: pd.DataFrame, start: int = STUDY["start"], *, diverged: b
     return out
 
 
-def _seeds(conditions: list[str]) -> str:
-    """``control_s0, control_s1, bf16_s3`` -> ``control seeds 0-1, bf16 seed 3`` (spec order)."""
-    by: dict[str, list[int]] = {}
-    for c in conditions:
-        m = re.fullmatch(r"(.+)_s(\d+)", c)
-        by.setdefault(m.group(1) if m else c, []).append(int(m.group(2)) if m else -1)
-    parts = []
-    for a, s in by.items():
-        s = [x for x in s if x >= 0]
-        parts.append(f"{a} seed{'s' if len(s) > 1 else ''} {seed_ranges(s)}" if s else a)
-    return ", ".join(parts)
-
-
 def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY, erosion: str | Path = EROSION_SWEEP) -> str:
     """The pre-registered analysis of the MoE study sweep as markdown (rules 1-7 of FINDINGS' "MoE study")."""
     want = [c.name for c in load_spec(spec).conditions]
@@ -209,10 +195,7 @@ def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY, erosion:
 
 
 def _incomplete(want: list[str], done: set[str], design: dict) -> str:
-    missing = [c for c in want if c not in done]
-    return (f"INCOMPLETE: {len(want) - len(missing)} of {len(want)} runs finished at step {design['steps']} "
-            f"(missing: {_seeds(missing)}); no endpoint is computed before the study is complete "
-            f"(no interim analysis).")
+    return incomplete_line(want, done, design["steps"])
 
 
 def analyse(per: dict[str, list[dict]], want: list[str], *, design: dict = STUDY,

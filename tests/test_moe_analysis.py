@@ -44,7 +44,8 @@ def test_bootstrap_ratio_ci():
 
 
 def test_seed_lists_compress_to_ranges():
-    assert M._seeds(["control_s0", "control_s1", "control_s2", "bf16_s3", "bf16_s5", "control_s7"]) == \
+    assert load_script("erosion_tables").grouped_seeds(
+        ["control_s0", "control_s1", "control_s2", "bf16_s3", "bf16_s5", "control_s7"]) == \
         "control seeds 0-2, 7, bf16 seeds 3, 5"
 
 
