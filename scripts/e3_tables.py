@@ -347,6 +347,7 @@ def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict
     response length): under the shape that holds, the levels fall on one curve. Only for a
     complete sweep (the study's own refusal otherwise)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     want = [c.name for c in load_spec(spec).conditions]
     refusal = _refusal(sweep, want, design)
@@ -372,6 +373,7 @@ def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict
                             label=f"level {lv} (T {T:.0f})" if j == 0 else None)
     for ax, xl in zip(axes, ("realized k3", "T * k3", "T^2 * k3")):
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap within a decade
         ax.axhline(0, color="0.5", lw=0.8)
         ax.set(xlabel=xl, ylabel="mean accuracy minus the level's control")
     axes[0].legend(fontsize=7, loc="lower left")
