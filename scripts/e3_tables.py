@@ -4,6 +4,7 @@
     python scripts/e3_tables.py followup sweeps/e3_starts_rl
     python scripts/e3_tables.py study sweeps/e3                # the pre-registered analysis
     python scripts/e3_tables.py figure sweeps/e3 --out docs/img/e3_length.png
+    python scripts/e3_tables.py predict sweeps/e3c             # E3c: E3b's fit tested at a new length
 
 ``starts``: the calibration of E3's learned starts (docs/examples/e3_starts.yaml): per condition
 (verbosity level, SFT step count), the greedy accuracy and gold log-prob at the step-0 evaluation
@@ -33,6 +34,17 @@ T * k3 (rho = 1), T^2 * k3 (rho = 2), neither, or undecided; the fitted loss at 
 1,000-8,000 (an extrapolation). The same fit on the accuracy slopes is secondary. The threshold
 study's k3*(T) = 1e-3 (T / 465)^-1.85 is tested cell by cell: above it a cell should fall in at
 least half its seeds, below it in fewer.
+
+``predict``: the out-of-sample test pre-registered in FINDINGS ("Study E3c"), run only when both
+its sweep (``--spec``, default docs/examples/e3c.yaml) and the fit's (``--fit``/``--fit-spec``,
+default sweeps/e3b) are complete. The fit's cells (its valid levels) are fitted three ways: the
+registered free fit (alpha, beta), and one power of T * k3 or of T^2 * k3 (``fit_shape``); each
+predicts the accuracy-level loss of every treated cell of the test sweep (a level the fit did not
+see) at that cell's realized k3 and its control's T. D = measured loss - predicted, with a 95%
+bootstrap interval over 2,000 joint resamples of both studies' seeds: an interval holding 0 is
+consistent. "T * k3 holds out of sample" when its prediction is consistent and T^2 * k3's is not
+(and the reverse); then the test level's own tables, and the free fit over all levels together
+(descriptive).
 """
 
 from __future__ import annotations
@@ -112,6 +124,11 @@ MIN_CELLS, MIN_LEVELS = 4, 2
 """The length fit needs at least this many cells with a negative excess, over at least this many levels."""
 RHO = {"T * k3": 1.0, "T^2 * k3": 2.0}
 """The two hypotheses for rho = beta / alpha."""
+FIT_SWEEP = ROOT / "sweeps" / "e3b"
+FIT_SPEC = ROOT / "docs" / "examples" / "e3b.yaml"
+"""The sweep whose length fit E3c tests out of sample, and its spec."""
+TEST_SPEC = ROOT / "docs" / "examples" / "e3c.yaml"
+"""E3c's spec: the level the fit did not see (``predict``)."""
 
 
 def threshold_k3(T: float) -> float:
@@ -171,21 +188,11 @@ def analyse(per: dict[tuple[int, str], list[dict]], want: list[str], *, design: 
     cells = list(dict.fromkeys(cell(c) for c in want))  # spec order
     per = {k: [r for r in per[k] if r["condition"] in want] for k in cells}
     levels = sorted({lv for lv, _ in cells})
-    col = {k: {e: np.array([r[e] for r in per[k]], float) for e in per[k][0] if e != "condition"} for k in cells}
+    col = _columns(per, cells)
     out, valid = [], {}
     for lv in levels:
-        ctrl = per[lv, CONTROL]
-        guard = all(r["guard"] and r["rows"] == design["steps"] for r in ctrl)
-        starts = {(r["start_step"], r["start_acc"], r["start_gold"]) for k in cells if k[0] == lv for r in per[k]}
-        s0 = next(iter(starts))
-        learned = s0[1] >= design["min_start_accuracy"]
-        valid[lv] = guard and len(starts) == 1 and s0[0] == 0 and learned
-        out.append(f"Validity, level {lv}: control guard (k3 exactly 0, every token bitwise equal, every step) "
-                   f"{'held' if guard else 'BROKEN'}; step-0 evaluation "
-                   + (f"the same in all its runs (accuracy {s0[1]:.3f}, gold log-prob {s0[2]:.3f})" if len(starts) == 1
-                      else f"DIFFERS between its runs ({len(starts)} distinct)")
-                   + ("" if learned or len(starts) > 1 else f", below the bar {design['min_start_accuracy']}")
-                   + f": {'VALID' if valid[lv] else 'VOID (left out of every table and the fit)'}.")
+        valid[lv], line = _validity(per, cells, lv, design)
+        out.append(line)
     out.append("")
     ok = [lv for lv in levels if valid[lv]]
     arms = {lv: [a for v, a in cells if v == lv and a != CONTROL] for lv in ok}
@@ -200,6 +207,27 @@ def analyse(per: dict[tuple[int, str], list[dict]], want: list[str], *, design: 
     out += _length_fit(col, treated, "acc_slope", "accuracy slope per 100 steps (secondary)", n=n)
     out += _threshold(per, col, treated)
     return "\n".join(out)
+
+
+def _columns(per: dict, cells: list) -> dict:
+    """{(level, arm): {endpoint: per-seed array}} of the cells' run endpoints."""
+    return {k: {e: np.array([r[e] for r in per[k]], float) for e in per[k][0] if e != "condition"} for k in cells}
+
+
+def _validity(per: dict, cells: list, lv: int, design: dict) -> tuple[bool, str]:
+    """Registered validity of one level: its controls' guard held at every step, and every run of the
+    level evaluated the same start at step 0, at or above the accuracy bar."""
+    guard = all(r["guard"] and r["rows"] == design["steps"] for r in per[lv, CONTROL])
+    starts = {(r["start_step"], r["start_acc"], r["start_gold"]) for k in cells if k[0] == lv for r in per[k]}
+    s0 = next(iter(starts))
+    learned = s0[1] >= design["min_start_accuracy"]
+    ok = guard and len(starts) == 1 and s0[0] == 0 and learned
+    return ok, (f"Validity, level {lv}: control guard (k3 exactly 0, every token bitwise equal, every step) "
+                f"{'held' if guard else 'BROKEN'}; step-0 evaluation "
+                + (f"the same in all its runs (accuracy {s0[1]:.3f}, gold log-prob {s0[2]:.3f})" if len(starts) == 1
+                   else f"DIFFERS between its runs ({len(starts)} distinct)")
+                + ("" if learned or len(starts) > 1 else f", below the bar {design['min_start_accuracy']}")
+                + f": {'VALID' if ok else 'VOID (left out of every table and the fit)'}.")
 
 
 def _mechanism(col: dict, ok: list[int], arms: dict, T: dict, design: dict) -> list[str]:
@@ -217,7 +245,7 @@ def _mechanism(col: dict, ok: list[int], arms: dict, T: dict, design: dict) -> l
 
 
 def _outcome(col: dict, ok: list[int], arms: dict, key: str, label: str, erodes: dict) -> list[str]:
-    out = [f"**{label}** (per level, Holm over the level's {max((len(v) for v in arms.values()), default=0)} treatment arms)", "",
+    out = [f"**{label}** (per level, Holm over the level's {_arms(max((len(v) for v in arms.values()), default=0))})", "",
            "| level | arm | mean [95% t] [95% bootstrap] | excess over control [95% bootstrap] | permutation p | "
            "Holm p | verdict |", "|---:|---|---:|---:|---:|---:|---|"]
     for lv in ok:
@@ -230,6 +258,10 @@ def _outcome(col: dict, ok: list[int], arms: dict, key: str, label: str, erodes:
             verdict = "**erodes**" if r.below() else f"no detectable erosion (costs {r.cost_bound()})"
             out.append(f"| {lv} | {a} | {comparison_cells(r)} | {verdict} |")
     return out + [""]
+
+
+def _arms(k: int) -> str:
+    return "1 treatment arm: no correction" if k == 1 else f"{k} treatment arms"
 
 
 def _falls(per: dict, ok: list[int], arms: dict, design: dict) -> list[str]:
@@ -341,6 +373,136 @@ def _threshold(per: dict, col: dict, treated: list) -> list[str]:
     return out + ["", f"Cells that agree with the threshold fit: {agree} of {len(treated)}.", ""]
 
 
+def fit_shape(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndarray, rho: float) -> tuple[float, float] | None:
+    """(a, g) of log(-excess) = a + g log(T^rho k3): the cost as a power of one dose, T * k3 (rho 1)
+    or T^2 * k3 (rho 2), by least squares over the cells with a negative excess; None where
+    ``fit_length`` would have too few cells or levels."""
+    keep = excess < 0
+    if keep.sum() < MIN_CELLS or len(set(level[keep].tolist())) < MIN_LEVELS:
+        return None
+    X = np.column_stack([np.ones(keep.sum()), np.log(T[keep] ** rho * k3[keep])])  # (cells, 2)
+    coef = np.linalg.lstsq(X, np.log(-excess[keep]), rcond=None)[0]
+    return float(coef[0]), float(coef[1])
+
+
+def _predictors(k3, T, ex, level) -> dict:
+    """Each hypothesis fitted on the fit's cells, as a function (k3, T) -> predicted loss (None: no fit)."""
+    out = {}
+    f = fit_length(k3, T, ex, level)
+    out["the registered fit (alpha, beta free)"] = None if f is None else (
+        lambda k, t, f=f: np.exp(f[0] + f[1] * np.log(k) + f[2] * np.log(t)))
+    for h, rho in RHO.items():
+        g = fit_shape(k3, T, ex, level, rho)
+        out[h] = None if g is None else (lambda k, t, g=g, rho=rho: np.exp(g[0] + g[1] * np.log(t ** rho * k)))
+    return out
+
+
+def predict(sweep: str, *, spec: str | Path = TEST_SPEC, fit_sweep: str | Path = FIT_SWEEP,
+            fit_spec: str | Path = FIT_SPEC, design: dict = STUDY, n: int = N_BOOT, seed: int = 0) -> str:
+    """E3c's pre-registered analysis (FINDINGS, "Study E3c"): the length fit of ``fit_sweep`` (E3b)
+    predicts the accuracy-level cost of each treated cell of ``sweep`` (a level it did not see) at
+    the cell's realized k3 and T; the measured cost is compared with each prediction. Both sweeps
+    must be complete (no interim analysis)."""
+    want_fit = [c.name for c in load_spec(fit_spec).conditions]
+    want = [c.name for c in load_spec(spec).conditions]
+    for where, names in ((fit_sweep, want_fit), (sweep, want)):
+        refusal = _refusal(str(where), names, design)
+        if refusal:
+            return f"{refusal} ({where})"
+    per_fit = collect(str(fit_sweep), design, key=cell, endpoints=study_endpoints)
+    per = collect(str(sweep), design, key=cell, endpoints=study_endpoints)
+    return out_of_sample(per_fit, want_fit, per, want, design=design, n=n, seed=seed)
+
+
+def out_of_sample(per_fit: dict, want_fit: list[str], per: dict, want: list[str], *, design: dict = STUDY,
+                  n: int = N_BOOT, seed: int = 0) -> str:
+    """``predict``'s analysis of per-cell run endpoints (``collect`` with ``key=cell``)."""
+    fit_cells = list(dict.fromkeys(cell(c) for c in want_fit))
+    cells = list(dict.fromkeys(cell(c) for c in want))
+    per_fit = {k: [r for r in per_fit[k] if r["condition"] in want_fit] for k in fit_cells}
+    per = {k: [r for r in per[k] if r["condition"] in want] for k in cells}
+    if {lv for lv, _ in cells} & {lv for lv, _ in fit_cells}:
+        raise ValueError("the test's levels must be levels the fit did not see")
+    colf, col = _columns(per_fit, fit_cells), _columns(per, cells)
+    out, fit_ok, ok = [], [], []
+    for lv in sorted({lv for lv, _ in fit_cells}):
+        valid, line = _validity(per_fit, fit_cells, lv, design)
+        fit_ok += [lv] if valid else []
+        out.append("The fit's " + line[0].lower() + line[1:])
+    for lv in sorted({lv for lv, _ in cells}):
+        valid, line = _validity(per, cells, lv, design)
+        ok += [lv] if valid else []
+        out.append("The test's " + line[0].lower() + line[1:])
+    out.append("")
+    if not ok:
+        return "\n".join(out + ["No valid test level: no test."])
+    arms = {lv: [a for v, a in cells if v == lv and a != CONTROL] for lv in ok}
+    T = {lv: float(col[lv, CONTROL]["length"].mean()) for lv in ok}
+    out += _mechanism(col, ok, arms, T, design)
+    for key, label in ENDPOINTS:
+        out += _outcome(col, ok, arms, key, f"{label}, evaluations at steps {design['start']}-{design['steps']}", {})
+    out += _falls(per, ok, arms, design)
+    fit_treated = [(lv, a) for lv, a in fit_cells if lv in fit_ok and a != CONTROL]
+    treated = [(lv, a) for lv in ok for a in arms[lv]]
+    out += _prediction(colf, fit_treated, col, treated, n=n, seed=seed)
+    both = {**colf, **col}
+    out += _length_fit(both, fit_treated + treated, "acc_level",
+                       "mean accuracy over the fit's and the test's levels (descriptive)", n=n, seed=seed)
+    return "\n".join(out + _threshold(per, col, treated))
+
+
+def _prediction(colf: dict, fit_treated: list, col: dict, treated: list, *, n: int, seed: int) -> list[str]:
+    """The registered test: per treated test cell and hypothesis, the measured accuracy-level loss
+    minus the predicted one, D, with a 95% bootstrap interval over joint resamples of both studies'
+    seeds; an interval holding 0 is consistent with the hypothesis."""
+    k3, T, ex, _ = _cells(col, treated, "acc_level")
+    pred = _predictors(*_cells(colf, fit_treated, "acc_level"))
+    rng = np.random.default_rng(seed)
+    D, P = {h: [] for h in pred}, {h: [] for h in pred}
+    failed = dict.fromkeys(pred, 0)
+    for _ in range(n):
+        fr = _predictors(*_cells(colf, fit_treated, "acc_level", rng))
+        kt, Tt, et, _ = _cells(col, treated, "acc_level", rng)
+        for h, f in fr.items():
+            if f is None:
+                failed[h] += 1
+            else:
+                P[h].append(f(kt, Tt))
+                D[h].append(-et - P[h][-1])
+    out = ["**The out-of-sample test** (accuracy-level loss over steps 50-150 predicted from the fit's cells at "
+           "each test cell's realized k3 and T; D = measured loss - predicted, 95% bootstrap over joint resamples of "
+           "both studies' seeds; D's interval holding 0 = consistent)", "",
+           "| level | arm | realized k3 | T | measured loss [95% bootstrap] | hypothesis | predicted loss [95% bootstrap] | "
+           "D [95% bootstrap] | verdict |", "|---:|---|---:|---:|---:|---|---:|---:|---|"]
+    verdicts: dict[tuple, dict[str, str]] = {}
+    for i, (lv, a) in enumerate(treated):
+        lo_m, hi_m = (-x for x in reversed(bootstrap_diff_ci(col[lv, a]["acc_level"], col[lv, CONTROL]["acc_level"])))
+        for h, f in pred.items():
+            if f is None or len(D[h]) < n / 2:
+                verdicts.setdefault((lv, a), {})[h] = "no fit"
+                out.append(f"| {lv} | {a} | {fmt(k3[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
+                           f"no fit ({failed[h]} of {n} resamples failed) | - | no fit |")
+                continue
+            d = np.array(D[h])[:, i]
+            dlo, dhi = (float(np.percentile(d, q)) for q in (2.5, 97.5))
+            p_pt = float(f(k3[i], T[i]))
+            plo, phi = (float(np.percentile(np.array(P[h])[:, i], q)) for q in (2.5, 97.5))
+            v = ("consistent" if dlo <= 0 <= dhi else
+                 "under-predicts (the cost is larger)" if dlo > 0 else "over-predicts (the cost is smaller)")
+            verdicts.setdefault((lv, a), {})[h] = v
+            out.append(f"| {lv} | {a} | {fmt(k3[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
+                       f"{fmt(p_pt)} [{fmt(plo)}, {fmt(phi)}] | {-ex[i] - p_pt:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {v} |")
+    out.append("")
+    for (lv, a), v in verdicts.items():
+        t1, t2 = (v[h] == "consistent" for h in RHO)
+        shape = ("**T * k3** holds out of sample" if t1 and not t2 else "**T^2 * k3** holds out of sample" if t2 and not t1
+                 else "**neither** shape predicts it" if not (t1 or t2) else "**does not discriminate** (both consistent)")
+        free = v["the registered fit (alpha, beta free)"]
+        out.append(f"Level {lv}, {a}: {shape}; the registered fit's extrapolation: "
+                   f"{'**holds**' if free == 'consistent' else f'**{free}**'}.")
+    return out + [""]
+
+
 def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict = STUDY) -> Path:
     """Each treated (level, arm) cell's excess mean accuracy over its level's control, with its 95%
     bootstrap interval, against realized k3, T * k3 and T^2 * k3 (T: the level's control mean
@@ -386,23 +548,31 @@ def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict
     return out
 
 
-TABLES = {"starts": starts, "followup": followup, "study": study}
+TABLES = {"starts": starts, "followup": followup, "study": study, "predict": predict}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("table", choices=[*TABLES, "figure"])
     p.add_argument("sweep", help="the sweep (starts, study) or the folder of run directories (followup)")
-    p.add_argument("--spec", default=str(SPEC), help=f"the study's spec (study only; default {SPEC.relative_to(ROOT)})")
+    p.add_argument("--spec", help=f"the study's spec (default {SPEC.relative_to(ROOT)}; "
+                                  f"predict: {TEST_SPEC.relative_to(ROOT)})")
+    p.add_argument("--fit", default=str(FIT_SWEEP), help=f"predict: the sweep whose fit is tested "
+                                                          f"(default {FIT_SWEEP.relative_to(ROOT)})")
+    p.add_argument("--fit-spec", default=str(FIT_SPEC), help=f"predict: the fit sweep's spec "
+                                                              f"(default {FIT_SPEC.relative_to(ROOT)})")
     p.add_argument("--out", help="the figure's file (figure only)")
     a = p.parse_args(argv)
     np.seterr(all="ignore")
     if a.table == "figure":
         if not a.out:
             p.error("figure needs --out FILE.png")
-        print(f"wrote {figure(a.sweep, a.out, spec=a.spec)}")
+        print(f"wrote {figure(a.sweep, a.out, spec=a.spec or SPEC)}")
         return 0
-    print(study(a.sweep, spec=a.spec) if a.table == "study" else TABLES[a.table](a.sweep))
+    if a.table == "predict":
+        print(predict(a.sweep, spec=a.spec or TEST_SPEC, fit_sweep=a.fit, fit_spec=a.fit_spec))
+    else:
+        print(study(a.sweep, spec=a.spec or SPEC) if a.table == "study" else TABLES[a.table](a.sweep))
     return 0
 
 

@@ -20,32 +20,35 @@ E3 = load_script("e3_tables")
 SPEC = REPO / "docs" / "examples" / "e3.yaml"
 WANT = [c.name for c in load_spec(SPEC).conditions]
 STEPS, EVERY = E3.STUDY["steps"], 25
-LENGTH = {0: 23.0, 1: 62.0, 2: 150.0}
+LENGTH = {0: 23.0, 1: 62.0, 2: 150.0, 3: 300.0}
 """Planted mean sampled response length per level (the fit's T)."""
 K3 = {"fp8": 3e-4, "stale_1": 6e-4, "head_0.175": 1e-3, "head_0.49": 1e-2}
 """Planted realized k3 per arm, scaled per level by ``K3_LEVEL`` so that k3 and T are not collinear."""
-K3_LEVEL = {0: 1.0, 1: 0.6, 2: 1.5}
+K3_B = {"head_0.52": 1e-3, "head_0.72": 3e-3, "head_0.95": 1e-2}
+"""The same for E3b's and E3c's arms."""
+K3_LEVEL = {0: 1.0, 1: 0.6, 2: 1.5, 3: 0.8}
 C = 4.0
 """Planted level loss: C * k3 * (T / 100)^RHO of accuracy over steps 25-150 (rho planted)."""
 
 
-def loss(level: int, arm: str, rho: float) -> float:
-    k3 = K3[arm] * K3_LEVEL[level]
+def loss(level: int, arm: str, rho: float, k3s: dict = K3) -> float:
+    k3 = k3s[arm] * K3_LEVEL[level]
     return C * k3 * (LENGTH[level] / 100) ** rho
 
 
-def _metrics(level: int, arm: str, seed: int, *, rho: float = 2.0, start=(0.99, -0.05)) -> pd.DataFrame:
-    rng = np.random.default_rng([level, list(K3).index(arm) + 1 if arm in K3 else 0, seed])
+def _metrics(level: int, arm: str, seed: int, *, rho: float = 2.0, start=(0.99, -0.05), k3s: dict = K3,
+             acc_sd: float = 1e-5) -> pd.DataFrame:
+    rng = np.random.default_rng([level, list(k3s).index(arm) + 1 if arm in k3s else 0, seed])
     steps = np.arange(1, STEPS + 1)  # (150,)
     ev = np.arange(0, STEPS + 1, EVERY)  # (7,)
-    acc = 0.99 + rng.normal(0, 1e-5, ev.size)
+    acc = 0.99 + rng.normal(0, acc_sd, ev.size)
     gold = -0.05 + rng.normal(0, 1e-3, ev.size)
     if arm != "control":
-        acc[ev >= 25] -= loss(level, arm, rho)
-        gold[ev >= 25] -= 10 * loss(level, arm, rho)
+        acc[ev >= 25] -= loss(level, arm, rho, k3s)
+        gold[ev >= 25] -= 10 * loss(level, arm, rho, k3s)
     acc[0], gold[0] = start
     k3 = np.zeros(steps.size) if arm == "control" else \
-        K3[arm] * K3_LEVEL[level] * np.exp(rng.normal(0, 0.02, steps.size))
+        k3s[arm] * K3_LEVEL[level] * np.exp(rng.normal(0, 0.02, steps.size))
     train = pd.DataFrame({"step": steps, "rollout_corr/k3_kl": k3,
                           "mismatch/frac_bitwise_equal": 1.0 if arm == "control" else 0.2,
                           "train/response_length_mean": LENGTH[level] * np.exp(rng.normal(0, 0.01, steps.size)),
@@ -199,3 +202,72 @@ def test_e3b_spec_is_analysed_by_the_same_code(tmp_path):
         (lv, a) for lv in range(3) for a in ("control", "head_0.52", "head_0.72", "head_0.95")}
     assert [int(c.rsplit("_s", 1)[1]) for c in want[:12]] == [0] * 12  # seed by seed
     assert E3.study(str(tmp_path / "not_started"), spec=spec).startswith("INCOMPLETE: 0 of 96 runs finished at step 150")
+
+
+E3B_SPEC, E3C_SPEC = REPO / "docs" / "examples" / "e3b.yaml", REPO / "docs" / "examples" / "e3c.yaml"
+E3B_WANT = [c.name for c in load_spec(E3B_SPEC).conditions]
+E3C_WANT = [c.name for c in load_spec(E3C_SPEC).conditions]
+
+
+def _planted(root, names, rho: float):
+    """E3b's or E3c's runs with the loss C * k3 * (T / 100)^rho planted, accuracy noise 2e-3 per evaluation."""
+    return _sweep(root, names, metrics=lambda lv, a, s: _metrics(lv, a, s, rho=rho, k3s=K3_B, acc_sd=2e-3))
+
+
+@pytest.fixture(scope="module")
+def fit_linear(tmp_path_factory):
+    return _planted(tmp_path_factory.mktemp("e3b_lin"), E3B_WANT, 1.0)
+
+
+def _decision(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("Level 3, head_0.72: "))
+
+
+def test_e3c_spec_is_level_3_at_e3bs_middle_dose():
+    assert len(E3C_WANT) == 16 and {E3.cell(c) for c in E3C_WANT} == {(3, "control"), (3, "head_0.72")}
+    assert [int(c.rsplit("_s", 1)[1]) for c in E3C_WANT] == [s for s in range(8) for _ in range(2)]
+
+
+def test_out_of_sample_confirms_the_planted_linear_law(fit_linear, tmp_path):
+    test = _planted(tmp_path / "e3c", E3C_WANT, 1.0)
+    text = E3.predict(str(test), spec=E3C_SPEC, fit_sweep=str(fit_linear), fit_spec=E3B_SPEC)
+    assert text.count("VALID.") == 4 and "The test's validity, level 3:" in text
+    assert _decision(text) == ("Level 3, head_0.72: **T * k3** holds out of sample; "
+                               "the registered fit's extrapolation: **holds**.")
+    row = next(line for line in text.splitlines() if line.startswith("| 3 | head_0.72 |") and "| T * k3 |" in line)
+    # planted loss at level 3: 4 * 3e-3 * 0.8 * 3 = 0.0288; the prediction is within the noise of it
+    measured = float(row.split("| 300.0 | ")[1].split(" [")[0])
+    assert measured == pytest.approx(loss(3, "head_0.72", 1.0, K3_B), abs=2e-3) and row.endswith("| consistent |")
+    predicted = float(row.split("| T * k3 | ")[1].split(" [")[0])
+    assert predicted == pytest.approx(loss(3, "head_0.72", 1.0, K3_B), rel=0.05)
+    assert "**Length fit, mean accuracy over the fit's and the test's levels (descriptive)**" in text
+    assert "over 10 cells" in text and "**T * k3**" in text.split("levels (descriptive)**")[1]
+
+
+def test_out_of_sample_catches_a_cost_larger_than_the_law(fit_linear, tmp_path):
+    test = _planted(tmp_path / "e3c_sq", E3C_WANT, 2.0)  # level 3 pays (T / 100)^2, 3x the linear law
+    text = E3.predict(str(test), spec=E3C_SPEC, fit_sweep=str(fit_linear), fit_spec=E3B_SPEC)
+    d = _decision(text)
+    assert "the registered fit's extrapolation: **under-predicts (the cost is larger)**" in d
+    row = next(line for line in text.splitlines() if line.startswith("| 3 | head_0.72 |") and "| T * k3 |" in line)
+    assert row.endswith("| under-predicts (the cost is larger) |") and "| 0.086 [" in row
+
+
+def test_out_of_sample_decides_a_planted_square_law(tmp_path):
+    fit = _planted(tmp_path / "e3b_sq", E3B_WANT, 2.0)
+    test = _planted(tmp_path / "e3c_sq", E3C_WANT, 2.0)
+    text = E3.predict(str(test), spec=E3C_SPEC, fit_sweep=str(fit), fit_spec=E3B_SPEC)
+    assert _decision(text) == ("Level 3, head_0.72: **T^2 * k3** holds out of sample; "
+                               "the registered fit's extrapolation: **holds**.")
+
+
+def test_out_of_sample_refuses_incomplete_sweeps_and_a_seen_level(fit_linear, tmp_path):
+    part = _planted(tmp_path / "part", E3C_WANT[:5], 1.0)
+    text = E3.predict(str(part), spec=E3C_SPEC, fit_sweep=str(fit_linear), fit_spec=E3B_SPEC)
+    assert text.startswith("INCOMPLETE: 5 of 16 runs finished at step 150") and text.endswith(f"({part})")
+    fit_part = _planted(tmp_path / "fit_part", E3B_WANT[:90], 1.0)
+    text = E3.predict(str(part), spec=E3C_SPEC, fit_sweep=str(fit_part), fit_spec=E3B_SPEC)
+    assert text.startswith("INCOMPLETE: 90 of 96 runs") and "no interim analysis" in text
+    per = E3.collect(str(fit_linear), E3.STUDY, key=E3.cell, endpoints=E3.study_endpoints)
+    with pytest.raises(ValueError, match="levels the fit did not see"):
+        E3.out_of_sample(per, E3B_WANT, per, E3B_WANT)
