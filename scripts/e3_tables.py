@@ -408,7 +408,8 @@ def predict(sweep: str, *, spec: str | Path = TEST_SPEC, fit_sweep: str | Path =
     for where, names in ((fit_sweep, want_fit), (sweep, want)):
         refusal = _refusal(str(where), names, design)
         if refusal:
-            return f"{refusal} ({where})"
+            shown = Path(where).resolve()
+            return f"{refusal} ({shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown})"
     per_fit = collect(str(fit_sweep), design, key=cell, endpoints=study_endpoints)
     per = collect(str(sweep), design, key=cell, endpoints=study_endpoints)
     return out_of_sample(per_fit, want_fit, per, want, design=design, n=n, seed=seed)
