@@ -88,6 +88,9 @@ def test_extra_keys_hand_computed():
     assert m["frac_bitwise_equal"] == pytest.approx(2 / 5)
     assert m["frac_tokens_different"] == pytest.approx(3 / 5)
     assert m["log_ppl_abs_diff_sum"] == pytest.approx((0.25 + 1.0) / 2)  # |sum r| per row: .25, 1
+    k3 = [math.exp(x) - x - 1 for x in r]
+    assert m["k3_seq"] == pytest.approx(sum(k3) / 2)  # two rows with valid tokens
+    assert m["k3_seq"] == pytest.approx(offpolicy_metrics(*_example())["k3_kl"] * 5 / 2)  # k3 x mean length
     assert m["num_tokens"] == 5.0
     w = [math.exp(x) for x in r]
     mw = sum(w) / 5

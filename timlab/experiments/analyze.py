@@ -632,6 +632,7 @@ HEADLINE = (
     ("rollout_corr/kl", "mean of log mu - log pi (verl warns at |kl| > 0.1)"),
     ("rollout_corr/log_ppl_abs_diff", "mean over sequences of |mean-token log mu - log pi|"),
     ("mismatch/log_ppl_abs_diff_sum", "same with sums over tokens (Beyond-Precision Eq. 8)"),
+    ("mismatch/k3_seq", "k3 summed over each response, the per-response KL estimate (nats)"),
     ("rollout_corr/chi2_token", "mean exp(2r) - 1 (verl warns at > 1)"),
     ("mismatch/probs_diff_mean", "mean |pi - mu| in probability (verl: > 0.01 points to precision)"),
     ("mismatch/ess", "token IS effective sample size, (0, 1] (verl warns below 0.3)"),

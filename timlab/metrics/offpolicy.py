@@ -63,6 +63,7 @@ MISMATCH_KEYS = (
     "frac_bitwise_equal",
     "max_abs_diff",
     "log_ppl_abs_diff_sum",
+    "k3_seq",
     "num_tokens",
     "frac_tokens_different",
     "ess",
@@ -281,6 +282,7 @@ def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int, *, p99: to
         "frac_bitwise_equal": s["bitwise_equal"] / n_tok,
         "max_abs_diff": s["max_abs_diff"],
         "log_ppl_abs_diff_sum": s["log_ppl_abs_diff_sum"] / n_seq,
+        "k3_seq": s["k3_kl"] / n_seq,  # sequences without a token add 0 to the sum and are not counted
         "num_tokens": s["num_tokens"],
         "frac_tokens_different": s["tokens_different"] / n_tok,
         "ess": w_mean * w_mean / w2_mean,
