@@ -599,6 +599,7 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
         + (f", mean reward {result['reward_mean']:.3g}" if result["reward_mean"] is not None else ""),
         f"  max |r| {_fmt(m['mismatch/max_abs_diff'])}  mean |r| {_fmt(m['mismatch/abs_diff_mean'])}  "
         f"bitwise equal {100 * m['mismatch/frac_bitwise_equal']:.2f}%  k3 {_fmt(m['rollout_corr/k3_kl'])}  "
+        f"k3 per response {_fmt(m['mismatch/k3_seq'])}  "
         f"kl {_fmt(m['rollout_corr/kl'])}  |log ppl diff| {_fmt(m['rollout_corr/log_ppl_abs_diff'])}  "
         f"probs diff mean {_fmt(m['mismatch/probs_diff_mean'])}  ESS {_fmt(m['mismatch/ess'])}",
     ]
