@@ -46,6 +46,13 @@ bootstrap interval over 2,000 joint resamples of both studies' seeds: an interva
 consistent. "T * k3 holds out of sample" when its prediction is consistent and T^2 * k3's is not
 (and the reverse); then the test level's own tables, and the free fit over all levels together
 (descriptive).
+
+``heal``: the analysis pre-registered in FINDINGS ("Study E3d"), once every run of its spec
+(default docs/examples/e3d.yaml, 500 steps) has finished: per arm the accuracy and gold log-prob
+levels over an early (50-150) and a late (400-500) window; the late level and the change from
+early to late against the control's (exact permutation p, bootstrap interval); the verdict
+(persists, partly heals, heals, grows, or neither established); and whether steps 0-150 of each
+run repeat E3b's run of the same name bit for bit.
 """
 
 from __future__ import annotations
