@@ -198,8 +198,7 @@ def analyse(per: dict[tuple[int, str], list[dict]], want: list[str], *, design: 
     done = {r["condition"] for v in per.values() for r in v}
     if any(c not in done for c in want):
         return _incomplete(want, done, design)
-    cells = list(dict.fromkeys(cell(c) for c in want))  # spec order
-    per = {k: [r for r in per[k] if r["condition"] in want] for k in cells}
+    cells, per = _in_spec(per, want)
     levels = sorted({lv for lv, _ in cells})
     col = _columns(per, cells)
     out, valid = [], {}
@@ -220,6 +219,12 @@ def analyse(per: dict[tuple[int, str], list[dict]], want: list[str], *, design: 
     out += _length_fit(col, treated, "acc_slope", "accuracy slope per 100 steps (secondary)", n=n)
     out += _threshold(per, col, treated)
     return "\n".join(out)
+
+
+def _in_spec(per: dict, want: list[str]) -> tuple[list, dict]:
+    """The spec's (level, arm) cells in spec order, and each cell's runs that the spec names."""
+    cells = list(dict.fromkeys(cell(c) for c in want))
+    return cells, {k: [r for r in per[k] if r["condition"] in want] for k in cells}
 
 
 def _columns(per: dict, cells: list) -> dict:
@@ -292,12 +297,19 @@ def _falls(per: dict, ok: list[int], arms: dict, design: dict) -> list[str]:
     return out + [""]
 
 
+def _fit_cells(excess: np.ndarray, level: np.ndarray) -> np.ndarray | None:
+    """The mask of the cells a length fit uses (negative excess), or None with fewer than
+    ``MIN_CELLS`` such cells or fewer than ``MIN_LEVELS`` levels among them."""
+    keep = excess < 0
+    return None if keep.sum() < MIN_CELLS or len(set(level[keep].tolist())) < MIN_LEVELS else keep
+
+
 def fit_length(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndarray) -> tuple[float, float, float] | None:
     """(a, alpha, beta) of log(-excess) = a + alpha log k3 + beta log T by least squares over the
     cells with a negative excess; None with fewer than ``MIN_CELLS`` such cells, fewer than
     ``MIN_LEVELS`` levels among them, or a rank-deficient design (k3 and T not separable)."""
-    keep = excess < 0
-    if keep.sum() < MIN_CELLS or len(set(level[keep].tolist())) < MIN_LEVELS:
+    keep = _fit_cells(excess, level)
+    if keep is None:
         return None
     X = np.column_stack([np.ones(keep.sum()), np.log(k3[keep]), np.log(T[keep])])  # (cells, 3)
     if np.linalg.matrix_rank(X) < 3:
@@ -390,8 +402,8 @@ def fit_shape(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndarr
     """(a, g) of log(-excess) = a + g log(T^rho k3): the cost as a power of one dose, T * k3 (rho 1)
     or T^2 * k3 (rho 2), by least squares over the cells with a negative excess; None where
     ``fit_length`` would have too few cells or levels."""
-    keep = excess < 0
-    if keep.sum() < MIN_CELLS or len(set(level[keep].tolist())) < MIN_LEVELS:
+    keep = _fit_cells(excess, level)
+    if keep is None:
         return None
     X = np.column_stack([np.ones(keep.sum()), np.log(T[keep] ** rho * k3[keep])])  # (cells, 2)
     coef = np.linalg.lstsq(X, np.log(-excess[keep]), rcond=None)[0]
@@ -421,8 +433,7 @@ def predict(sweep: str, *, spec: str | Path = TEST_SPEC, fit_sweep: str | Path =
     for where, names in ((fit_sweep, want_fit), (sweep, want)):
         refusal = _refusal(str(where), names, design)
         if refusal:
-            shown = Path(where).resolve()
-            return f"{refusal} ({shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown})"
+            return f"{refusal} ({_shown(where)})"
     per_fit = collect(str(fit_sweep), design, key=cell, endpoints=study_endpoints)
     per = collect(str(sweep), design, key=cell, endpoints=study_endpoints)
     return out_of_sample(per_fit, want_fit, per, want, design=design, n=n, seed=seed)
@@ -431,10 +442,8 @@ def predict(sweep: str, *, spec: str | Path = TEST_SPEC, fit_sweep: str | Path =
 def out_of_sample(per_fit: dict, want_fit: list[str], per: dict, want: list[str], *, design: dict = STUDY,
                   n: int = N_BOOT, seed: int = 0) -> str:
     """``predict``'s analysis of per-cell run endpoints (``collect`` with ``key=cell``)."""
-    fit_cells = list(dict.fromkeys(cell(c) for c in want_fit))
-    cells = list(dict.fromkeys(cell(c) for c in want))
-    per_fit = {k: [r for r in per_fit[k] if r["condition"] in want_fit] for k in fit_cells}
-    per = {k: [r for r in per[k] if r["condition"] in want] for k in cells}
+    fit_cells, per_fit = _in_spec(per_fit, want_fit)
+    cells, per = _in_spec(per, want)
     if {lv for lv, _ in cells} & {lv for lv, _ in fit_cells}:
         raise ValueError("the test's levels must be levels the fit did not see")
     colf, col = _columns(per_fit, fit_cells), _columns(per, cells)
@@ -547,8 +556,7 @@ def heal(sweep: str, *, spec: str | Path = HEAL_SPEC, earlier: str | Path = FIT_
         return refusal
     per = collect(sweep, design, key=cell, endpoints=lambda m, st, diverged: heal_endpoints(m, st, diverged=diverged,
                                                                                           design=design))
-    cells = list(dict.fromkeys(cell(c) for c in want))
-    per = {k: [r for r in per[k] if r["condition"] in want] for k in cells}
+    cells, per = _in_spec(per, want)
     col = _columns(per, cells)
     out = []
     levels = sorted({lv for lv, _ in cells})
@@ -602,6 +610,13 @@ def heal(sweep: str, *, spec: str | Path = HEAL_SPEC, earlier: str | Path = FIT_
     return "\n".join(out)
 
 
+def _shown(path: str | Path) -> Path:
+    """``path`` relative to the repository when it lies inside it (so committed text does not
+    name this machine's folders), else absolute."""
+    p = Path(path).resolve()
+    return p.relative_to(ROOT) if p.is_relative_to(ROOT) else p
+
+
 def _repeats(sweep: str, want: list[str], earlier: str | Path) -> str:
     """How many runs repeat, over steps 0-150, ``earlier``'s run of the same condition bit for bit
     (every logged value but wall-clock timings, in the columns both hold)."""
@@ -615,9 +630,7 @@ def _repeats(sweep: str, want: list[str], earlier: str | Path) -> str:
     diffs = {c: first_difference(mine[c][mine[c]["step"] <= cut].reset_index(drop=True),
                                  theirs[c][theirs[c]["step"] <= cut].reset_index(drop=True)) for c in shared}
     bad = {c: d for c, d in diffs.items() if d is not None}
-    shown = Path(earlier).resolve()
-    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown
-    return (f"Steps 0-{cut} against {shown}'s runs of the same name: {len(shared) - len(bad)} of {len(shared)} "
+    return (f"Steps 0-{cut} against {_shown(earlier)}'s runs of the same name: {len(shared) - len(bad)} of {len(shared)} "
             f"identical in every logged value but timings" + ("." if not bad else
             "; differ: " + "; ".join(f"{c} ({d})" for c, d in bad.items()) + "."))
 
@@ -635,9 +648,8 @@ def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict
     if refusal:
         raise SystemExit(refusal)
     per = collect(sweep, design, key=cell, endpoints=study_endpoints)
-    cells = list(dict.fromkeys(cell(c) for c in want))
-    col = {k: {e: np.array([r[e] for r in per[k] if r["condition"] in want], float) for e in ("k3", "acc_level", "length")}
-           for k in cells}
+    cells, per = _in_spec(per, want)
+    col = _columns(per, cells)
     levels = sorted({lv for lv, _ in cells})
     arms = list(dict.fromkeys(a for _, a in cells if a != CONTROL))
     fig = Figure(figsize=(14, 4))
