@@ -422,6 +422,43 @@ def _predictors(k3, T, ex, level) -> dict:
     return out
 
 
+PREDICT_AT = {"T": 300.0, "k3": (1.0e-3, 1.3e-3, 1.6e-3)}
+"""Where E3c's registered predictions were tabulated before its runs: level 3's T and the k3 its dose was expected to realize."""
+
+
+def predictions(fit_sweep: str | Path = FIT_SWEEP, fit_spec: str | Path = FIT_SPEC, *, at: dict = PREDICT_AT,
+                design: dict = STUDY, n: int = N_BOOT, seed: int = 0) -> str:
+    """E3c's prediction table (FINDINGS, "Study E3c"): each hypothesis fitted on the fit sweep's
+    treated cells (``_predictors``), its loss at ``at["T"]`` and each ``at["k3"]``, with a 95%
+    interval over ``n`` seed resamples of the fit's cells (as ``_prediction`` draws them)."""
+    want = [c.name for c in load_spec(fit_spec).conditions]
+    refusal = _refusal(str(fit_sweep), want, design)
+    if refusal:
+        return f"{refusal} ({_shown(fit_sweep)})"
+    cells, per = _in_spec(collect(str(fit_sweep), design, key=cell, endpoints=study_endpoints), want)
+    col = _columns(per, cells)
+    treated = [k for k in cells if k[1] != CONTROL]
+    full = _cells(col, treated, "acc_level")
+    pred = _predictors(*full)
+    rng = np.random.default_rng(seed)
+    reps = [_predictors(*_cells(col, treated, "acc_level", rng)) for _ in range(n)]
+    label = {"the registered fit (alpha, beta free)": "the registered fit, log loss = a + alpha log k3 + beta log T"}
+    for h, rho in RHO.items():
+        g = fit_shape(*full, rho)
+        label[h] = f"one power of {h} (exponent {g[1]:.2f})" if g else f"one power of {h} (no fit)"
+    T = at["T"]
+    out = [f"| hypothesis fitted on the {len(treated)} cells | " + " | ".join(f"k3 {k:.1e}" for k in at["k3"]) + " |",
+           "|---|" + "---:|" * len(at["k3"])]
+    for h, f in pred.items():
+        row = []
+        for k in at["k3"]:
+            v = np.array([r[h](k, T) for r in reps if r[h] is not None])
+            row.append("no fit" if f is None else
+                       f"{fmt(float(f(k, T)))} [{fmt(float(np.percentile(v, 2.5)))}, {fmt(float(np.percentile(v, 97.5)))}]")
+        out.append(f"| {label[h]} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def predict(sweep: str, *, spec: str | Path = TEST_SPEC, fit_sweep: str | Path = FIT_SWEEP,
             fit_spec: str | Path = FIT_SPEC, design: dict = STUDY, n: int = N_BOOT, seed: int = 0) -> str:
     """E3c's pre-registered analysis (FINDINGS, "Study E3c"): the length fit of ``fit_sweep`` (E3b)

@@ -245,6 +245,19 @@ def test_out_of_sample_confirms_the_planted_linear_law(fit_linear, tmp_path):
     assert "over 10 cells" in text and "**T * k3**" in text.split("levels (descriptive)**")[1]
 
 
+def test_prediction_table_of_a_planted_linear_law(fit_linear):
+    text = E3.predictions(fit_linear, E3B_SPEC, at={"T": 300.0, "k3": (1e-3, 2e-3)}, n=200)
+    rows = text.splitlines()
+    assert rows[0] == "| hypothesis fitted on the 9 cells | k3 1.0e-03 | k3 2.0e-03 |"
+    lin = next(r for r in rows if r.startswith("| one power of T * k3 (exponent "))
+    sq = next(r for r in rows if r.startswith("| one power of T^2 * k3 (exponent "))
+    assert float(lin.split("(exponent ")[1].split(")")[0]) == pytest.approx(1.0, abs=0.1)
+    # planted loss C * k3 * T / 100 = 4 * 1e-3 * 3 = 0.012 at T = 300; the square law over-predicts it
+    assert float(lin.split("| ")[2].split(" [")[0]) == pytest.approx(0.012, rel=0.1)
+    assert float(sq.split("| ")[2].split(" [")[0]) > 0.02
+    assert E3.predictions(fit_linear.parent / "none", E3B_SPEC).startswith("INCOMPLETE: 0 of 96")
+
+
 def test_out_of_sample_catches_a_cost_larger_than_the_law(fit_linear, tmp_path):
     test = _planted(tmp_path / "e3c_sq", E3C_WANT, 2.0)  # level 3 pays (T / 100)^2, 3x the linear law
     text = E3.predict(str(test), spec=E3C_SPEC, fit_sweep=str(fit_linear), fit_spec=E3B_SPEC)
