@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import erosion_tables as E  # noqa: E402
 from timlab.experiments.collapse import judge  # noqa: E402
-from timlab.experiments.stats import bootstrap_ci, clopper_pearson, compare_family, t_ci  # noqa: E402
+from timlab.experiments.stats import bootstrap_ci, clopper_pearson, compare_family, line_fit, t_ci  # noqa: E402
 from timlab.experiments.sweep_spec import load_spec  # noqa: E402
 
 SPEC = ROOT / "docs" / "examples" / "e2.yaml"
@@ -132,7 +132,7 @@ def run_record(m: pd.DataFrame, *, diverged: bool = False) -> dict:
     fall = judge(m, rule="plateau", diverged=diverged)
     return {**{k: win[k] for k in KEYS}, **{f"late_{k}": late[k] for k in KEYS},
             "k3": win["k3"], "k3_all": float(k3.mean()),
-            "k3_trend": float(np.polyfit(pos.index, np.log(pos), 1)[0]) * 100 if len(pos) >= 2 else math.nan,
+            "k3_trend": line_fit(pos.index, [math.log(v) for v in pos])[0] * 100 if len(pos) >= 2 else math.nan,
             "guard": win["guard"], "rows": win["rows"], "start_acc": win["start_acc"], "fall": fall,
             "rise": {n: rise_step(s, factor[n]) for n, s in sig.items()},
             "vs_start": {n: vs_start(s, fall) for n, s in sig.items()} if fall is not None else {}}

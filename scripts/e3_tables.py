@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from erosion_tables import collect, comparison_cells, fmt, incomplete_line, mean_cells, run_endpoints, runs  # noqa: E402
 from erosion_tables import sweep_states  # noqa: E402
-from timlab.experiments.stats import N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, compare_family, t_ci  # noqa: E402
+from timlab.experiments.stats import N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, compare_family, least_squares, t_ci  # noqa: E402
 from timlab.experiments.sweep import load_spec  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 
@@ -130,6 +130,17 @@ T_EXTRAPOLATE = (1000, 2000, 4000, 8000)
 """Answer lengths (tokens) where real runs collapse: the fitted loss is extrapolated to them."""
 MIN_CELLS, MIN_LEVELS = 4, 2
 """The length fit needs at least this many cells with a negative excess, over at least this many levels."""
+UNBOUNDED = 10.0
+"""A fitted loss above this (ten times all there is to lose, accuracy lying in [0, 1]) prints as
+"unbounded": such a bound is set by a few resamples whose exponent runs off, its digits carry no
+information, and they would differ with the last bits of the fit."""
+
+
+def fmt_loss(x: float) -> str:
+    """An extrapolated loss as the tables print it: ``fmt``, or "unbounded" above ``UNBOUNDED``."""
+    return "unbounded" if x > UNBOUNDED else fmt(x)
+
+
 RHO = {"T * k3": 1.0, "T^2 * k3": 2.0}
 """The two hypotheses for rho = beta / alpha."""
 FIT_SWEEP = ROOT / "sweeps" / "e3b"
@@ -311,11 +322,8 @@ def fit_length(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndar
     keep = _fit_cells(excess, level)
     if keep is None:
         return None
-    X = np.column_stack([np.ones(keep.sum()), np.log(k3[keep]), np.log(T[keep])])  # (cells, 3)
-    if np.linalg.matrix_rank(X) < 3:
-        return None
-    coef = np.linalg.lstsq(X, np.log(-excess[keep]), rcond=None)[0]
-    return float(coef[0]), float(coef[1]), float(coef[2])
+    X = [[1.0, math.log(k), math.log(t)] for k, t in zip(k3[keep], T[keep])]  # (cells, 3)
+    return least_squares(X, [math.log(-e) for e in excess[keep]])  # None: rank-deficient
 
 
 def _cells(col: dict, treated: list, key: str, rng: np.random.Generator | None = None):
@@ -372,12 +380,13 @@ def _length_fit(col: dict, treated: list, key: str, label: str, *, n: int = N_BO
     out = [out[0] + f" [95% bootstrap {lo:.2f}, {hi:.2f}] (alpha [{alo:.2f}, {ahi:.2f}], beta [{blo:.2f}, {bhi:.2f}]; "
            f"{len(R)} of {n} resamples fitted, {failed} had too few negative cells or levels): {decision}.", "",
            f"Extrapolated {label.split(' (')[0]} lost at a realized k3 of {K3_REF:g}, beyond the T measured "
-           f"({T.min():.0f}-{T.max():.0f}; a loss above what there is to lose means the fit predicts a fall):", "",
+           f"({T.min():.0f}-{T.max():.0f}; a loss above what there is to lose means the fit predicts a fall; \"unbounded\": above {UNBOUNDED:g}):", "",
            "| T | fitted loss | 95% bootstrap |", "|---:|---:|---:|"]
     for t in T_EXTRAPOLATE:
-        pts = np.exp(R[:, 0] + R[:, 1] * math.log(K3_REF) + R[:, 2] * math.log(t))
+        pts = np.array([math.exp(r[0] + r[1] * math.log(K3_REF) + r[2] * math.log(t)) for r in R])
         fit_t = math.exp(a + alpha * math.log(K3_REF) + beta * math.log(t))
-        out.append(f"| {t:,} | {fmt(fit_t)} | [{fmt(float(np.percentile(pts, 2.5)))}, {fmt(float(np.percentile(pts, 97.5)))}] |")
+        out.append(f"| {t:,} | {fmt_loss(fit_t)} | [{fmt_loss(float(np.percentile(pts, 2.5)))}, "
+                   f"{fmt_loss(float(np.percentile(pts, 97.5)))}] |")
     return out + [""]
 
 
@@ -405,9 +414,16 @@ def fit_shape(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndarr
     keep = _fit_cells(excess, level)
     if keep is None:
         return None
-    X = np.column_stack([np.ones(keep.sum()), np.log(T[keep] ** rho * k3[keep])])  # (cells, 2)
-    coef = np.linalg.lstsq(X, np.log(-excess[keep]), rcond=None)[0]
-    return float(coef[0]), float(coef[1])
+    X = [[1.0, math.log(t ** rho * k)] for k, t in zip(k3[keep], T[keep])]  # (cells, 2)
+    return least_squares(X, [math.log(-e) for e in excess[keep]])
+
+
+def _elementwise(fn, k, t):
+    """``fn(k, t)`` over broadcast arrays with the standard library's ``math`` (the same bits on every
+    CPU, unlike numpy's SIMD exp and log): a float for scalar inputs, else an array of their shape."""
+    kb, tb = np.broadcast_arrays(np.asarray(k, dtype=float), np.asarray(t, dtype=float))
+    out = np.array([fn(a, b) for a, b in zip(kb.ravel().tolist(), tb.ravel().tolist())]).reshape(kb.shape)
+    return float(out) if out.ndim == 0 else out
 
 
 def _predictors(k3, T, ex, level) -> dict:
@@ -415,10 +431,11 @@ def _predictors(k3, T, ex, level) -> dict:
     out = {}
     f = fit_length(k3, T, ex, level)
     out["the registered fit (alpha, beta free)"] = None if f is None else (
-        lambda k, t, f=f: np.exp(f[0] + f[1] * np.log(k) + f[2] * np.log(t)))
+        lambda k, t, f=f: _elementwise(lambda kk, tt: math.exp(f[0] + f[1] * math.log(kk) + f[2] * math.log(tt)), k, t))
     for h, rho in RHO.items():
         g = fit_shape(k3, T, ex, level, rho)
-        out[h] = None if g is None else (lambda k, t, g=g, rho=rho: np.exp(g[0] + g[1] * np.log(t ** rho * k)))
+        out[h] = None if g is None else (lambda k, t, g=g, rho=rho: _elementwise(
+            lambda kk, tt: math.exp(g[0] + g[1] * math.log(tt ** rho * kk)), k, t))
     return out
 
 
@@ -454,7 +471,8 @@ def predictions(fit_sweep: str | Path = FIT_SWEEP, fit_spec: str | Path = FIT_SP
         for k in at["k3"]:
             v = np.array([r[h](k, T) for r in reps if r[h] is not None])
             row.append("no fit" if f is None else
-                       f"{fmt(float(f(k, T)))} [{fmt(float(np.percentile(v, 2.5)))}, {fmt(float(np.percentile(v, 97.5)))}]")
+                       f"{fmt_loss(float(f(k, T)))} [{fmt_loss(float(np.percentile(v, 2.5)))}, "
+                       f"{fmt_loss(float(np.percentile(v, 97.5)))}]")
         out.append(f"| {label[h]} | " + " | ".join(row) + " |")
     return "\n".join(out)
 

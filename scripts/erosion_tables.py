@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from timlab.experiments.collapse import judge  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson,  # noqa: E402
-                                      compare_family, permutation_test, t_ci)
+                                      compare_family, line_fit, permutation_test, t_ci)
 from timlab.experiments.sweep import INDEX_FILE, read_index  # noqa: E402
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED  # noqa: E402
 
@@ -163,7 +163,7 @@ def run_slope(m: pd.DataFrame, start: int) -> tuple[float, float]:
     """(accuracy slope per 100 steps over evaluations at steps >= start, mean k3 over those steps)."""
     ev = m[["step", "val/accuracy"]].dropna()
     ev = ev[ev["step"] >= start]
-    slope = float(np.polyfit(ev["step"], ev["val/accuracy"], 1)[0]) * 100 if len(ev) >= 2 else math.nan
+    slope = line_fit(ev["step"], ev["val/accuracy"])[0] * 100 if len(ev) >= 2 else math.nan
     return slope, float(m.loc[m["step"] >= start, "rollout_corr/k3_kl"].mean())
 
 
@@ -214,7 +214,7 @@ def slopes(sweep: str, start: int) -> str:
 def _slope(ev: pd.DataFrame, col: str) -> float:
     """OLS slope per 100 steps of ``col`` over the rows of ``ev`` (NaN with < 2 points)."""
     e = ev[["step", col]].dropna() if col in ev.columns else ev.iloc[:0]
-    return float(np.polyfit(e["step"], e[col], 1)[0]) * 100 if len(e) >= 2 else math.nan
+    return line_fit(e["step"], e[col])[0] * 100 if len(e) >= 2 else math.nan
 
 
 def run_endpoints(m: pd.DataFrame, start: int = STUDY["start"], *, diverged: bool = False) -> dict:
@@ -245,7 +245,7 @@ def fit_power(k3: np.ndarray, excess: np.ndarray) -> tuple[float, float] | None:
     keep = excess < 0
     if keep.sum() < 3:
         return None
-    alpha, logc = np.polyfit(np.log(k3[keep]), np.log(-excess[keep]), 1)
+    alpha, logc = line_fit([math.log(k) for k in k3[keep]], [math.log(-e) for e in excess[keep]])
     return float(math.exp(logc)), float(alpha)
 
 

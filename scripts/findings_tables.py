@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from timlab.experiments.collapse import condition_table, judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
-from timlab.experiments.stats import clopper_pearson, holm, permutation_test  # noqa: E402
+from timlab.experiments.stats import clopper_pearson, holm, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.sweep import read_index  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
@@ -129,7 +129,7 @@ def load_runs() -> pd.DataFrame:
             if math.isfinite(learned):
                 w = ev[ev["step"] >= learned + SLOPE_LAG]
                 if len(w) >= 3:
-                    slope = float(np.polyfit(w["step"], w["val/accuracy"], 1)[0] * 100)
+                    slope = line_fit(w["step"], w["val/accuracy"])[0] * 100
             cfg = yaml.safe_load((d / "config.yaml").read_text())
             k3 = train["rollout_corr/k3_kl"]
             rows.append({"sweep": sweep, "condition": cond, "seed": int(seed), "dir": d, **s,
@@ -296,9 +296,7 @@ def p3(R: pd.DataFrame) -> str:
 
 
 def _cell_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    x, y = np.log10([p[0] for p in points]), np.log10([p[1] for p in points])
-    slope, intercept = np.polyfit(x, y, 1)
-    return float(slope), float(intercept)
+    return line_fit([math.log10(p[0]) for p in points], [math.log10(p[1]) for p in points])
 
 
 def threshold(R: pd.DataFrame) -> str:
@@ -587,7 +585,7 @@ def by_length(index: pd.DataFrame) -> str:
     mids = np.array([(edges[i] + edges[i + 1]) / 2 for i, n in enumerate(counts) if n])
     y = t["mean abs sum-form diff (Eq. 8)"].to_numpy()
     ok = (y > 0) & (mids > 0)
-    slope = np.polyfit(np.log(mids[ok]), np.log(y[ok]), 1)[0] if ok.sum() >= 2 else float("nan")
+    slope = line_fit([math.log(v) for v in mids[ok]], [math.log(v) for v in y[ok]])[0] if ok.sum() >= 2 else float("nan")
     return _df_md(t, ".4g") + f"\n\nlog-log slope of the sum form against length: {slope:.2f}"
 
 

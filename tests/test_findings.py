@@ -89,3 +89,34 @@ def test_generic_tables_run_without_tabulate(monkeypatch):
     monkeypatch.setattr(pd.DataFrame, "to_markdown", refuse)
     out = load_script("findings_tables").generic([str(REPO / "sweeps" / "threshold_d16")])
     assert "| zero_d16 | 5 | 0 |" in out and "(no by_length data)" in out
+
+
+# ------------------------------------------------------------------------------- machine-free fits
+def test_small_fits_are_plain_python_and_match_numpy():
+    import math
+
+    import numpy as np
+
+    from timlab.experiments.stats import least_squares, line_fit
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        X = np.column_stack([np.ones(9), rng.normal(size=9), rng.normal(size=9)])  # (9, 3)
+        y = rng.normal(size=9)
+        assert least_squares(X.tolist(), y.tolist()) == pytest.approx(np.linalg.lstsq(X, y, rcond=None)[0], rel=1e-10, abs=1e-12)
+        x, z = rng.normal(size=7), rng.normal(size=7)
+        assert line_fit(x, z) == pytest.approx(tuple(np.polyfit(x, z, 1)), rel=1e-10, abs=1e-12)
+    # hand-computed: y = 2x + 1 exactly; a flat y has a slope of exactly 0 (numpy's lstsq gave +-1e-17 by BLAS kernel)
+    assert line_fit([0, 1, 2, 3], [1, 3, 5, 7]) == (2.0, 1.0)
+    assert line_fit([10, 20, 30, 40, 50], [0.97] * 5) == (0.0, 0.97)
+    assert least_squares([[1, 0], [0, 1], [1, 1]], [1, 2, 3]) == pytest.approx((1.0, 2.0))
+    # rank-deficient or underdetermined designs are refused, not solved
+    assert least_squares([[1, 2], [2, 4], [3, 6]], [1, 2, 3]) is None
+    assert least_squares([[1, 2, 3]], [1]) is None
+    assert all(math.isnan(v) for v in line_fit([1, 1, 1], [1, 2, 3]))
+
+
+def test_e3_extrapolations_print_unbounded_not_digits():
+    mod = load_script("e3_tables")
+    assert mod.fmt_loss(40605.674) == "unbounded" and mod.fmt_loss(mod.UNBOUNDED * 1.01) == "unbounded"
+    assert mod.fmt_loss(2.064) == "2.064" and mod.fmt_loss(2.6e-3) == "2.6e-03"

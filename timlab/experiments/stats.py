@@ -14,6 +14,11 @@ intervals. numpy and the standard library only (no scipy).
   replacement (within each group) with a fixed seed.
 - ``t_ci(a)``: the Student-t interval of a mean.
 - ``holm(ps)``: Holm's step-down adjustment of p-values for a family of tests.
+- ``least_squares(X, y)`` / ``line_fit(x, y)``: small least-squares fits (a few columns, tens of
+  rows) in plain Python floats, so a published fit has the same bits on every machine: numpy's
+  ``lstsq``/``polyfit`` go through whichever BLAS kernel the CPU picks (OpenBLAS chooses other
+  kernels on AVX-512 than on AVX2), and a slope that is 0 in exact arithmetic came out as
+  +-1e-17 by kernel, which decided whether a cell entered a later fit.
 - ``compare_family(groups, references)``: each group against its reference (one endpoint of a
   pre-registered study): mean with t- and bootstrap intervals, difference with its bootstrap
   interval, exact permutation p and the Holm-adjusted p over the family (``Comparison``).
@@ -181,6 +186,66 @@ def holm(ps) -> list[float]:
     return out
 
 
+RANK_TOL = 1e-10
+"""``least_squares`` calls a design rank-deficient when a diagonal entry of R falls below this
+fraction of the largest column norm (numpy's ``matrix_rank`` uses ~1e-15 x rows; the designs
+fitted here have condition numbers below 1e3, so the margin is wide both ways)."""
+
+
+def least_squares(X, y) -> tuple[float, ...] | None:
+    """The coefficients minimizing ||X b - y|| (X: rows of equal length, y: one value per row),
+    by Householder QR in plain Python floats with correctly rounded sums (``math.fsum``): every
+    operation is an IEEE double operation in a fixed order, so the result is the same on every
+    CPU and BLAS. None when X has fewer rows than columns or is rank-deficient (``RANK_TOL``).
+    For the few-column fits of the study analyses; O(rows x columns^2) Python operations."""
+    A = [[float(v) for v in row] for row in X]  # (rows, cols), copied: reduced in place
+    b = [float(v) for v in y]
+    m, n = len(A), len(A[0]) if A else 0
+    if m != len(b):
+        raise ValueError(f"least_squares: X has {m} rows, y has {len(b)} values")
+    if n == 0 or m < n:
+        return None
+    scale = max(math.sqrt(math.fsum(A[i][j] ** 2 for i in range(m))) for j in range(n))
+    if not scale > 0 or not math.isfinite(scale):
+        return None
+    for k in range(n):
+        norm = math.sqrt(math.fsum(A[i][k] ** 2 for i in range(k, m)))
+        if norm <= RANK_TOL * scale:
+            return None
+        alpha = -norm if A[k][k] >= 0 else norm
+        v = [A[i][k] for i in range(k, m)]
+        v[0] -= alpha
+        vv = math.fsum(x * x for x in v)
+        for j in range(k, n):  # A[k:, j] -= 2 v (v . A[k:, j]) / (v . v)
+            f = 2 * math.fsum(v[i - k] * A[i][j] for i in range(k, m)) / vv
+            for i in range(k, m):
+                A[i][j] -= f * v[i - k]
+        f = 2 * math.fsum(v[i - k] * b[i] for i in range(k, m)) / vv
+        for i in range(k, m):
+            b[i] -= f * v[i - k]
+    coef = [0.0] * n
+    for k in reversed(range(n)):  # back-substitution in R (the upper n x n of A)
+        coef[k] = (b[k] - math.fsum(A[k][j] * coef[j] for j in range(k + 1, n))) / A[k][k]
+    return tuple(coef)
+
+
+def line_fit(x, y) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (x, y), as ``np.polyfit(x, y, 1)``
+    but in plain Python floats with correctly rounded sums (the same bits on every machine; a
+    constant y gives a slope of exactly 0). NaN, NaN with fewer than 2 points or one distinct x."""
+    xs, ys = [float(v) for v in x], [float(v) for v in y]
+    if len(xs) != len(ys):
+        raise ValueError(f"line_fit: {len(xs)} x values, {len(ys)} y values")
+    if len(xs) < 2:
+        return math.nan, math.nan
+    xm, ym = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
+    sxx = math.fsum((a - xm) ** 2 for a in xs)
+    if sxx == 0:
+        return math.nan, math.nan
+    slope = math.fsum((a - xm) * (b - ym) for a, b in zip(xs, ys)) / sxx
+    return slope, ym - slope * xm
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One group against its reference, one member of a Holm family (``compare_family``)."""
@@ -234,5 +299,5 @@ def compare_family(groups: dict, references: dict) -> dict:
     return out
 
 
-__all__ = ["Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
+__all__ = ["least_squares", "line_fit", "RANK_TOL", "Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
            "MAX_EXACT", "N_MC"]

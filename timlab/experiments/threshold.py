@@ -35,6 +35,7 @@ import pandas as pd
 
 from timlab.errors import UsageError
 from timlab.experiments.collapse import COMPLETE_STATES, rule_options, run_summary
+from timlab.experiments.stats import line_fit
 from timlab.experiments.sweep import read_index
 
 DOSE = "mismatch.magnitude"
@@ -185,9 +186,7 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
         pts = [(c.T, c.k3_star) for c in group if math.isfinite(c.k3_star) and c.T > 0]
         if len(pts) < 2:
             continue
-        x = np.log10([p[0] for p in pts])
-        y = np.log10([p[1] for p in pts])
-        slope, intercept = np.polyfit(x, y, 1)
+        slope, intercept = line_fit([math.log10(p[0]) for p in pts], [math.log10(p[1]) for p in pts])
         t_star = 10 ** ((math.log10(target_k3) - intercept) / slope) if slope < 0 else math.inf
         result.fits.append(Fit(family, lr, float(slope), float(intercept), len(pts), float(t_star)))
     return result
