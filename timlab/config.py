@@ -229,6 +229,17 @@ class MismatchSection:
     """Scope: inject only on tokens whose trainer probability is below this (1.0 = everywhere)."""
     seed: int = 0
     """Seed of the injector's own randomness (noise draws, the fixed head perturbation)."""
+    target_k3: float = 0.0
+    """> 0: hold the realized k3 at this target (0 = off): a feedback controller sets each step's
+    magnitude from the k3 the previous step realized (timlab.injectors.controller); magnitude is the
+    first step's value, and the schedule moves the target (to target_k3_end) instead of the magnitude.
+    Continuous parts only (head_perturb, logit_noise, temperature)."""
+    target_k3_end: float = 0.0
+    """linear / geometric schedule with target_k3: the target at the end of the ramp."""
+    target_gain: float = 0.5
+    """target_k3: the controller's gain in (0, 1]; 0.5 halves the log error each step when k3 ~ magnitude^2."""
+    target_max_change: float = 2.0
+    """target_k3: the largest factor the magnitude may change by in one step (> 1)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ The magnitude can follow a schedule and the injector can start late (``mismatch.
 ``start_step``, ``ramp_steps``, ``magnitude_end``; ``timlab.injectors.schedule``): the trainer
 calls ``begin_step(step)`` before each rollout; before ``start_step`` the rollout is the
 trainer's own model on the default engine (``off``), so k3 is exactly 0 and the guard holds.
+Or the realized k3 can be held at a (scheduled) target, ``mismatch.target_k3``: a feedback
+controller (``timlab.injectors.controller``) sets the magnitude, and the trainer reports each
+step's k3 through ``observe``.
 
 Each part is one class in its own module of this package, behind the small protocol of
 ``timlab.injectors.base.Injector``; ``RolloutInjector`` composes them and never names one.
@@ -42,11 +45,12 @@ import torch
 from timlab.engines import ENGINES, Rollout, SamplingParams, build_engine
 from timlab.errors import UsageError
 from timlab.injectors.base import INJECTORS, Injector, Settings, register
+from timlab.injectors.controller import K3Controller, check_target
 from timlab.injectors.schedule import check_schedule, scheduled_magnitude
 from timlab.injectors.weight_rounding import round_weight
 from timlab.model.llama import CausalLM
 
-for _module in pkgutil.iter_modules(__path__):  # each module (but base, schedule) registers its injector class
+for _module in pkgutil.iter_modules(__path__):  # each module (but base, schedule, controller) registers its injector class
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["INJECTORS", "Injector", "RolloutInjector", "Settings", "build_injector", "check_section", "parse_parts",
@@ -86,8 +90,15 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
         raise UsageError(f"mismatch.prob_below scopes {' and '.join(_names_where('scoped'))} only; add one of them")
     for inj in injectors:
         inj.check()
-    check_schedule(schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
-                   start_step=s.start_step, ramp_steps=s.ramp_steps)
+    check_target(target_k3=s.target_k3, target_k3_end=s.target_k3_end, target_gain=s.target_gain,
+                 target_max_change=s.target_max_change, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
+                 schedule=s.schedule, kinds=[inj.magnitude_kind for inj in injectors])
+    if s.target_k3 > 0:  # the schedule moves the target, not the magnitude
+        check_schedule(schedule=s.schedule, magnitude=s.target_k3, magnitude_end=s.target_k3_end,
+                       start_step=s.start_step, ramp_steps=s.ramp_steps)
+    else:
+        check_schedule(schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
+                       start_step=s.start_step, ramp_steps=s.ramp_steps)
     if s.schedule != "constant" and not any(inj.magnitude_kind != "none" for inj in injectors):
         raise UsageError(f"mismatch.schedule={s.schedule} moves the magnitude of "
                          f"{', '.join(_names_where('magnitude_kind'))} only; add one of them")
@@ -135,6 +146,11 @@ class RolloutInjector:
         """The magnitude of the current step's rollout (the schedule's value)."""
         self.active = True
         """False before mismatch.start_step: the step rolls out with no part acting."""
+        self.controller = None if settings.target_k3 <= 0 or not parts else K3Controller(
+            target_k3=settings.target_k3, target_k3_end=settings.target_k3_end, schedule=settings.schedule,
+            start_step=settings.start_step, ramp_steps=settings.ramp_steps, magnitude=settings.magnitude,
+            gain=settings.target_gain, max_change=settings.target_max_change)
+        """Sets the magnitude from the realized k3 when mismatch.target_k3 > 0 (else None)."""
         self.rollout_model = self._build_model(model)
         self.engine = build_engine(engine_name, self.rollout_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self.engine_name = engine_name
@@ -159,8 +175,11 @@ class RolloutInjector:
         set its scheduled magnitude (or switch every part off before start_step) and let the
         parts that keep state across steps (``stale``) see the weights."""
         s = self.settings
-        m = scheduled_magnitude(step, schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
-                                start_step=s.start_step, ramp_steps=s.ramp_steps)
+        if self.controller is not None:
+            m = self.controller.magnitude(step)
+        else:
+            m = scheduled_magnitude(step, schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
+                                    start_step=s.start_step, ramp_steps=s.ramp_steps)
         was_active, self.active = self.active, m is not None
         resync = False
         if m is not None and m != self.magnitude:
@@ -173,9 +192,19 @@ class RolloutInjector:
         if self.active and (resync or not was_active):
             self.refresh()
 
+    def observe(self, k3: float) -> None:
+        """The k3 this step's batch realized (before the update): the controller, if any, sets the
+        next step's magnitude from it."""
+        if self.controller is not None:
+            self.controller.observe(k3)
+
     def metrics(self) -> dict:
-        """The step's scheduled magnitude (0 while the rollout is exact, before start_step)."""
-        return {"mismatch/magnitude": float(self.magnitude) if self.active else 0.0}
+        """The step's magnitude (0 while the rollout is exact, before start_step) and, under
+        mismatch.target_k3, the step's target."""
+        out = {"mismatch/magnitude": float(self.magnitude) if self.active else 0.0}
+        if self.controller is not None:
+            out.update(self.controller.metrics())
+        return out
 
     # -- the rollout model ----------------------------------------------------------------
     def _build_model(self, model: CausalLM) -> CausalLM:
@@ -256,6 +285,8 @@ class RolloutInjector:
 
     def state_dict(self) -> dict:
         state = {"generator": self.generator.get_state()}
+        if self.controller is not None:
+            state["controller"] = self.controller.state_dict()
         for inj in self.injectors:
             if inj.state_dict():
                 state[inj.name] = inj.state_dict()
@@ -264,6 +295,8 @@ class RolloutInjector:
     def load_state_dict(self, state: dict) -> None:
         if state and "generator" in state:
             self.generator.set_state(state["generator"])
+        if state and self.controller is not None and "controller" in state:
+            self.controller.load_state_dict(state["controller"])
         for inj in self.injectors:
             if state and inj.name in state:
                 inj.load_state_dict(state[inj.name])

@@ -53,6 +53,10 @@ class Settings:
     start_step: int
     ramp_steps: int
     scale_granularity: str
+    target_k3: float = 0.0
+    target_k3_end: float = 0.0
+    target_gain: float = 0.5
+    target_max_change: float = 2.0
 
 
 MAGNITUDE_KINDS = ("none", "continuous", "integer")

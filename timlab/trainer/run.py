@@ -382,6 +382,7 @@ class RLRun:
                 scored = self._score(rollout)
                 with _timed(times, "time/metrics_s"):
                     metrics, dists = self._mismatch_metrics(scored)
+                self.injector.observe(self.world.weighted_mean(metrics["rollout_corr/k3_kl"], float(scored.mask.sum())))
                 weights, keep_tokens = self._correct(scored, metrics)
                 keep = informative_groups(rewards) if cfg.algorithm.reject_equal_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
                 loss_metrics, grad_norm, updated = self._update(self._loss_batch(scored, rewards, keep, weights, keep_tokens))
