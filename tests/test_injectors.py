@@ -72,6 +72,38 @@ def test_composition_and_scope(model):
     assert 0 < scoped < realized(model, "temperature", 1.0)[0]
 
 
+@pytest.mark.parametrize("injector", ["temperature", "logit_noise"])
+def test_entropy_scope_perturbs_only_the_chosen_tokens(model, injector):
+    """entropy_min / entropy_max: a token whose trainer entropy lies outside [min, max) gets the
+    trainer's log-prob bit for bit (r exactly 0); inside, the rollout is perturbed. The two scopes
+    split the unscoped mismatch, each a part of it."""
+    every, r = realized(model, injector, 0.5)
+    _, ent = token_logprobs(model, r.tokens, r.key_valid, with_entropy=True)
+    cut = float(ent[r.response_mask].median())  # the random model's entropies span 3.31-3.45 nats
+    k_hi, r = realized(model, injector, 0.5, entropy_min=cut)
+    with torch.enable_grad():
+        lp, ent = token_logprobs(model, r.tokens, r.key_valid, with_entropy=True)
+    mask = r.response_mask
+    diff = (lp.detach() - r.logprobs)[mask]
+    ent = ent[mask]
+    low, high = ent < cut - 1e-4, ent > cut + 1e-4
+    assert low.sum() >= 10 and high.sum() >= 10  # both kinds of token occur
+    assert (diff[low] == 0).all()  # out of scope: exact
+    assert (diff[high] != 0).float().mean() > 0.9  # in scope: perturbed
+    k_lo = realized(model, injector, 0.5, entropy_max=cut)[0]
+    assert 0 < k_hi < every and 0 < k_lo < every
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"injector": "head_perturb", "entropy_min": 1.0}, "mismatch.entropy_min scopes logit_noise and temperature only"),
+    ({"injector": "temperature", "entropy_max": -1.0}, "mismatch.entropy_max must be a finite number of nats >= 0"),
+    ({"injector": "temperature", "entropy_min": 2.0, "entropy_max": 1.0}, "must be below mismatch.entropy_max"),
+])
+def test_bad_entropy_scopes(model, kw, msg):
+    with pytest.raises(Exception, match=msg):
+        realized(model, magnitude=0.5, **kw)
+
+
 def test_trainer_weights_untouched(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     realized(model, "head_perturb+weight_rounding", 1.0, dtype="int8")

@@ -227,6 +227,12 @@ class MismatchSection:
     """engine injector: the rollout engine used instead (one of ``timlab.injectors.engine_swap.SWAP_ENGINES``)."""
     prob_below: float = 1.0
     """Scope: inject only on tokens whose trainer probability is below this (1.0 = everywhere)."""
+    entropy_min: float = 0.0
+    """Scope: inject only at decode steps whose unperturbed next-token entropy (nats) is at least
+    this: the "decision" tokens (0 = no lower bound). logit_noise and temperature only."""
+    entropy_max: float = 0.0
+    """Scope: inject only at decode steps whose unperturbed next-token entropy (nats) is below this:
+    the near-deterministic tokens (0 = no upper bound). logit_noise and temperature only."""
     seed: int = 0
     """Seed of the injector's own randomness (noise draws, the fixed head perturbation)."""
     target_k3: float = 0.0

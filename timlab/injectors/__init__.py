@@ -14,8 +14,10 @@ off exactly, then add a controlled amount back). Three kinds of parts compose wi
 - an engine swap: ``engine`` (``mismatch.engine``: fast or hf kernels instead of exact);
 - logits processors: ``logit_noise`` (fresh N(0, magnitude^2) per logit and token: random TIM),
   ``temperature`` (rollout logits / (1 + magnitude): biased TIM). Only these two honour the
-  scope ``mismatch.prob_below`` (perturb only vocabulary entries whose unperturbed probability,
-  i.e. the trainer's, is below the threshold).
+  scopes: ``mismatch.prob_below`` (perturb only vocabulary entries whose unperturbed probability,
+  i.e. the trainer's, is below the threshold) and ``mismatch.entropy_min`` / ``entropy_max``
+  (perturb only decode steps whose unperturbed next-token entropy lies in [min, max): the
+  high-entropy "decision" tokens, or the near-deterministic rest).
 
 Every run measures the realized mismatch (rollout_corr/*, mismatch/*), so a knob's effect is
 measured, not assumed. Injector randomness comes from its own seeded generator (checkpointed).
@@ -37,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import math
 import pkgutil
 from typing import Callable
 
@@ -88,6 +91,14 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
         raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
     if s.prob_below < 1.0 and not any(inj.scoped for inj in injectors):
         raise UsageError(f"mismatch.prob_below scopes {' and '.join(_names_where('scoped'))} only; add one of them")
+    for key in ("entropy_min", "entropy_max"):
+        v = getattr(s, key)
+        if not (math.isfinite(v) and v >= 0):
+            raise UsageError(f"mismatch.{key} must be a finite number of nats >= 0 (0 = no bound), got {v}")
+        if v > 0 and not any(inj.scoped for inj in injectors):
+            raise UsageError(f"mismatch.{key} scopes {' and '.join(_names_where('scoped'))} only; add one of them")
+    if s.entropy_max > 0 and s.entropy_min >= s.entropy_max:
+        raise UsageError(f"mismatch.entropy_min ({s.entropy_min}) must be below mismatch.entropy_max ({s.entropy_max})")
     for inj in injectors:
         inj.check()
     check_target(target_k3=s.target_k3, target_k3_end=s.target_k3_end, target_gain=s.target_gain,
@@ -255,9 +266,17 @@ class RolloutInjector:
         for inj in self.injectors:
             if inj.processes_logits:
                 out = inj.process_logits(out, col, self.generator)
-        if self.settings.prob_below < 1.0:
+        s = self.settings
+        if s.prob_below < 1.0:
             p_clean = torch.softmax(clean, dim=-1)
-            out = torch.where(p_clean < self.settings.prob_below, out, clean)
+            out = torch.where(p_clean < s.prob_below, out, clean)
+        if s.entropy_min > 0 or s.entropy_max > 0:
+            logp = torch.log_softmax(clean.float(), dim=-1)  # (B, V)
+            entropy = -(logp.exp() * logp).nan_to_num().sum(-1)  # (B,) nats, 0 * log 0 = 0
+            keep = entropy >= s.entropy_min
+            if s.entropy_max > 0:
+                keep &= entropy < s.entropy_max
+            out = torch.where(keep[:, None], out, clean)
         return out
 
     def rollout(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingParams,

@@ -53,6 +53,8 @@ class Settings:
     start_step: int
     ramp_steps: int
     scale_granularity: str
+    entropy_min: float = 0.0
+    entropy_max: float = 0.0
     target_k3: float = 0.0
     target_k3_end: float = 0.0
     target_gain: float = 0.5
