@@ -11,6 +11,7 @@
   dispatch and function modes that see every op whose result the host must wait for (a scalar
   read, a data-dependent shape, a copy to host memory); the host loop, counted the same way,
   reads it every step.
+- ``bench/gpu_rollout.py --tiny`` runs on the CPU, with the roofline computed as by hand.
 """
 
 from __future__ import annotations
@@ -304,3 +305,30 @@ def test_logits_processor_and_routing_record_take_the_host_loop(monkeypatch):
     assert r.experts is not None
     with pytest.raises(AssertionError, match="device loop ran"):
         engine.generate(_prompts(), max_new_tokens=6)
+
+
+# ------------------------------------------------------------------------------ the benchmark, tiny
+def test_gpu_rollout_bench_runs_tiny_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    import importlib.util
+    import json
+
+    from script_loader import REPO
+
+    spec = importlib.util.spec_from_file_location("gpu_rollout", REPO / "bench" / "gpu_rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--tiny", "--batches", "4", "--variants", "exact,exact+graphs,fast+loop,hf", "--repeats", "1",
+                      "--bandwidth", "10", "--json", str(tmp_path / "r.json")])
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert list(rows) == ["exact", "exact+graphs", "fast+loop", "hf"] and out["device_name"] == "cpu"
+    assert all(r["tokens"] == 4 * 8 for r in rows.values())  # EOS disabled: every row generates 8 tokens
+    assert rows["exact"]["bitwise_equal_share"] == rows["exact+graphs"]["bitwise_equal_share"] == 1.0
+    # the roofline by hand: the weights once (tied embedding: 512 x 64; per layer q, o 64 x 64, k, v
+    # 64 x 32, q/k norms 16 each, MLP 3 x 64 x 128, two norms 64; the final norm 64), bf16, plus the
+    # exact path's whole KV buffer: B x layers x (K, V) x KV heads x head_dim x 2 bytes per column
+    weights = 2 * (512 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 2 * 16 + 3 * 64 * 128 + 2 * 64) + 64)
+    assert weights == 2 * 106_880
+    S = rows["exact"]["buffer_len"]
+    assert rows["exact"]["roofline_tokens_per_s"] == pytest.approx(4 * 10e9 / (weights + 4 * 2 * 2 * 2 * 16 * 2 * S))
+    assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
