@@ -11,7 +11,8 @@ rotating order, so background load hits all alike); the median is reported, wall
 disabled (its id is set outside the vocabulary) so every engine generates exactly
 batch x new-tokens tokens and does the same work. ``hf`` is timlab's hf engine (transformers
 ``generate`` with its KV cache, SDPA, plus the conversion to timlab's layout); ``hf_raw`` is the
-bare ``generate`` call on the same HF model, to show what the wrapper costs.
+bare ``generate`` call on the same HF model, to show what the wrapper costs. ``exact+loop`` and
+``fast+loop`` are those engines with the device-side decode loop (``DeviceLoop()``).
 
 Targets (the exact engine's cost of exactness): exact >= 0.8 x fast and exact >= hf. With
 ``--device cuda`` the exact engine runs the Triton kernels of ``timlab.kernels`` and the fast one
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from timlab.engines import SamplingParams, build_engine  # noqa: E402
+from timlab.engines.device_loop import DeviceLoop  # noqa: E402
 from timlab.errors import UsageError  # noqa: E402
 from timlab.kernels import check_device  # noqa: E402
 from timlab.model.hf_io import load_model  # noqa: E402
@@ -111,7 +113,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     fns = {}
     for name in args.engines.split(","):
-        engine = build_engine("hf" if name == "hf_raw" else name, model, eos_token_id=no_eos, pad_token_id=0)
+        base, _, loop = name.partition("+")
+        engine = build_engine("hf" if name == "hf_raw" else base, model, eos_token_id=no_eos, pad_token_id=0)
+        if loop:  # exact+loop, fast+loop: the device-side decode loop at its default settings
+            engine.device_loop = DeviceLoop()
         if name == "hf_raw":
             fns[name] = _raw_hf_generate(engine, prompts, args.new_tokens)
         else:
@@ -147,9 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"{out['num_parameters']:,} params, {args.dtype}, batch {args.batch} x {args.new_tokens} new tokens, "
           f"1 thread, median of {args.repeats}")
-    print(f"{'engine':<8} {'tok/s':>10} {'median s':>10} {'cpu tok/s':>10}")
+    print(f"{'engine':<10} {'tok/s':>10} {'median s':>10} {'cpu tok/s':>10}")
     for k, v in tps.items():
-        print(f"{k:<8} {v:>10.0f} {statistics.median(results[k]):>10.4f} {out['cpu_tokens_per_s'][k]:>10.0f}")
+        print(f"{k:<10} {v:>10.0f} {statistics.median(results[k]):>10.4f} {out['cpu_tokens_per_s'][k]:>10.0f}")
     for k, v in ratios.items():
         print(f"{k:<10} {v:.2f}")
     if args.json:

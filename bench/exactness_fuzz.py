@@ -8,6 +8,7 @@ command per failure, and how the cases covered each axis.
 
     python bench/exactness_fuzz.py --cases 1000 --seed 0 --isa both --json bench/exactness_fuzz.json
     python bench/exactness_fuzz.py --seed 0 --case 17          # repeat one case, verbose
+    python bench/exactness_fuzz.py --cases 200 --device cuda --device-loop 8 --cuda-graphs
 
 ``--isa avx2`` runs the cases in a child process with torch, oneDNN and MKL capped at AVX2;
 ``--isa both`` runs them under the machine's own ISA and again capped. Model folders are written
@@ -47,19 +48,20 @@ def run_here(args, isa: str) -> dict:
         cases = [c for c in cases if c.arch.model_type == args.model_type]
     Path(args.cache).mkdir(parents=True, exist_ok=True)
     failures, results, t0 = [], [], time.perf_counter()
+    loop, extra = _loop_options(args)
     for n, case in enumerate(cases, 1):
         try:
-            res = ex.run_case(case, args.cache, backend=args.backend)
+            res = ex.run_case(case, args.cache, backend=args.backend, device=args.device, loop=loop)
         except Exception as e:  # a crash is a finding too: report it with its command
             failures.append({"index": case.index, "case": case.summary(), "error": f"{type(e).__name__}: {e}",
-                             "command": ex.case_command(args.seed, case.index, isa, args.backend)})
+                             "command": ex.case_command(args.seed, case.index, isa, args.backend, extra)})
             print(f"[{isa}] case {case.index}: ERROR {type(e).__name__}: {e}", flush=True)
             continue
         results.append(res)
         if not res.ok:
             failures.append({"index": case.index, "case": case.summary(), "bad_tokens": res.bad,
                              "tokens": res.tokens, "max_abs_diff": res.max_abs_diff,
-                             "command": ex.case_command(args.seed, case.index, isa, args.backend)})
+                             "command": ex.case_command(args.seed, case.index, isa, args.backend, extra)})
         if args.case is not None or not res.ok or args.verbose:
             print(f"[{isa}] case {case.index}: {'ok' if res.ok else 'FAIL'} {case.summary()} tokens {res.tokens} "
                   f"bad {res.bad} max|r| {res.max_abs_diff:.3g} ({res.seconds:.1f} s)", flush=True)
@@ -67,7 +69,8 @@ def run_here(args, isa: str) -> dict:
             print(f"[{isa}] {n}/{len(cases)} cases, {len(failures)} failed, {time.perf_counter() - t0:.0f} s",
                   flush=True)
     summary = {
-        "isa": isa, "backend": args.backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+        "isa": isa, "backend": args.backend, "device": args.device, "decode_loop": extra or "host",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
         "seed": args.seed, "cases": len(cases), "failed": len(failures),
         "tokens_checked": sum(r.tokens for r in results), "seconds": round(time.perf_counter() - t0, 1),
         "failures": failures, "coverage": ex.coverage(cases), "max_abs_diff_histogram": ex.log_ratio_histogram(results),
@@ -75,6 +78,17 @@ def run_here(args, isa: str) -> dict:
     if args.json:
         write_json(args.json, summary)
     return summary
+
+
+def _loop_options(args):
+    """The engine's ``device_loop`` from ``--device-loop``/``--cuda-graphs``, and those options as typed."""
+    from timlab.engines.device_loop import DeviceLoop
+
+    if not args.device_loop:
+        return None, (f"--device {args.device}" if args.device != "cpu" else "")
+    extra = f"--device-loop {args.device_loop}" + (" --cuda-graphs" if args.cuda_graphs else "")
+    extra = (f"--device {args.device} " if args.device != "cpu" else "") + extra
+    return DeviceLoop(sync_every=args.device_loop, cuda_graphs=args.cuda_graphs), extra
 
 
 def run_child(args, isa: str) -> dict:
@@ -111,6 +125,10 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--verbose", action="store_true", help="a line per case")
     ap.add_argument("--model-type", default=None, help="run only the drawn cases of this architecture (e.g. qwen3_moe)")
+    ap.add_argument("--device", default="cpu", help="where the models run: cpu or cuda (default cpu)")
+    ap.add_argument("--device-loop", type=int, default=0, metavar="K",
+                    help="roll out with the device-side decode loop, a host read every K steps (default 0: the host loop)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="with --device-loop: the decode step as CUDA graphs")
     ap.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
                     help="the exact path's kernels; triton on a CPU runs the GPU kernels in Triton's interpreter")
     args = ap.parse_args()
@@ -118,6 +136,10 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton loads; a GPU run sets it to 0
     if args.cases < 1:
         ap.error("--cases must be >= 1")
+    if args.device_loop < 0 or (args.cuda_graphs and not args.device_loop):
+        ap.error("--device-loop must be >= 1 (0: the host loop), and --cuda-graphs needs it")
+    if args.isa != "native" and (args.device != "cpu" or args.device_loop):
+        ap.error("--isa avx2/both are CPU runs of the host loop; leave out --device and --device-loop")
     isa_name = os.environ.get(CHILD, "native")
     if args.isa == "native":
         summaries = [run_here(args, isa_name)]  # writes --json itself

@@ -12,6 +12,7 @@ step() { echo; echo "=== $1"; shift; "$@" 2>&1 | tee -a "$OUT/gpu.log"; echo "rc
 step "kernel tests, compiled" env TRITON_INTERPRET=0 timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
 step "kernels vs cuBLAS/SDPA" timeout 300 $PY bench/kernels.py --device cuda --json "$OUT/kernels.json"
 step "exact engine at Qwen3-0.6B width" timeout 400 $PY bench/gpu_exact.py --device cuda --json "$OUT/gpu_exact.json"
+step "rollout speed vs HF generate and the roofline, Qwen3-0.6B width" timeout 500 $PY bench/gpu_rollout.py --device cuda --repeats 2 --json "$OUT/gpu_rollout.json"
 step "engine throughput, tiny model" timeout 300 $PY bench/engines.py --device cuda --dtype bfloat16 --engines exact,fast,hf --repeats 5 --json "$OUT/engines_tiny.json"
 step "GRPO on CUDA, guard on" timeout 400 $PY -m timlab train --preset smoke --set run.device=cuda --run-dir /tmp/train_smoke --quiet
 step "its metrics" $PY -c "import pandas as pd; m = pd.read_parquet('/tmp/train_smoke/metrics.parquet'); cols = [c for c in m.columns if 'k3' in c or c in ('step', 'mismatch/max_abs_diff', 'train/reward_mean', 'train/step_time_s')]; print(m[cols].describe().T.to_string())"

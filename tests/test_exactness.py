@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from timlab.engines.device_loop import DeviceLoop  # noqa: E402
 from timlab.experiments import exactness as ex  # noqa: E402
 from timlab.model.llama import ARCHITECTURES  # noqa: E402
 from timlab.model import ops  # noqa: E402
@@ -111,6 +112,14 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.index}-{c.arch.model_type}-{c.arch.width}-{c.dtype}")
 def test_exact_rollout_equals_trainer_bitwise(case, cache):
     res = ex.run_case(case, cache)
+    assert res.tokens > 0
+    assert res.ok, (case.summary(), res.bad, res.max_abs_diff)
+
+
+@pytest.mark.parametrize("case", CASES[::5], ids=lambda c: f"{c.index}-{c.arch.model_type}-{c.arch.width}-{c.dtype}")
+def test_device_loop_rollout_equals_trainer_bitwise(case, cache):
+    """The same check with the engine's device-side decode loop (``timlab.engines.device_loop``)."""
+    res = ex.run_case(case, cache, loop=DeviceLoop(sync_every=3, buckets=(4, 16, 32)))
     assert res.tokens > 0
     assert res.ok, (case.summary(), res.bad, res.max_abs_diff)
 

@@ -229,18 +229,23 @@ def test_backward_goes_through_stock_kernels():
 
 # ------------------------------------------------------------------------------ the exact engine
 @needs_triton
+@pytest.mark.parametrize("loop", (False, True), ids=("host-loop", "device-loop-graphs"))
 @pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("qwen3", torch.float32)],
                          ids=("llama-fp32", "llama-bf16", "qwen3-fp32"))
-def test_exact_engine_bitwise_equals_trainer_through_the_kernels(arch, dtype):
-    """tests/test_engines.py's central claim, with every exact-path op on the Triton kernels."""
+def test_exact_engine_bitwise_equals_trainer_through_the_kernels(arch, dtype, loop):
+    """tests/test_engines.py's central claim, with every exact-path op on the Triton kernels; also
+    through the device loop's graph step (captured as CUDA graphs on a GPU, eager here)."""
     from test_engines import EOS, PAD, ragged_prompts, tiny_model, trainer_logprobs
 
     from timlab.engines import build_engine
+    from timlab.engines.device_loop import DeviceLoop
     from timlab.model.ops import kernel_backend
 
     model = tiny_model(arch, dtype).to(DEVICE)
     model.refresh_rope()
     engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    if loop:
+        engine.device_loop = DeviceLoop(sync_every=2, buckets=(2, 4), cuda_graphs=True)
     with kernel_backend("triton"):
         r = engine.generate(ragged_prompts(4), max_new_tokens=6,
                             generator=torch.Generator(device=DEVICE).manual_seed(3))

@@ -117,23 +117,34 @@ _U_MAX = 1.0 - 2.0**-22
 for every positive finite total (the rounding error of the product is below total * 2^-24)."""
 
 
-def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def uniforms(n: int, generator: torch.Generator, device=None, dtype=torch.float32) -> torch.Tensor:
+    """n uniform numbers in [0, _U_MAX] from ``generator``: the draws of ``draw_tokens`` (fp32
+    probabilities). On the CPU a draw of n + m numbers gives the numbers of a draw of n, then m."""
+    return torch.empty(n, dtype=dtype, device=device).uniform_(0.0, _U_MAX, generator=generator)
+
+
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``probs`` (B, V) (non-negative, unnormalized is fine) by inverse CDF.
 
     Row b takes the b-th of B uniform numbers from ``generator``, u in [0, _U_MAX], scales it by
     the row's total mass and picks the first token whose cumulative mass exceeds it. Since
     u * total < total, that token exists and has a cumulative mass above the previous token's,
     so a token of zero probability is never drawn (cumsum rounding cannot land on one). Same
-    generator state, same tokens; row b's token depends only on row b and its number.
+    generator state, same tokens; row b's token depends only on row b and its number. ``u``
+    (B,) fp32, from ``uniforms``: the numbers drawn beforehand (then ``generator`` is not used).
     """
     cdf = probs.cumsum(-1)  # (B, V)
-    u = torch.empty(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device).uniform_(0.0, _U_MAX, generator=generator)
+    if u is None:
+        u = uniforms(probs.shape[0], generator, cdf.device, cdf.dtype)[:, None]  # (B, 1)
+    else:
+        u = u.view(-1, 1).to(cdf.dtype, copy=True)  # (B, 1), a copy: mul_ below writes into it
     token = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True)  # (B, 1): first with cdf > u
     return token.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # the clamp only matters for NaN rows
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, check_finite: bool = True
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, *, check_finite: bool = True,
+    u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: (B, V) fp32.
 
@@ -141,7 +152,8 @@ def sample_next(
     and its log-prob under the sampling distribution (B,). Order: temperature, top-k, top-p
     (the order HF applies them in); the draw is ``draw_tokens``. ``check_finite=False`` skips the
     NaN/Inf check (and its host sync): the decode loop checks the log-probs of a rollout once
-    instead (non-finite logits make a row's log-probs NaN).
+    instead (non-finite logits make a row's log-probs NaN). ``u`` (B,): the draw's uniform numbers,
+    drawn beforehand (``draw_tokens``).
     """
     if check_finite and not bool(torch.isfinite(logits).all()):
         raise NonFiniteLogitsError("non-finite values in the rollout's logits")
@@ -155,7 +167,7 @@ def sample_next(
     else:
         z = logits / params.temperature if params.temperature != 1.0 else logits
         logp_sample = torch.log_softmax(truncate(z, params), dim=-1)  # (B, V)
-    token = draw_tokens(logp_sample.exp(), generator)
+    token = draw_tokens(logp_sample.exp(), generator, u)
     lp = logp_model.gather(-1, token[:, None]).squeeze(-1)
     return token, lp, lp if logp_sample is logp_model else logp_sample.gather(-1, token[:, None]).squeeze(-1)
 

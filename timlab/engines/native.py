@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from timlab.engines import device_loop
 from timlab.engines.base import ENGINES, Engine
+from timlab.engines.device_loop import DeviceLoop
 from timlab.model.forward import MIN_SKIP_MACS, attention_mask, positions_from_valid
 from timlab.model.llama import KVCache, Step
 
@@ -38,8 +40,9 @@ class _DecodeState:
         allowed = attention_mask(key_valid, 0, S) if B * S * S <= MAX_MASK_ELEMENTS else None  # (B, 1, S, S)
         return cls(cache, key_valid, positions, cos, sin, allowed)
 
-    def select(self, keep: torch.Tensor) -> "_DecodeState":
-        return _DecodeState(self.cache.rows(keep), self.key_valid[keep],
+    def select(self, keep: torch.Tensor, cache: KVCache | None = None) -> "_DecodeState":
+        """The rows ``keep`` (a bool mask or indices, repeats allowed); ``cache``: theirs, already gathered."""
+        return _DecodeState(self.cache.rows(keep) if cache is None else cache, self.key_valid[keep],
                             self.positions[keep], self.cos[keep], self.sin[keep],
                             None if self.allowed is None else self.allowed[keep])
 
@@ -98,10 +101,27 @@ class _KVCachedEngine(Engine):
 
     def _decode(self, state: _DecodeState, tokens, key_valid, col):
         """Logits (B, V) after column ``col``; the held rows' ``key_valid`` is the state's own."""
+        return self._decode_ids(state, tokens[:, col : col + 1], col)
+
+    def _decode_ids(self, state: _DecodeState, ids: torch.Tensor, col: int) -> torch.Tensor:
+        """Logits (B, V) after the tokens ``ids`` (B, 1) at column ``col``."""
         step = state.step(col, self.mode == "exact")
         step.routing = self.routing
-        h = self.model.hidden_states(tokens[:, col : col + 1], step, state.cache, self.mode)
+        h = self.model.hidden_states(ids, step, state.cache, self.mode)
         return self.model.logits_from_hidden(h[:, -1], self.mode)  # (B, V)
+
+    device_loop: DeviceLoop | None = None
+    """None: the decode loop of ``Engine._generate`` (a host read every step). A ``DeviceLoop``:
+    its loop, with the bookkeeping on the device (``timlab.engines.device_loop``), for rollouts
+    without a logits processor, routing record or op hooks."""
+
+    def _generate(self, prompts, tokens, key_valid, P, *, max_new_tokens, sampling, generator, logits_processor):
+        loop = self.device_loop
+        if loop is None or logits_processor is not None or self._routing_record is not None or self.model.hooks:
+            return super()._generate(prompts, tokens, key_valid, P, max_new_tokens=max_new_tokens, sampling=sampling,
+                                     generator=generator, logits_processor=logits_processor)
+        return device_loop.generate(self, tokens, key_valid, P, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    generator=generator, loop=loop)
 
 
 @ENGINES.register("exact")

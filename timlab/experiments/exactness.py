@@ -45,6 +45,7 @@ import torch
 
 from timlab.config import short_hash
 from timlab.engines.base import SamplingParams
+from timlab.engines.device_loop import DeviceLoop
 from timlab.engines.native import ExactEngine
 from timlab.errors import UsageError
 from timlab.machine import PIN_ENV
@@ -308,11 +309,14 @@ def _compare(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor)
     return int((a != b).sum()), float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def run_case(case: Case, cache_dir: str | Path, *, backend: str = "auto") -> CaseResult:
+def run_case(case: Case, cache_dir: str | Path, *, backend: str = "auto", device: str = "cpu",
+             loop: DeviceLoop | None = None) -> CaseResult:
     """Roll out ``case`` with the exact engine and compare with the trainer's three forwards.
 
     ``backend``: the exact path's kernels (``timlab.model.ops.KERNEL_BACKENDS``); ``triton`` runs
-    the GPU kernels, on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``).
+    the GPU kernels, on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``). ``device``:
+    where the model runs (the sampler's generator too); ``loop``: the engine's ``device_loop``
+    (None: the host loop).
     """
     from timlab.model.hf_io import load_model
     from timlab.model.ops import kernel_backend
@@ -324,12 +328,12 @@ def run_case(case: Case, cache_dir: str | Path, *, backend: str = "auto") -> Cas
     with contextlib.ExitStack() as stack:
         stack.enter_context(kernel_backend(backend))
         stack.callback(torch.set_num_threads, threads)
-        model = load_model(folder, dtype=case.dtype)
+        model = load_model(folder, dtype=case.dtype, device=device)
         engine = ExactEngine(model, eos_token_id=EOS, pad_token_id=PAD)
-        engine.compact_below = case.compact_below
+        engine.compact_below, engine.device_loop = case.compact_below, loop
         sampling = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)
         r = engine.generate([list(p) for p in case.prompts], max_new_tokens=case.max_new_tokens, sampling=sampling,
-                            generator=torch.Generator().manual_seed(case.sample_seed))
+                            generator=torch.Generator(device=device).manual_seed(case.sample_seed))
         B, S = r.tokens.shape
         bad, worst = {}, 0.0
         with torch.enable_grad():
@@ -355,10 +359,10 @@ def run_case(case: Case, cache_dir: str | Path, *, backend: str = "auto") -> Cas
                       lengths=tuple(r.lengths.tolist()), seconds=time.perf_counter() - t0)
 
 
-def case_command(seed: int, index: int, isa: str = "native", backend: str = "auto") -> str:
-    """The one-line command that repeats case ``index`` of seed ``seed``."""
+def case_command(seed: int, index: int, isa: str = "native", backend: str = "auto", extra: str = "") -> str:
+    """The one-line command that repeats case ``index`` of seed ``seed`` (``extra``: more options)."""
     env = " ".join(f"{k}={v}" for k, v in PIN_ENV.items()) + " " if isa == "avx2" else ""
-    tail = f" --backend {backend}" if backend != "auto" else ""
+    tail = (f" --backend {backend}" if backend != "auto" else "") + (f" {extra}" if extra else "")
     return f"{env}python bench/exactness_fuzz.py --seed {seed} --case {index}{tail}"
 
 

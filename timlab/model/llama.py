@@ -321,6 +321,11 @@ class Step:
     sin: torch.Tensor | None = None
     routing: Routing | None = None
     """MoE models: records each sparse layer's experts (and forces them, for router replay)."""
+    write_at: torch.Tensor | None = None
+    """A one-token decode call with a KV cache: (1,) long, the buffer column its key and value go
+    to, on the device (``start`` is then only the CPU attention's key count), and attention runs
+    over the whole buffer in both modes. What a step captured as a CUDA graph needs: one recorded
+    write serves every column (``timlab.engines.device_loop``)."""
 
 
 class Attention(nn.Module):
@@ -363,9 +368,14 @@ class Attention(nn.Module):
             end = step.start + M
             if self.kv_store is not None:
                 k, v = self.kv_store(k), self.kv_store(v)
-            cache_k[:, :, step.start : end] = k
-            cache_v[:, :, step.start : end] = v
-            keys, values = (cache_k, cache_v) if mode == "exact" else (cache_k[:, :, :end], cache_v[:, :, :end])
+            if step.write_at is not None:  # the column is a device tensor (M = 1)
+                cache_k.index_copy_(2, step.write_at, k)
+                cache_v.index_copy_(2, step.write_at, v)
+                keys, values = cache_k, cache_v
+            else:
+                cache_k[:, :, step.start : end] = k
+                cache_v[:, :, step.start : end] = v
+                keys, values = (cache_k, cache_v) if mode == "exact" else (cache_k[:, :, :end], cache_v[:, :, :end])
         rep = self.n_heads // self.n_kv
         if mode == "exact":  # handles grouped-query attention itself, without copying the KV buffer
             out = fixed_length_attention(q, keys, values, step.allowed, self.scale, start=step.start,
