@@ -82,7 +82,7 @@ def figure(runs: dict[str, pd.DataFrame], path: Path) -> None:
         bx.plot(df.index, df["mismatch/magnitude"], color=colors[name], lw=1.5, label=name)
     ax.set_yscale("log")
     ax.set_ylabel("k3 per token")
-    ax.set_title("head_perturb on the surge policy: a fixed magnitude drifts, the controller holds or grows k3")
+    ax.set_title("head_perturb on the surge policy: fixed magnitude vs mismatch.target_k3", fontsize=10)
     ax.legend(fontsize=7, ncol=3)
     bx.set_ylabel("magnitude")
     bx.set_xlabel("training step")

@@ -56,6 +56,10 @@ def test_converges_without_oscillation_on_a_power_plant(p):
         assert late == pytest.approx([0.5] * 6, rel=1e-6)
 
 
+def test_a_zero_magnitude_starts_from_the_default():
+    assert controller(magnitude=0.0).magnitude(1) == 0.1
+
+
 def test_the_target_follows_the_schedule():
     c = controller(target_k3=1e-3, target_k3_end=1e-2, schedule="geometric", start_step=3, ramp_steps=2)
     assert [c.target(s) for s in (1, 2)] == [None, None]
@@ -73,7 +77,7 @@ def smoke(**sets):
     ({"mismatch.injector": "precision"}, "mismatch.target_k3 controls a continuous magnitude"),
     ({"mismatch.injector": "stale", "mismatch.magnitude": 1}, "mismatch.target_k3 controls a continuous magnitude"),
     ({"mismatch.injector": "head_perturb+stale", "mismatch.magnitude": 1}, "cannot control the integer lag of stale"),
-    ({"mismatch.injector": "head_perturb", "mismatch.magnitude": 0}, "needs mismatch.magnitude > 0"),
+    ({"mismatch.injector": "head_perturb", "mismatch.magnitude": -1}, "mismatch.magnitude must be >= 0"),
     ({"mismatch.magnitude_end": 0.5, "mismatch.schedule": "linear", "mismatch.ramp_steps": 2},
      "set mismatch.target_k3_end instead"),
     ({"mismatch.schedule": "linear", "mismatch.ramp_steps": 2}, "needs mismatch.target_k3_end > 0"),

@@ -19,7 +19,9 @@ the target (the clamp applies).
 The target follows the mismatch schedule (``mismatch.schedule``, ``start_step``,
 ``ramp_steps``: constant, linear or geometric from ``target_k3`` to ``target_k3_end``), so a
 mismatch can be held or grown as in real runs. Before ``start_step`` nothing acts (k3 exactly 0,
-the zero-mismatch guard holds); ``mismatch.magnitude`` is the first step's magnitude.
+the zero-mismatch guard holds); ``mismatch.magnitude`` is the first step's magnitude, or
+``START_MAGNITUDE`` when it is 0 (the clamp lets the magnitude double each step, so a target 100x
+off is reached in about 7 steps).
 
 Used by ``RolloutInjector`` (timlab.injectors): ``magnitude()`` in ``begin_step``,
 ``observe(k3)`` after the step's metrics (the trainer calls ``RolloutInjector.observe``). Its
@@ -35,6 +37,8 @@ from timlab.injectors.schedule import scheduled_magnitude
 
 K3_EXPONENT = 2.0
 """The exponent of k3 in the magnitude the control law assumes (a small logit perturbation)."""
+START_MAGNITUDE = 0.1
+"""The first step's magnitude when mismatch.magnitude is 0 (a multiplicative law cannot leave 0)."""
 
 
 def check_target(*, target_k3: float, target_k3_end: float, target_gain: float, target_max_change: float,
@@ -52,8 +56,9 @@ def check_target(*, target_k3: float, target_k3_end: float, target_gain: float, 
                          "temperature to mismatch.injector (stale's lag is an integer)")
     if "integer" in kinds:
         raise UsageError("mismatch.target_k3 cannot control the integer lag of stale; remove stale from mismatch.injector")
-    if not (math.isfinite(magnitude) and magnitude > 0):
-        raise UsageError(f"mismatch.target_k3 needs mismatch.magnitude > 0 as the first step's magnitude, got {magnitude}")
+    if not (math.isfinite(magnitude) and magnitude >= 0):
+        raise UsageError(f"mismatch.magnitude (the controller's first value; 0 = {START_MAGNITUDE}) must be a finite "
+                         f"number >= 0, got {magnitude}")
     if magnitude_end:
         raise UsageError("mismatch.magnitude_end is set with mismatch.target_k3: the schedule moves the target, "
                          "so set mismatch.target_k3_end instead")
@@ -74,7 +79,7 @@ class K3Controller:
         self.target_k3, self.target_k3_end = target_k3, target_k3_end
         self.schedule, self.start_step, self.ramp_steps = schedule, start_step, ramp_steps
         self.gain, self.max_change = gain, max_change
-        self.current = float(magnitude)
+        self.current = float(magnitude) if magnitude > 0 else START_MAGNITUDE
         """The magnitude the next active step rolls out with."""
         self.step = 0
         """The step the last ``magnitude`` call was for."""
@@ -112,4 +117,4 @@ class K3Controller:
         self.current, self.step = float(state["current"]), int(state["step"])
 
 
-__all__ = ["K3Controller", "K3_EXPONENT", "check_target"]
+__all__ = ["K3Controller", "K3_EXPONENT", "START_MAGNITUDE", "check_target"]
