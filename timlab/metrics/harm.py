@@ -85,18 +85,18 @@ def _advantage_sums(p: Prepared, adv: torch.Tensor) -> dict[str, torch.Tensor]:
     has = n_b > 0  # (B,)
     a = (adv.sum(-1) / n_b.clamp(min=1))[has]  # (S,) per-sequence advantage
     s = r.sum(-1)[has]  # (S,) per-sequence log-ratio
-    n = torch.tensor(float(a.numel()), dtype=torch.float64, device=r.device)
+    n = max(a.numel(), 1)
     sum_a, sum_s = a.sum(), s.sum()
-    da, ds = a - sum_a / n.clamp(min=1), s - sum_s / n.clamp(min=1)  # (S,) centred
+    da, ds = a - sum_a / n, s - sum_s / n  # (S,) centred
     return {
         "adv_diff": (adv * r).sum(),
         "num_tokens": p.validf.sum(),
-        "num_seqs": n,
+        "num_seqs": torch.tensor(float(a.numel()), dtype=torch.float64, device=r.device),
         "sum_a": sum_a,
         "sum_s": sum_s,
-        "m2_a": (da * da).sum(),
-        "m2_s": (ds * ds).sum(),
-        "c_as": (da * ds).sum(),
+        "m2_a": da.dot(da),
+        "m2_s": ds.dot(ds),
+        "c_as": da.dot(ds),
     }
 
 
@@ -166,28 +166,29 @@ def decision_token_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor,
         raise UsageError(f"top_frac must be a number in (0, 1), got {top_frac!r}")
     with torch.no_grad():
         p = check_inputs(train_logp, rollout_logp, mask)
-        ent = _check_companion(entropy, p, "entropy", per_sequence=False)[p.valid]  # (N,) row-major
-        rc = (p.train - p.rollout)[p.valid].clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (N,)
-        k3 = torch.exp(rc) - rc - 1.0  # (N,)
-        N = k3.numel()
-        k = math.ceil(top_frac * N)
-        top = torch.zeros(N, dtype=torch.bool, device=k3.device)
-        top[torch.argsort(ent, descending=True, stable=True)[:k]] = True  # (N,) the decision tokens
-        zero = torch.zeros((), dtype=torch.float64, device=k3.device)
-        n_top, n_rest = top.sum(), (~top).sum()
-        return _to_floats({
-            "mismatch/k3_decision": torch.where(n_top > 0, k3[top].sum() / n_top.clamp(min=1), zero),
-            "mismatch/k3_rest": torch.where(n_rest > 0, k3[~top].sum() / n_rest.clamp(min=1), zero),
-        })
+        return _to_floats(_decision_values(p, _check_companion(entropy, p, "entropy", per_sequence=False), top_frac))
+
+
+def _decision_values(p: Prepared, entropy: torch.Tensor, top_frac: float) -> dict[str, torch.Tensor]:
+    ent = entropy[p.valid]  # (N,) row-major
+    rc = (p.train - p.rollout)[p.valid].clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (N,)
+    N = rc.numel()
+    k = math.ceil(top_frac * N)
+    rc = rc[torch.argsort(ent, descending=True, stable=True)]  # (N,) decision tokens first
+    k3 = torch.exp(rc) - rc - 1.0  # (N,)
+    return {"mismatch/k3_decision": k3[:k].sum() / max(k, 1), "mismatch/k3_rest": k3[k:].sum() / max(N - k, 1)}
 
 
 def harm_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *,
                  advantages: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> dict[str, float]:
     """``advantage_metrics`` when ``advantages`` are given and ``decision_token_metrics`` when
     ``entropy`` is (an empty dict with neither); see those for the definitions."""
-    out: dict[str, float] = {}
-    if advantages is not None:
-        out.update(advantage_metrics(train_logp, rollout_logp, mask, advantages))
-    if entropy is not None:
-        out.update(decision_token_metrics(train_logp, rollout_logp, mask, entropy))
-    return out
+    with torch.no_grad():
+        p = check_inputs(train_logp, rollout_logp, mask)  # once for both (the trainer calls this every step)
+        out: dict[str, torch.Tensor] = {}
+        if advantages is not None:
+            out.update(_advantage_values(_advantage_sums(p, _check_companion(advantages, p, "advantages",
+                                                                             per_sequence=True))))
+        if entropy is not None:
+            out.update(_decision_values(p, _check_companion(entropy, p, "entropy", per_sequence=False), DECISION_FRAC))
+        return _to_floats(out) if out else {}
