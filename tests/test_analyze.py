@@ -17,6 +17,7 @@ import torch
 import timlab
 from timlab.cli import main
 from timlab.experiments.analyze import (
+    HARM_NEEDS_ADVANTAGES,
     SCHEMA,
     AnalyzeError,
     analyze_file,
@@ -26,7 +27,7 @@ from timlab.experiments.analyze import (
     read_records,
     write_rows,
 )
-from timlab.metrics import all_metrics
+from timlab.metrics import advantage_metrics, all_metrics
 
 SAMPLE = Path(timlab.__file__).parent / "data" / "sample_logprobs.jsonl"
 
@@ -314,6 +315,8 @@ BAD_ROWS = {
                "tokens has 2 values"),
     "reward": ({"trainer_logprobs": [-1.0], "rollout_logprobs": [-1.0], "reward": "high"}, "reward",
                "not a finite number"),
+    "advantage": ({"trainer_logprobs": [-1.0], "rollout_logprobs": [-1.0], "advantage": float("inf")}, "advantage",
+                  "advantage = inf is not a finite number"),
 }
 
 
@@ -467,6 +470,53 @@ def test_trl_converter_round_trip(tmp_path):
     assert from_trl_inputs(inputs, trainer_logps=tensors["old_log_probs"], step=3, tokenizer=_CharTok()) == rows
     with pytest.raises(ValueError, match="rollout_func"):
         from_trl_inputs({"old_per_token_logps": tensors["old_log_probs"]})
+
+
+# ------------------------------------------------------------------------------ harm statistics
+def test_sample_without_advantages_says_the_harm_statistics_need_them(tmp_path, capsys):
+    res = analyze_file(SAMPLE)
+    assert res["harm"] is None and "advantage" not in res["columns"]
+    assert main(["analyze", str(SAMPLE)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("harm:"))
+    assert HARM_NEEDS_ADVANTAGES in line and "need an 'advantage' column" in line
+    assert f"TV mean {res['metrics']['mismatch/tv_mean']:.3g}" in line
+
+
+def test_advantage_column_gives_the_advantage_weighted_statistics(tmp_path, capsys):
+    tensors, _ = _verl_batch()
+    adv = torch.tensor([0.5, -0.5, 1.0, -1.0])
+    inputs = {"completion_ids": tensors["responses"], "completion_mask": tensors["response_mask"],
+              "old_per_token_logps": tensors["old_log_probs"], "sampling_per_token_logps": tensors["rollout_log_probs"],
+              "advantages": adv}
+    rows = from_trl_inputs(inputs, step=1)
+    rows.append(good_row(9, step=1))  # a row without an advantage: in the metrics, not in the harm statistics
+    path = write_rows(rows, tmp_path / "adv.jsonl")
+    res = analyze_file(path)
+    want = advantage_metrics(tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"], adv)
+    assert res["harm"]["num_sequences"] == 4
+    assert res["harm"]["metrics"] == pytest.approx(want, rel=1e-12)
+    assert res["metrics"]["mismatch/num_tokens"] == int(tensors["response_mask"].sum()) + 4
+    assert main(["analyze", str(path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("harm:"))
+    assert f"mean A*r {want['mismatch/adv_diff_mean']:.3g}" in line and "over 4 sequences" in line
+    assert HARM_NEEDS_ADVANTAGES not in line
+
+
+def test_verl_advantages_become_the_advantage_column_and_stream_like_one_batch(tmp_path, monkeypatch):
+    import timlab.experiments.analyze as analyze
+
+    tensors, _ = _verl_batch()
+    mask = tensors["response_mask"]
+    per_token = torch.tensor([1.0, -2.0, 0.25, 3.0])[:, None] * mask  # verl: (B, T), 0 off the mask
+    rows = from_verl_batch({**tensors, "advantages": per_token}, step=2)
+    assert [r["advantage"] for r in rows] == [1.0, -2.0, 0.25, 3.0]
+    path = write_rows(rows * 5, tmp_path / "verl.jsonl")  # 20 rows: many chunks at 32 cells
+    whole = analyze_file(path)
+    rep = lambda t: torch.cat([t] * 5)  # noqa: E731
+    want = advantage_metrics(rep(tensors["old_log_probs"]), rep(tensors["rollout_log_probs"]), rep(mask), rep(per_token))
+    assert whole["harm"]["metrics"] == pytest.approx(want, rel=1e-12)
+    monkeypatch.setattr(analyze, "CHUNK_CELLS", 32)
+    _same_up_to_rounding(whole, analyze_file(path))
 
 
 def test_write_rows_formats(tmp_path):

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from timlab.metrics import all_metrics
+from timlab.metrics import advantage_metrics, all_metrics, decision_token_metrics
 from timlab.schedulers import LengthDecayLR
 from timlab.integrations import verl as tv
 
@@ -115,6 +115,27 @@ def test_verl_compute_metrics_hand_computed():
     assert m["mismatch/abs_diff_mean"] == pytest.approx(0.1)
     assert m["mismatch/log_ppl_abs_diff_sum"] == pytest.approx((0.3 + 0.2) / 2)
     assert m["mismatch/num_tokens"] == 5
+
+
+def test_verl_compute_metrics_adds_the_harm_statistics_verls_batch_allows():
+    b = verl_like_batch()
+    train, rollout, mask = b["old_log_probs"], b["rollout_log_probs"], b["response_mask"]
+    g = torch.Generator().manual_seed(5)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)[:, None] * mask  # (B, T) verl: one value per token
+    ent = torch.rand(6, 9, generator=g, dtype=torch.float64)
+    with_adv = {**b, "advantages": adv}
+    want = {**all_metrics(train, rollout, mask), **advantage_metrics(train, rollout, mask, adv)}
+    assert tv.compute_metrics(with_adv) == want
+    assert tv.compute_metrics({**with_adv, "entropys": ent}) == {**want, **decision_token_metrics(train, rollout, mask, ent)}
+    assert tv.compute_metrics(b, entropy=ent) == {**all_metrics(train, rollout, mask),
+                                                  **decision_token_metrics(train, rollout, mask, ent)}
+    # after compute_advantage: the advantage-weighted ones alone; verl's per-token A equals one per sequence here
+    assert tv.advantage_metrics(with_adv) == advantage_metrics(train, rollout, mask, adv)
+    assert tv.advantage_metrics(with_adv) == pytest.approx(advantage_metrics(train, rollout, mask, adv[:, 0]), rel=1e-12)
+    assert tv.advantage_metrics(with_adv)["mismatch/adv_diff_mean"] == pytest.approx(
+        float(((train - rollout) * adv)[mask.bool()].mean()), rel=1e-12)
+    with pytest.raises(KeyError, match="compute_advantage"):
+        tv.advantage_metrics(b)
 
 
 def test_verl_compute_metrics_missing_rollout_logprobs_names_the_setting():
@@ -491,8 +512,32 @@ def test_trl_grpo_logs_mismatch_metrics_with_sampler_logprobs(trl_setup, tmp_pat
         assert h["rollout_corr/kl"] == pytest.approx(-0.05, abs=1e-3)
         assert h["rollout_corr/k3_kl"] == pytest.approx(math.exp(0.05) - 1.05, abs=1e-4)
         assert h["mismatch/num_tokens"] > 0 and h["mismatch/frac_tokens_different"] == 1.0
+        assert -1.0 <= h["mismatch/adv_diff_corr"] <= 1.0 and math.isfinite(h["mismatch/adv_diff_mean"])
         assert "train/lr" in h
     assert [h["train/lr"] for h in logs] == pytest.approx([1e-3, 5e-4, 5e-4], rel=1e-12)
+
+
+def test_trl_mixin_adds_the_advantage_weighted_harm_statistics():
+    """``timlab_mismatch_metrics`` on a generation batch as TRL builds it, with its (B,) advantages."""
+    pytest.importorskip("trl")
+    from timlab.integrations.trl import TimlabMetricsMixin
+
+    g = torch.Generator().manual_seed(7)
+    trainer_logp = -torch.rand(4, 5, generator=g, dtype=torch.float64)
+    sampling = trainer_logp - 0.05
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    batch = {"sampling_per_token_logps": sampling, "old_per_token_logps": trainer_logp, "completion_mask": mask,
+             "advantages": adv}
+    host = SimpleNamespace(args=SimpleNamespace(), accelerator=SimpleNamespace(num_processes=1))
+    m = TimlabMetricsMixin.timlab_mismatch_metrics(host, batch)
+    # r = 0.05 on every token: mean A r = 0.05 (5 - 3 + 0.5 - 1) / 11; corr(A, 0.05 x length) = corr(A, length)
+    assert m["mismatch/adv_diff_mean"] == pytest.approx(0.05 * 1.5 / 11, rel=1e-9)
+    lengths = torch.tensor([5.0, 3.0, 1.0, 2.0], dtype=torch.float64)
+    want = float(torch.corrcoef(torch.stack([adv, lengths]))[0, 1])
+    assert m["mismatch/adv_diff_corr"] == pytest.approx(want, rel=1e-9)
+    del batch["advantages"]
+    assert "mismatch/adv_diff_mean" not in TimlabMetricsMixin.timlab_mismatch_metrics(host, batch)
 
 
 def test_trl_grpo_resume_continues_the_schedule(trl_setup, tmp_path):

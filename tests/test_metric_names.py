@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from timlab.config import resolve
-from timlab.metrics import all_metrics
+from timlab.metrics import HARM_CANDIDATES, all_metrics, harm_metrics
 from timlab.remedies import RS_RULES, RS_SUMMARY_KEYS, rejection_mask, rule_metric_keys
 from timlab.remedies.importance import METRIC_KEYS as IS_KEYS
 from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS
@@ -44,6 +44,8 @@ def test_the_table_has_no_duplicate_quantity_names():
 def test_pure_layer_keys_are_documented():
     r = torch.tensor([[0.1, -0.2, 0.0]], dtype=torch.float64)
     keys = set(all_metrics(r, torch.zeros_like(r), torch.ones_like(r))) | set(IS_KEYS) | set(SCHEDULER_KEYS)
+    keys |= set(harm_metrics(r, torch.zeros_like(r), torch.ones_like(r), advantages=torch.ones(1), entropy=r.abs()))
+    assert set(HARM_CANDIDATES) <= keys
     keys |= set(RS_SUMMARY_KEYS) | {k for rule in RS_RULES.names() for k in rule_metric_keys(rule)}
     _, rs = rejection_mask(r, torch.zeros_like(r), torch.ones_like(r), rules=",".join(RS_RULES.names()), thresholds="1")
     assert set(rs) <= keys
@@ -60,5 +62,6 @@ def test_every_key_a_run_logs_is_documented(tmp_path):
     columns = set(pd.read_parquet(tmp_path / "run" / "metrics.parquet").columns) - {"step"}
     assert {"scheduler/surge_step", "scheduler/decay_period", "gradcheck/rel_bias", "is/ess", "is/ratio_min_before",
             "rs/masked_frac", "rs/seq_max_k3_max"} <= columns
+    assert set(HARM_CANDIDATES) <= columns  # a run with an injector logs every harm candidate
     assert columns - documented() == set()
     assert {c for c in columns if c.startswith("scheduler/")} <= set(SCHEDULER_KEYS)  # the plug-ins' names

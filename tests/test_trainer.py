@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from timlab.cli import main
 from timlab.config import resolve
+from timlab.metrics import DECISION_FRAC, HARM_CANDIDATES
 from timlab.trainer.advantages import grpo, informative_groups, reinforce, rloo
 from timlab.rundir.metrics_log import without_timings
 from timlab.trainer.losses import aggregate, ppo_clip_loss
@@ -247,6 +248,7 @@ def test_zero_mismatch_holds_in_every_precision_and_update_schedule(tmp_path, se
     df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[1:]
     assert (df["mismatch/frac_bitwise_equal"] == 1.0).all()
     assert (df["rollout_corr/k3_kl"] == 0.0).all()
+    assert (df[list(HARM_CANDIDATES)] == 0.0).all().all()  # every harm statistic, advantage-weighted ones too
 
 
 def test_injected_mismatch_is_measured_and_guard_is_off(tmp_path):
@@ -254,6 +256,12 @@ def test_injected_mismatch_is_measured_and_guard_is_off(tmp_path):
     train(cfg, tmp_path / "run")
     df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[1:]
     assert (df["mismatch/max_abs_diff"] > 0).all() and (df["rollout_corr/k3_kl"] > 0).all()
+    assert (df["mismatch/tv_mean"] > 0).all() and (df["mismatch/adv_diff_corr"].abs() <= 1).all()
+    # the decision tokens (ceil(0.2 N) of the step's N) and the rest split k3 per token
+    n = df["mismatch/num_tokens"]
+    top = (DECISION_FRAC * n).apply(math.ceil)
+    split = (top * df["mismatch/k3_decision"] + (n - top) * df["mismatch/k3_rest"]) / n
+    assert split.tolist() == pytest.approx(df["rollout_corr/k3_kl"].tolist(), rel=1e-9)
 
 
 def test_kl_penalty_to_the_frozen_start(tmp_path):

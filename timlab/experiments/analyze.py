@@ -38,6 +38,8 @@ from timlab.errors import TimlabError, UsageError
 from timlab.files import atomic_write_text
 from timlab.integrations.logs import from_trl_inputs, from_verl_batch  # re-exported: analyze's inputs
 from timlab.metrics import (
+    advantage_metrics_from_sums,
+    advantage_sums,
     breakdown_sums,
     breakdowns_from_sums,
     format_length_scaling,
@@ -45,6 +47,7 @@ from timlab.metrics import (
     length_scaling_from_sums,
     length_scaling_sums,
     merge_length_scaling_sums,
+    merge_advantage_sums,
     merge_breakdown_sums,
     merge_metric_sums,
     metric_sums,
@@ -53,10 +56,10 @@ from timlab.metrics import (
 )
 
 REQUIRED = ("trainer_logprobs", "rollout_logprobs")
-OPTIONAL = ("id", "step", "prompt", "response", "tokens", "mask", "reward")
+OPTIONAL = ("id", "step", "prompt", "response", "tokens", "mask", "reward", "advantage")
 SCHEMA = ("one row per sequence: trainer_logprobs: list[float], rollout_logprobs: list[float] (same length, "
           "the response tokens); optional id, step: int, prompt: str, response: str, tokens: list[int], "
-          "mask: list[0/1] (default all 1), reward: float")
+          "mask: list[0/1] (default all 1), reward: float, advantage: float")
 """The input schema in one line (error messages quote it)."""
 
 POSITIVE_LOGP_TOL = 1e-3
@@ -200,6 +203,7 @@ class _Seq:
     mask: list[bool]
     step: int | None
     reward: float | None
+    advantage: float | None = None
 
 
 def _numbers(value: Any, column: str) -> tuple[list[float] | None, str | None]:
@@ -301,10 +305,15 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
     elif reward is not None and abs(reward) > MAGNITUDE_LIMIT:
         errs.append(_error(row, "reward", f"reward = {reward:.4g} is beyond +-{MAGNITUDE_LIMIT:g}; "
                                           "the mean reward would overflow float64"))
+    advantage = rec.get("advantage")
+    if advantage is not None and (isinstance(advantage, bool) or not isinstance(advantage, (int, float))
+                                  or not math.isfinite(advantage) or abs(advantage) > MAGNITUDE_LIMIT):
+        errs.append(_error(row, "advantage", f"advantage = {advantage!r} is not a finite number "
+                                             f"within +-{MAGNITUDE_LIMIT:g}"))
     if errs:
         return None, errs
     return _Seq(row, train, rollout, mask, int(step) if has_step else None,
-                None if reward is None else float(reward)), []
+                None if reward is None else float(reward), None if advantage is None else float(advantage)), []
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -335,6 +344,7 @@ class _Group:
         self.metrics: dict | None = None
         self.shapes: dict | None = None
         self.scaling: dict | None = None
+        self.harm: dict | None = None  # advantage_sums over the rows with an advantage
 
     def add(self, seqs: list[_Seq], train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
         self.num_sequences += len(seqs)
@@ -350,6 +360,12 @@ class _Group:
         self.shapes = b if self.shapes is None else merge_breakdown_sums(self.shapes, b)
         ls = length_scaling_sums(train, rollout, mask)
         self.scaling = ls if self.scaling is None else merge_length_scaling_sums(self.scaling, ls)
+        rows = [i for i, s in enumerate(seqs) if s.advantage is not None]
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.int64)  # (B_adv,)
+            adv = torch.tensor([seqs[i].advantage for i in rows], dtype=torch.float64)  # (B_adv,)
+            h = advantage_sums(train[idx], rollout[idx], mask[idx], adv)
+            self.harm = h if self.harm is None else merge_advantage_sums(self.harm, h)
 
     def summary(self) -> dict:
         return {
@@ -358,6 +374,8 @@ class _Group:
             "response_length_mean": self.length_sum / self.num_sequences,
             "reward_mean": self.reward_sum / self.num_rewards if self.num_rewards else None,
             "metrics": metrics_from_sums(self.metrics),
+            "harm": None if self.harm is None else {"num_sequences": int(self.harm["num_seqs"]),
+                                                    "metrics": advantage_metrics_from_sums(self.harm)},
         }
 
 
@@ -603,6 +621,7 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
         f"kl {_fmt(m['rollout_corr/kl'])}  |log ppl diff| {_fmt(m['rollout_corr/log_ppl_abs_diff'])}  "
         f"probs diff mean {_fmt(m['mismatch/probs_diff_mean'])}  ESS {_fmt(m['mismatch/ess'])}",
     ]
+    lines.append("  " + format_harm(result))
     if "length_scaling" in result:
         lines.append("  length scaling: " + format_length_scaling(result["length_scaling"]))
     if result["per_step"]:
@@ -622,6 +641,24 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
     return "\n".join(lines)
 
 
+HARM_NEEDS_ADVANTAGES = ("the advantage-weighted harm statistics (mismatch/adv_diff_mean, mismatch/adv_diff_corr) "
+                         "need an 'advantage' column, which this file lacks")
+"""What analyze says about the harm statistics of a file without advantages."""
+
+
+def format_harm(result: dict) -> str:
+    """One line: the harm statistics of an ``analyze_*`` result, or why the advantage-weighted ones
+    are missing (the file has no ``advantage`` values)."""
+    m = result["metrics"]
+    size = f"k3 per response {_fmt(m['mismatch/k3_seq'])}, TV mean {_fmt(m['mismatch/tv_mean'])}"
+    harm = result.get("harm")
+    if harm is None:
+        return f"harm: {size}; {HARM_NEEDS_ADVANTAGES}"
+    h = harm["metrics"]
+    return (f"harm: {size}, mean A*r {_fmt(h['mismatch/adv_diff_mean'])}, "
+            f"corr(A, sum r) {_fmt(h['mismatch/adv_diff_corr'])} over {harm['num_sequences']} sequences with an advantage")
+
+
 # ------------------------------------------------------------------------------ HTML report
 HEADLINE = (
     ("mismatch/max_abs_diff", "max |r| over valid tokens"),
@@ -636,6 +673,7 @@ HEADLINE = (
     ("mismatch/k3_seq", "k3 summed over each response, the per-response KL estimate (nats)"),
     ("rollout_corr/chi2_token", "mean exp(2r) - 1 (verl warns at > 1)"),
     ("mismatch/probs_diff_mean", "mean |pi - mu| in probability (verl: > 0.01 points to precision)"),
+    ("mismatch/tv_mean", "probability mass moved: mean per-token total variation, estimated from the sampled tokens"),
     ("mismatch/ess", "token IS effective sample size, (0, 1] (verl warns below 0.3)"),
 )
 
@@ -730,6 +768,8 @@ def write_report(result: dict, out_html: str | Path) -> Path:
         "<details><summary>All metrics</summary>",
         table(pd.DataFrame({"metric": list(m), "value": list(m.values())}), left=("metric",)),
         "</details>",
+        "<h2>Harm statistics</h2>",
+        f"<p>{esc(format_harm(result).removeprefix('harm: '))}. Definitions: docs/metrics.md, harm section.</p>",
         "<h2>Histogram of r</h2>",
         '<p class="note">Symmetric log-spaced bins; the middle bin [-1e-06, 1e-06) holds the (near-)equal tokens. '
         "Values beyond +-20 are counted in the outer bins.</p>",

@@ -79,8 +79,9 @@ def from_verl_batch(batch: Any, *, step: int | None = None, tokenizer=None, trai
     ``bypass_mode`` verl sets them equal to the rollout's, so r = 0 by construction), ``rollout_log_probs``
     (log mu; ``actor_rollout_ref.rollout.calculate_log_probs=True``), ``response_mask`` (else
     ``attention_mask[:, -T:]``), ``responses`` (token ids), ``prompts`` + ``attention_mask``
-    (prompt text, with a tokenizer) and ``token_level_scores`` or ``rm_scores`` (reward = the sum over tokens), all
-    (B, T) or (B, P). ``step`` defaults to ``meta_info["global_steps"]`` when the batch has it;
+    (prompt text, with a tokenizer), ``token_level_scores`` or ``rm_scores`` (reward = the sum over tokens) and
+    ``advantages`` (after ``compute_advantage``; the ``advantage`` column is each row's mean over its
+    response tokens), all (B, T) or (B, P). ``step`` defaults to ``meta_info["global_steps"]`` when the batch has it;
     ``non_tensor_batch["uid"]`` (the GRPO group) is kept as an extra ``uid`` column.
     """
     data = _mapping(batch)
@@ -107,6 +108,11 @@ def from_verl_batch(batch: Any, *, step: int | None = None, tokenizer=None, trai
     scores = scores if scores is not None else _get(data, "rm_scores")  # verl's v1 trainer
     if scores is not None:
         extra["reward"] = [float(x) for x in torch.as_tensor(scores).float().sum(-1).tolist()]
+    adv = _get(data, "advantages")  # (B, T) per token after compute_advantage: each row's mean over its mask
+    if adv is not None:
+        m = torch.as_tensor(mask).double()
+        per_row = (torch.as_tensor(adv).double() * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
+        extra["advantage"] = [float(x) for x in per_row.tolist()]
     uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
     if uid is not None:
         extra["uid"] = [str(u) for u in list(uid)]

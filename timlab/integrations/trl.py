@@ -44,7 +44,10 @@ so there is nothing to compare and the mixin logs nothing. It also logs the raw 
 TRL's own correction *before* its truncation or masking (``is/ratio_{mean,max,min}_before``,
 ``is/ratio_frac_high`` / ``_low``: shares above ``vllm_importance_sampling_clip_max`` and below
 ``clip_min``, or 1 / clip_max), at the level of ``vllm_importance_sampling_mode`` (TRL logs its
-ratios only after truncation). When TRL did not compute
+ratios only after truncation), and the advantage-weighted harm statistics of the batch's
+``advantages`` (``mismatch/adv_diff_mean``, ``mismatch/adv_diff_corr``; ``timlab.metrics.harm``:
+TRL computes token entropies only inside its loss, so the decision-token split is not logged).
+When TRL did not compute
 ``old_per_token_logps`` itself, the mixin runs one extra no-grad forward of the current policy.
 Tokens whose sampler log-prob is NaN (vLLM could not score them) are left out of the mask.
 
@@ -60,7 +63,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from timlab.metrics import all_metrics
+from timlab.metrics import advantage_metrics, all_metrics
 from timlab.remedies import RAW_RATIO_KEYS, is_weights
 from timlab.schedulers import LengthDecayLR
 from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
@@ -216,8 +219,9 @@ class TimlabMetricsMixin:
     """Adds timlab's mismatch metrics to a ``GRPOTrainer`` (list it before ``GRPOTrainer``).
 
     Every generation batch that carries ``sampling_per_token_logps`` gets
-    ``all_metrics(trainer_logp, sampling_logp, completion_mask)`` appended to TRL's metrics, so
-    ``rollout_corr/*`` and ``mismatch/*`` show up in every log and logger. Also moves any
+    ``all_metrics(trainer_logp, sampling_logp, completion_mask)`` and ``advantage_metrics`` of its
+    ``advantages`` appended to TRL's metrics, so ``rollout_corr/*`` and ``mismatch/*`` show up in
+    every log and logger. Also moves any
     ``TimlabCallback`` to the front of the callback list so the ``report_to`` loggers see its keys.
     Multi-process values are combined per key (max/min for extremes, sum for num_tokens, else the
     mean of the per-process values); only the single-process path was tested.
@@ -252,6 +256,9 @@ class TimlabMetricsMixin:
             mask = mask * batch["tool_mask"]
         mask = mask.bool() & torch.isfinite(sampling_logp)
         metrics = all_metrics(trainer_logp, sampling_logp, mask)
+        advantages = batch.get("advantages")  # (B,) in TRL's GRPO; (B, C) in subclasses that make them per token
+        if advantages is not None:
+            metrics.update(advantage_metrics(trainer_logp, sampling_logp, mask, advantages))
         metrics.update(raw_ratio_metrics(trainer_logp, sampling_logp, mask, self.args))
         if self.accelerator.num_processes == 1:
             return metrics

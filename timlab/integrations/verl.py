@@ -14,6 +14,13 @@ or a plain dict) with ``old_log_probs`` (log pi_old, recomputed by the actor), `
 ``compute_offpolicy_metrics`` (departures, all in edge cases, are listed in
 ``timlab.metrics.offpolicy``) plus timlab's ``mismatch/*`` extras.
 
+With ``advantages`` in the batch (after verl's ``compute_advantage``; (B, T), one value per token)
+it adds the advantage-weighted harm statistics (``mismatch/adv_diff_mean``, ``_corr``), and with
+the actor's token entropies (``entropys``, which verl pops right after ``compute_log_prob``; pass
+them as ``entropy=``) the decision-token split (``mismatch/k3_decision``, ``mismatch/k3_rest``):
+``timlab.metrics.harm``. ``advantage_metrics(batch)`` gives the advantage-weighted ones alone,
+for the point after ``compute_advantage``.
+
 ``correction_metrics(batch, rollout_correction)``: timlab's ``is/*`` (raw ratios before truncation,
 truncated / masked shares of tokens and sequences) and ``rs/*`` for verl's own rollout-correction
 settings; timlab's ``is_weights`` and ``rejection_mask`` give verl's weights and masks (tested
@@ -44,7 +51,8 @@ import torch
 from torch.optim import Optimizer
 
 from timlab.errors import UsageError
-from timlab.metrics import all_metrics
+from timlab.metrics import all_metrics, harm_metrics
+from timlab.metrics import advantage_metrics as _advantage_metrics
 from timlab.remedies import is_weights, rejection_mask
 from timlab.schedulers import LengthDecayLR
 from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
@@ -52,6 +60,10 @@ from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, Length
 OLD_LOGP_KEY = "old_log_probs"
 ROLLOUT_LOGP_KEY = "rollout_log_probs"
 RESPONSE_MASK_KEY = "response_mask"
+ADVANTAGES_KEY = "advantages"
+"""verl's per-token advantages (B, T), in the batch after ``compute_advantage``."""
+ENTROPY_KEY = "entropys"
+"""verl's name for the actor's token entropies (B, T) (``compute_log_prob``'s output)."""
 LENGTH_KEY = "response_length/mean"
 """verl's metric for the batch's mean response length (``compute_data_metrics``)."""
 
@@ -91,20 +103,44 @@ def response_length_mean(batch: Any) -> float:
     return float(mask.sum(-1).float().mean())
 
 
-def compute_metrics(batch: Any, *, num_micro_batches: int = 1) -> dict[str, float]:
-    """``rollout_corr/*`` (verl's names and definitions) and ``mismatch/*`` on verl's batch.
-
-    Needs ``old_log_probs`` and ``rollout_log_probs`` (B, T) and a response mask (see
-    ``response_mask``). ``num_micro_batches`` feeds ``mismatch/ratio_var_across_micro_batches``.
-    """
-    data = _tensors(batch)
+def _log_probs(data: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi_old, log mu) of the batch; a missing one raises a KeyError naming verl's setting."""
     missing = [k for k in (OLD_LOGP_KEY, ROLLOUT_LOGP_KEY) if not _has(data, k)]
     if missing:
         hint = (" (verl keeps the rollout engine's log-probs with actor_rollout_ref.rollout.calculate_log_probs=True)"
                 if ROLLOUT_LOGP_KEY in missing else "")
         raise KeyError(f"batch is missing {', '.join(map(repr, missing))}{hint}; keys: {sorted(data.keys())}")
-    return all_metrics(data[OLD_LOGP_KEY], data[ROLLOUT_LOGP_KEY], response_mask(batch),
-                       num_micro_batches=num_micro_batches)
+    return data[OLD_LOGP_KEY], data[ROLLOUT_LOGP_KEY]
+
+
+def compute_metrics(batch: Any, *, num_micro_batches: int = 1, entropy: torch.Tensor | None = None) -> dict[str, float]:
+    """``rollout_corr/*`` (verl's names and definitions) and ``mismatch/*`` on verl's batch.
+
+    Needs ``old_log_probs`` and ``rollout_log_probs`` (B, T) and a response mask (see
+    ``response_mask``). ``num_micro_batches`` feeds ``mismatch/ratio_var_across_micro_batches``.
+    Adds the advantage-weighted harm statistics when the batch has ``advantages``, and the
+    decision-token split when ``entropy`` (B, T) is given or the batch has ``entropys``.
+    """
+    data = _tensors(batch)
+    train, rollout = _log_probs(data)
+    mask = response_mask(batch)
+    out = all_metrics(train, rollout, mask, num_micro_batches=num_micro_batches)
+    if entropy is None and _has(data, ENTROPY_KEY):
+        entropy = data[ENTROPY_KEY]
+    adv = data[ADVANTAGES_KEY] if _has(data, ADVANTAGES_KEY) else None
+    out.update(harm_metrics(train, rollout, mask, advantages=adv, entropy=entropy))
+    return out
+
+
+def advantage_metrics(batch: Any) -> dict[str, float]:
+    """``mismatch/adv_diff_mean`` and ``mismatch/adv_diff_corr`` (``timlab.metrics.advantage_metrics``)
+    on verl's batch after ``compute_advantage``: ``old_log_probs``, ``rollout_log_probs``,
+    ``advantages`` (B, T) and the response mask."""
+    data = _tensors(batch)
+    train, rollout = _log_probs(data)
+    if not _has(data, ADVANTAGES_KEY):
+        raise KeyError(f"batch has no {ADVANTAGES_KEY!r} (verl adds them in compute_advantage); keys: {sorted(data.keys())}")
+    return _advantage_metrics(train, rollout, response_mask(batch), data[ADVANTAGES_KEY])
 
 
 def correction_metrics(batch: Any, rollout_correction: Mapping[str, Any]) -> dict[str, float]:
@@ -237,7 +273,8 @@ def length_decay_from_config(config: Any) -> LengthDecayHook | None:
 
 
 __all__ = [
-    "OLD_LOGP_KEY", "ROLLOUT_LOGP_KEY", "RESPONSE_MASK_KEY", "LENGTH_KEY", "SCHEDULER_KEYS",
-    "response_mask", "response_length_mean", "compute_metrics", "correction_metrics",
+    "OLD_LOGP_KEY", "ROLLOUT_LOGP_KEY", "RESPONSE_MASK_KEY", "ADVANTAGES_KEY", "ENTROPY_KEY", "LENGTH_KEY",
+    "SCHEDULER_KEYS", "response_mask", "response_length_mean", "compute_metrics", "advantage_metrics",
+    "correction_metrics",
     "make_length_decay_scheduler", "apply_lr_factor", "LengthDecayHook", "length_decay_from_config",
 ]

@@ -6,6 +6,9 @@ Inputs everywhere are (B, T) tensors: ``train_logp`` = log pi (trainer), ``rollo
 - ``offpolicy_metrics``: verl's ``compute_offpolicy_metrics`` keys, same definitions.
 - ``mismatch_metrics``: timlab extras (|r| stats, probs diff, bitwise equality, ESS, ...).
 - ``all_metrics``: both, as ``rollout_corr/*`` and ``mismatch/*``; this is what trainers log.
+- ``harm_metrics``, ``advantage_metrics``, ``decision_token_metrics``: candidate statistics of a
+  mismatch's harm, from the advantages and the trainer's token entropies (``timlab.metrics.harm``);
+  ``HARM_CANDIDATES`` names every candidate a trainer logs.
 - ``routing_metrics``, ``router_flips``: MoE routing mismatch (top-k expert sets that differ).
 - ``ratio_histogram``, ``mismatch_by_position``, ``mismatch_by_prob_bucket``: JSON-ready
   breakdowns for reports.
@@ -51,9 +54,31 @@ from timlab.metrics.offpolicy import (
     mismatch_metrics,
     offpolicy_metrics,
 )
+from timlab.metrics.harm import (
+    ADVANTAGE_KEYS,
+    DECISION_FRAC,
+    ENTROPY_KEYS,
+    HARM_CANDIDATES,
+    advantage_metrics,
+    advantage_metrics_from_sums,
+    advantage_sums,
+    decision_token_metrics,
+    harm_metrics,
+    merge_advantage_sums,
+)
 from timlab.metrics.routing import router_flips, routing_metrics
 
 __all__ = [
+    "ADVANTAGE_KEYS",
+    "DECISION_FRAC",
+    "ENTROPY_KEYS",
+    "HARM_CANDIDATES",
+    "advantage_metrics",
+    "advantage_metrics_from_sums",
+    "advantage_sums",
+    "decision_token_metrics",
+    "harm_metrics",
+    "merge_advantage_sums",
     "length_scaling",
     "length_scaling_sums",
     "merge_length_scaling_sums",

@@ -60,6 +60,7 @@ MISMATCH_KEYS = (
     "probs_diff_mean",
     "probs_diff_max",
     "probs_diff_std",
+    "tv_mean",
     "frac_bitwise_equal",
     "max_abs_diff",
     "log_ppl_abs_diff_sum",
@@ -133,6 +134,7 @@ def _sums(p: Prepared) -> dict[str, torch.Tensor]:
         "probs_diff": probs_diff.sum(cells),
         "probs_diff_m2": (((probs_diff - probs_mean[..., None, None]) ** 2) * p.validf).sum(cells),  # about this batch's mean
         "probs_diff_max": cell_max(probs_diff),
+        "tv": (torch.expm1(rc).abs() * p.validf).sum(cells),  # sum of |pi/mu - 1| over sampled tokens
         "bitwise_equal": ((p.train == p.rollout) & p.valid).sum(cells),
         "max_abs_diff": cell_max(a),  # a >= 0 and 0 off-mask, so no masking needed
         "log_ppl_abs_diff_sum": seq_sum(seq_r_sum.abs()),
@@ -279,6 +281,7 @@ def _extra_values(s: dict[str, torch.Tensor], num_micro_batches: int, *, p99: to
         "probs_diff_mean": s["probs_diff"] / n_tok,
         "probs_diff_max": s["probs_diff_max"],
         "probs_diff_std": (s["probs_diff_m2"] / (s["num_tokens"] - 1).clamp(min=1)).sqrt(),
+        "tv_mean": 0.5 * s["tv"] / n_tok,
         "frac_bitwise_equal": s["bitwise_equal"] / n_tok,
         "max_abs_diff": s["max_abs_diff"],
         "log_ppl_abs_diff_sum": s["log_ppl_abs_diff_sum"] / n_seq,
@@ -337,6 +340,11 @@ def mismatch_metrics(
     - ``diff_mean``: mean r (TorchTitan ``logprob_diff/mean``).
     - ``probs_diff_mean`` / ``_max`` / ``_std``: |exp(log pi) - exp(log mu)| (verl's
       ``training/rollout_probs_diff_*``; std is Bessel-corrected like torch.std, 0 for one token).
+    - ``tv_mean``: 0.5 x mean |exp(r) - 1| (r clamped to +-20), the probability mass moved: an
+      unbiased estimate, from the sampled tokens alone, of the mean over positions of the
+      full-vocabulary total variation TV(pi, mu) = 0.5 sum_y |pi(y) - mu(y)| = 0.5 E_mu|pi/mu - 1|
+      when the tokens were drawn from mu (temperature 1, no top-k / top-p; otherwise a TV under the
+      sampler's weighting). ``probs_diff_mean`` is the sampled token's own |pi - mu| instead.
     - ``frac_bitwise_equal``: share of valid tokens whose two log-probs are the same value.
     - ``log_ppl_abs_diff_sum``: mean_b |sum_t log pi - sum_t log mu| (Beyond-Precision Eq. 8).
     - ``num_tokens``: number of valid tokens.

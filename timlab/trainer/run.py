@@ -6,7 +6,8 @@ A step reads top to bottom as rollout -> score -> metrics -> correction -> loss 
    configured mismatch injector applied on the rollout side only;
 2. score: the trainer's forward (autograd on) gives log pi on the same tokens; in exact mode with
    no injector the zero-mismatch guard requires it to equal the rollout's log mu bit for bit;
-3. metrics: verl's rollout_corr/* plus timlab's mismatch/* on (log pi_old, log mu);
+3. metrics: verl's rollout_corr/* plus timlab's mismatch/* on (log pi_old, log mu), with the
+   harm statistics of the step's advantages and the trainer's token entropies;
 4. correction: optional IS weights (token / sequence / geometric x truncate / mask / two-sided,
    optionally self-normalized) and rejection sampling (verl's rules), which zeroes rejected
    tokens of the loss mask;
@@ -54,6 +55,7 @@ from timlab.machine import describe as describe_machine, resume_note
 from timlab.progress import Progress
 from timlab.metrics import (
     all_metrics,
+    harm_metrics,
     mismatch_by_length,
     mismatch_by_position,
     mismatch_by_prob_bucket,
@@ -378,14 +380,15 @@ class RLRun:
                 examples, rollout = self._rollout()
             G = cfg.rollout.samples_per_prompt
             rewards = rollout_rewards(self.task, self.tok, examples, rollout, dense=cfg.task.dense_reward).view(-1, G)  # (N, G)
+            adv = ADVANTAGES.get(cfg.algorithm.name)(rewards).reshape(-1).to(self.device)  # (B,) one per sequence
             with _timed(times, "time/train_s"):
                 scored = self._score(rollout)
                 with _timed(times, "time/metrics_s"):
-                    metrics, dists = self._mismatch_metrics(scored)
+                    metrics, dists = self._mismatch_metrics(scored, adv)
                 self.injector.observe(self.world.weighted_mean(metrics["rollout_corr/k3_kl"], float(scored.mask.sum())))
                 weights, keep_tokens = self._correct(scored, metrics)
                 keep = informative_groups(rewards) if cfg.algorithm.reject_equal_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
-                loss_metrics, grad_norm, updated = self._update(self._loss_batch(scored, rewards, keep, weights, keep_tokens))
+                loss_metrics, grad_norm, updated = self._update(self._loss_batch(scored, adv, keep, weights, keep_tokens))
                 metrics.update(loss_metrics)
                 lengths = rollout.lengths.float()
                 mean_len = self.world.weighted_mean(float(lengths.mean()), lengths.numel())
@@ -447,13 +450,15 @@ class RLRun:
                        experts=experts, replay=replay, routing=routing)
 
     # 3. metrics --------------------------------------------------------------------------
-    def _mismatch_metrics(self, scored: _Scored) -> tuple[dict, dict | None]:
-        """rollout_corr/* and mismatch/* on (log pi_old, log mu), and on distribution steps the
+    def _mismatch_metrics(self, scored: _Scored, adv: torch.Tensor) -> tuple[dict, dict | None]:
+        """rollout_corr/* and mismatch/* on (log pi_old, log mu), with the harm statistics of the
+        advantages ``adv`` (B,) and the trainer's token entropies, and on distribution steps the
         histograms and breakdowns that go to distributions.jsonl."""
         cfg = self.cfg
         old_logp, rollout_logp, mask = scored.old_logp, scored.rollout_logp, scored.mask
         maskf = mask.float()
         metrics = all_metrics(old_logp, rollout_logp, maskf, num_micro_batches=max(1, cfg.algorithm.mini_batches))
+        metrics.update(harm_metrics(old_logp, rollout_logp, maskf, advantages=adv, entropy=scored.entropy.detach()))
         dists = None
         if cfg.run.distributions_every and self.step % cfg.run.distributions_every == 0 and self.log is not None:
             dists = {
@@ -489,14 +494,12 @@ class RLRun:
         return weights, keep_tokens
 
     # 5. loss -------------------------------------------------------------------------------
-    def _loss_batch(self, scored: _Scored, rewards: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor,
+    def _loss_batch(self, scored: _Scored, adv: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor,
                     keep_tokens: torch.Tensor) -> UpdateBatch:
-        """The update's inputs: advantages (from rewards (N, G)), the loss mask of the kept groups'
-        kept tokens, the IS weights the loss uses, pi_old and the reference policy's log-probs."""
-        cfg, c = self.cfg, self.cfg.correction
-        adv = ADVANTAGES.get(cfg.algorithm.name)(rewards)  # (N, G)
-        seq_keep = keep[:, None].expand_as(rewards).reshape(-1).to(self.device)  # (B,)
-        adv = adv.reshape(-1).to(self.device)
+        """The update's inputs: the advantages ``adv`` (B,), the loss mask of the kept groups' (``keep``
+        (N,)) kept tokens, the IS weights the loss uses, pi_old and the reference policy's log-probs."""
+        c = self.cfg.correction
+        seq_keep = keep.repeat_interleave(adv.shape[0] // keep.shape[0]).to(self.device)  # (B,)
         loss_mask = keep_tokens * seq_keep[:, None].float()
         use_weights = None if c.mode == "none" and not c.veto_threshold else weights
         ref_logp = None

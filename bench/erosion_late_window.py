@@ -1,0 +1,53 @@
+"""E3d's healing analysis applied to the erosion study (E1), descriptively: does E1's cost heal?
+
+    python bench/erosion_late_window.py [sweeps/erosion]
+
+E1 registered levels over steps 50-500, not healing; E3d registered healing (its early window,
+steps 50-150, against its late one, 400-500). This runs E3d's per-run endpoints
+(``e3_tables.heal_endpoints``: accuracy level per window, its change from early to late, realized
+k3 per window) over the committed erosion runs and compares each arm with the control
+(``compare_family``: exact permutation p, bootstrap intervals; Holm over the 10 arms). Not a
+registered test of E1: FINDINGS quotes it to say in words what "heals" can and cannot mean there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # run from a checkout, no install
+
+from e3_tables import HEAL, heal_endpoints  # noqa: E402
+from erosion_tables import STUDY, arm, collect, comparison_cells, fmt  # noqa: E402
+from timlab.experiments.stats import compare_family  # noqa: E402
+
+DESIGN = {**HEAL, "steps": STUDY["steps"], "start": STUDY["start"]}
+
+
+def main(sweep: str = str(ROOT / "sweeps" / "erosion")) -> None:
+    per = collect(sweep, DESIGN, key=arm, endpoints=lambda m, st, diverged: heal_endpoints(m, st, diverged=diverged,
+                                                                                         design=DESIGN))
+    col = {a: {k: [r[k] for r in rows] for k in rows[0] if k != "condition"} for a, rows in per.items()}
+    arms = [a for a in sorted(per) if a != "control"]
+    (e0, e1), (l0, l1) = DESIGN["early"], DESIGN["late"]
+    print(f"{sweep}: {sum(len(v) for v in per.values())} runs; early = steps {e0}-{e1}, late = steps {l0}-{l1}\n")
+    print("| arm | k3 early -> late | accuracy early | accuracy late |")
+    print("|---|---|---:|---:|")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    for a in ["control", *arms]:
+        c = col[a]
+        print(f"| {a} | {fmt(mean(c['k3_early']))} -> {fmt(mean(c['k3_late']))} | {mean(c['acc_early']):.4f} | "
+              f"{mean(c['acc_late']):.4f} |")
+    for key, label in (("acc_late", f"accuracy level, steps {l0}-{l1}"),
+                       ("acc_change", "accuracy change from early to late")):
+        cmp = compare_family({a: col[a][key] for a in arms}, {a: col["control"][key] for a in arms})
+        print(f"\n**{label}**, arm minus control\n")
+        print("| arm | arm mean [95% t] [95% bootstrap] | excess over control [95% bootstrap] | permutation p | Holm p |")
+        print("|---|---:|---:|---:|---:|")
+        for a in arms:
+            print(f"| {a} | {comparison_cells(cmp[a])} |")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
