@@ -636,7 +636,9 @@ def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a run's checkpoint as a plain HF model folder (start RL from a "
                                       "learned policy with model.path=DIR)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory")
-    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest; 0 = the warm start)")
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest that passes its "
+                                            "manifest check; a newer one passed over is named in a warning; "
+                                            "0 = the warm start)")
     p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     p.set_defaults(func=cmd_export)
 
