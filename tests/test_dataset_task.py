@@ -82,6 +82,26 @@ def test_regex_verifier_takes_the_last_match_and_its_first_group():
     assert whole.extract("1 then 22") == "22"
 
 
+def test_42_4_a_catastrophic_regex_pattern_stops_in_bounded_time_with_one_line():
+    """Finding 4: ``(a|aa)+b`` on 34 a's takes seconds in Python's re (doubling per 1.4 more a's);
+    the verifier gives up after REGEX_TIMEOUT_S with an error naming the pattern."""
+    import time
+
+    from timlab.tasks.verifiers import REGEX_TIMEOUT_S
+
+    v = build_verifier("regex", pattern=r"(a|aa)+b")
+    t0 = time.perf_counter()
+    with pytest.raises(TimlabError) as e:
+        v.extract("a" * 34)
+    took = time.perf_counter() - t0
+    assert REGEX_TIMEOUT_S <= took < REGEX_TIMEOUT_S + 1.5, took
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("task.kwargs.pattern '(a|aa)+b' took over 0.5 s on a completion of 34")
+    # the issue's own example no longer backtracks at all in this engine; ordinary patterns keep re's answers
+    assert build_verifier("regex", pattern=r"(a+)+b").extract("a" * 40) is None
+    assert build_verifier("regex", pattern=r"(a+)+b").extract("a" * 40 + "b") == "a" * 40
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"name": "regex"}, "verifier 'regex' needs task.kwargs.pattern"),
     ({"name": "regex", "pattern": "(unclosed"}, "task.kwargs.pattern '(unclosed' is not a valid regular expression"),
