@@ -678,9 +678,11 @@ def cmd_config(args: argparse.Namespace) -> int:
         keys = wanted
     values = None
     if args.config or args.preset or args.set or args.task:
-        from timlab.config import resolve
+        from timlab.config import resolve, validate
 
-        cfg = resolve(args.config, args.preset, args.set or [], task=args.task).to_dict()
+        resolved = resolve(args.config, args.preset, args.set or [], task=args.task)
+        validate(resolved)  # what train checks before it starts, so config shows only values train accepts
+        cfg = resolved.to_dict()
         values = {k.key: cfg[k.key.split(".")[0]][k.key.split(".", 1)[1]] for k in keys}
     print(format_config_keys(keys, values))
     return 0
