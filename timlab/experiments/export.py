@@ -14,7 +14,8 @@ into a policy that has already learned). Step 0 exports the warm start the run b
 
 The checkpoint must pass its manifest check, and only files its manifest names are copied: a
 file planted in the checkpoint folder after it was written is left behind, and a symlink is never
-followed (a checkpoint holding one fails its check). Each file is hashed as it is copied and must
+followed (a checkpoint whose manifest names one fails its check; a ``step_N`` folder that is a
+symlink is refused). Each file is hashed as it is copied and must
 match the manifest, so a file swapped in the meantime is refused too. Without ``--step`` the
 latest checkpoint that passes is exported, and each newer one passed over is named in a warning.
 Step 0 (a warm start: no manifest) copies regular files only; a symlink there is refused.
