@@ -12,14 +12,21 @@
    values, two sweeps into one folder, SIGTERM and Ctrl-C, an edited config on resume. Each check
    is classed (security, loss, corruption, hang, wrong, traceback) and the summary counts the
    failures per class.
+4. Issue 42's round 2 (``attack_issue42``): ``timlab export`` (files planted in a checkpoint,
+   the user's folder beside ``--out``, two exports racing to one ``--out``, a damaged latest
+   checkpoint), the dataset task (a catastrophic regex verifier, a 20 MB line, deep JSON, lone
+   surrogates, CSV rows longer than the header, float32 Parquet answers), chat templates with
+   nested loops, MoE config.json fields, a sweep folder of another instruction set,
+   ``mismatch.start_step`` past the last step, and ``timlab config --set`` values ``train`` refuses.
 
-Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR] [--only hostile]``;
+Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR] [--only hostile|issue42]``;
 prints one line per attack and a summary, exit code 1 if anything failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -557,13 +564,228 @@ def attack_hostile(t: Tally, work: Path) -> None:
     t.one_line("runs on a damaged index.parquet", next(ps))
 
 
+# ------------------------------------------------------------------------------------ issue 42
+def _py(code: str, *, timeout: float = 300) -> subprocess.CompletedProcess | None:
+    """Run Python code against the snapshot's timlab (the attacks a CLI call cannot aim); None when
+    it ran past ``timeout``."""
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              cwd=SNAPSHOT)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _timed(t: Tally, name: str, args: list[str], limit: float) -> None:
+    """A CLI call that must end with a one-line error within ``limit`` seconds (Python's start included)."""
+    t0 = time.time()
+    try:
+        p = sh(args, timeout=limit)
+    except subprocess.TimeoutExpired:
+        t.add(name, False, f"still running after {limit:.0f}s")
+        return
+    t.one_line(f"{name} ({time.time() - t0:.1f}s)", p)
+
+
+def _dataset_args(run: Path, model: Path, *sets: str) -> list[str]:
+    """``timlab train`` of the dataset task on ``model``, a tiny budget."""
+    base = ["task.name=dataset", f"model.path={model}", "task.n_val=4", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "run.steps=1", "run.eval_every=1", *sets]
+    return ["train", "--run-dir", str(run), "--quiet", *[x for s in base for x in ("--set", s)]]
+
+
+def attack_issue42(t: Tally, work: Path) -> None:
+    """Issue 42's findings 1-6, 8, 10-17 and 20 (its `timlab check` findings have their own cases)."""
+    w = work / "issue42"
+    w.mkdir()
+    ref = work / "train_ref"
+    if not ref.exists():
+        assert sh(["train", "--preset", "smoke", "--run-dir", str(ref), "--quiet", *TRAIN_SETS]).returncode == 0
+    prev, last = sorted((ref / "checkpoints").glob("step_*"))[-2:]
+    secret = w / "secret.txt"
+    secret.write_text("SECRET outside the run\n")
+
+    def run_copy(name: str) -> Path:
+        shutil.copytree(ref, w / name, symlinks=True)
+        return w / name
+
+    def leaked(folder: Path) -> bool:
+        return folder.exists() and any(p.is_symlink() or "SECRET" in p.read_text(errors="ignore")
+                                       for p in folder.iterdir())
+
+    def sha(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    # ---- security: files from outside the run (finding 1)
+    t.kind = "security"
+    planted = run_copy("exp_planted")
+    for name in ("vocab.json", "merges.txt"):
+        (planted / "checkpoints" / last.name / name).symlink_to(secret)
+    listed = run_copy("exp_listed")
+    ck = listed / "checkpoints" / last.name
+    (ck / "vocab.json").symlink_to(secret)
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["vocab.json"] = {"size": secret.stat().st_size, "sha256": sha(secret)}
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    outside = w / "outside_ckpt"  # a checkpoint that verifies, with the secret among its files
+    shutil.copytree(last, outside)
+    shutil.copyfile(secret, outside / "vocab.json")
+    manifest = json.loads((outside / "manifest.json").read_text())
+    manifest["files"]["vocab.json"] = {"size": secret.stat().st_size, "sha256": sha(secret)}
+    (outside / "manifest.json").write_text(json.dumps(manifest))
+    linked = run_copy("exp_linked")
+    (linked / "checkpoints" / "step_000099").symlink_to(outside)
+    ps = sh_batch([["export", str(planted), "--out", str(w / "o_planted")],
+                   ["export", str(listed), "--step", str(int(last.name.split("_")[1])), "--out", str(w / "o_listed")],
+                   ["export", str(linked), "--step", "99", "--out", str(w / "o_linked")]])
+    t.one_line("export: symlinks planted as tokenizer files in the checkpoint", ps[0], rc=(0,))
+    t.add("  ... nothing from outside the run exported", not leaked(w / "o_planted"),
+          ", ".join(sorted(p.name for p in (w / "o_planted").iterdir())) if (w / "o_planted").exists() else "")
+    t.one_line("export --step N: the manifest rewritten to name a planted symlink", ps[1])
+    t.add("  ... nothing written", not (w / "o_listed").exists())
+    t.one_line("export --step N: step_N a symlink to a checkpoint outside the run", ps[2])
+    t.add("  ... nothing written", not leaked(w / "o_linked") and not (w / "o_linked").exists())
+
+    # ---- data loss: the user's folder beside --out (finding 2)
+    t.kind = "loss"
+    mine = w / ".tmp_o_loss"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious\n")
+    t.one_line("export beside the user's .tmp_OUT folder", sh(["export", str(ref), "--out", str(w / "o_loss")]), rc=(0,))
+    t.add("  ... the user's folder untouched", (mine / "notes.txt").read_text() == "precious\n")
+
+    # ---- corruption: two exports to one --out (finding 3), a damaged latest checkpoint (finding 16)
+    t.kind = "corruption"
+    want = {int(c.name.split("_")[1]): json.loads((c / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+            for c in (prev, last)}
+    for k in range(2):
+        out = w / f"o_race{k}"
+        procs = [subprocess.Popen([*TIMLAB, "export", str(ref), "--step", str(step), "--out", str(out)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=SNAPSHOT)
+                 for step in sorted(want)]
+        outs = [pr.communicate(timeout=300) + (pr.returncode,) for pr in procs]
+        info = json.loads((out / "timlab_export.json").read_text()) if (out / "timlab_export.json").exists() else {}
+        consistent = info.get("step") in want and sha(out / "model.safetensors") == want[info["step"]] \
+            == info.get("model.safetensors sha256")
+        scratch = [p.name for p in w.glob(f".{out.name}.export-*")] + [p.name for p in w.glob(f".tmp_{out.name}")]
+        t.add(f"two exports (steps {' and '.join(map(str, sorted(want)))}) into one --out, round {k}",
+              consistent and sorted(o[2] for o in outs) == [0, 2] and not scratch
+              and not any("Traceback" in o[1] for o in outs),
+              f"rcs {sorted(o[2] for o in outs)}, step {info.get('step')}, weights match it: {consistent}, "
+              f"scratch left: {scratch}")
+    t.kind = "wrong"
+    damaged = run_copy("exp_damaged")
+    weights = damaged / "checkpoints" / last.name / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    p = sh(["export", str(damaged), "--out", str(w / "o_damaged")])
+    t.one_line("export without --step, the latest checkpoint fails its checksum", p, rc=(0,))
+    t.add("  ... the older step exported, and a warning names the one passed over",
+          f"exported step {int(prev.name.split('_')[1])}" in p.stdout and f"checkpoint {weights.parent} is unusable" in p.stderr,
+          p.stderr.strip()[-160:])
+
+    # ---- hangs: a backtracking regex (4), a nested-loop chat template (5), a 20 MB line (6), 10^9 experts (8)
+    t.kind = "hang"
+    t0 = time.time()
+    p = _py("from timlab.tasks.verifiers import build_verifier\nfrom timlab.errors import TimlabError\n"
+            "v = build_verifier('regex', pattern='(a|aa)+b')\ntry:\n    v.extract('a' * 40)\n    print('no error')\n"
+            "except TimlabError as e:\n    print('timlab: error:', e)\n", timeout=60)
+    took = time.time() - t0
+    t.add(f"regex verifier (a|aa)+b on 40 a's ({took:.1f}s with Python's start)",
+          p is not None and p.stdout.startswith("timlab: error: task.kwargs.pattern") and took < 30,
+          "still running after 60s" if p is None else (p.stdout + p.stderr).strip()[-160:])
+    qwen = w / "qwen"
+    mk = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_chat_model.py"), str(qwen)],
+                        capture_output=True, text=True, cwd=SNAPSHOT)
+    if mk.returncode != 0:
+        t.add("make_tiny_chat_model (needs transformers) for the dataset-task attacks", False, mk.stderr.strip()[-160:])
+        return
+    loop = w / "qwen_loop"
+    shutil.copytree(qwen, loop)
+    (loop / "chat_template.jinja").write_text("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
+                                              "{% endfor %}{{ messages[0]['content'] }}")
+    _timed(t, "a chat template with range(99999) inside range(99999)", _dataset_args(w / "t_loop", loop), 180)
+    huge = w / "huge.jsonl"
+    with huge.open("w") as f:
+        f.write(json.dumps({"question": "What is 1+2?", "answer": "3"}) + "\n")
+        f.write(json.dumps({"question": "x" * 20_000_000 + " 3", "answer": "3"}) + "\n")
+    _timed(t, "a 20 MB one-line prompt in a JSONL file", _dataset_args(w / "t_huge", qwen, f"task.kwargs.path={huge}"), 120)
+    src = json.loads((last / "config.json").read_text())
+    moe = {**src, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    models = [("num_experts 10^9", {"num_experts": 10**9}, "hang"),
+              ("num_experts 'abc'", {"num_experts": "abc"}, "traceback"),
+              ("num_experts null", {"num_experts": None}, "traceback"),
+              ("mlp_only_layers 'ab'", {"mlp_only_layers": "ab"}, "traceback"),
+              ("mlp_only_layers 5", {"mlp_only_layers": 5}, "traceback"),
+              ("norm_topk_prob 'false'", {"norm_topk_prob": "false"}, "wrong"),
+              ("num_experts 4.9", {"num_experts": 4.9}, "wrong")]
+    for i, (name, change, kind) in enumerate(models):
+        m = w / f"moe{i}"
+        shutil.copytree(last, m)
+        (m / "config.json").write_text(json.dumps({**moe, **change}))
+        t.kind = kind
+        _timed(t, f"probe an MoE config.json with {name}", ["probe", "--model", str(m), "--task", "reverse"], 120)
+
+    # ---- tracebacks and wrong answers in dataset files (findings 11, 13, 14)
+    t.kind = "traceback"
+    deep = w / "deep.jsonl"
+    deep.write_text('{"question": "q", "answer": "1"}\n{"question": "r", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    sur = w / "sur.jsonl"
+    sur.write_text('{"question": "ab\\ud800c=", "answer": "1"}\n{"question": "q", "answer": "2"}\n')
+    extra = w / "extra.csv"
+    extra.write_text("question,answer\nabc0=,1,5,7\nq2,3\n")
+    ps = sh_batch([_dataset_args(w / "t_deep", qwen, f"task.kwargs.path={deep}"),
+                   _dataset_args(w / "t_sur", qwen, f"task.kwargs.path={sur}"),
+                   _dataset_args(w / "t_extra", qwen, f"task.kwargs.path={extra}")])
+    t.one_line("dataset: an answer nested 100,000 arrays deep", ps[0])
+    t.one_line("dataset: a prompt with a lone surrogate", ps[1])
+    t.kind = "wrong"
+    t.one_line("dataset: a CSV row with more fields than the header", ps[2])
+    t.add("  ... the error names the row", "row 2: 4 fields" in ps[2].stderr, ps[2].stderr.strip()[-120:])
+    p = _py("import pyarrow as pa, pyarrow.parquet as pq\nfrom timlab.tasks import get_task\n"
+            f"pq.write_table(pa.table({{'question': ['q'], 'answer': pa.array([1.1], pa.float32())}}), {str(w / 'f32.parquet')!r})\n"
+            f"task = get_task('dataset', path={str(w / 'f32.parquet')!r}, verifier='exact')\n"
+            "ex = task.examples()[0]\nprint(repr(ex.answer), task.reward(ex, '1.1'))\n")
+    t.add("dataset: a float32 Parquet answer 1.1 scores a reply '1.1'",
+          p is not None and p.stdout.strip() == "'1.1' 1.0", (p.stdout + p.stderr).strip()[-120:] if p else "timeout")
+
+    # ---- wrong: sweep folders of two instruction sets (12), start_step past the end (17), config --set (20)
+    here = _py("from timlab.machine import bits; print(bits())").stdout.strip()
+    other = "AVX512" if here != "AVX512" else "avx2"
+    spec = w / "isa.yaml"
+    spec.write_text("base: {preset: smoke, set: {run.steps: 2}}\nworkers: 1\n")
+    (w / "sw_isa").mkdir()
+    (w / "sw_isa" / "sweep_isa.json").write_text(json.dumps({"isa": other}))
+    sets = ["correction.rs=bogus", "model.dtype=float64", "run.device=cuda:-1"]
+    ps = sh_batch([["sweep", str(spec), "--out", str(w / "sw_isa"), "--quiet"],
+                   ["train", "--preset", "smoke", "--run-dir", str(w / "t_start"), "--set", "run.steps=4",
+                    "--set", "mismatch.injector=head_perturb", "--set", "mismatch.start_step=100"],
+                   *[["config", "--preset", "smoke", "--set", x] for x in sets]])
+    t.one_line(f"sweep into a folder whose runs computed with {other} (this process: {here})", ps[0])
+    t.add("  ... no run started", [p.name for p in (w / "sw_isa").iterdir() if p.is_dir()] == [])
+    t.one_line("mismatch.start_step=100 on a 4-step run", ps[1])
+    for x, p in zip(sets, ps[2:]):
+        t.one_line(f"config --set {x}", p)
+    if "avx512f" in Path("/proc/cpuinfo").read_text():
+        both = w / "isa2.yaml"
+        both.write_text("base: {preset: smoke, set: {run.steps: 2}}\ngrid: {run.seed: [0, 1]}\nworkers: 1\n")
+        first = sh(["--isa", "avx2", "sweep", str(spec), "--out", str(w / "sw_mixed"), "--quiet"])
+        p = sh(["sweep", str(both), "--out", str(w / "sw_mixed"), "--quiet"])
+        t.add("an unpinned sweep after an AVX2-pinned one, one folder", first.returncode == 0 and p.returncode == 2
+              and "never mixes instruction sets" in p.stderr, f"rcs {first.returncode}, {p.returncode}: {p.stderr[-120:]}")
+    else:
+        print("skip a real pinned-then-unpinned sweep: this CPU has no AVX-512 (the planted record above stands in)",
+              flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5, help="kill-and-resume attacks per command (train; sweep and "
                                                           "pretrain get about half)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="work folder (default: a temporary one, removed)")
-    ap.add_argument("--only", choices=("hostile",), help="run only issue 22's hostile-input attacks")
+    ap.add_argument("--only", choices=("hostile", "issue42"), help="run only issue 22's hostile-input attacks, or "
+                                                                  "only issue 42's")
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="timlab-attack-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -576,12 +798,15 @@ def main() -> int:
     rng = random.Random(args.seed)
     t = Tally()
     t0 = time.time()
-    if args.only != "hostile":
+    if args.only is None:
         attack_train(t, work, rng, args.kills)
         attack_sweep(t, work, rng, max(1, args.kills // 2))
         attack_pretrain(t, work, rng, max(1, args.kills // 2))
         attack_inputs(t, work)
-    attack_hostile(t, work)
+    if args.only in (None, "hostile"):
+        attack_hostile(t, work)
+    if args.only in (None, "issue42"):
+        attack_issue42(t, work)
     failed = [r for r in t.results if not r[1]]
     tracebacks = sum("TRACEBACK" in r[2] for r in t.results)
     by_kind = {k: sum(1 for kind, r in zip(t.kinds, t.results) if kind == k and not r[1])

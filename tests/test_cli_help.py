@@ -118,6 +118,18 @@ def test_config_lists_every_key_with_type_default_and_help(capsys):
     assert "valid sections: algorithm, correction" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["correction.rs=bogus", "model.dtype=float64", "run.device=cuda:-1",
+                                   "algorithm.loss_agg=nope", "mismatch.injector=nope"])
+def test_42_20_config_set_refuses_what_train_refuses_with_the_same_line(value, tmp_path, capsys):
+    """Issue 42, finding 20: `timlab config --set` printed values that `train` then refused."""
+    assert cli.main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "r"), "--set", value]) == 2
+    train_err = capsys.readouterr().err.strip()
+    assert cli.main(["config", "--preset", "smoke", "--set", value]) == 2
+    cap = capsys.readouterr()
+    assert cap.err.strip() == train_err and train_err.startswith("timlab: error: ") and "\n" not in train_err
+    assert cap.out == "" and not (tmp_path / "r").exists()
+
+
 def test_task_option_drops_another_tasks_preset_kwargs():
     assert PRESETS["smoke"]["task"]["kwargs"]  # the preset sets reverse's kwargs
     assert resolve(preset="smoke", task="countdown").task.kwargs == {}

@@ -82,6 +82,26 @@ def test_regex_verifier_takes_the_last_match_and_its_first_group():
     assert whole.extract("1 then 22") == "22"
 
 
+def test_42_4_a_catastrophic_regex_pattern_stops_in_bounded_time_with_one_line():
+    """Finding 4: ``(a|aa)+b`` on 34 a's takes seconds in Python's re (doubling per 1.4 more a's);
+    the verifier gives up after REGEX_TIMEOUT_S with an error naming the pattern."""
+    import time
+
+    from timlab.tasks.verifiers import REGEX_TIMEOUT_S
+
+    v = build_verifier("regex", pattern=r"(a|aa)+b")
+    t0 = time.perf_counter()
+    with pytest.raises(TimlabError) as e:
+        v.extract("a" * 34)
+    took = time.perf_counter() - t0
+    assert REGEX_TIMEOUT_S <= took < REGEX_TIMEOUT_S + 1.5, took
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("task.kwargs.pattern '(a|aa)+b' took over 0.5 s on a completion of 34")
+    # the issue's own example no longer backtracks at all in this engine; ordinary patterns keep re's answers
+    assert build_verifier("regex", pattern=r"(a+)+b").extract("a" * 40) is None
+    assert build_verifier("regex", pattern=r"(a+)+b").extract("a" * 40 + "b") == "a" * 40
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"name": "regex"}, "verifier 'regex' needs task.kwargs.pattern"),
     ({"name": "regex", "pattern": "(unclosed"}, "task.kwargs.pattern '(unclosed' is not a valid regular expression"),
@@ -190,6 +210,94 @@ def test_bad_files_and_options_give_one_line_errors(tmp_path):
         msg = str(e.value)
         assert needle.format(t=tmp_path) in msg, (kwargs, msg)
         assert "\n" not in msg
+
+
+def test_42_6_a_huge_jsonl_line_or_prompt_is_refused_at_once(tmp_path):
+    """Finding 6: a 20 MB one-line prompt is refused while reading (one line naming the file and
+    line), after reading no more than the line limit; a prompt over the text limit likewise."""
+    import time
+
+    from timlab.tasks.dataset import MAX_LINE_BYTES, MAX_TEXT_CHARS
+
+    assert (MAX_LINE_BYTES, MAX_TEXT_CHARS) == (1_048_576, 131_072)
+    huge = tmp_path / "huge.jsonl"
+    with huge.open("w") as f:
+        f.write('{"question": "q", "answer": "1"}\n')
+        f.write(json.dumps({"question": "x" * 20_000_000 + " 3", "answer": "3"}) + "\n")
+    t0 = time.perf_counter()
+    with pytest.raises(TimlabError) as e:
+        get_task("dataset", path=str(huge))
+    assert time.perf_counter() - t0 < 2
+    assert str(e.value) == f"{huge}: line 2: longer than 1,048,576 bytes (the limit for a JSONL line)"
+    long = _jsonl(tmp_path / "long.jsonl", [{"question": "y" * (MAX_TEXT_CHARS + 1), "answer": "1"}])
+    with pytest.raises(TimlabError, match=r"long.jsonl: line 1: 'question' \(task.kwargs.prompt_key\) has "
+                                          r"131,073 characters; the limit is 131,072$"):
+        get_task("dataset", path=str(long))
+    edge = _jsonl(tmp_path / "edge.jsonl", [{"question": "y" * MAX_TEXT_CHARS, "answer": "1"}])
+    assert len(get_task("dataset", path=str(edge)).examples()[0].prompt) == MAX_TEXT_CHARS  # the limit itself is fine
+    with pytest.raises(TimlabError, match="system_prompt has 131,073 characters; the limit is 131,072"):
+        get_task("dataset", path=str(edge), system_prompt="s" * (MAX_TEXT_CHARS + 1))
+
+
+def test_42_11_deep_json_and_lone_surrogates_are_one_line_errors(tmp_path):
+    """Finding 11: an answer nested 100,000 arrays deep (a RecursionError in json) and a prompt with
+    a lone surrogate (which the tokenizer cannot encode) are refused while reading."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"question": "q", "answer": "1"}\n{"question": "r", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(TimlabError) as e:
+        get_task("dataset", path=str(deep))
+    assert str(e.value) == f"{deep}: line 2: JSON nested too deeply to read"
+    sur = tmp_path / "sur.jsonl"
+    sur.write_text('{"question": "ab\\ud800c=", "answer": "1"}\n')
+    assert json.loads(sur.read_text())["question"] == "ab\ud800c="
+    with pytest.raises(TimlabError) as e:
+        get_task("dataset", path=str(sur))
+    assert str(e.value) == (f"{sur}: line 1: 'question' (task.kwargs.prompt_key) is not valid Unicode text "
+                            "(a lone surrogate '\\ud800' at character 2)")
+    good = _jsonl(tmp_path / "good.jsonl", [{"question": "q", "answer": "1"}])
+    with pytest.raises(TimlabError, match="system_prompt is not valid Unicode text"):
+        get_task("dataset", path=str(good), system_prompt="hi\udfff")
+
+
+def test_42_13_a_csv_row_with_more_or_fewer_fields_than_the_header_is_refused(tmp_path):
+    """Finding 13: pandas read ``abc0=,1,5,7`` under ``question,answer`` as prompt '5', answer '7'."""
+    more = tmp_path / "more.csv"
+    more.write_text("question,answer\nabc0=,1,5,7\nq2,3\n")
+    with pytest.raises(TimlabError) as e:
+        get_task("dataset", path=str(more))
+    assert str(e.value) == (f"{more}: row 2: 4 fields, but the header has 2 (question, answer); "
+                            "quote a field that holds a comma")
+    fewer = tmp_path / "fewer.csv"
+    fewer.write_text("question,answer\nq1,1\nq2\n")
+    with pytest.raises(TimlabError, match="fewer.csv: row 3: 1 fields, but the header has 2"):
+        get_task("dataset", path=str(fewer))
+    ok = tmp_path / "ok.csv"
+    ok.write_text('\ufeffquestion,answer\r\n"abc0=,1",5\r\n\r\n"two\nlines",7\r\n')  # BOM, CRLF, quotes, a blank line
+    task = get_task("dataset", path=str(ok))
+    assert [(e.prompt, e.answer) for e in task.examples()] == [("abc0=,1", "5"), ("two\nlines", "7")]
+    big = tmp_path / "big.csv"
+    big.write_text("question,answer\n" + "z" * 200_000 + ",1\n")
+    with pytest.raises(TimlabError, match="big.csv: line 2: a cell longer than 131,072 characters"):
+        get_task("dataset", path=str(big))
+
+
+def test_42_14_float32_parquet_answers_read_as_their_shortest_decimal(tmp_path):
+    """Finding 14: a float32 cell 1.1 was the reference '1.100000023841858', so a correct '1.1' scored 0."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "f32.parquet"
+    pq.write_table(pa.table({"question": ["a", "b", "c"],
+                             "answer": pa.array([1.1, 0.3, 2.5], pa.float32()),
+                             "half": pa.array([1.1, None, 3.0], pa.float16())}), f)
+    task = get_task("dataset", path=str(f), verifier="exact")
+    assert [e.answer for e in task.examples()] == ["1.1", "0.3", "2.5"]
+    ex = task.examples()[0]
+    assert task.reward(ex, "1.1") == 1.0 and task.reward(ex, "1.100000023841858") == 0.0
+    with pytest.raises(TimlabError, match=r"row 2: 'half' \(task.kwargs.answer_key\) is missing"):
+        get_task("dataset", path=str(f), answer_key="half", verifier="exact")  # a null float16 cell
+    pq.write_table(pa.table({"question": ["a"], "half": pa.array([1.1], pa.float16())}), f)
+    assert get_task("dataset", path=str(f), answer_key="half", verifier="exact").examples()[0].answer == "1.1"
 
 
 def test_bad_file_through_the_cli_is_one_line(tmp_path, capsys, tiny_qwen3):

@@ -95,3 +95,16 @@ def test_resume_under_another_instruction_set_warns_and_goes_on(monkeypatch, tmp
                                          rf"there, {here['cpu_capability']} here\)"):
         out = run_mod.train(longer, tmp_path / "r", resume=True)
     assert out["step"] == 3
+
+
+def test_42_12_bits_names_what_a_process_computes(monkeypatch):
+    """The label a sweep folder records: equal exactly when two processes compute the same bits."""
+    here = {"torch": "2.x", "pinned_avx2": False}
+    cases = [("AVX512", False, None, "AVX512"), ("AVX2", True, True, "avx2"), ("AVX2", False, False, "avx2"),
+             ("AVX2", False, True, "AVX2 (oneDNN and MKL not capped)"),
+             ("AVX2", False, None, "AVX2 (oneDNN and MKL not capped)"), ("DEFAULT", False, False, "DEFAULT")]
+    for capability, pinned, avx512, want in cases:
+        monkeypatch.setattr(machine, "describe", lambda c=capability, p=pinned: {**here, "cpu_capability": c,
+                                                                                "pinned_avx2": p})
+        monkeypatch.setattr(machine, "_cpu_has_avx512", lambda a=avx512: a)
+        assert machine.bits() == want, (capability, pinned, avx512)

@@ -44,6 +44,27 @@ def test_bad_schedules_one_line(kw, msg):
         check_schedule(**args)
 
 
+def test_42_17_a_start_step_after_the_last_step_is_refused(capsys):
+    """Issue 42, finding 17: the run went to its end with no injection and no word."""
+    from timlab import cli
+    from timlab.config import ConfigError
+
+    ok = resolve(preset="smoke", overrides=["mismatch.injector=logit_noise", "mismatch.magnitude=0.5", "run.steps=4",
+                                            "mismatch.start_step=4"])  # the last step injects
+    assert ok.mismatch.start_step == ok.run.steps == 4
+    resolve(preset="smoke", overrides=["run.steps=4", "mismatch.start_step=9"])  # no injector: nothing to start
+    with pytest.raises(ConfigError) as e:
+        resolve(preset="smoke", overrides=["mismatch.injector=logit_noise", "mismatch.magnitude=0.5", "run.steps=4",
+                                           "mismatch.start_step=5"])
+    assert str(e.value) == ("mismatch.start_step=5 is after the run's last step (run.steps=4): "
+                            "mismatch.injector=logit_noise would never act and the run would be a control; "
+                            "set mismatch.start_step <= run.steps")
+    assert cli.main(["train", "--preset", "smoke", "--run-dir", "/nonexistent/never", "--set", "run.steps=4",
+                     "--set", "mismatch.injector=head_perturb", "--set", "mismatch.start_step=100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("timlab: error: mismatch.start_step=100 is after the run's last step") and "\n" not in err
+
+
 def smoke(**sets):
     return resolve(preset="smoke", overrides=[f"{k}={v}" for k, v in sets.items()])
 

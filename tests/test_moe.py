@@ -176,6 +176,55 @@ def test_moe_config_errors():
         ModelConfig(**base, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2)
 
 
+_GOOD_MOE = {"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+             "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 1,
+             "pad_token_id": 0, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"num_experts": 10**9}, "num_experts must be an integer in [1, 4096], got 1000000000"),  # finding 8
+    ({"num_local_experts": 10**9, "num_experts": None}, "num_experts is null"),
+    ({"num_experts": "abc"}, "num_experts must be an integer in [1, 4096], got 'str'"),  # finding 10
+    ({"num_experts": None}, "num_experts is null; give a value or leave the field out"),
+    ({"mlp_only_layers": "ab"}, "mlp_only_layers must be a list of layer indices in [0, 2], got 'ab'"),
+    ({"mlp_only_layers": 5}, "mlp_only_layers must be a list of layer indices in [0, 2], got 5"),
+    ({"mlp_only_layers": [1, 3]}, "mlp_only_layers must be a list of layer indices in [0, 2], got [1, 3]"),
+    ({"mlp_only_layers": [True]}, "mlp_only_layers must be a list of layer indices"),
+    ({"norm_topk_prob": "false"}, "norm_topk_prob must be true or false, got 'false'"),  # finding 15
+    ({"num_experts": 4.9}, "num_experts must be an integer in [1, 4096], got 4.9"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok must be an integer in [1, 4], got 5"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok must be an integer in [1, 4], got 0"),
+    ({"moe_intermediate_size": 10**9}, "moe_intermediate_size must be an integer in [1, 1048576]"),
+    ({"moe_intermediate_size": -8}, "moe_intermediate_size must be an integer in [1, 1048576], got -8"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be an integer in [1, 1024], got 0"),
+    ({"decoder_sparse_step": "1"}, "decoder_sparse_step must be an integer"),
+])
+def test_42_moe_config_json_fields_are_type_and_range_checked(change, needle):
+    """Issue 42, findings 8, 10 and 15: the MoE fields of config.json were passed through int() and
+    bool() (1e9 experts hung the load, "abc" and null were tracebacks, "false" became True, 4.9 became 4)."""
+    from timlab.model.hf_io import ModelLoadError, config_from_hf
+
+    with pytest.raises(ModelLoadError) as e:
+        config_from_hf({**_GOOD_MOE, **change})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_42_moe_config_json_good_values_and_hf_defaults():
+    from timlab.model.hf_io import config_from_hf
+
+    cfg = config_from_hf(_GOOD_MOE)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 8)
+    assert cfg.norm_topk_prob is True and cfg.decoder_sparse_step == 1 and cfg.mlp_only_layers == (1,)
+    legacy = {k: v for k, v in _GOOD_MOE.items() if k not in ("num_experts", "mlp_only_layers", "norm_topk_prob")}
+    cfg = config_from_hf({**legacy, "num_local_experts": 6, "mlp_only_layers": None})
+    assert (cfg.num_experts, cfg.mlp_only_layers, cfg.norm_topk_prob) == (6, (), False)
+    bare = {k: v for k, v in _GOOD_MOE.items() if k not in ("num_experts", "num_experts_per_tok",
+                                                             "moe_intermediate_size", "decoder_sparse_step")}
+    cfg = config_from_hf(bare)  # transformers' Qwen3MoeConfig defaults
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.decoder_sparse_step) == (128, 8, 768, 1)
+
+
 # ------------------------------------------------------------------------------ exactness
 def tiny_moe(dtype=torch.float32, *, seed: int = 0, hidden: int = 32, expert_width: int = 16, experts: int = 8,
              top_k: int = 2, eos_prob: float = 0.08) -> CausalLM:

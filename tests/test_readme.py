@@ -68,8 +68,9 @@ PLAN = (
     Step(r"timlab probe --model models/reverse --prompts .*", add=("--max-new-tokens", "6")),
     Step(r"timlab train --preset (default|demo) --run-dir runs/r[01]( .*)?", replace=SMOKE, add=(*MODEL, "--quiet")),
     Step(r"timlab train --run-dir runs/r1 --resume"),
-    Step(r"timlab train --preset surge --run-dir runs/(fp8|async|ramp) .*", replace=(("--preset surge", "--preset smoke"),),
-         add=(*MODEL, "--quiet")),
+    Step(r"timlab train --preset surge --run-dir runs/(fp8|async|ramp) .*",
+         replace=(("--preset surge", "--preset smoke"), ("mismatch.start_step=100", "mismatch.start_step=2")),
+         add=(*MODEL, "--quiet")),  # smoke runs 4 steps: a ramp from step 100 would be refused (it would never act)
     Step(r"timlab sweep docs/examples/dose_response\.yaml --out sweeps/dose",
          replace=(("docs/examples/dose_response.yaml", "tiny_dose.yaml"),), add=("--quiet",)),
     Step(r"timlab (runs|report) sweeps/dose .*"),

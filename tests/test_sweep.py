@@ -151,6 +151,35 @@ def test_changed_spec_on_old_dir_is_an_error(sweep, tmp_path):
     assert mtimes(out) == before
 
 
+def test_42_12_a_sweep_folder_refuses_a_second_instruction_set(sweep, tmp_path, monkeypatch, capsys):
+    """Issue 42, finding 12: an AVX2-pinned sweep followed by an unpinned one on an AVX-512 machine
+    mixed both in one folder. The folder records its first sweep's bits and refuses others."""
+    from timlab.experiments import sweep as sweep_mod
+    from timlab.machine import bits, describe
+
+    spec_path, out, df, _ = sweep
+    record = json.loads((out / sweep_mod.ISA_FILE).read_text())
+    assert record["isa"] == bits() and record["cpu_capability"] == describe()["cpu_capability"]
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    other = "AVX512" if bits() != "AVX512" else "avx2"
+    monkeypatch.setattr(sweep_mod, "machine_bits", lambda: other)
+    assert run_sweep(spec_path, copy).attrs["executed"] == []  # nothing to run: nothing computed, no refusal
+    missing = df["run_id"][3]
+    shutil.rmtree(copy / missing)
+    before = mtimes(copy)
+    assert cli.main(["sweep", str(spec_path), "--out", str(copy), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"timlab: error: sweep directory {copy} holds runs computed with {bits()} (sweep_isa.json), but "
+                   f"this process computes with {other}: one folder never mixes instruction sets; "
+                   + ("run it as `timlab --isa avx2 sweep ...`" if bits() == "avx2" else
+                      f"continue it on a machine that computes with {bits()}, unpinned") + ", or choose a new --out")
+    assert mtimes(copy) == before and not (copy / missing).exists()
+    (copy / sweep_mod.ISA_FILE).write_text("{oops")
+    with pytest.raises(SweepError, match="sweep_isa.json is unreadable"):
+        run_sweep(spec_path, copy)
+
+
 def test_killed_sweep_continues_only_the_partial_runs(sweep, tmp_path):
     _, out, df, _ = sweep
     copy = tmp_path / "out"

@@ -158,3 +158,67 @@ def test_folder_without_tokenizer_json_falls_back_to_autotokenizer(tmp_path):
     for s in HF_TEXTS:
         assert tok.encode(s) == hf.encode(s, add_special_tokens=False)
         assert tok.encode(s) == bpe.encode(s).ids
+
+
+# ---------------------------------------------------------------------------- chat-template work budget (issue 42)
+def _templated(folder, template: str):
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    save_char_tokenizer("abcxyz ", folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return load_tokenizer(folder)
+
+
+MSGS = [{"role": "user", "content": "abc"}]
+
+
+def test_42_5_nested_template_loops_stop_at_the_line_budget(tmp_path, monkeypatch):
+    """Finding 5: the sandbox caps one range() but not range() inside range(); each render now
+    has a budget of template lines, the same on every machine."""
+    import sys
+    import time
+
+    import timlab.tokenizer as tokenizer_mod
+
+    pytest.importorskip("transformers")
+    ok = _templated(tmp_path / "ok", "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    assert ok.render_chat(MSGS) == "[user] abc"
+    nested = "{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}done"
+    tok = _templated(tmp_path / "nested", nested)
+    monkeypatch.setattr(tokenizer_mod, "TEMPLATE_MAX_LINES", 100_000)  # 4 million iterations would be needed
+    before = sys.gettrace()
+    t0 = time.perf_counter()
+    with pytest.raises(tokenizer_mod.TemplateBudgetError) as e:
+        tok.render_chat(MSGS)
+    assert time.perf_counter() - t0 < 5
+    msg = str(e.value)
+    assert "\n" not in msg and "ran past its work budget (more than 100,000 lines of template code)" in msg
+    assert sys.gettrace() is before  # the trace function in place before is back
+    assert ok.render_chat(MSGS) == "[user] abc"  # and the budget is per render
+    # what an ordinary template uses, counted exactly: its loop body runs once per message
+    lines = []
+    for limit in range(1, 200):
+        try:
+            with tokenizer_mod.template_budget(max_lines=limit):
+                ok._hf.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+            lines.append(limit)
+            break
+        except tokenizer_mod.TemplateBudgetError:
+            pass
+    assert lines and lines[0] < 200
+
+
+def test_42_5_template_wall_time_backstop(tmp_path, monkeypatch):
+    """Few lines that each do much work in C (a 100,000-item list per loop step) hit the time limit."""
+    import time
+
+    import timlab.tokenizer as tokenizer_mod
+
+    pytest.importorskip("transformers")
+    tok = _templated(tmp_path / "heavy", "{% for i in range(99999) %}{% set x = range(99999)|list %}{% endfor %}")
+    monkeypatch.setattr(tokenizer_mod, "TEMPLATE_MAX_SECONDS", 0.5)
+    t0 = time.perf_counter()
+    with pytest.raises(tokenizer_mod.TemplateBudgetError, match=r"work budget \(more than 0.5 s\)"):
+        tok.render_chat(MSGS)
+    assert time.perf_counter() - t0 < 3

@@ -636,7 +636,9 @@ def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a run's checkpoint as a plain HF model folder (start RL from a "
                                       "learned policy with model.path=DIR)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory")
-    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest; 0 = the warm start)")
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest that passes its "
+                                            "manifest check; a newer one passed over is named in a warning; "
+                                            "0 = the warm start)")
     p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     p.set_defaults(func=cmd_export)
 
@@ -676,9 +678,11 @@ def cmd_config(args: argparse.Namespace) -> int:
         keys = wanted
     values = None
     if args.config or args.preset or args.set or args.task:
-        from timlab.config import resolve
+        from timlab.config import resolve, validate
 
-        cfg = resolve(args.config, args.preset, args.set or [], task=args.task).to_dict()
+        resolved = resolve(args.config, args.preset, args.set or [], task=args.task)
+        validate(resolved)  # what train checks before it starts, so config shows only values train accepts
+        cfg = resolved.to_dict()
         values = {k.key: cfg[k.key.split(".")[0]][k.key.split(".", 1)[1]] for k in keys}
     print(format_config_keys(keys, values))
     return 0

@@ -218,7 +218,8 @@ class MismatchSection:
     """How the magnitude moves over training steps: constant, linear or geometric (from magnitude at
     start_step to magnitude_end ramp_steps later, held after). stale rounds it half up."""
     start_step: int = 0
-    """Steps before this one roll out exactly (k3 exactly 0, the guard holds); 0 = from the first step."""
+    """Steps before this one roll out exactly (k3 exactly 0, the guard holds); 0 = from the first step;
+    with an injector, at most run.steps."""
     ramp_steps: int = 0
     """linear / geometric: steps the ramp from magnitude to magnitude_end takes (>= 1)."""
     magnitude_end: float = 0.0
@@ -332,6 +333,10 @@ class Config:
         if self.rollout.samples_per_prompt < 2:
             raise ConfigError(f"rollout.samples_per_prompt=1 with algorithm.name={self.algorithm.name}: a group of one "
                               "sequence has zero advantage, so no step would update the policy; use 2 or more")
+        if self.mismatch.injector != "none" and self.mismatch.start_step > self.run.steps:
+            raise ConfigError(f"mismatch.start_step={self.mismatch.start_step} is after the run's last step "
+                              f"(run.steps={self.run.steps}): mismatch.injector={self.mismatch.injector} would never act "
+                              "and the run would be a control; set mismatch.start_step <= run.steps")
         n = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if n % self.algorithm.mini_batches:
             raise ConfigError(f"algorithm.mini_batches={self.algorithm.mini_batches} must divide the batch of {n} sequences")

@@ -8,7 +8,8 @@ built both ways gave the same SHA-256 of the weights (docs/FINDINGS.md, erosion 
 
 ``timlab --isa avx2 ...`` sets ``PIN_ENV`` and re-executes itself before torch loads; a sweep spec
 may say ``isa: avx2`` so that a study spanning machines cannot mix instruction sets; every
-checkpoint records ``describe()`` so that a resume on another instruction set is named.
+checkpoint records ``describe()`` so that a resume on another instruction set is named, and a
+sweep folder records ``bits()`` of its first sweep and refuses a sweep that computes other bits.
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def computes_as(isa: str) -> bool:
     return here["cpu_capability"] == "AVX2" and (here["pinned_avx2"] or _cpu_has_avx512() is False)
 
 
+def bits() -> str:
+    """A name for the instruction set this process computes with, equal for two processes exactly
+    when they compute the same bits (torch's version aside): ``avx2`` when torch, oneDNN and MKL
+    are all held to AVX2 (pinned, or a CPU without AVX-512), else torch's CPU capability
+    (``AVX512``, ``DEFAULT``, ...), with `` (oneDNN and MKL not capped)`` where torch dispatches
+    AVX2 but the CPU's AVX-512 support is unknown or unpinned."""
+    if computes_as("avx2"):
+        return "avx2"
+    capability = describe()["cpu_capability"]
+    return f"{capability} (oneDNN and MKL not capped)" if capability == "AVX2" else capability
+
+
 def resume_note(saved: dict | None) -> str | None:
     """One line when a checkpoint written under ``saved`` (its ``describe()``) is resumed on a
     process that computes differently; None when they agree or the checkpoint predates the record."""
@@ -89,4 +102,4 @@ def resume_note(saved: dict | None) -> str | None:
             "but not bit for bit like an uninterrupted run (pin the ISA with `timlab --isa avx2`)")
 
 
-__all__ = ["ISAS", "PIN_ENV", "check_isa", "pin_env", "describe", "computes_as", "resume_note"]
+__all__ = ["ISAS", "PIN_ENV", "check_isa", "pin_env", "describe", "computes_as", "bits", "resume_note"]

@@ -16,6 +16,14 @@ A folder's chat template (``chat_template`` in ``tokenizer_config.json``, or a
 ``chat_template.jinja`` file) is kept on the wrapper: ``Tokenizer.render_chat(messages)`` applies
 it through ``transformers`` (the template is Jinja with HF's own helpers and special-token
 variables), and without one joins the messages' contents with a blank line (``PLAIN_CHAT_SEP``).
+A folder's template is code from the folder: transformers runs it in Jinja's sandbox, which blocks
+escapes and caps one ``range()`` at 100,000 items but not nested loops (``range(99999)`` inside
+``range(99999)`` would run 10^10 times). So each render has a work budget: at most
+``TEMPLATE_MAX_LINES`` lines of template code (the template's own and Jinja's filters and runtime)
+and ``TEMPLATE_MAX_SECONDS`` of wall time (a backstop for lines that each do much work inside C);
+past either it stops with a one-line error. The line count is the same on every machine. For a
+3,000-character chat, the chat templates TRL ships run 100 to 2,000 lines, and the few that walk
+the text character by character (SmolVLM's, Idefics3's) up to about 25 lines per character.
 
 Special token ids of the char tokenizer: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3,
 then the sorted unique characters from 4 on. Text containing the literal string ``<eos>`` (etc.)
@@ -24,7 +32,10 @@ is encoded as that special token, as in every HF tokenizer; the task alphabets c
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -39,6 +50,53 @@ PLAIN_CHAT_SEP = "\n\n"
 """Without a chat template, ``render_chat`` joins the messages' contents (system prompt, then the
 user's prompt) with this, and adds no role markers or generation cue."""
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
+TEMPLATE_MAX_LINES = 10_000_000
+"""Lines of template code one chat-template render may run (see the module docstring for what
+ordinary templates use)."""
+TEMPLATE_MAX_SECONDS = 10.0
+"""Wall-clock seconds one chat-template render may take (an ordinary one: under a millisecond)."""
+
+
+class TemplateBudgetError(UsageError):
+    """A chat template ran past its work budget (``TEMPLATE_MAX_LINES``, ``TEMPLATE_MAX_SECONDS``)."""
+
+
+@contextlib.contextmanager
+def template_budget(max_lines: int | None = None, max_seconds: float | None = None):
+    """Bound the Jinja code run inside the block: every line of a template's compiled code and of
+    Jinja's own modules (its filters, runtime and sandbox) counts, and past ``max_lines`` lines or
+    ``max_seconds`` (checked every 1,000 lines; None: ``TEMPLATE_MAX_LINES``,
+    ``TEMPLATE_MAX_SECONDS``) a ``TemplateBudgetError`` is raised inside the template. A trace
+    function of this thread only; the one in place before (a debugger, coverage) is suspended
+    while the block runs and put back afterwards."""
+    import jinja2
+
+    max_lines = TEMPLATE_MAX_LINES if max_lines is None else max_lines
+    max_seconds = TEMPLATE_MAX_SECONDS if max_seconds is None else max_seconds
+    jinja_dir = str(Path(jinja2.__file__).parent)
+    deadline = time.monotonic() + max_seconds
+    lines = 0
+
+    def count(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines > max_lines:
+                raise TemplateBudgetError(f"more than {max_lines:,} lines of template code")
+            if lines % 1000 == 0 and time.monotonic() > deadline:
+                raise TemplateBudgetError(f"more than {max_seconds:g} s")
+        return count
+
+    def enter(frame, event, arg):  # a new frame: trace its lines only if it is Jinja's code
+        name = frame.f_code.co_filename
+        return count if name == "<template>" or name.startswith(jinja_dir) else None
+
+    before = sys.gettrace()
+    sys.settrace(enter)
+    try:
+        yield
+    finally:
+        sys.settrace(before)
 
 
 def build_char_tokenizer(chars: str) -> tokenizers.Tokenizer:
@@ -142,7 +200,11 @@ class Tokenizer:
         if self._hf is None:
             self._hf = _hf_tokenizer(self.folder, "to apply its chat template")
         try:
-            return self._hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            with template_budget():
+                return self._hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except TemplateBudgetError as e:
+            raise TemplateBudgetError(f"the chat template of {str(self.folder)!r} ran past its work budget ({e}) "
+                                      "rendering one prompt: nested loops?") from None
         except Exception as e:  # jinja2 raises its own types from a user's template; keep it one line
             raise UsageError(f"the chat template of {str(self.folder)!r} failed to render "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

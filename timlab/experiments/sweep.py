@@ -36,6 +36,11 @@ diverged or guard_failed (outcomes, not failures); a run left running or failed 
 checkpoint is continued with ``train(..., resume=True)`` (bitwise equal to an uninterrupted
 run); a partial run without a checkpoint is deleted and restarted.
 
+Instruction sets. The first sweep that runs anything in ``DIR`` records the bits it computes
+with (``machine.bits()``: ``avx2``, or the CPU capability such as ``AVX512``) in
+``DIR/sweep_isa.json``; a later sweep into ``DIR`` that would compute other bits is refused (one
+line naming both), as a second writer is, so one folder never holds runs of two instruction sets.
+
 Failures. A run that raises (other than a divergence, which is a collapse) is marked failed in
 its status.json and the index, with its message; the other runs go on. Warm-start models are
 pretrained once per distinct model/task config before the runs start, so parallel runs never
@@ -49,6 +54,7 @@ Where the code lives: the spec, its expansion into runs and the resume plan in
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -56,8 +62,8 @@ from pathlib import Path
 import pandas as pd
 
 from timlab.errors import one_line
-from timlab.files import held_folder_lock
-from timlab.machine import computes_as, describe as describe_machine
+from timlab.files import atomic_write_text, held_folder_lock
+from timlab.machine import bits as machine_bits, computes_as, describe as describe_machine
 from timlab.experiments.sweep_index import (  # noqa: F401  (the public names are re-exported: __all__)
     INDEX_FILE, _index_frame, _index_row, _write_index, default_columns, filter_index, query_index, read_index)
 from timlab.experiments.sweep_spec import (  # noqa: F401  (the public names are re-exported: __all__)
@@ -71,6 +77,31 @@ run would make a sweep of n runs write n tables of up to n rows."""
 LOCK_FILE = "sweep.lock"
 """Held by the sweep writing a directory: a second sweep into it is refused (it would mark the
 first one's runs failed and overwrite its index)."""
+ISA_FILE = "sweep_isa.json"
+"""The instruction set a sweep directory's runs compute with (``machine.bits()``), written by the
+first sweep that runs anything in it: a sweep that would compute other bits is refused."""
+
+
+def _check_isa(out: Path) -> None:
+    """Refuse (one line) a sweep into ``out`` that computes other bits than its runs so far; record
+    them on the first sweep. Called under the sweep's lock."""
+    here = machine_bits()
+    record = out / ISA_FILE
+    if not record.exists():
+        atomic_write_text(record, json.dumps({"isa": here, **describe_machine()}, indent=1) + "\n")
+        return
+    try:
+        recorded = json.loads(record.read_text(encoding="utf-8"))["isa"]
+        if not isinstance(recorded, str):
+            raise TypeError("isa is not text")
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SweepError(f"{record} is unreadable; it names the instruction set of the runs in {out}: restore it, "
+                         "or choose a new --out") from None
+    if recorded != here:
+        how = ("run it as `timlab --isa avx2 sweep ...`" if recorded == "avx2"
+               else f"continue it on a machine that computes with {recorded}, unpinned")
+        raise SweepError(f"sweep directory {out} holds runs computed with {recorded} ({ISA_FILE}), but this process "
+                         f"computes with {here}: one folder never mixes instruction sets; {how}, or choose a new --out")
 
 
 # ------------------------------------------------------------------------------- the sweep
@@ -149,6 +180,7 @@ def run_sweep(spec_or_path: SweepSpec | str | Path | dict, out_dir: str | Path, 
 
         if not todo:
             return _result(rows, plan, [], failed)
+        _check_isa(out)
         pool = (_RayExecutor if executor == "ray" else _LocalExecutor)(n_workers, on_event)
         try:
             # 1. warm starts, one per distinct model/task config, so parallel runs never race to build one
@@ -189,4 +221,4 @@ def _result(rows: dict, plan: dict, executed: list, failed: dict) -> pd.DataFram
 
 
 __all__ = ["SweepSpec", "Condition", "RunSpec", "SweepError", "load_spec", "spec_from_dict", "expand", "plan_run",
-           "run_sweep", "read_index", "query_index", "filter_index", "default_columns", "INDEX_FILE"]
+           "run_sweep", "read_index", "query_index", "filter_index", "default_columns", "INDEX_FILE", "ISA_FILE"]

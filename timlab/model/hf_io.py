@@ -127,17 +127,37 @@ def _bool(d: dict, key: str, default: bool) -> bool:
     return v
 
 
+MAX_EXPERTS = 1 << 12
+"""Most experts per MoE layer a config.json may declare (real models: 8-512)."""
+
+
 def _moe_from_hf(d: dict) -> dict:
-    """ModelConfig's MoE fields from a qwen3_moe config.json (HF's defaults where absent); {} otherwise."""
+    """ModelConfig's MoE fields from a qwen3_moe config.json (HF's defaults where absent); {} otherwise.
+    Each is type- and range-checked like the dense fields: a string, a float such as 4.9, null or a
+    billion experts is a one-line error, never coerced."""
     if d.get("model_type") != "qwen3_moe":
         return {}
+    for key in ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "norm_topk_prob", "decoder_sparse_step"):
+        if key in d and d[key] is None:  # an explicit null is not "use the default"
+            raise ModelLoadError(f"config.json: {key} is null; give a value or leave the field out")
+    experts_key = "num_experts" if "num_experts" in d or "num_local_experts" not in d else "num_local_experts"
+    experts = _int(d, experts_key, 128, 1, MAX_EXPERTS)
+    layers = _int(d, "num_hidden_layers", None, 1, 1 << 10)
+    only = d.get("mlp_only_layers")
+    if only is None:
+        only = []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
+                                             for i in only):
+        raise ModelLoadError(f"config.json: mlp_only_layers must be a list of layer indices in [0, {layers - 1}], "
+                             f"got {only!r}"[:200])
     return {
-        "num_experts": int(d.get("num_experts", d.get("num_local_experts", 128))),
-        "num_experts_per_tok": int(d.get("num_experts_per_tok", 8)),
-        "moe_intermediate_size": int(d.get("moe_intermediate_size", 768)),
-        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
-        "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
-        "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
+        "num_experts": experts,
+        "num_experts_per_tok": _int(d, "num_experts_per_tok", 8, 1, experts),
+        "moe_intermediate_size": _int(d, "moe_intermediate_size", 768, 1, 1 << 20),
+        "norm_topk_prob": _bool(d, "norm_topk_prob", False),
+        "decoder_sparse_step": _int(d, "decoder_sparse_step", 1, 1, 1 << 10),
+        "mlp_only_layers": tuple(only),
     }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -108,11 +109,15 @@ def checkpoints_newest_first(ckpt_root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest checkpoint folder that passes ``verify_checkpoint``, or None if there is none."""
+def latest_checkpoint(ckpt_root: Path, *, warn: bool = False) -> Path | None:
+    """The newest checkpoint folder that passes ``verify_checkpoint``, or None if there is none.
+    ``warn``: name each newer checkpoint passed over, and why, in a warning (as a resume does)."""
     for p in checkpoints_newest_first(ckpt_root):
-        if verify_checkpoint(p) is None:
+        problem = verify_checkpoint(p)
+        if problem is None:
             return p
+        if warn:
+            warnings.warn(f"checkpoint {p} is unusable ({problem}); passing over it to an older one", stacklevel=2)
     return None
 
 
@@ -128,8 +133,9 @@ def load_state(ckpt: Path) -> dict:
 
 
 def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path | None:
-    """The checkpoint folder of a run: the latest one that verifies (step None), ``step_N``, or
-    None for step 0 (the warm start the run began from). Missing pieces are one-line errors."""
+    """The checkpoint folder of a run: the latest one that verifies (step None; each newer one passed
+    over is named in a warning), ``step_N``, or None for step 0 (the warm start the run began
+    from). Missing pieces are one-line errors."""
     d = RunDir(run_dir)
     if not d.path.is_dir():
         raise FileNotFoundError(f"run directory {d.path} does not exist")
@@ -138,11 +144,13 @@ def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path | None:
     if step == 0:
         return None
     if step is None:
-        ckpt = latest_checkpoint(d.checkpoints)
+        ckpt = latest_checkpoint(d.checkpoints, warn=True)
         if ckpt is None:
             raise CheckpointError(f"{d.path}: no complete checkpoint under checkpoints/ (use --step 0 for the warm start)")
         return ckpt
     ckpt = d.checkpoint(step)
+    if ckpt.is_symlink():
+        raise CheckpointError(f"{ckpt} is a symlink, not a checkpoint folder timlab wrote")
     if not (ckpt / "config.json").exists():
         available = sorted(checkpoint_step(p.name) for p in checkpoints_newest_first(d.checkpoints)
                            if (p / "config.json").exists())

@@ -13,6 +13,15 @@ when the folder has none, the system prompt and the prompt joined by a blank lin
 (``timlab.tokenizer.PLAIN_CHAT_SEP``). The model folder is the user's (``model.path``): the
 char-level warm start is not built for this task.
 
+Limits, so that a hostile or careless file fails at once with a one-line error naming the file and
+the line or row instead of stalling training: a JSONL line holds at most ``MAX_LINE_BYTES`` bytes
+(read at most that far, never the whole line), and a prompt or answer (and the system prompt) at
+most ``MAX_TEXT_CHARS`` characters (the ``csv`` module's own default cell limit, about 32k
+tokens). Text must be valid Unicode (JSON can spell a lone surrogate, ``"\\ud800"``, which no
+tokenizer can encode), JSON nested too deeply to parse is refused, a CSV row needs as many fields
+as the header (pandas would read a longer row's first fields as an index), and a float32 or
+float16 Parquet cell reads as its own shortest decimal (``1.1``, not ``1.100000023841858``).
+
 Reward: 1 if the verifier accepts the completion; else ``format_reward`` (default 0) if the
 verifier found an answer in its format (a number, a ``\\boxed{}``, a pattern match), else 0. Dense
 reward: as above, with partial credit ``positional_match`` of the extracted answer's normalized
@@ -21,6 +30,7 @@ text against the canonical reference where that is higher. Rewards stay in [0, 1
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
@@ -40,6 +50,10 @@ BUNDLED = Path(__file__).resolve().parents[1] / "data" / "word_problems.jsonl"
 """The default file: 50 arithmetic word problems written by scripts/make_word_problems.py."""
 
 FORMATS = (".csv", ".jsonl", ".parquet")
+MAX_LINE_BYTES = 1 << 20
+"""Longest JSONL line read (1 MiB): a longer one is an error naming the line."""
+MAX_TEXT_CHARS = 1 << 17
+"""Longest prompt, answer or system prompt (131,072 characters; also the csv module's cell limit)."""
 
 
 @TASKS.register("dataset")
@@ -71,6 +85,11 @@ class DatasetTask(Task):
             if not isinstance(value, str):  # e.g. YAML read `system_prompt: Answer: 42` as a mapping
                 raise UsageError(f"task.kwargs.{key} must be text, got a {type(value).__name__} "
                                  f"({value!r}); quote it in YAML")
+        if len(self.system_prompt) > MAX_TEXT_CHARS:
+            raise UsageError(f"task.kwargs.system_prompt has {len(self.system_prompt):,} characters; "
+                             f"the limit is {MAX_TEXT_CHARS:,}")
+        if (bad := _lone_surrogate(self.system_prompt)) is not None:
+            raise UsageError(f"task.kwargs.system_prompt is not valid Unicode text ({bad})")
         if not (isinstance(self.format_reward, (int, float)) and 0 <= self.format_reward < 1):
             raise UsageError(f"task.kwargs.format_reward must be a number in [0, 1), got {self.format_reward!r}")
         try:
@@ -162,36 +181,88 @@ def read_examples(path: Path, *, prompt_key: str, answer_key: str, verifier: Ver
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     rows = []
+    with open(path, "rb") as f:
+        n = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):  # never more than the limit into memory
+            n += 1
+            if len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+                raise BadFileError(f"{path}: line {n}: longer than {MAX_LINE_BYTES:,} bytes (the limit for a JSONL line)")
+            if n == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]  # a UTF-8 byte-order mark
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadFileError(f"{path}: not UTF-8 text ({e.reason} on line {n}, byte {e.start + 1})") from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except ValueError as e:
+                raise BadFileError(f"{path}: line {n}: invalid JSON ({e})") from None
+            except RecursionError:
+                raise BadFileError(f"{path}: line {n}: JSON nested too deeply to read") from None
+            if not isinstance(row, dict):
+                raise BadFileError(f"{path}: line {n}: expected a JSON object, got a {type(row).__name__}")
+            rows.append((f"line {n}", row))
+    return rows
+
+
+def _read_csv(path: Path) -> list[tuple[str, dict]]:
+    """Every cell as written (no number parsing, no NaN); a row with another number of fields than
+    the header is an error naming it."""
+    rows, reader = [], None
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.reader(f)  # a cell past csv.field_size_limit() (MAX_TEXT_CHARS by default) is an error
+            header = next(reader, None)
+            if header is None:
+                return []
+            if len(set(header)) != len(header):
+                twice = next(h for h in header if header.count(h) > 1)
+                raise BadFileError(f"{path}: the header names column {twice!r} twice")
+            for i, cells in enumerate(reader):
+                where = f"row {i + 2}"  # the header is row 1
+                if not cells:
+                    continue  # a blank line
+                if len(cells) != len(header):
+                    raise BadFileError(f"{path}: {where}: {len(cells)} fields, but the header has {len(header)} "
+                                       f"({', '.join(header)}); quote a field that holds a comma")
+                rows.append((where, dict(zip(header, cells))))
     except UnicodeDecodeError as e:
-        raise BadFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise BadFileError(f"{path}: line {n}: invalid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise BadFileError(f"{path}: line {n}: expected a JSON object, got a {type(row).__name__}")
-        rows.append((f"line {n}", row))
+        raise BadFileError(f"{path}: not UTF-8 text ({e.reason})") from None
+    except csv.Error as e:
+        where = f"line {reader.line_num if reader is not None else 1}"
+        if "field larger than field limit" in str(e):
+            raise BadFileError(f"{path}: {where}: a cell longer than {MAX_TEXT_CHARS:,} characters (the limit for a "
+                               "prompt or answer)") from None
+        raise BadFileError(f"{path}: {where}: cannot be read as CSV ({e})") from None
     return rows
 
 
 def _read_table(path: Path, suffix: str) -> list[tuple[str, dict]]:
+    if suffix == ".csv":
+        return _read_csv(path)
     import pandas as pd
 
     try:
-        if suffix == ".csv":  # every cell as written: no NaN for empty cells, no number parsing
-            df = pd.read_csv(path, dtype=str, keep_default_na=False)
-        else:
-            df = pd.read_parquet(path)
+        df = pd.read_parquet(path)
     except Exception as e:  # pandas / pyarrow raise many types for a malformed file; keep it one line
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise BadFileError(f"{path}: cannot be read as {suffix[1:].upper()} ({first})") from None
-    first_row = 2 if suffix == ".csv" else 1  # the CSV header is line 1
-    return [(f"row {i + first_row}", row) for i, row in enumerate(df.to_dict(orient="records"))]
+    for column in df.columns:  # float32/16 cells as their own shortest decimal: 1.1, not 1.100000023841858
+        if df[column].dtype.kind == "f" and df[column].dtype.itemsize < 8:
+            df[column] = pd.Series([None if math.isnan(v) else str(v) for v in df[column].to_numpy()],
+                                   index=df.index, dtype=object)
+    return [(f"row {i + 1}", row) for i, row in enumerate(df.to_dict(orient="records"))]
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """Where ``text`` holds a lone surrogate (which UTF-8 cannot encode), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate {text[e.start]!r} at character {e.start}"
 
 
 def _text(value: Any, path: Path, where: str, key: str, field: str) -> str:
@@ -206,4 +277,9 @@ def _text(value: Any, path: Path, where: str, key: str, field: str) -> str:
         raise BadFileError(f"{path}: {where}: {key!r} (task.kwargs.{field}) is a {type(value).__name__}, not text")
     if not value.strip():
         raise BadFileError(f"{path}: {where}: {key!r} (task.kwargs.{field}) is empty")
+    if len(value) > MAX_TEXT_CHARS:
+        raise BadFileError(f"{path}: {where}: {key!r} (task.kwargs.{field}) has {len(value):,} characters; "
+                           f"the limit is {MAX_TEXT_CHARS:,}")
+    if (bad := _lone_surrogate(value)) is not None:
+        raise BadFileError(f"{path}: {where}: {key!r} (task.kwargs.{field}) is not valid Unicode text ({bad})")
     return value

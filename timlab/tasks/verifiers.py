@@ -13,7 +13,13 @@ whether the two agree (``matches``). Registered:
   reference's (its own last ``\\boxed{}`` if it has one, else the whole reference): normalized
   text, or equal numbers when both are numbers.
 - ``regex``: the last match of a user pattern (its first group if it has groups, else the whole
-  match) equals the normalized reference.
+  match) equals the normalized reference. The pattern runs in the ``regex`` package's engine (the
+  same syntax as Python's ``re``; a dependency of timlab) under a time limit of
+  ``REGEX_TIMEOUT_S`` per completion: a pattern that backtracks catastrophically (``(a|aa)+b``
+  takes seconds on 30 characters, doubling with each more) stops scoring with a one-line error
+  naming it, instead of stalling training. Python's ``re`` has no such limit, and no length cap
+  would do: such patterns blow up on a few dozen characters. A completion the limit stops is an
+  error, never a reward of 0, so a run's rewards never depend on the machine's speed.
 
 Pure string code: imports nothing of timlab but the registry and the errors.
 """
@@ -35,6 +41,9 @@ NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 """A decimal number: optional minus, digits with optional thousands commas, optional fraction."""
 
 BOXED = "\\boxed{"
+
+REGEX_TIMEOUT_S = 0.5
+"""Seconds one completion's ``regex`` verifier match may take (ordinary patterns: microseconds)."""
 
 
 def normalize(text: str) -> str:
@@ -155,15 +164,25 @@ class RegexVerifier(Verifier):
         if not self.pattern:
             raise UsageError("verifier 'regex' needs task.kwargs.pattern (a Python regular expression)")
         try:
-            compiled = re.compile(self.pattern)
-        except re.error as e:
+            import regex
+        except ImportError:  # pragma: no cover (a dependency of timlab)
+            raise UsageError("verifier 'regex' needs the 'regex' package, which bounds a match's time: "
+                             "pip install regex") from None
+        try:
+            compiled = regex.compile(self.pattern, flags=regex.VERSION0)  # VERSION0: Python re's semantics
+        except regex.error as e:
             raise UsageError(f"task.kwargs.pattern {self.pattern!r} is not a valid regular expression ({e})") from None
         object.__setattr__(self, "_compiled", compiled)
 
     def extract(self, completion: str) -> str | None:
         last = None
-        for last in self._compiled.finditer(completion):  # type: ignore[attr-defined]
-            pass
+        try:
+            for last in self._compiled.finditer(completion, timeout=REGEX_TIMEOUT_S):  # type: ignore[attr-defined]
+                pass
+        except TimeoutError:
+            raise UsageError(f"task.kwargs.pattern {self.pattern!r} took over {REGEX_TIMEOUT_S} s on a completion of "
+                             f"{len(completion)} characters (catastrophic backtracking: nested or overlapping "
+                             "repeats such as (a+)+ or (a|aa)+); make each repeat match one way") from None
         if last is None:
             return None
         return last.group(1) if self._compiled.groups else last.group(0)  # type: ignore[attr-defined]
