@@ -488,6 +488,9 @@ def _add_analyze(sub) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from timlab.experiments.check import format_check, run_check, write_check_html
 
+    if args.gate_metric is not None and args.fail_above is None:
+        raise CLIError(f"--gate-metric {args.gate_metric} needs --fail-above X (the threshold it is compared with); "
+                       "without it nothing is gated and the command always exits 0")
     check_output_file(args.json, "--json")
     check_output_file(args.html, "--html")
     options = ("rollout", "score", "dtype", "device", "batch_sizes", "lengths", "decoding", "seed", "fail_above",
