@@ -86,7 +86,11 @@ def test_helps_list_the_registered_names_and_defaults(capsys):
 def test_version_is_the_package_version_and_pyproject_reads_it(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
-    assert capsys.readouterr().out.strip() == f"timlab {timlab.__version__}"
+    import torch
+
+    text = capsys.readouterr().out.strip()
+    assert text == f"timlab {timlab.__version__} (torch {torch.__version__}, CPU capability " \
+                   f"{torch.backends.cpu.get_cpu_capability()})"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "timlab.__version__"}

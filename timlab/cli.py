@@ -313,6 +313,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         prog.close()
     with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 80):
         print(format_summary(res.effects, res.table))
+    from timlab.machine import REPEATS_NOTE
+
+    print(f"\ncomputed with {res.machine}: {REPEATS_NOTE}")
     print(f"\nreport: {res.report}\nruns:   {res.out_dir / 'runs'} (index.parquet; `timlab runs {res.out_dir / 'runs'}`)")
     return 0
 
@@ -760,11 +763,26 @@ COMMANDS = [_add_probe, _add_pretrain, _add_train, _add_demo, _add_sweep, _add_r
 """Each subcommand's registrar, in the order ``timlab --help`` lists them."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from timlab import __version__
+class _Version(argparse.Action):
+    """``--version``: timlab's version, and the torch and CPU capability that decide the bits a run
+    computes (importing torch to read them)."""
 
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from timlab import __version__
+        from timlab.machine import summary
+
+        print(f"timlab {__version__} ({summary()})")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"timlab {__version__}")
+    parser.add_argument("--version", action=_Version, help="show timlab's version, torch's and the CPU capability "
+                                                            "torch computes with (runs repeat bit for bit only where "
+                                                            "these agree), and exit")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("--isa", choices=ISAS, default="native",
                         help="CPU instruction set to compute with: native (the machine's own) or avx2 (torch, oneDNN "
