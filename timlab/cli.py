@@ -297,7 +297,8 @@ def _add_train(sub) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from timlab.experiments.demo import CPU_SECONDS_PER_STEP, SFT_SECONDS, estimate_seconds, format_summary, run_demo
+    from timlab.experiments.demo import (CPU_SECONDS_PER_STEP, HEADLINE_RULE, SFT_SECONDS, estimate_seconds,
+                                         format_summary, run_demo)
 
     n_runs, n_steps, (low, high) = estimate_seconds(quick=args.quick, seeds=args.seeds, steps=args.steps,
                                                     workers=args.workers)
@@ -316,7 +317,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from timlab.machine import REPEATS_NOTE
 
     print(f"\ncomputed with {res.machine}: {REPEATS_NOTE}")
-    print(f"\nreport: {res.report}\nruns:   {res.out_dir / 'runs'} (index.parquet; `timlab runs {res.out_dir / 'runs'}`)")
+    print(f"\nreport: {res.report}\nruns:   {res.out_dir / 'runs'} (index.parquet; `timlab runs {res.out_dir} "
+          f"--rule {HEADLINE_RULE}` lists them, collapses judged as above)")
     return 0
 
 
@@ -405,23 +407,29 @@ def _add_sweep(sub) -> None:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     from timlab.experiments.sweep import query_index, read_index
+    from timlab.experiments.sweep_index import find_sweep_dir
 
     columns = [c.strip() for item in (args.columns or []) for c in item.split(",") if c.strip()]
     sort, desc = args.sort, args.desc
     if sort and sort.startswith("-"):  # --sort=-COL
         sort, desc = sort[1:], True
-    from timlab.experiments.collapse import rule_options
+    from timlab.experiments.collapse import DEFAULT_RULE, rule_options
+    from timlab.experiments.demo import HEADLINE_RULE
 
     rule = rule_options(**_given(args, ("rule", "learned_at")))
-    df = query_index(args.dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
-    total = len(read_index(args.dir))
+    sweep_dir = find_sweep_dir(args.dir)
+    df = query_index(sweep_dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
+    total = len(read_index(sweep_dir))
+    name = rule.get("rule", DEFAULT_RULE)
+    judged = f"collapsed: the {name} rule" + ("" if rule else f", the default (the demo's headline uses the "
+                                                             f"{HEADLINE_RULE} rule: --rule {HEADLINE_RULE})")
     if df.empty:
-        print(f"no runs match (of {total})")
+        print(f"no runs match (of {total}; {judged})")
         return 0
     with __import__("pandas").option_context("display.width", 250, "display.max_columns", None,
                                              "display.max_colwidth", 60):
         print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
-    print(f"({len(df)} of {total} runs)")
+    print(f"({len(df)} of {total} runs; {judged})")
     return 0
 
 
@@ -436,7 +444,7 @@ def _add_rule_args(p) -> None:
 
 def _add_runs(sub) -> None:
     p = sub.add_parser("runs", help="list the runs of a sweep directory (filter with SQL over index.parquet)")
-    p.add_argument("dir", help="sweep directory (holds index.parquet)")
+    p.add_argument("dir", help="sweep directory (holds index.parquet), or a demo's --out folder")
     p.add_argument("--where", help='SQL condition, e.g. "mismatch.magnitude > 0.5 AND collapsed" (dotted names may be bare)')
     p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
     p.add_argument("--sort", metavar="COL", help="sort by this column (--sort -COL or --desc: descending)")

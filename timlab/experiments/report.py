@@ -123,9 +123,13 @@ def _config_labels(dirs: list[Path], group_by: str) -> list[str]:
 def _collect(inputs: list[str | Path] | str | Path, group_by: str, rule: dict) -> tuple[list[_Run], str]:
     from timlab.experiments.sweep import INDEX_FILE, read_index
 
+    from timlab.experiments.sweep_index import find_sweep_dir
+
     paths = [Path(inputs)] if isinstance(inputs, (str, Path)) else [Path(p) for p in inputs]
     if not paths:
         raise UsageError("report: no inputs (give one sweep directory or run directories)")
+    if len(paths) == 1:
+        paths = [find_sweep_dir(paths[0])]  # a demo's folder: its sweep
     for p in paths:
         if not p.is_dir():
             raise FileNotFoundError(f"report: {p} is not a directory")
