@@ -685,6 +685,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.key:
         wanted = [k for k in keys if k.key == args.key or k.key.startswith(args.key + ".")]
         if not wanted:
+            section = args.key.split(".")[0]
+            in_section = [k.key.split(".", 1)[1] for k in keys if k.key.startswith(section + ".")]
+            if "." in args.key and in_section:
+                raise CLIError(f"unknown config key {args.key!r}; valid keys of {section}: {', '.join(in_section)}")
             sections = sorted({k.key.split(".")[0] for k in keys})
             raise CLIError(f"unknown config key or section {args.key!r}; valid sections: {', '.join(sections)}")
         keys = wanted
