@@ -82,7 +82,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     check_output_file(args.html, "--html")
     options = ("num_prompts", "samples_per_prompt", "rollout", "score", "dtype", "max_new_tokens", "seed",
-               "temperature", "top_p", "top_k", "device")
+               "temperature", "top_p", "top_k", "device", "show")
     result = run_probe(model_dir=args.model, prompts_file=args.prompts, task=args.task, attribute=args.attribute,
                        **_given(args, options))
     print(format_probe(result))
@@ -115,6 +115,8 @@ def _add_probe(sub) -> None:
     p.add_argument("--top-k", type=int, help="default {default} (no top-k)")
     p.add_argument("--device", help="default {default}")
     p.add_argument("--attribute", action="store_true", help="also locate the first op where the two paths diverge")
+    p.add_argument("--show", type=int, metavar="N", help="print the first N replies as text, with each one's "
+                                                          "largest |r| (default {default})")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--html", help="write a self-contained HTML page with plots here")
     p.set_defaults(func=cmd_probe)

@@ -284,6 +284,11 @@ class RunSection:
     """Show progress bars (the CLI's --quiet turns them off)."""
     distributions_every: int = 1
     """Write the per-step histogram of r and mismatch by position/probability bucket every N steps."""
+    log_samples: int = 0
+    """At each evaluation, write the greedy replies to the first N validation prompts to samples.jsonl
+    in the run directory, one line each with the prompt, the reply, the reference answer and the
+    reward (0 = off). The exact engine decodes each prompt alone as it does in the accuracy batch,
+    so the replies are the ones val/accuracy scored, and no number of the run changes."""
     gradcheck_every: int = 0
     """Every N steps, before the rollout, compare the policy gradient under exact rollouts with the
     one under this run's injector (gradcheck/* metrics: cosine, relative bias, SNR); 0 = off."""
