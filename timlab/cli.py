@@ -220,9 +220,8 @@ def _add_config_args(p) -> None:
 
 # ---------------------------------------------------------------------------------- pretrain
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from timlab.trainer.pretrain import pretrain
-
     from timlab.config import resolve
+    from timlab.trainer.pretrain import pretrain, warm_start_dir
 
     cfg = resolve(args.config, args.preset, list(args.set or []), task=args.task)
     prog = PhaseBars(not args.quiet)
@@ -230,6 +229,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     prog.close()
     print(f"{'reused' if res.cached else 'pretrained'} {res.path}: {res.num_params / 1e6:.2f}M params, "
           f"greedy val accuracy {res.val_accuracy:.3f}, {res.steps} steps in {res.seconds:.1f}s")
+    if args.out:
+        print(f"cached as {warm_start_dir(cfg)} (TIMLAB_CACHE): train and demo runs of these model and task "
+              "settings start from it")
     return 0
 
 
@@ -238,7 +240,8 @@ def _add_pretrain(sub) -> None:
     p.add_argument("config", nargs="?", help="YAML config (model and task sections are used)")
     p.add_argument("--task", help="task: {names:task} (the preset's and YAML's task.kwargs are dropped "
                                   "when they are another task's)")
-    p.add_argument("--out", help="output folder (default: the cache, keyed by the config hash)")
+    p.add_argument("--out", help="also copy the model to this folder (it is always cached under $TIMLAB_CACHE, "
+                                 "default ~/.cache/timlab, keyed by the config hash)")
     p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
     p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
