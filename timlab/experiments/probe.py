@@ -398,6 +398,10 @@ def run_probe(
             raise UsageError(f"{name} must be >= 1, got {value}")
     if isinstance(show, bool) or not isinstance(show, int) or show < 0:
         raise UsageError(f"show must be an integer >= 0, got {show!r}")
+    from timlab.config import SEED_RANGE
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise UsageError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {str(seed)[:40]}")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
 
     model, tokenizer = load_probe_model(model_dir, dtype=dtype, device=device)
