@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (see README):
 #   make demo   installs into .venv and runs the main job (timlab demo) on the CPU
-#   make test   installs into .venv (with test extras and the optional integrations) and runs the test suite
+#   make test   installs into .venv (with test extras and the optional integrations) and runs the test suite;
+#               its SFT models go to a temporary TIMLAB_CACHE that it names first and deletes at the end
 .PHONY: demo quick test bench venv clean
 
 venv:

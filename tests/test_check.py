@@ -79,7 +79,13 @@ def test_verdict_against_documented_thresholds():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--gate-metric", "ess"], "unknown --gate-metric 'ess'; valid choices: mean_abs_diff,"),
+    (["--gate-metric", "ess", "--fail-above", "0"], "unknown --gate-metric 'ess'; valid choices: mean_abs_diff,"),
+    (["--gate-metric", "max_abs_diff"], "--gate-metric max_abs_diff needs --fail-above X"),
+    (["--boot", "1000000000"], "--boot must be an integer in [1, 10000], got 1000000000"),
+    (["--batch-sizes", "1,99999999"], "99999999 is more than 4096 sequences per batch"),
+    (["--seed", "100000000000000000000000"], "--seed must be an integer in [0, 4294967295], got 1000000"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 4294967295], got -1"),
+    (["--lengths", "a=1:1,a=2:2"], "the name 'a' is given twice"),
     (["--lengths", "long=60:60"], "needs 120 positions, more than the model's context (max_position_embeddings=64)"),
     (["--lengths", "long"], "expected name=PROMPT:ANSWER"),
     (["--batch-sizes", "0"], "expected comma-separated integers >= 1"),
@@ -91,3 +97,46 @@ def test_bad_options_one_line(folder, capsys, args, needle):
     code = main(["check", "--model", str(folder), *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def _no_tokenizer_folder(path, positions: int):
+    """A random Llama folder as transformers writes it: config.json and weights, no tokenizer."""
+    cfg = transformers.AutoConfig.for_model(
+        "llama", vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=positions, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("positions, long", [(256, [85, 171]), (64, [21, 43])])
+def test_a_folder_without_tokenizer_and_a_short_context_takes_the_default_lengths(tmp_path, capsys, positions, long):
+    folder = _no_tokenizer_folder(tmp_path / "tiny", positions)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    out = tmp_path / "check.json"
+    code = main(["check", "--model", str(folder), "--batch-sizes", "2", "--decoding", "greedy", "--boot", "20",
+                 "--rollout", "exact", "--fail-above", "0", "--json", str(out)])
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert code == 0 and res["gate"]["worst"] == 0.0
+    # short=16:32 fits both contexts; long=128:256 is scaled to fill the context at its 1:2 ratio
+    assert res["lengths"] == {"short": [16, 32], "long": long} and sum(long) == positions
+    assert [c["answer_tokens"] for c in res["cells"]] == [32, long[1]]
+    assert "note: no tokenizer in" in text and "special ids (eos 2, pad 0, bos 1) from its config.json" in text
+    assert f"note: default length long=128:256 clipped to long={long[0]}:{long[1]}" in text
+    assert len(res["notes"]) == 2
+
+
+def test_lengths_given_by_the_user_are_not_clipped(tmp_path, capsys):
+    folder = _no_tokenizer_folder(tmp_path / "tiny", 64)
+    capsys.readouterr()  # transformers' save bar
+    code = main(["check", "--model", str(folder), "--lengths", "long=40:40"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--lengths long=40:40 needs 80 positions" in err and len(err.splitlines()) == 1
+
+
+def test_check_help_shows_default_values_not_constant_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default 1,8,32)" in text and "(default short=16:32,long=128:256" in text
+    assert "(default greedy,sampling)" in text and "DEFAULT_" not in text

@@ -86,7 +86,11 @@ def test_helps_list_the_registered_names_and_defaults(capsys):
 def test_version_is_the_package_version_and_pyproject_reads_it(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
-    assert capsys.readouterr().out.strip() == f"timlab {timlab.__version__}"
+    import torch
+
+    text = capsys.readouterr().out.strip()
+    assert text == f"timlab {timlab.__version__} (torch {torch.__version__}, CPU capability " \
+                   f"{torch.backends.cpu.get_cpu_capability()})"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "timlab.__version__"}
@@ -116,6 +120,9 @@ def test_config_lists_every_key_with_type_default_and_help(capsys):
     assert capsys.readouterr().out.splitlines()[0] == "optim.lr  (float) = 0.5  * (default 3e-05)"
     assert cli.main(["config", "nosuch"]) == 2
     assert "valid sections: algorithm, correction" in capsys.readouterr().err
+    assert cli.main(["config", "optim.lrr"]) == 2
+    assert capsys.readouterr().err == ("timlab: error: unknown config key 'optim.lrr'; valid keys of optim: lr, "
+                                       "weight_decay, beta1, beta2, eps, grad_clip\n")
 
 
 @pytest.mark.parametrize("value", ["correction.rs=bogus", "model.dtype=float64", "run.device=cuda:-1",
@@ -137,8 +144,14 @@ def test_task_option_drops_another_tasks_preset_kwargs():
     assert resolve(preset="smoke", task="reverse").task.kwargs == PRESETS["smoke"]["task"]["kwargs"]
     cfg = resolve(preset="smoke", overrides=["task.kwargs.max_target=50"], task="countdown")
     assert cfg.task.kwargs == {"max_target": 50}  # --set still applies after --task
-    # --set task.name keeps merging as before (a YAML or sweep may rely on it)
+    # --set task.name keeps the options the new task takes (a YAML or sweep may rely on it) ...
     assert resolve(preset="smoke", overrides=["task.name=sort"]).task.kwargs == PRESETS["smoke"]["task"]["kwargs"]
+    # ... and drops the preset's options it does not take (dataset has no min_len/max_len)
+    assert PRESETS["smoke"]["task"]["kwargs"] == {"min_len": 2, "max_len": 6}
+    assert resolve(preset="smoke", overrides=["task.name=dataset"]).task.kwargs == {}
+    assert resolve(preset="smoke", overrides=["task.name=dataset", "task.kwargs.verifier=exact"]).task.kwargs == {
+        "verifier": "exact"}
+    assert resolve(preset="smoke", overrides={"task": {"name": "countdown"}}).task.kwargs == {}
 
 
 def _index(tmp_path) -> Path:

@@ -85,3 +85,30 @@ def test_progress_without_a_terminal_prints_a_few_lines(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["r1: finished (fresh)", "r2: finished (fresh)", "runs: 2/3  a train 2/3", "r3: finished (fresh)",
                      "runs: 3/3  a train 3/3"]
+
+
+def test_demo_names_the_torch_and_cpu_capability_it_computed_with(tmp_path, monkeypatch, capsys):
+    """Which published table applies: the demo's output and its report's opening say it."""
+    import pandas as pd
+    import torch
+
+    from timlab.experiments import report, sweep
+    from timlab.trainer import pretrain
+
+    seen = {}
+
+    def fake_report(inputs, out_html, **kwargs):
+        seen.update(kwargs)
+        return report.ReportResult(path=out_html, n_runs=0, missing=[])
+
+    monkeypatch.setattr(pretrain, "pretrain", lambda *a, **k: None)
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pd.DataFrame())
+    monkeypatch.setattr(demo, "summarize", lambda *a: (pd.DataFrame({"a": [1]}), pd.DataFrame({"b": [2]})))
+    monkeypatch.setattr(report, "build_report", fake_report)
+    monkeypatch.setattr(demo, "format_summary", lambda effects, table: "(tables)")
+    assert cli.main(["demo", "--quick", "--quiet", "--out", str(tmp_path / "d")]) == 0
+    machine = f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    out = capsys.readouterr().out
+    assert f"\ncomputed with {machine}: runs repeat bit for bit on machines with the same CPU capability" in out
+    assert "has the demo's tables for AVX2 and for AVX512" in out
+    assert seen["note"].startswith(f"Computed with {machine}: runs repeat bit for bit")

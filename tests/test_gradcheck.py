@@ -122,6 +122,9 @@ def test_length_buckets_and_param_filter(parts):
     ({"param_filter": "nothing_matches"}, "matches no trainable parameter"),
     ({"buckets": 0}, "buckets must be >= 1, got 0"),
     ({"n_boot": 10}, "n_boot must be >= 100"),
+    ({"n_boot": 10**9}, "n_boot (--boot) must be at most 10000, got 1000000000"),
+    ({"samples": 10**9}, "samples must be at most 1048576, got 1000000000"),
+    ({"score_seqs": 10**8}, "score_seqs must be at most 1048576"),
 ])
 def test_bad_input_is_one_clear_error(parts, kw, needle):
     with pytest.raises(GradcheckError, match=None) as e:
@@ -166,6 +169,8 @@ def test_cli_on_a_run_directory_and_its_errors(tmp_path, capsys):
         (["--preset", "smoke", "--injector", "bogus"], "unknown injector 'bogus'; valid choices:"),
         (["--preset", "smoke", "--samples", "16"], "confidence interval needs >= 8"),
         (["--step", "2", "--preset", "smoke"], "--step needs --run-dir"),
+        (["--preset", "smoke", "--seed", "100000000000000000000000"], "--seed must be an integer in [0, 4294967295]"),
+        (["--preset", "smoke", "--boot", "1000000000"], "n_boot (--boot) must be at most 10000, got 1000000000"),
     ]:
         code, _, err = _cli(["gradcheck", *argv, "--quiet"], capsys)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)

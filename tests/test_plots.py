@@ -123,3 +123,32 @@ def test_runs_table_fits_the_page_in_headless_chromium(twin_runs, tmp_path):
            f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,2000", "--dump-dom", probe.resolve().as_uri()]
     dom = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180).stdout
     assert 'data-fit="true"' in dom
+
+
+def test_plain_math_turns_log_tick_labels_into_numbers():
+    assert page.plain_math(r"$\mathdefault{10^{-2}}$") == "10⁻²"
+    assert page.plain_math(r"$\mathdefault{2\times10^{1}}$") == "2×10¹"
+    assert page.plain_math(r"$\mathdefault{-10^{0}}$") == "-10⁰"
+    assert page.plain_math(r"$\mathdefault{0}$") == "0"
+    assert page.plain_math("$a_1$ stays") == "$a_1$ stays"
+
+
+def test_no_page_draws_mathdefault_on_its_log_axes(twin_runs, tmp_path, monkeypatch):
+    """The report's dose-response plot (symlog x) and analyze's histogram (log y) label their
+    ticks as numbers, not as the raw mathtext that png_uri's literal drawing would show."""
+    from pathlib import Path
+
+    from matplotlib.text import Text
+
+    from timlab.experiments.analyze import analyze_file
+
+    figs = _figures(monkeypatch)
+    report.build_report(twin_runs, tmp_path / "r.html")
+    analyze_file(Path(__file__).resolve().parents[1] / "timlab/data/sample_logprobs.jsonl", out_html=tmp_path / "a.html")
+    texts = [t.get_text() for f in figs for t in f.findobj(Text) if t.get_visible()]
+    assert texts and not [t for t in texts if "mathdefault" in t or "$" in t]
+    logs = {a.get_scale(): a for f in figs for ax in f.axes for a in (ax.xaxis, ax.yaxis) if a.get_scale() != "linear"}
+    assert set(logs) == {"log", "symlog"}
+    for axis in logs.values():
+        labels = [t.get_text() for t in axis.get_ticklabels() if t.get_text()]
+        assert labels and all(re.fullmatch(r"-?(\d+(\.\d+)?|10[⁻⁰¹²³⁴⁵⁶⁷⁸⁹]+)", x) for x in labels), labels

@@ -203,6 +203,7 @@ def bad_folders(tmp_path_factory, folder) -> dict[str, Path]:
         ("attribute_hf", "attribution needs op hooks"),
         ("bad_top_p", "top_p must be in (0, 1]"),
         ("unknown_task", "unknown task 'nope'; valid choices:"),
+        ("huge_seed", "seed must be an integer in [0, 4294967295], got 100000000000000000000000"),
     ],
 )
 def test_bad_input_gives_one_line_error(tmp_path, folder, prompts, bad_folders, capsys, case, expected):
@@ -229,6 +230,8 @@ def test_bad_input_gives_one_line_error(tmp_path, folder, prompts, bad_folders, 
         extra = ["--rollout", "hf", "--attribute"]
     elif case == "bad_top_p":
         extra = ["--top-p", "1.5"]
+    elif case == "huge_seed":
+        extra = ["--seed", "100000000000000000000000"]
     argv = ["probe", "--model", model, "--max-new-tokens", "16", *extra]
     argv += ["--task", "nope"] if case == "unknown_task" else ["--prompts", prompt_file]
     line = _error(capsys, argv)

@@ -187,3 +187,15 @@ def test_readme_commands_run_on_a_tiny_budget(workdir, capsys):
     assert ran.count("runs") == 2 and (workdir / "models/learned/config.json").is_file()
     assert (workdir / "dose.html").is_file() and (workdir / "threshold.png").is_file()
     assert (workdir / "runs/r1/checkpoints").is_dir() and (workdir / "bias.png").is_file()
+
+
+def test_the_first_screen_is_what_timlab_is_then_the_two_commands_then_what_they_show():
+    lines = README.read_text().splitlines()
+    first = "\n".join(lines[:40])
+    assert "```bash\nmake demo   #" in first and "\nmake test   #" in first  # the quickstart, whole
+    assert first.index("A lab for training-inference mismatch") < first.index("make demo") \
+        < first.index("**What you will see.**") < first.index("| `make demo`")
+    text = "\n".join(lines)
+    assert text.index("| `make test`") < text.index("**What it has found so far**")  # the findings come after
+    assert "`$TIMLAB_CACHE` (default `~/.cache/timlab`)" in " ".join(text.split())
+    assert (ROOT / "docs" / "timings.md").is_file() and "[docs/timings.md](docs/timings.md)" in first

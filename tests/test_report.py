@@ -151,6 +151,8 @@ def test_report_of_run_dirs(runs, tmp_path):
     assert "mismatch.injector=head_perturb, mismatch.magnitude=2.0" in text
     assert "2/2" in text  # head: both complete runs collapsed
     assert "falls below 0.5 x its running peak" in text
+    noted = build_report(runs, tmp_path / "n.html", note="Computed with torch 9 <x>").path.read_text()
+    assert '<p class="note">Computed with torch 9 &lt;x&gt;</p>' in noted and "Computed with" not in text
 
 
 def test_report_shows_gradient_diagnostics_when_runs_logged_them(tmp_path):

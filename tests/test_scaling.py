@@ -115,3 +115,14 @@ def test_analyze_reports_the_reading():
     res = analyze_records(rows)
     assert res["length_scaling"]["reading"] == "bias-like (T^1)"
     assert "length scaling: bias-like (T^1)" in format_analysis(res)
+
+
+def test_the_printed_line_counts_sequences_and_leaves_out_what_was_not_fitted():
+    from timlab.metrics.scaling import format_length_scaling
+
+    one = length_scaling(torch.tensor([[-0.5]]), torch.tensor([[-0.4]]), torch.ones(1, 1, dtype=torch.bool))
+    assert format_length_scaling(one) == f"{READINGS[4]} (1 sequence)"
+    many = length_scaling(*_data("bias", B=64, T=16, ragged=False), n_boot=50)
+    line = format_length_scaling(many)
+    assert line.startswith(f"{READINGS[2]}: normalized exponent ") and "grows as T^" in line and "n/a" not in line
+    assert line.endswith(f"(64 sequences, lengths 1-{many['lengths'][-1]})") and many["lengths"][-1] == 16

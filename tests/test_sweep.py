@@ -230,7 +230,8 @@ def test_runs_cli_filters_with_sql(sweep, capsys):
     assert cli.main(["runs", str(out), "--where", "mismatch.magnitude > 0.5"]) == 0
     text = capsys.readouterr().out
     assert "head_2__seed0" in text and "head_2__seed1" in text and "control__" not in text
-    assert "(2 of 4 runs)" in text
+    assert "(2 of 4 runs; collapsed: the peak rule, the default (the demo's headline uses the plateau rule: " \
+           "--rule plateau))" in text
     assert cli.main(["runs", str(out), "--where", "condition = 'control' AND \"run.seed\" = 1",
                      "--columns", "run_id,state", "--sort", "run_id"]) == 0
     text = capsys.readouterr().out
@@ -245,3 +246,17 @@ def test_ray_executor_runs_a_sweep(tmp_path):
     spec = {**SPEC, "grid": {"run.seed": [0]}, "conditions": SPEC["conditions"][:1], "executor": "ray"}
     df = run_sweep(spec, tmp_path / "out", workers=1)
     assert list(df["state"]) == ["finished"]
+
+
+def test_runs_and_report_of_a_demo_folder_find_its_sweep_and_name_the_rule(sweep, tmp_path, capsys):
+    """``timlab demo --out DIR`` puts its sweep in DIR/runs; ``timlab runs DIR`` lists it."""
+    _, out, df, _ = sweep
+    demo_out = tmp_path / "demo_out"
+    shutil.copytree(out, demo_out / "runs")
+    assert cli.main(["runs", str(demo_out), "--rule", "plateau"]) == 0
+    text = capsys.readouterr().out
+    assert "head_2__seed0" in text and "(4 of 4 runs; collapsed: the plateau rule)" in text
+    assert cli.main(["report", str(demo_out), "--out", str(tmp_path / "r.html")]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'r.html'}: 4 runs")
+    assert cli.main(["runs", str(tmp_path)]) == 2
+    assert "no index.parquet (not a sweep directory" in capsys.readouterr().err

@@ -77,19 +77,26 @@ def _module_path(module: str) -> Path:
 
 @functools.cache
 def function_defaults(target: str) -> dict[str, str]:
-    """``"timlab.experiments.probe:run_probe"`` -> {keyword: its default, as written in the source}."""
+    """``"timlab.experiments.probe:run_probe"`` -> {keyword: its default, as the user reads it}: a
+    literal as written, and a module-level constant (``batch_sizes=DEFAULT_BATCH_SIZES``) by the
+    literal value assigned to it in the same module, not by its name."""
     module, name = target.split(":")
-    for node in ast.parse(_module_path(module).read_text(encoding="utf-8")).body:
+    body = ast.parse(_module_path(module).read_text(encoding="utf-8")).body
+    constants = {t.id: node.value for node in body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    for node in body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
             a = node.args
             positional = a.posonlyargs + a.args
             pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
             pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
-            return {arg.arg: _literal(d) for arg, d in pairs}
+            return {arg.arg: _literal(d, constants) for arg, d in pairs}
     raise ValueError(f"{target}: no such function")
 
 
-def _literal(node: ast.expr) -> str:
+def _literal(node: ast.expr, constants: dict[str, ast.expr]) -> str:
+    if isinstance(node, ast.Name) and constants.get(node.id) is not None:
+        node = constants[node.id]
     try:
         return str(ast.literal_eval(node))
     except ValueError:

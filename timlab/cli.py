@@ -82,7 +82,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     check_output_file(args.html, "--html")
     options = ("num_prompts", "samples_per_prompt", "rollout", "score", "dtype", "max_new_tokens", "seed",
-               "temperature", "top_p", "top_k", "device")
+               "temperature", "top_p", "top_k", "device", "show")
     result = run_probe(model_dir=args.model, prompts_file=args.prompts, task=args.task, attribute=args.attribute,
                        **_given(args, options))
     print(format_probe(result))
@@ -115,6 +115,8 @@ def _add_probe(sub) -> None:
     p.add_argument("--top-k", type=int, help="default {default} (no top-k)")
     p.add_argument("--device", help="default {default}")
     p.add_argument("--attribute", action="store_true", help="also locate the first op where the two paths diverge")
+    p.add_argument("--show", type=int, metavar="N", help="print the first N replies as text, with each one's "
+                                                          "largest |r| (default {default})")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--html", help="write a self-contained HTML page with plots here")
     p.set_defaults(func=cmd_probe)
@@ -218,9 +220,8 @@ def _add_config_args(p) -> None:
 
 # ---------------------------------------------------------------------------------- pretrain
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from timlab.trainer.pretrain import pretrain
-
     from timlab.config import resolve
+    from timlab.trainer.pretrain import pretrain, warm_start_dir
 
     cfg = resolve(args.config, args.preset, list(args.set or []), task=args.task)
     prog = PhaseBars(not args.quiet)
@@ -228,6 +229,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     prog.close()
     print(f"{'reused' if res.cached else 'pretrained'} {res.path}: {res.num_params / 1e6:.2f}M params, "
           f"greedy val accuracy {res.val_accuracy:.3f}, {res.steps} steps in {res.seconds:.1f}s")
+    if args.out:
+        print(f"cached as {warm_start_dir(cfg)} (TIMLAB_CACHE): train and demo runs of these model and task "
+              "settings start from it")
     return 0
 
 
@@ -236,7 +240,8 @@ def _add_pretrain(sub) -> None:
     p.add_argument("config", nargs="?", help="YAML config (model and task sections are used)")
     p.add_argument("--task", help="task: {names:task} (the preset's and YAML's task.kwargs are dropped "
                                   "when they are another task's)")
-    p.add_argument("--out", help="output folder (default: the cache, keyed by the config hash)")
+    p.add_argument("--out", help="also copy the model to this folder (it is always cached under $TIMLAB_CACHE, "
+                                 "default ~/.cache/timlab, keyed by the config hash)")
     p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
     p.add_argument("--quiet", action="store_true", help=QUIET)
     _add_config_args(p)
@@ -297,7 +302,8 @@ def _add_train(sub) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from timlab.experiments.demo import CPU_SECONDS_PER_STEP, SFT_SECONDS, estimate_seconds, format_summary, run_demo
+    from timlab.experiments.demo import (CPU_SECONDS_PER_STEP, HEADLINE_RULE, SFT_SECONDS, estimate_seconds,
+                                         format_summary, run_demo)
 
     n_runs, n_steps, (low, high) = estimate_seconds(quick=args.quick, seeds=args.seeds, steps=args.steps,
                                                     workers=args.workers)
@@ -313,7 +319,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         prog.close()
     with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 80):
         print(format_summary(res.effects, res.table))
-    print(f"\nreport: {res.report}\nruns:   {res.out_dir / 'runs'} (index.parquet; `timlab runs {res.out_dir / 'runs'}`)")
+    from timlab.machine import REPEATS_NOTE
+
+    print(f"\ncomputed with {res.machine}: {REPEATS_NOTE}")
+    print(f"\nreport: {res.report}\nruns:   {res.out_dir / 'runs'} (index.parquet; `timlab runs {res.out_dir} "
+          f"--rule {HEADLINE_RULE}` lists them, collapses judged as above)")
     return 0
 
 
@@ -402,23 +412,29 @@ def _add_sweep(sub) -> None:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     from timlab.experiments.sweep import query_index, read_index
+    from timlab.experiments.sweep_index import find_sweep_dir
 
     columns = [c.strip() for item in (args.columns or []) for c in item.split(",") if c.strip()]
     sort, desc = args.sort, args.desc
     if sort and sort.startswith("-"):  # --sort=-COL
         sort, desc = sort[1:], True
-    from timlab.experiments.collapse import rule_options
+    from timlab.experiments.collapse import DEFAULT_RULE, rule_options
+    from timlab.experiments.demo import HEADLINE_RULE
 
     rule = rule_options(**_given(args, ("rule", "learned_at")))
-    df = query_index(args.dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
-    total = len(read_index(args.dir))
+    sweep_dir = find_sweep_dir(args.dir)
+    df = query_index(sweep_dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
+    total = len(read_index(sweep_dir))
+    name = rule.get("rule", DEFAULT_RULE)
+    judged = f"collapsed: the {name} rule" + ("" if rule else f", the default (the demo's headline uses the "
+                                                             f"{HEADLINE_RULE} rule: --rule {HEADLINE_RULE})")
     if df.empty:
-        print(f"no runs match (of {total})")
+        print(f"no runs match (of {total}; {judged})")
         return 0
     with __import__("pandas").option_context("display.width", 250, "display.max_columns", None,
                                              "display.max_colwidth", 60):
         print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
-    print(f"({len(df)} of {total} runs)")
+    print(f"({len(df)} of {total} runs; {judged})")
     return 0
 
 
@@ -433,7 +449,7 @@ def _add_rule_args(p) -> None:
 
 def _add_runs(sub) -> None:
     p = sub.add_parser("runs", help="list the runs of a sweep directory (filter with SQL over index.parquet)")
-    p.add_argument("dir", help="sweep directory (holds index.parquet)")
+    p.add_argument("dir", help="sweep directory (holds index.parquet), or a demo's --out folder")
     p.add_argument("--where", help='SQL condition, e.g. "mismatch.magnitude > 0.5 AND collapsed" (dotted names may be bare)')
     p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
     p.add_argument("--sort", metavar="COL", help="sort by this column (--sort -COL or --desc: descending)")
@@ -488,6 +504,9 @@ def _add_analyze(sub) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from timlab.experiments.check import format_check, run_check, write_check_html
 
+    if args.gate_metric is not None and args.fail_above is None:
+        raise CLIError(f"--gate-metric {args.gate_metric} needs --fail-above X (the threshold it is compared with); "
+                       "without it nothing is gated and the command always exits 0")
     check_output_file(args.json, "--json")
     check_output_file(args.html, "--html")
     options = ("rollout", "score", "dtype", "device", "batch_sizes", "lengths", "decoding", "seed", "fail_above",
@@ -673,6 +692,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.key:
         wanted = [k for k in keys if k.key == args.key or k.key.startswith(args.key + ".")]
         if not wanted:
+            section = args.key.split(".")[0]
+            in_section = [k.key.split(".", 1)[1] for k in keys if k.key.startswith(section + ".")]
+            if "." in args.key and in_section:
+                raise CLIError(f"unknown config key {args.key!r}; valid keys of {section}: {', '.join(in_section)}")
             sections = sorted({k.key.split(".")[0] for k in keys})
             raise CLIError(f"unknown config key or section {args.key!r}; valid sections: {', '.join(sections)}")
         keys = wanted
@@ -761,11 +784,26 @@ COMMANDS = [_add_probe, _add_pretrain, _add_train, _add_demo, _add_sweep, _add_r
 """Each subcommand's registrar, in the order ``timlab --help`` lists them."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from timlab import __version__
+class _Version(argparse.Action):
+    """``--version``: timlab's version, and the torch and CPU capability that decide the bits a run
+    computes (importing torch to read them)."""
 
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from timlab import __version__
+        from timlab.machine import summary
+
+        print(f"timlab {__version__} ({summary()})")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"timlab {__version__}")
+    parser.add_argument("--version", action=_Version, help="show timlab's version, torch's and the CPU capability "
+                                                            "torch computes with (runs repeat bit for bit only where "
+                                                            "these agree), and exit")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("--isa", choices=ISAS, default="native",
                         help="CPU instruction set to compute with: native (the machine's own) or avx2 (torch, oneDNN "

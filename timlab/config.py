@@ -302,6 +302,11 @@ class RunSection:
     """Show progress bars (the CLI's --quiet turns them off)."""
     distributions_every: int = 1
     """Write the per-step histogram of r and mismatch by position/probability bucket every N steps."""
+    log_samples: int = 0
+    """At each evaluation, write the greedy replies to the first N validation prompts to samples.jsonl
+    in the run directory, one line each with the prompt, the reply, the reference answer and the
+    reward (0 = off). The exact engine decodes each prompt alone as it does in the accuracy batch,
+    so the replies are the ones val/accuracy scored, and no number of the run changes."""
     gradcheck_every: int = 0
     """Every N steps, before the rollout, compare the policy gradient under exact rollouts with the
     one under this run's injector (gradcheck/* metrics: cosine, relative bias, SNR); 0 = off."""
@@ -635,7 +640,10 @@ def resolve(
     may join several names with '+' (``surge+decoupled_k3_rs``), applied left to right.
 
     ``task`` (the CLI's ``--task``) picks the task by name; when it is not the task the presets
-    and the YAML file chose, their ``task.kwargs`` (that other task's options) are dropped."""
+    and the YAML file chose, their ``task.kwargs`` (that other task's options) are dropped. A YAML
+    file or ``--set task.name`` that switches the task keeps only the earlier layers' options the
+    new task takes (``--preset smoke --set task.name=dataset`` drops smoke's reverse lengths;
+    ``task.name=sort`` keeps them)."""
     d = Config().to_dict()
     for name in preset.split("+") if preset else []:
         name = name.strip()
@@ -646,13 +654,27 @@ def resolve(
         p = Path(yaml_path)
         if not p.exists():
             raise FileNotFoundError(f"config file not found: {p}")
-        d = _merge(d, _read_yaml(p), str(p))
+        layer = _read_yaml(p)
+        d = _merge(_switch_task(d, layer), layer, str(p))
     if task and task != d["task"]["name"]:
         d["task"] = {**d["task"], "name": task, "kwargs": {}}
     if overrides:
         over = parse_set(overrides) if isinstance(overrides, list) else overrides
-        d = _merge(d, over, "--set")
+        d = _merge(_switch_task(d, over), over, "--set")
     return from_dict(d)
+
+
+def _switch_task(d: dict, layer) -> dict:
+    """``d`` with only the ``task.kwargs`` that ``layer``'s ``task.name`` takes, when ``layer``
+    switches to another registered task (the earlier layers' options were another task's)."""
+    from timlab.tasks import TASKS
+
+    section = layer.get("task") if isinstance(layer, dict) else None
+    name = section.get("name") if isinstance(section, dict) else None
+    if not isinstance(name, str) or name == d["task"]["name"] or name not in TASKS or not d["task"]["kwargs"]:
+        return d
+    takes = {f.name for f in dataclasses.fields(TASKS.get(name)) if f.init}
+    return {**d, "task": {**d["task"], "kwargs": {k: v for k, v in d["task"]["kwargs"].items() if k in takes}}}
 
 
 def load_run_config(run_dir: str | Path, overrides: dict | None = None) -> Config:

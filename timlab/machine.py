@@ -66,6 +66,19 @@ def describe() -> dict:
             "pinned_avx2": _pinned(os.environ)}
 
 
+def summary(described: dict | None = None) -> str:
+    """``describe()`` (default: this process's) as one line for people, e.g. ``torch 2.13.0,
+    CPU capability AVX2`` (``, capped at AVX2 by --isa avx2`` when pinned)."""
+    d = describe() if described is None else described
+    return (f"torch {d['torch']}, CPU capability {d['cpu_capability']}"
+            + (", capped at AVX2 by --isa avx2" if d.get("pinned_avx2") else ""))
+
+
+REPEATS_NOTE = ("runs repeat bit for bit on machines with the same CPU capability and torch, not across them; "
+                "README, 'What the demo shows', has the demo's tables for AVX2 and for AVX512")
+"""What the demo says under its machine line: which published table a reader should compare with."""
+
+
 def computes_as(isa: str) -> bool:
     """Whether this process computes the bits ``isa`` names: always for ``native``; for ``avx2``,
     torch dispatches AVX2 and oneDNN and MKL cannot use more (the pin is set, or the CPU has no
@@ -102,4 +115,5 @@ def resume_note(saved: dict | None) -> str | None:
             "but not bit for bit like an uninterrupted run (pin the ISA with `timlab --isa avx2`)")
 
 
-__all__ = ["ISAS", "PIN_ENV", "check_isa", "pin_env", "describe", "computes_as", "bits", "resume_note"]
+__all__ = ["ISAS", "PIN_ENV", "REPEATS_NOTE", "check_isa", "pin_env", "describe", "summary", "computes_as", "bits",
+           "resume_note"]

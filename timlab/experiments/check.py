@@ -18,6 +18,11 @@ docs). With ``fail_above`` the gate fails when any cell's ``gate_metric`` (defau
 exceeds it: ``timlab check --fail-above 0`` demands bitwise-equal log-probs, as a CI job would.
 The noise-vs-bias length diagnostic (``timlab.metrics.length_scaling``) runs on all cells pooled.
 
+A folder without a tokenizer (a random model written by transformers) is checked too: the prompts
+are random token ids anyway, so the special ids come from its config.json, and the result says so
+(``notes``). The default lengths are clipped to the model's context (with a note); lengths the
+user gives are not, and one that does not fit is a one-line error.
+
 Not from a paper: a diagnostic in the spirit of NeMo-RL's onboarding checks.
 """
 
@@ -29,9 +34,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from timlab.config import SEED_RANGE
 from timlab.engines import SamplingParams
 from timlab.errors import UsageError
-from timlab.experiments.probe import _check_names, load_probe_model, probe_prompts
+from timlab.experiments.probe import _check_names, _check_vocab, probe_prompts
 from timlab.metrics import (
     format_length_scaling,
     length_scaling_from_sums,
@@ -45,6 +51,10 @@ DEFAULT_BATCH_SIZES = "1,8,32"
 DEFAULT_LENGTHS = "short=16:32,long=128:256"
 """name=P:A, comma-separated: prompts of up to P tokens, answers of up to A new tokens."""
 DEFAULT_DECODING = "greedy,sampling"
+MAX_BATCH_SIZE = 4096
+"""Largest ``--batch-sizes`` entry: a typo such as 99999999 is refused before any work."""
+MAX_BOOT = 10_000
+"""Most bootstrap resamples (``--boot``): the resampling holds resamples x sequences float64 numbers."""
 DECODING = {"greedy": SamplingParams(temperature=0.0), "sampling": SamplingParams(temperature=1.0)}
 """Decoding modes by name."""
 
@@ -89,6 +99,8 @@ def parse_batch_sizes(text: str) -> list[int]:
         sizes = []
     if not sizes or any(b < 1 for b in sizes):
         raise UsageError(f"--batch-sizes {text!r}: expected comma-separated integers >= 1, e.g. {DEFAULT_BATCH_SIZES}")
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise UsageError(f"--batch-sizes {text!r}: {max(sizes)} is more than {MAX_BATCH_SIZE} sequences per batch")
     return sizes
 
 
@@ -102,6 +114,8 @@ def parse_lengths(text: str) -> dict[str, tuple[int, int]]:
             raise UsageError(f"--lengths {text!r}: expected name=PROMPT:ANSWER entries, e.g. {DEFAULT_LENGTHS}") from None
         if p < 1 or a < 1 or not name.strip():
             raise UsageError(f"--lengths {text!r}: prompt and answer lengths must be >= 1 and named")
+        if name.strip() in out:
+            raise UsageError(f"--lengths {text!r}: the name {name.strip()!r} is given twice; each entry needs its own")
         out[name.strip()] = (p, a)
     if not out:
         raise UsageError(f"--lengths {text!r}: expected name=PROMPT:ANSWER entries, e.g. {DEFAULT_LENGTHS}")
@@ -114,6 +128,64 @@ def parse_decoding(text: str) -> list[str]:
     if not names or bad:
         raise UsageError(f"--decoding {text!r}: unknown mode {bad[0] if bad else ''!r}; valid choices: {', '.join(DECODING)}")
     return names
+
+
+@dataclass(frozen=True)
+class ConfigIds:
+    """The little of a tokenizer that ``run_check`` uses (the special ids), read from the model's
+    config.json: a stand-in for a folder that has no tokenizer, since the prompts are random ids."""
+
+    eos_token_id: int
+    pad_token_id: int | None
+    bos_token_id: int | None
+    vocab_size: int
+    all_special_ids: tuple[int, ...] = ()
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds tokenizer files (tokenizer.json, or those transformers reads)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    return any((Path(model_dir) / n).is_file() for n in names)
+
+
+def load_check_model(model_dir: str | Path, *, dtype: str, device: str) -> tuple[object, object, list[str]]:
+    """The model, its tokenizer (or ``ConfigIds`` when the folder has none) and notes for the user."""
+    from timlab.model.hf_io import load_model
+    from timlab.tokenizer import load_tokenizer
+
+    model = load_model(model_dir, dtype=dtype, device=device)
+    if not has_tokenizer(model_dir):
+        c = model.config
+        if c.eos_token_id is None:
+            raise UsageError(f"{str(model_dir)!r} has no tokenizer and its config.json names no eos_token_id; "
+                             "add a tokenizer (tokenizer.json) or eos_token_id")
+        ids = ConfigIds(eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id,
+                        vocab_size=c.vocab_size)
+        return model, ids, [f"no tokenizer in {model_dir}: prompts are random ids among the model's "
+                            f"{c.vocab_size} tokens, special ids (eos {c.eos_token_id}, pad {c.pad_token_id}, "
+                            f"bos {c.bos_token_id}) from its config.json"]
+    tokenizer = load_tokenizer(model_dir)
+    _check_vocab(tokenizer, model)
+    return model, tokenizer, []
+
+
+def fit_lengths(lens: dict[str, tuple[int, int]], context: int, *, clip: bool) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """``lens`` checked against the model's context. With ``clip`` (the default lengths) an entry
+    that needs more positions than ``context`` is scaled down to fill it, keeping its
+    prompt:answer ratio, and a note says so; without, it is a one-line error."""
+    out, notes = {}, []
+    for name, (p, a) in lens.items():
+        if p + a <= context:
+            out[name] = (p, a)
+            continue
+        if not clip or context < 2:
+            raise UsageError(f"--lengths {name}={p}:{a} needs {p + a} positions, more than the model's context "
+                             f"(max_position_embeddings={context})")
+        p2 = max(1, min(context - 1, p * context // (p + a)))
+        out[name] = (p2, context - p2)
+        notes.append(f"default length {name}={p}:{a} clipped to {name}={p2}:{context - p2} to fit the model's "
+                     f"context of {context} positions")
+    return out, notes
 
 
 def _prompts(tokenizer, vocab: int, batch: int, max_len: int, seed: int) -> list[list[int]]:
@@ -181,12 +253,13 @@ def run_check(
         raise UsageError(f"unknown --gate-metric {gate_metric!r}; valid choices: {', '.join(GATE_METRICS)}")
     if fail_above is not None and not (math.isfinite(fail_above) and fail_above >= 0):
         raise UsageError(f"--fail-above must be a finite number >= 0, got {fail_above}")
-    model, tokenizer = load_probe_model(model_dir, dtype=dtype, device=device)
-    context = model.config.max_position_embeddings
-    for name, (p, a) in lens.items():
-        if p + a > context:
-            raise UsageError(f"--lengths {name}={p}:{a} needs {p + a} positions, more than the model's context "
-                             f"(max_position_embeddings={context})")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise UsageError(f"--seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {str(seed)[:40]}")
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or not 1 <= n_boot <= MAX_BOOT:
+        raise UsageError(f"--boot must be an integer in [1, {MAX_BOOT}], got {str(n_boot)[:40]}")
+    model, tokenizer, notes = load_check_model(model_dir, dtype=dtype, device=device)
+    lens, clipped = fit_lengths(lens, model.config.max_position_embeddings, clip=lengths == DEFAULT_LENGTHS)
+    notes += clipped
     vocab = min(tokenizer.vocab_size, model.config.vocab_size)
 
     cells, sums = [], None
@@ -209,7 +282,7 @@ def run_check(
     return {
         "model_dir": str(model_dir), "rollout": rollout, "score": score, "dtype": dtype, "device": device,
         "seed": seed, "batch_sizes": sizes, "lengths": {k: list(v) for k, v in lens.items()}, "decoding": modes,
-        "cells": cells,
+        "notes": notes, "cells": cells,
         "health_checks": [{"metric": h.metric, "op": h.op, "limit": h.limit, "source": h.source} for h in HEALTH_CHECKS],
         "healthy": all(c["verdict"] != "FAIL" for c in cells),
         "gate": {"metric": gate_metric, "fail_above": fail_above, "failed": bool(over),
@@ -238,7 +311,8 @@ def format_check(result: dict) -> str:
     line = lambda cells: "  ".join(x.rjust(w) if i not in (1, 2, 9) else x.ljust(w)  # noqa: E731
                                    for i, (x, w) in enumerate(zip(cells, widths)))
     out = [f"check: rollout={result['rollout']} score={result['score']} dtype={result['dtype']} "
-           f"model={result['model_dir']}", line(heads), *(line(r) for r in rows)]
+           f"model={result['model_dir']}", *(f"note: {n}" for n in result.get("notes", ())),
+           line(heads), *(line(r) for r in rows)]
     checks = ", ".join(f"{h['metric']} {h['op']} {h['limit']:g}" for h in result["health_checks"])
     out.append(f"health ({checks}): {'all cells pass' if result['healthy'] else 'FAILED in some cells'}")
     g = result["gate"]
@@ -273,7 +347,8 @@ def write_check_html(result: dict, path: str | Path) -> Path:
             f"{e(g['metric'])} &le; {g['fail_above']:g}: <b>{'FAILED' if g['failed'] else 'passed'}</b> "
             f"(worst cell {_fmt(g['worst'])})")
     ls = result["length_scaling"]
-    parts = [f"<h1>{e(title)}</h1>", f"<p>Model <code>{e(result['model_dir'])}</code>, seed {result['seed']}.</p>",
+    notes = "".join(f"<p>Note: {e(n)}.</p>" for n in result.get("notes", ()))
+    parts = [f"<h1>{e(title)}</h1>", f"<p>Model <code>{e(result['model_dir'])}</code>, seed {result['seed']}.</p>", notes,
              f"<table><tr>{head}</tr>{body}</table>", f"<h2>Thresholds</h2><ul>{checks}</ul>", f"<h2>Gate</h2><p>{gate}</p>",
              f"<h2>Noise or bias?</h2><p>{e(format_length_scaling(ls))}</p>"]
     if len(ls["lengths"]) >= 2 and any(v > 0 for v in ls["rms_sum"]):

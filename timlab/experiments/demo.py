@@ -169,6 +169,8 @@ class DemoResult:
     effects: "object"  # pandas DataFrame: effects.paired_table of the headline comparisons
     table: "object"  # pandas DataFrame of conditions, collapses under HEADLINE_RULE
     index: "object"
+    machine: str
+    """``timlab.machine.summary()`` of the process that ran the demo: which published table applies."""
 
 
 SPEC_FILE = "sweep.yaml"
@@ -212,6 +214,7 @@ def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: in
     from timlab.config import resolve
     from timlab.experiments.report import build_report
     from timlab.experiments.sweep import run_sweep
+    from timlab.machine import REPEATS_NOTE, summary
     from timlab.trainer.pretrain import pretrain
 
     out = Path(out_dir)
@@ -224,10 +227,12 @@ def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: in
     atomic_write_text(spec_path, yaml.safe_dump(spec, sort_keys=False))
     index = run_sweep(spec_path, out / "runs", workers=workers, progress=progress)
     effects, table = summarize(out / "runs", quick)
-    report = build_report(out / "runs", out / "report.html", rule=HEADLINE_RULE, effects=effects)
+    machine = summary()
+    report = build_report(out / "runs", out / "report.html", rule=HEADLINE_RULE, effects=effects,
+                          note=f"Computed with {machine}: {REPEATS_NOTE}.")
     table.to_csv(out / "conditions.csv")
     effects.to_csv(out / "effects.csv", index=False)
-    return DemoResult(out, Path(report.path), effects, table, index)
+    return DemoResult(out, Path(report.path), effects, table, index, machine)
 
 
 def _pm(mean: float, std: float) -> str:

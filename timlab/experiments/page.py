@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 
 import numpy as np
 import pandas as pd
@@ -46,14 +47,61 @@ def new_figure(w: float = 9.0, h: float = 3.6):
     return fig
 
 
+_SUPERSCRIPTS = str.maketrans("0123456789-\u2212", "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b\u207b")
+
+
+def plain_math(label: str) -> str:
+    """A log axis' mathtext tick label as plain text: ``$\\mathdefault{10^{-2}}$`` -> ``10⁻²``,
+    ``$\\mathdefault{2\\times10^{1}}$`` -> ``2×10¹``; any other text is returned unchanged."""
+    m = re.fullmatch(r"\$\\mathdefault\{(.*)\}\$", label)
+    if m is None:
+        return label
+    body = m.group(1).replace("\\times", "\u00d7").replace("\\,", "")
+    body = re.sub(r"\^\{([^}]*)\}", lambda e: e.group(1).translate(_SUPERSCRIPTS)
+                  if re.fullmatch(r"[-\u22120-9]+", e.group(1)) else "^" + e.group(1), body)
+    return body.replace("{", "").replace("}", "")
+
+
+def _plain_ticks(fig) -> None:
+    """Wrap each axis' tick formatters that write mathtext (log and symlog axes do) so that they
+    write plain text: ``png_uri`` draws every text as written, so ``$\\mathdefault{10^{-2}}$``
+    would otherwise show as those characters."""
+    from matplotlib.ticker import Formatter, LogFormatterMathtext
+
+    class PlainTicks(Formatter):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def set_axis(self, axis):
+            super().set_axis(axis)
+            self.inner.set_axis(axis)
+
+        def set_locs(self, locs):
+            self.inner.set_locs(locs)
+
+        def get_offset(self):
+            return plain_math(self.inner.get_offset())
+
+        def __call__(self, x, pos=None):
+            return plain_math(self.inner(x, pos))
+
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            for get, put in ((axis.get_major_formatter, axis.set_major_formatter),
+                             (axis.get_minor_formatter, axis.set_minor_formatter)):
+                if isinstance(get(), LogFormatterMathtext):
+                    put(PlainTicks(get()))
+
+
 def png_uri(fig) -> str:
     """The figure as a PNG ``data:`` URI (90 dpi, tight layout). Every text is drawn as written:
     a ``$`` in a run's label or condition name is not matplotlib mathtext (``$\\foo$`` would
-    abort the drawing)."""
+    abort the drawing), and log axes label their ticks in plain text (``10⁻²``)."""
     import warnings
 
     from matplotlib.text import Text
 
+    _plain_ticks(fig)
     for text in fig.findobj(Text):
         text.set_parse_math(False)
     buf = io.BytesIO()
@@ -92,4 +140,4 @@ def img(uri: str | None, alt: str) -> str:
     return f'<img src="{uri}" alt="{html.escape(alt)}">'
 
 
-__all__ = ["STYLE", "LEGEND_OUTSIDE", "new_figure", "png_uri", "cell", "table", "img"]
+__all__ = ["STYLE", "LEGEND_OUTSIDE", "new_figure", "png_uri", "plain_math", "cell", "table", "img"]

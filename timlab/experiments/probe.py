@@ -379,12 +379,15 @@ def run_probe(
     top_k: int = 0,
     attribute: bool = False,
     device: str = "cpu",
+    show: int = 0,
 ) -> dict:
     """Roll out, rescore, return the mismatch as a JSON-ready dict.
 
     Prompts come from ``prompts_file`` (its first ``num_prompts`` non-blank lines, all of them by
     default) or from ``task`` (``num_prompts`` drawn with ``random.Random(seed)``,
-    ``TASK_PROMPTS`` by default); each is sampled ``samples_per_prompt`` times.
+    ``TASK_PROMPTS`` by default); each is sampled ``samples_per_prompt`` times. ``show``: also
+    return the first that many sequences as text (``replies``: prompt, reply, its length, whether
+    it ended with EOS, and its largest |r|).
     """
     _check_names(rollout, score, attribute)
     if (prompts_file is None) == (task is None):
@@ -393,6 +396,12 @@ def run_probe(
                         ("max_new_tokens", max_new_tokens)):
         if value is not None and value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
+    if isinstance(show, bool) or not isinstance(show, int) or show < 0:
+        raise UsageError(f"show must be an integer >= 0, got {show!r}")
+    from timlab.config import SEED_RANGE
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise UsageError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {str(seed)[:40]}")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
 
     model, tokenizer = load_probe_model(model_dir, dtype=dtype, device=device)
@@ -426,6 +435,9 @@ def run_probe(
     }
     result.update(out.summary)
     result.update(_mismatch(score_logp, r, max_new_tokens))
+    if show:
+        result["replies"] = _replies(tokenizer, [texts[i // samples_per_prompt] for i in range(len(prompts))],
+                                     r, score_logp, show)
     with torch.no_grad():  # the model's own next-token entropy at each sampled token
         _, entropy = token_logprobs(model, r.tokens, r.key_valid, mode="exact", with_entropy=True)
     result["abs_diff_by_entropy"] = mismatch_by_entropy(score_logp, r, entropy)
@@ -447,6 +459,15 @@ def _buckets(b: dict, label) -> str:
     cells = [f"{label(lo, hi)}: {_fmt(m)} (n={n})"
              for lo, hi, m, n in zip(b["edges"], b["edges"][1:], b["mean_abs_diff"], b["counts"]) if n]
     return ", ".join(cells) or "(no tokens)"
+
+
+def _replies(tokenizer, texts: list[str], r: Rollout, score_logp: torch.Tensor, n: int) -> list[dict]:
+    """The first ``n`` sequences as text: prompt, reply (special tokens left out), response
+    tokens, whether it ended with EOS, and the largest |log pi - log mu| over its tokens."""
+    diff = (score_logp - r.logprobs).abs().masked_fill(~r.response_mask, 0.0)  # (B, S)
+    return [{"prompt": texts[i], "reply": tokenizer.decode(ids), "tokens": len(ids), "finished": bool(r.finished[i]),
+             "max_abs_diff": float(diff[i].max()) if ids else 0.0}
+            for i, ids in enumerate(r.responses()[:n])]
 
 
 def format_probe(result: dict) -> str:
@@ -475,6 +496,12 @@ def format_probe(result: dict) -> str:
             lines.append(f"    {op['name']:<24} {'yes' if op['bitwise_equal'] else 'no':>5} "
                          f"{op['max_abs_diff']:>10.3g} {op['mean_abs_diff']:>10.3g} {op['rel_diff']:>10.3g}")
         lines.append(f"  first divergent op: {result['first_divergent_op'] or 'none (bitwise equal throughout)'}")
+    if result.get("replies"):
+        lines.append(f"  replies (the first {len(result['replies'])} of {result['num_sequences']}):")
+        for x in result["replies"]:
+            end = "EOS" if x["finished"] else "no EOS"
+            lines.append(f"    {x['prompt']!r} -> {x['reply']!r}  ({x['tokens']} tokens, {end}, max |r| "
+                         f"{_fmt(x['max_abs_diff'])})")
     return "\n".join(lines)
 
 

@@ -123,9 +123,13 @@ def _config_labels(dirs: list[Path], group_by: str) -> list[str]:
 def _collect(inputs: list[str | Path] | str | Path, group_by: str, rule: dict) -> tuple[list[_Run], str]:
     from timlab.experiments.sweep import INDEX_FILE, read_index
 
+    from timlab.experiments.sweep_index import find_sweep_dir
+
     paths = [Path(inputs)] if isinstance(inputs, (str, Path)) else [Path(p) for p in inputs]
     if not paths:
         raise UsageError("report: no inputs (give one sweep directory or run directories)")
+    if len(paths) == 1:
+        paths = [find_sweep_dir(paths[0])]  # a demo's folder: its sweep
     for p in paths:
         if not p.is_dir():
             raise FileNotFoundError(f"report: {p} is not a directory")
@@ -389,11 +393,12 @@ def _effects_section(effects: pd.DataFrame) -> list[str]:
 
 
 def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *, group_by: str = "condition",
-                 title: str = "timlab report", rule: str = DEFAULT_RULE, effects: pd.DataFrame | None = None
-                 ) -> ReportResult:
+                 title: str = "timlab report", rule: str = DEFAULT_RULE, effects: pd.DataFrame | None = None,
+                 note: str | None = None) -> ReportResult:
     """Write one self-contained HTML report of ONE sweep directory or a list of run directories.
     ``rule``: the collapse rule its verdicts use (``collapse.RULES``). ``effects``: an
-    ``effects.paired_table``, shown first as the headline (the demo passes its comparisons)."""
+    ``effects.paired_table``, shown first as the headline (the demo passes its comparisons).
+    ``note``: a paragraph under the opening line (the demo names the machine it computed on)."""
     runs, source = _collect(inputs, group_by, {"rule": check_rule(rule)})
     groups = list(dict.fromkeys(r.group for r in runs))
     colors = _colors(groups)
@@ -411,6 +416,7 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         f'<p>{len(runs)} runs in {len(groups)} condition{"s" if len(groups) != 1 else ""}, from {html.escape(source)}; '
         f"grouped by <code>{html.escape(group_by)}</code>. Seeds of a condition are summarized as a mean line "
         "and a min-max band.</p>",
+        *([f'<p class="note">{html.escape(note)}</p>'] if note else []),
         *(_effects_section(effects) if effects is not None else []),
         "<h2>Collapse rule</h2>",
         f'<p class="rule">{html.escape(describe_rule(rule=rule, frac=DEFAULT_FRAC, min_peak=DEFAULT_MIN_PEAK))}</p>',

@@ -20,6 +20,17 @@ from timlab.files import atomic_write_with
 from timlab.rundir import RunDir
 
 INDEX_FILE = "index.parquet"
+DEMO_RUNS = "runs"
+"""The sweep folder inside a demo's folder (``timlab demo --out DIR`` writes DIR/runs)."""
+
+
+def find_sweep_dir(path: str | Path) -> Path:
+    """``path`` when it holds the index; ``path/runs`` when only that does (a demo's folder), so
+    that ``timlab runs DEMO_OUT`` and ``timlab report DEMO_OUT`` find the demo's sweep."""
+    path = Path(path)
+    if not (path / INDEX_FILE).exists() and (path / DEMO_RUNS / INDEX_FILE).exists():
+        return path / DEMO_RUNS
+    return path
 
 
 def _index_row(run: RunSpec, out_dir: Path) -> dict:
@@ -172,7 +183,8 @@ def query_index(sweep_dir: str | Path, *, where: str | None = None, columns: lis
                 sort: str | None = None, descending: bool = False, rule: dict | None = None) -> pd.DataFrame:
     """The index of a sweep, filtered (SQL ``where``), with chosen columns, sorted. ``rule``:
     judge collapses with these ``run_summary`` options (e.g. ``{"rule": "plateau"}``) instead of
-    the verdicts stored in the index."""
+    the verdicts stored in the index. A demo's folder stands for its sweep (``find_sweep_dir``)."""
+    sweep_dir = find_sweep_dir(sweep_dir)
     df = read_index(sweep_dir)
     if rule:
         df = rejudge(df, sweep_dir, **rule)

@@ -149,12 +149,15 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, group_size: int |
     with the config's task, sampling, trainer precision and mismatch injector. ``group_size`` and
     ``dense_reward`` default to the config's; ``options`` (samples, micro_batch, buckets,
     estimator, seed, n_boot, score_seqs, param_filter, ...) go to ``gradcheck``, whose defaults apply."""
-    from timlab.config import rollout_sampling, validate
+    from timlab.config import SEED_RANGE, rollout_sampling, validate
     from timlab.injectors import build_injector, parse_parts
     from timlab.tasks import make_splits
     from timlab.trainer.precision import load_policy
     from timlab.trainer.pretrain import ensure_warm_start
 
+    seed = options.get("seed", SEED_RANGE[0])
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:  # torch's manual_seed would overflow with a traceback
+        raise UsageError(f"--seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {str(seed)[:40]}")
     task = validate(cfg)
     parse_parts(cfg.mismatch.injector)  # an unknown injector fails before any model is loaded
     pool, _ = make_splits(task, seed=cfg.task.split_seed, n_train=min(cfg.task.n_train, POOL_SIZE), n_val=cfg.task.n_val)

@@ -75,6 +75,12 @@ class GradcheckError(TimlabError, ValueError):
     """Bad gradcheck input; a one-line message naming the setting and the valid choices."""
 
 
+MAX_SAMPLES = 1 << 20
+"""Most sequences per side (``samples``, ``score_seqs``): a typo such as 1e9 is refused before any work."""
+MAX_BOOT = 10_000
+"""Most bootstrap replicates (``n_boot``): the resampling holds replicates x micro-batches numbers."""
+
+
 # ------------------------------------------------------------------------------------ buckets
 def length_buckets(pool: list[Example], n: int) -> list[list[Example]]:
     """Split prompts into ``n`` buckets of contiguous reference-answer lengths, of similar sizes."""
@@ -245,6 +251,12 @@ class GradcheckSettings:
             raise GradcheckError(f"score_seqs must be >= 0, got {self.score_seqs}")
         if self.n_boot < 100:
             raise GradcheckError(f"n_boot must be >= 100 for a bootstrap interval, got {self.n_boot}")
+        if self.n_boot > MAX_BOOT:
+            raise GradcheckError(f"n_boot (--boot) must be at most {MAX_BOOT}, got {self.n_boot}")
+        for name in ("samples", "score_seqs"):
+            if getattr(self, name) > MAX_SAMPLES:
+                raise GradcheckError(f"{name} must be at most {MAX_SAMPLES}, got {getattr(self, name)}")
+
         if self.estimator not in ESTIMATORS:
             raise GradcheckError(f"unknown estimator {self.estimator!r}; valid choices: {', '.join(ESTIMATORS)}")
         if self.estimator == "rloo" and self.group_size < 2:

@@ -194,11 +194,16 @@ def length_scaling(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
 
 
 def format_length_scaling(res: dict) -> str:
-    """One line: the reading and the three exponents with their intervals."""
-    def f(k: str) -> str:
+    """One line: the reading and the three exponents with their intervals (only the reading when
+    no exponent could be fitted), then how many sequences and which prefix lengths it used."""
+    def f(k: str, power: str = "") -> str:
         x, lo, hi = res[k], res[f"{k}_lo"], res[f"{k}_hi"]
-        return "n/a" if math.isnan(x) else f"{x:.2f} [{lo:.2f}, {hi:.2f}]"
+        return "n/a" if math.isnan(x) else f"{power}{x:.2f} [{lo:.2f}, {hi:.2f}]"
 
-    return (f"{res['reading']}: normalized exponent {f('normalized_exponent')}; |sum_t r| grows as "
-            f"T^{f('sum_exponent')}, sum_t |r| as T^{f('abs_sum_exponent')} ({res['num_seqs']} sequences, lengths "
-            f"{res['lengths'][0] if res['lengths'] else 0}-{res['lengths'][-1] if res['lengths'] else 0})")
+    n, lengths = res["num_seqs"], res["lengths"]
+    used = f"{n} sequence{'' if n == 1 else 's'}" + (f", lengths {lengths[0]}-{lengths[-1]}" if lengths else "")
+    keys = ("normalized_exponent", "sum_exponent", "abs_sum_exponent")
+    if all(math.isnan(res[k]) for k in keys):
+        return f"{res['reading']} ({used})"
+    return (f"{res['reading']}: normalized exponent {f(keys[0])}; |sum_t r| grows as {f(keys[1], 'T^')}, "
+            f"sum_t |r| as {f(keys[2], 'T^')} ({used})")

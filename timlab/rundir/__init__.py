@@ -14,6 +14,9 @@ This package owns every file name a run writes and imports nothing of timlab abo
       status.json          {"state", "step", "total_steps", "message"}, replaced atomically
       metrics.parquet      one row per logged step, replaced atomically every step
       distributions.jsonl  per-step histograms, append-only (truncated back on resume)
+      samples.jsonl        only with run.log_samples=N: N greedy validation replies per evaluation,
+                           one JSON object each ({"step", "prompt", "reply", "reference", "reward"});
+                           append-only, truncated back on resume like distributions.jsonl
       checkpoints/         step_NNNNNN/ folders + ``latest`` (see ``timlab.rundir.checkpoint``)
       tensorboard/         only with run.tensorboard=true
       run.lock             holds the pid of the process that owns the run
@@ -49,6 +52,7 @@ CONFIG = "config.yaml"
 STATUS = "status.json"
 METRICS = "metrics.parquet"
 DISTRIBUTIONS = "distributions.jsonl"
+SAMPLES = "samples.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
 LOCK = "run.lock"
@@ -72,11 +76,11 @@ def checkpoint_step(name: str) -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
-RUN_FILES = (CONFIG, STATUS, METRICS, DISTRIBUTIONS, CHECKPOINTS, TENSORBOARD, LOCK,
+RUN_FILES = (CONFIG, STATUS, METRICS, DISTRIBUTIONS, SAMPLES, CHECKPOINTS, TENSORBOARD, LOCK,
              STATUS + ".tmp", METRICS + ".tmp", DISTRIBUTIONS + ".tmp", CONFIG + ".tmp")
 """Every name timlab writes directly in a run directory (what ``clear`` may delete; the ``.tmp``
 names are an older version's temporary files)."""
-TEMP_FILES = tuple(temp_pattern(name) for name in (CONFIG, STATUS, METRICS, DISTRIBUTIONS))
+TEMP_FILES = tuple(temp_pattern(name) for name in (CONFIG, STATUS, METRICS, DISTRIBUTIONS, SAMPLES))
 """Globs of the temporary files of this version's atomic writes (a kill can leave one)."""
 
 RUNNING, FINISHED, DIVERGED, GUARD_FAILED, FAILED, PENDING = (
@@ -117,6 +121,10 @@ class RunDir:
     @property
     def distributions_file(self) -> Path:
         return self.path / DISTRIBUTIONS
+
+    @property
+    def samples_file(self) -> Path:
+        return self.path / SAMPLES
 
     @property
     def checkpoints(self) -> Path:
@@ -195,12 +203,20 @@ class RunDir:
     def read_distributions(self, up_to_step: int | None = None) -> list[str]:
         """The lines of distributions.jsonl (of steps <= ``up_to_step``). A last line cut short by
         a kill is dropped; a damaged line elsewhere is an error naming the file and line."""
-        if not self.distributions_file.exists():
+        return self._step_lines(self.distributions_file, up_to_step)
+
+    def read_samples(self, up_to_step: int | None = None) -> list[dict]:
+        """The records of samples.jsonl (of steps <= ``up_to_step``), read like distributions.jsonl."""
+        return [json.loads(line) for line in self._step_lines(self.samples_file, up_to_step)]
+
+    def _step_lines(self, path: Path, up_to_step: int | None) -> list[str]:
+        """The lines of a JSON-lines file whose objects each hold a ``step`` (of steps <= ``up_to_step``)."""
+        if not path.exists():
             return []
         try:
-            text = self.distributions_file.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise BadFileError(f"{self.distributions_file}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            raise BadFileError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
         lines = text.split("\n")
         kept = []
         for n, line in enumerate(lines, 1):
@@ -211,7 +227,7 @@ class RunDir:
             except (ValueError, KeyError, TypeError) as e:
                 if n >= len(lines) - 1 and not text.endswith("\n"):
                     break  # the line a kill interrupted: it belongs to an unfinished step
-                raise BadFileError(f"{self.distributions_file}: line {n} is not a JSON object with a step "
+                raise BadFileError(f"{path}: line {n} is not a JSON object with a step "
                                    f"({type(e).__name__}); remove that line to resume") from None
             if up_to_step is None or step <= up_to_step:
                 kept.append(line)
@@ -288,4 +304,4 @@ def read_metrics(run_dir: str | os.PathLike) -> pd.DataFrame | None:
 
 __all__ = ["RunDir", "RunDirBusyError", "read_status", "read_metrics", "DONE_STATES", "COMPLETE_STATES",
            "RUNNING", "FINISHED", "DIVERGED", "GUARD_FAILED", "FAILED", "PENDING", "CONFIG", "STATUS", "METRICS",
-           "DISTRIBUTIONS", "CHECKPOINTS", "LOCK", "CHECKPOINT_ENTRIES", "checkpoint_name", "checkpoint_step"]
+           "DISTRIBUTIONS", "SAMPLES", "CHECKPOINTS", "LOCK", "CHECKPOINT_ENTRIES", "checkpoint_name", "checkpoint_step"]

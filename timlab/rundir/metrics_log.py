@@ -40,6 +40,7 @@ class MetricsLog:
         self.run_dir = RunDir(run_dir)
         self.path = self.run_dir.metrics_file
         self.dist_path = self.run_dir.distributions_file
+        self.samples_path = self.run_dir.samples_file
         self.rows: list[dict] = []
         self._tb = None
         if tensorboard:
@@ -60,6 +61,9 @@ class MetricsLog:
         if self.dist_path.exists():
             kept = self.run_dir.read_distributions(up_to_step)
             atomic_write_text(self.dist_path, "".join(line + "\n" for line in kept))
+        if self.samples_path.exists():
+            kept = self.run_dir.read_samples(up_to_step)
+            atomic_write_text(self.samples_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
         if self.rows:
             self._flush()
         elif self.path.exists():
@@ -75,12 +79,20 @@ class MetricsLog:
             self._tb.flush()
 
     def append_distribution(self, step: int, payload: dict) -> None:
+        self._append_lines(self.dist_path, [{"step": step, **payload}])
+
+    def append_samples(self, step: int, samples: list[dict]) -> None:
+        """One line per sample (``{"step", **sample}``) in samples.jsonl."""
+        self._append_lines(self.samples_path, [{"step": step, **s} for s in samples])
+
+    @staticmethod
+    def _append_lines(path: Path, records: list[dict]) -> None:
         try:
-            with open_append(self.dist_path) as f:
-                f.write(json.dumps({"step": step, **payload}) + "\n")
+            with open_append(path) as f:
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         except OSError as e:
             if is_disk_full(e):
-                raise disk_full(self.dist_path) from None
+                raise disk_full(path) from None
             raise
 
     def _flush(self) -> None:

@@ -4,7 +4,9 @@ RL from scratch with a sparse 0/1 reward never sees a success on these tasks (pi
 docs/claims.md), so every run starts from a supervised model whose validation accuracy leaves room
 for RL. The result is an ordinary HF folder (config.json, model.safetensors, char tokenizer)
 cached under ``$TIMLAB_CACHE`` (default ``~/.cache/timlab``) by the hash of the model and task
-settings, so later commands reuse it.
+settings, so later commands reuse it. ``pretrain(cfg, out_dir)`` fills that cache too and copies
+the cached model to ``out_dir``, so ``timlab pretrain --out DIR`` and a later ``timlab train`` of
+the same settings share one SFT.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -133,27 +136,72 @@ def check_out_dir(out: Path) -> None:
 
 def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = False,
              progress: Callable[[int, int, dict], None] | None = None) -> PretrainResult:
-    """Train (or reuse) the SFT warm start for cfg.task with the cfg.model architecture. An
-    ``out_dir`` that holds anything but timlab's model files is refused, never overwritten."""
-    out = Path(out_dir) if out_dir else warm_start_dir(cfg)
+    """Train (or reuse) the SFT warm start for cfg.task with the cfg.model architecture, in the
+    cache (``warm_start_dir``). With ``out_dir`` the cached model is then copied there (the cache
+    is filled first, so a later run of the same settings reuses it). An ``out_dir`` that holds
+    anything but timlab's model files is refused, never overwritten."""
+    cache = warm_start_dir(cfg)
+    out = Path(out_dir) if out_dir else cache
     check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # One writer at a time: data-parallel ranks and sweep workers wait here, then reuse the result.
     lock = take_lock(out.with_name(out.name + ".lock"))  # never truncates a file that is not a timlab lock
     try:
-        done_file = out / "pretrain.json"
-        complete = all((out / f).exists() for f in ("pretrain.json", "model.safetensors", "tokenizer.json"))
-        if complete and not force:
-            try:
-                info = json.loads(done_file.read_text(encoding="utf-8"))
-                if info.get("key") == warm_start_key(cfg):
-                    return PretrainResult(out, float(info["val_accuracy"]), int(info["steps"]), float(info["seconds"]),
-                                          int(info["num_params"]), True)
-            except (ValueError, KeyError, TypeError, AttributeError):  # a damaged pretrain.json: build it again
-                warnings.warn(f"{done_file} is damaged; pretraining the model again", stacklevel=2)
-        return _pretrain_locked(cfg, out, progress)
+        if not force and (done := _reuse(cfg, out)) is not None:
+            return done
+        if out.resolve() == cache.resolve():
+            return _pretrain_locked(cfg, out, progress)
+        _check_partial(out)  # before the cache is trained: a folder in the way is reported at once
+        res = pretrain(cfg, force=force, progress=progress)
+        check_out_dir(out)  # again, under the lock
+        tmp = _start_partial(out)
+        for name in MODEL_FILES:
+            if (res.path / name).is_file():
+                shutil.copyfile(res.path / name, tmp / name)
+        _finish_partial(tmp, out)
+        return dataclasses.replace(res, path=out)
     finally:
         release_lock(lock)
+
+
+def _reuse(cfg: Config, out: Path) -> PretrainResult | None:
+    """The model in ``out`` when it is complete and was built from these settings, else None."""
+    done_file = out / "pretrain.json"
+    if not all((out / f).exists() for f in ("pretrain.json", "model.safetensors", "tokenizer.json")):
+        return None
+    try:
+        info = json.loads(done_file.read_text(encoding="utf-8"))
+        if info.get("key") == warm_start_key(cfg):
+            return PretrainResult(out, float(info["val_accuracy"]), int(info["steps"]), float(info["seconds"]),
+                                  int(info["num_params"]), True)
+    except (ValueError, KeyError, TypeError, AttributeError):  # a damaged pretrain.json: build it again
+        warnings.warn(f"{done_file} is damaged; pretraining the model again", stacklevel=2)
+    return None
+
+
+def _check_partial(out: Path) -> Path:
+    """``OUT.partial``, refused (one line) when something there is not timlab's partial folder."""
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.is_symlink() or (tmp.exists() and not (tmp / PARTIAL_MARKER).is_file()):
+        raise UsageError(f"{tmp} exists and is not a partial model folder timlab wrote (no {PARTIAL_MARKER}); "
+                         "timlab never deletes files it did not write: move it or choose another --out")
+    return tmp
+
+
+def _start_partial(out: Path) -> Path:
+    """A fresh, marked ``OUT.partial`` folder to build the model in (a killed build's is removed)."""
+    tmp = _check_partial(out)
+    remove_owned(tmp, (*MODEL_FILES, PARTIAL_MARKER), what="a partial timlab model folder")  # a kill interrupted it
+    tmp.mkdir(parents=True)
+    (tmp / PARTIAL_MARKER).write_text("a timlab pretraining in progress; deleted when it is done\n")
+    return tmp
+
+
+def _finish_partial(tmp: Path, out: Path) -> None:
+    """Put the finished ``tmp`` in place of ``out`` (whose timlab files it replaces)."""
+    (tmp / PARTIAL_MARKER).unlink()
+    remove_owned(out, MODEL_FILES, what="a timlab model folder")
+    os.replace(tmp, out)
 
 
 def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
@@ -161,13 +209,7 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     check_warm_start(cfg, task)
     train, val = make_splits(task, seed=cfg.task.split_seed, n_train=cfg.task.n_train, n_val=cfg.task.n_val)
     check_out_dir(out)  # again, under the lock
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.is_symlink() or (tmp.exists() and not (tmp / PARTIAL_MARKER).is_file()):
-        raise UsageError(f"{tmp} exists and is not a partial model folder timlab wrote (no {PARTIAL_MARKER}); "
-                         "timlab never deletes files it did not write: move it or choose another --out")
-    remove_owned(tmp, (*MODEL_FILES, PARTIAL_MARKER), what="a partial timlab model folder")  # a kill interrupted it
-    tmp.mkdir(parents=True)
-    (tmp / PARTIAL_MARKER).write_text("a timlab pretraining in progress; deleted when it is done\n")
+    tmp = _start_partial(out)
     save_char_tokenizer(task.alphabet, tmp)
     tok = load_tokenizer(tmp)
     max_new = task.max_answer_chars + 8  # greedy validation budget: the answer, EOS and some slack
@@ -204,9 +246,7 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
             "final_loss": loss_val, "steps": steps, "seconds": seconds, "num_params": n_params,
             "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs}
     (tmp / "pretrain.json").write_text(json.dumps(info, indent=2))
-    (tmp / PARTIAL_MARKER).unlink()
-    remove_owned(out, MODEL_FILES, what="a timlab model folder")
-    os.replace(tmp, out)
+    _finish_partial(tmp, out)
     return PretrainResult(out, acc, steps, seconds, n_params, False)
 
 

@@ -76,7 +76,7 @@ from timlab.trainer.advantages import ADVANTAGES, informative_groups
 from timlab.trainer.losses import POLICY_LOSSES
 from timlab.trainer.precision import load_policy
 from timlab.trainer.pretrain import ensure_warm_start
-from timlab.trainer.scoring import gold_logprob, greedy_accuracy, rollout_rewards
+from timlab.trainer.scoring import gold_logprob, greedy_accuracy, greedy_replies, rollout_rewards
 
 
 class ZeroMismatchViolation(TimlabError, RuntimeError):
@@ -658,6 +658,14 @@ class RLRun:
                 "val/peak_accuracy": self.peak_val, "val/gold_logprob": self.world.weighted_mean(gold, len(shard)),
                 **times}
 
+    def log_samples(self) -> None:
+        """``run.log_samples`` greedy validation replies of this step, to samples.jsonl (rank 0)."""
+        n = self.cfg.run.log_samples
+        if n and self.log is not None:
+            self.log.append_samples(self.step, greedy_replies(self.model, self.tok, self.task, self.val_set[:n],
+                                                              engine=self.eval_engine,
+                                                              max_new_tokens=self.cfg.rollout.max_new_tokens))
+
     def write_status(self, state: str, message: str = "", *, durable: bool = True) -> None:
         self._status_time = time.monotonic()
         if self.world.is_main:
@@ -679,6 +687,7 @@ class RLRun:
             self.write_status(RUNNING)
             if self.step == 0:
                 row = {"step": 0, **self.evaluate()}
+                self.log_samples()
                 if self.log is not None:
                     self.log.append(row)
             while self.step < cfg.steps:
@@ -686,6 +695,7 @@ class RLRun:
                 row = out.metrics
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row.update(self.evaluate())
+                    self.log_samples()
                 if self.log is not None:
                     self.log.append(row)
                     if out.distributions is not None:

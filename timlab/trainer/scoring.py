@@ -1,8 +1,9 @@
 """Scoring the policy on its task, for the trainer, the warm start and gradcheck.
 
 ``rollout_rewards`` (task rewards of a rollout's responses), ``greedy_accuracy`` (exact-match
-accuracy of greedy decoding, the validation metric) and ``gold_logprob`` (the teacher-forced
-log-prob of the gold completion, its continuous companion). The configured task itself is
+accuracy of greedy decoding, the validation metric), ``greedy_replies`` (those replies as text,
+for ``run.log_samples``) and ``gold_logprob`` (the teacher-forced log-prob of the gold
+completion, its continuous companion). The configured task itself is
 ``timlab.tasks.build_task``; loading the policy is ``timlab.trainer.precision.load_policy``.
 """
 
@@ -43,6 +44,23 @@ def greedy_accuracy(model: CausalLM, tok: Tokenizer, task: Task, examples: list[
         correct += float((rollout_rewards(task, tok, chunk, r) == 1.0).sum())
         lengths += float(r.lengths.sum())
     return correct / len(examples), lengths / len(examples)
+
+
+@torch.no_grad()
+def greedy_replies(model: CausalLM, tok: Tokenizer, task: Task, examples: list[Example], *, max_new_tokens: int,
+                   engine: Engine | None = None) -> list[dict]:
+    """Greedy decoding of ``examples`` as text, one dict each: ``prompt``, ``reply`` (special
+    tokens such as EOS left out), ``reference`` (the task's gold completion), ``reward`` (the task's,
+    as ``greedy_accuracy`` counts it) and ``finished`` (it ended with EOS)."""
+    if not examples:
+        return []
+    if engine is None:
+        engine = build_engine("exact", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    r = engine.generate([task.encode_prompt(tok, e) for e in examples], max_new_tokens=max_new_tokens,
+                        sampling=SamplingParams(temperature=0.0))
+    rewards = rollout_rewards(task, tok, examples, r).tolist()
+    return [{"prompt": e.prompt, "reply": tok.decode(ids), "reference": task.gold_completion(e), "reward": w,
+             "finished": bool(f)} for e, ids, w, f in zip(examples, r.responses(), rewards, r.finished.tolist())]
 
 
 @torch.no_grad()

@@ -1,0 +1,48 @@
+"""One SFT warm start per settings: ``timlab pretrain --out DIR`` fills the cache that ``train``
+and ``demo`` read (under $TIMLAB_CACHE), and copies the model to DIR; the test session itself
+caches in a temporary folder, never in the user's ~/.cache/timlab."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from timlab.cli import main
+from timlab.config import resolve
+from timlab.trainer.pretrain import cache_root, ensure_warm_start, warm_start_dir
+
+SETTINGS = ["--preset", "smoke", "--set", "model.pretrain_steps=3", "--quiet"]
+
+
+def test_pretrain_out_fills_the_cache_that_train_reads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TIMLAB_CACHE", str(tmp_path / "cache"))
+    cfg = resolve(preset="smoke", overrides=["model.pretrain_steps=3"])
+    cache = warm_start_dir(cfg)
+    assert cache.parent == tmp_path / "cache" / "pretrained" and not cache.exists()
+    assert main(["pretrain", "--out", str(tmp_path / "a"), *SETTINGS]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"pretrained {tmp_path / 'a'}: ") and f"cached as {cache} (TIMLAB_CACHE)" in out
+    weights = (cache / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(p.name for p in cache.iterdir())
+    mtime = (cache / "model.safetensors").stat().st_mtime_ns
+
+    start = ensure_warm_start(cfg)  # what `timlab train` starts from: the cached model, not a new SFT
+    assert start.cached and start.path == cache
+    assert main(["pretrain", "--out", str(tmp_path / "b"), *SETTINGS]) == 0
+    assert capsys.readouterr().out.startswith(f"reused {tmp_path / 'b'}: ")
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == weights
+    assert (cache / "model.safetensors").stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.lock", "b", "b.lock", "cache"]
+
+
+def test_the_test_session_caches_in_a_temporary_folder():
+    from conftest import _OWN_CACHE, cache_note
+
+    root = cache_root()
+    assert root == Path(os.environ["TIMLAB_CACHE"])
+    if _OWN_CACHE:  # the usual case (make test): not the user's cache, and the run says where
+        assert root.parent == Path(tempfile.gettempdir()) and root.name.startswith("timlab-test-cache-")
+        assert cache_note() == (f"timlab: SFT warm starts cached in {root} (TIMLAB_CACHE: "
+                                                      "a temporary folder, deleted at the end)")
