@@ -234,7 +234,7 @@ def test_plateau_rule_rejudges_a_committed_sweep(capsys):
     res = threshold_study(sweep, rule="plateau")
     assert all(d == 0 for c in res.cells for d in c.doses["n_collapsed"])
     assert main(["runs", str(sweep), "--rule", "plateau", "--where", "collapsed"]) == 0
-    assert "no runs match (of 20)" in capsys.readouterr().out
+    assert "no runs match (of 20; collapsed: the plateau rule)" in capsys.readouterr().out
     assert main(["runs", str(sweep), "--rule", "late"]) == 2
     assert "valid choices: peak, plateau" in capsys.readouterr().err
 
