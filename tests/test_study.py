@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from study_sweep import write_sweep
+from timlab import cli
 from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, study_from_dict
 from timlab.experiments.study.endpoints import window_stat
 from timlab.experiments.study.fits import fit_power, power_law_section
@@ -237,3 +238,29 @@ def test_bad_registrations_are_one_line_errors_naming_the_field(tmp_path, change
     with pytest.raises(StudyError) as e:
         study_from_dict(registration(**change), root=tmp_path, source="s.yaml")
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- the command
+def test_study_command_checks_analyzes_and_writes_a_block(tmp_path, capsys):
+    study, out = make(tmp_path)
+    path = tmp_path / "planted.yaml"
+    (tmp_path / "FINDINGS.md").write_text("x\n<!-- findings:planted -->\nold\n<!-- /findings:planted -->\ny\n")
+    path.write_text(yaml.safe_dump({**registration(), "findings": {"file": "FINDINGS.md", "block": "planted"}}))
+    # the findings key is part of the registration: freeze the file as written
+    (out / "study.json").unlink()
+    freeze(load_study(path), out)
+    assert cli.main(["study", "check", str(path), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"registration hash: {load_study(path).hash}" in text and "arms: control (5), head (5), tiny (5)" in text
+    assert "runs not finished: none" in text
+    assert cli.main(["study", "analyze", str(path), "--out", str(out), "--write"]) == 0
+    text = capsys.readouterr().out
+    assert "| head | 0.100 |" in text and "planted: complete; frozen registration" in text
+    body = (tmp_path / "FINDINGS.md").read_text()
+    assert body.startswith("x\n<!-- findings:planted -->\nValidity: ") and body.endswith("<!-- /findings:planted -->\ny\n")
+    d = yaml.safe_load(path.read_text())
+    d["endpoints"][0]["window"] = [25, None]  # changed after the first run, no amendment
+    path.write_text(yaml.safe_dump(d))
+    assert cli.main(["study", "analyze", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("timlab: error: ") and "changed after its first run" in err and err.count("\n") == 1
