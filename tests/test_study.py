@@ -208,6 +208,9 @@ def test_runs_without_a_freeze_are_refused(tmp_path):
     write_sweep(tmp_path / "s", list(ids), metrics, STEPS, run_ids=ids)  # run without `timlab study run`
     with pytest.raises(StudyError, match=f"holds runs but no frozen registration .* frozen: {study.hash}"):
         analyze(study, tmp_path / "s")
+    with pytest.raises(StudyError, match="holds runs but no frozen registration"):
+        freeze(study, tmp_path / "s")  # `timlab study run` does not freeze late either
+    assert not (tmp_path / "s" / "study.json").exists()
     assert analyze(study_from_dict({**registration(), "frozen": study.hash}, root=tmp_path), tmp_path / "s").status == "complete"
 
 
@@ -242,13 +245,11 @@ def test_bad_registrations_are_one_line_errors_naming_the_field(tmp_path, change
 
 # ------------------------------------------------------------------------------- the command
 def test_study_command_checks_analyzes_and_writes_a_block(tmp_path, capsys):
-    study, out = make(tmp_path)
+    findings = {"findings": {"file": "FINDINGS.md", "block": "planted"}}
+    study, out = make(tmp_path, over=findings)
     path = tmp_path / "planted.yaml"
     (tmp_path / "FINDINGS.md").write_text("x\n<!-- findings:planted -->\nold\n<!-- /findings:planted -->\ny\n")
-    path.write_text(yaml.safe_dump({**registration(), "findings": {"file": "FINDINGS.md", "block": "planted"}}))
-    # the findings key is part of the registration: freeze the file as written
-    (out / "study.json").unlink()
-    freeze(load_study(path), out)
+    path.write_text(yaml.safe_dump(registration(**findings)))  # the registration frozen at the first run
     assert cli.main(["study", "check", str(path), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"registration hash: {load_study(path).hash}" in text and "arms: control (5), head (5), tiny (5)" in text
@@ -264,3 +265,14 @@ def test_study_command_checks_analyzes_and_writes_a_block(tmp_path, capsys):
     assert cli.main(["study", "analyze", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("timlab: error: ") and "changed after its first run" in err and err.count("\n") == 1
+
+
+def test_figure_of_a_complete_study_and_refusal_of_an_incomplete_one(done, tmp_path):
+    from timlab.experiments.study import figure
+
+    study, out, _ = done
+    png = figure(study, tmp_path / "f.png", out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    partial, pout = make(tmp_path / "p", states={"tiny_s0": ("running", 3)})
+    with pytest.raises(StudyError, match="no figure: INCOMPLETE: 14 of 15 runs"):
+        figure(partial, tmp_path / "g.png", pout)

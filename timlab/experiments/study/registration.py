@@ -9,7 +9,7 @@ are relative to the file's folder, except ``out`` (the sweep directory), which i
 working directory, like every ``--out`` of timlab.
 
 Freeze by hash. ``registration_hash`` is the SHA-256 of the registration (the file's mapping
-without ``amendments`` and ``frozen``, with a referenced sweep spec's own mapping in place of its
+without ``amendments``, ``frozen`` and ``out``, with a referenced sweep spec's own mapping in place of its
 path), in canonical JSON. ``timlab study run`` records it in ``<out>/study.json`` before the first
 run starts. From then on the hash must stay that one, or equal the ``hash`` of the last entry of
 ``amendments`` (each with its ``date`` and ``reason``): ``check_freeze`` refuses anything else, so a
@@ -233,7 +233,8 @@ class Study:
 
 STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "validity", "endpoints", "families", "rules", "tables",
               "fits", "findings", "frozen", "amendments")
-UNHASHED = ("frozen", "amendments")
+UNHASHED = ("frozen", "amendments", "out")
+"""Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
 
 def _keys(d: Any, allowed: tuple, required: tuple, where: str) -> dict:
@@ -469,10 +470,11 @@ def check_freeze(study: Study, out: str | Path, *, has_runs: bool) -> str:
 
 
 def freeze(study: Study, out: str | Path) -> bool:
-    """Record ``study``'s registration in ``<out>/study.json`` unless a record exists (then check
-    it). Returns whether it wrote one."""
-    if frozen_record(out) is not None or study.frozen:
-        check_freeze(study, out, has_runs=True)
+    """Record ``study``'s registration in ``<out>/study.json`` before the first run; once a record
+    exists (or the file names ``frozen``), check against it instead; a sweep that already holds runs
+    without either is refused (its registration was never frozen). Returns whether it wrote one."""
+    if frozen_record(out) is not None or study.frozen or (Path(out) / "index.parquet").exists():
+        check_freeze(study, out, has_runs=True)  # runs made without a freeze: refused unless frozen: is set
         return False
     from timlab.files import atomic_write_with
 
