@@ -231,6 +231,8 @@ def test_hash_ignores_amendments_and_formatting_but_not_the_sweep(tmp_path):
      "families[0]: endpoints: 'accuracy'; valid choices: acc, slope, k3, fell, final"),
     ({"families": [{"name": "f", "endpoints": ["acc"], "rule": "lowers", "correction": "bonferroni"}]},
      "families[0]: correction: 'bonferroni'; valid choices: holm, none"),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "rule": "lowers", "arms": "head"}]},
+     "families[0]: arms: expected a non-empty list of arm names, got 'head'"),
     ({"endpoints": [{"name": "a", "metric": "m", "stat": "median"}]},
      "endpoints[0]: stat: 'median'; valid choices: level, slope, first, last, start, final, fall"),
     ({"endpoints": [{"name": "a", "metric": "m", "stat": "level", "window": [50, 10]}]},
@@ -276,3 +278,9 @@ def test_figure_of_a_complete_study_and_refusal_of_an_incomplete_one(done, tmp_p
     partial, pout = make(tmp_path / "p", states={"tiny_s0": ("running", 3)})
     with pytest.raises(StudyError, match="no figure: INCOMPLETE: 14 of 15 runs"):
         figure(partial, tmp_path / "g.png", pout)
+
+
+def test_an_arm_the_sweep_does_not_have_is_named(tmp_path):
+    d = registration(families=[{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "arms": ["haed"]}])
+    with pytest.raises(StudyError, match=r"families: cost: 'haed' is not an arm of the sweep; arms: control, head, tiny"):
+        planned_runs(study_from_dict(d, root=tmp_path, source="s.yaml"))

@@ -68,13 +68,20 @@ class StudyResult:
 
 
 def planned_runs(study: Study) -> list[PlannedRun]:
-    """The runs the study's sweep spec expands to, in spec order."""
+    """The runs the study's sweep spec expands to, in spec order (every config resolved); the
+    control and every arm a family names must be arms of the sweep."""
     from timlab.experiments.sweep_spec import expand, spec_from_dict
 
     spec = spec_from_dict(study.sweep, root=study.sweep_root, source=study.sweep_source)
     seeded = SEED in spec.grid
-    return [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
-                       arm_of(r.spec_condition)) for r in expand(spec)]
+    planned = [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
+                          arm_of(r.spec_condition)) for r in expand(spec)]
+    arms = list(dict.fromkeys(p.arm for p in planned))
+    for where, a in [("control", study.control)] + [(f"families: {f.name}", a) for f in study.families
+                                                     for a in (f.against, *f.arms)]:
+        if a not in arms:
+            raise StudyError(f"{study.source}: {where}: {a!r} is not an arm of the sweep; arms: {', '.join(arms)}")
+    return planned
 
 
 def sweep_dir(study: Study, out: str | Path | None = None) -> Path:
@@ -207,16 +214,10 @@ def analyze(study: Study, out: str | Path | None = None) -> StudyResult:
     """The registered analysis of ``study`` over its sweep directory (see the module docstring)."""
     out = sweep_dir(study, out)
     planned = planned_runs(study)
+    arms = list(dict.fromkeys(p.arm for p in planned))
     states = _states(out)
     freeze = check_freeze(study, out, has_runs=states is not None)
     states = states or {}
-    arms = list(dict.fromkeys(p.arm for p in planned))
-    if study.control not in arms:
-        raise StudyError(f"{study.source}: control: {study.control!r} is not an arm of the sweep; arms: {', '.join(arms)}")
-    for fam in study.families:
-        for a in (fam.against, *fam.arms):
-            if a not in arms:
-                raise StudyError(f"{study.source}: family {fam.name}: {a!r} is not an arm of the sweep; arms: {', '.join(arms)}")
     tripped = sorted(p.name for p in planned if p.arm == study.control and states.get(p.run_id, ("",))[0] == GUARD_FAILED)
     if tripped:
         return StudyResult(f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (every control step keeps k3 "

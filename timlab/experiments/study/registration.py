@@ -357,6 +357,8 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         where = f"{w}: families[{i}]"
         f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show"),
                   ("name", "endpoints", "rule"), where)
+        if "arms" in f and not (isinstance(f["arms"], list) and f["arms"] and all(isinstance(a, str) for a in f["arms"])):
+            raise StudyError(f"{where}: arms: expected a non-empty list of arm names, got {f['arms']!r}")
         families.append(Family(
             str(f["name"]), _names(f["endpoints"], names, f"{where}: endpoints"),
             _choice(f["rule"], tuple(rule_names), f"{where}: rule"), str(f.get("against", control)),
