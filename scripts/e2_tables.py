@@ -6,12 +6,12 @@ The study is docs/examples/e2.yaml: 5 mismatch arms (``control``, ``stale_2``, `
 head_perturb geometric ``ramp`` and its time-averaged constant dose ``const``) x 3 LR arms
 (``lr2e-4``, ``lr1e-4``, ``ld``: length decay from 2e-4) x 8 seeds x 400 steps, one condition per
 run named ``<arm>_<lr>_s<seed>``. A run counts once it has finished at step 400 or diverged
-(a fall, never excluded; ``erosion_tables.collect``). Until every run of the spec counts, the
+(a fall, never excluded; ``study.sweep_runs.collect``). Until every run of the spec counts, the
 output is one INCOMPLETE line naming the missing runs and nothing is computed (no interim analysis).
 
 Per run (``run_record``), over the evaluations at steps 60-400 and over the late window 200-400:
 mean ``val/accuracy`` and ``val/gold_logprob`` and their OLS slopes per 100 steps
-(``erosion_tables.run_endpoints``); the realized k3 (mean ``rollout_corr/k3_kl`` over steps 60-400,
+(``study.endpoints.run_endpoints``); the realized k3 (mean ``rollout_corr/k3_kl`` over steps 60-400,
 and over 1-400); the trend of log k3 (OLS slope per 100 steps over steps 1-400, the steps with
 k3 > 0); the fall step under the plateau rule (``collapse.judge(rule="plateau")``); for each signal
 the step it rises (``rise_step``) and, for a fall, its value at the fall against the start's.
@@ -47,16 +47,17 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import erosion_tables as E  # noqa: E402
 from timlab.experiments.collapse import judge  # noqa: E402
 from timlab.experiments.stats import bootstrap_ci, clopper_pearson, compare_family, line_fit, t_ci  # noqa: E402
+from timlab.experiments.study.endpoints import run_endpoints  # noqa: E402
+from timlab.experiments.study.sweep_runs import collect as collect_runs, seed_ranges  # noqa: E402
+from timlab.experiments.study.text import comparison_cells, fmt, mean_cells  # noqa: E402
 from timlab.experiments.sweep_spec import load_spec  # noqa: E402
 
 SPEC = ROOT / "docs" / "examples" / "e2.yaml"
 """The registered sweep: the runs the analysis waits for."""
-CONTROL, RAMP, CONST = E.CONTROL, "ramp", "const"
+CONTROL, RAMP, CONST = "control", "ramp", "const"
 ARMS = (CONTROL, "stale_2", "stale_4", RAMP, CONST)
 """The mismatch arms, as the run names spell them."""
 LRS = ("lr2e-4", "lr1e-4", "ld")
@@ -120,8 +121,8 @@ def vs_start(s: pd.Series, step: int) -> float:
 def run_record(m: pd.DataFrame, *, diverged: bool = False) -> dict:
     """One run's numbers for every question (see the module docstring)."""
     m = m.sort_values("step")
-    win = E.run_endpoints(m, DESIGN["start"], diverged=diverged)
-    late = E.run_endpoints(m, DESIGN["late"], diverged=diverged)
+    win = run_endpoints(m, DESIGN["start"], diverged=diverged)
+    late = run_endpoints(m, DESIGN["late"], diverged=diverged)
     train = m[m["step"] >= 1].set_index("step")
     k3 = train["rollout_corr/k3_kl"]
     pos = k3[k3 > 0]  # a stale run's first steps have k3 exactly 0 (the weights have not moved yet): no log
@@ -159,8 +160,8 @@ def expected(spec: str | Path = SPEC) -> list[str]:
 
 
 def collect(sweep: str) -> dict[str, dict]:
-    """Run name -> ``run_record`` of every run that counts (``erosion_tables.collect``'s rule)."""
-    per = E.collect(sweep, DESIGN, key=lambda c: c,
+    """Run name -> ``run_record`` of every run that counts (``study.sweep_runs.collect``'s rule)."""
+    per = collect_runs(sweep, DESIGN, key=lambda c: c,
                     endpoints=lambda m, start, diverged: run_record(m, diverged=diverged))
     twice = [n for n, r in per.items() if len(r) > 1]
     if twice:
@@ -178,7 +179,7 @@ def incomplete(done: int, want: int, missing: list[str]) -> str:
     for c, s in by.items():
         groups.setdefault(tuple(sorted(s)), []).append(c)
     n_cond = len(ARMS) * len(LRS)
-    parts = [f"{'seed' if len(s) == 1 else 'seeds'} {E.seed_ranges(s)} of {f'all {n_cond} conditions' if len(cs) == n_cond else ', '.join(cs)}"
+    parts = [f"{'seed' if len(s) == 1 else 'seeds'} {seed_ranges(s)} of {f'all {n_cond} conditions' if len(cs) == n_cond else ', '.join(cs)}"
              for s, cs in groups.items()]
     return (f"INCOMPLETE: {done} of {want} runs finished at step {DESIGN['steps']} (missing: {'; '.join(parts)}); "
             f"no endpoint is computed before the study is complete (no interim analysis).")
@@ -306,13 +307,13 @@ def _primary_md(per, prim) -> list[str]:
                 "| condition | realized k3 | mean [95% t] [95% bootstrap] | excess over its LR arm's control "
                 "[95% bootstrap] | permutation p | Holm p | erodes |", "|---|---:|---:|---:|---:|---:|---|"]
         for c in conditions():
-            k3 = E.fmt(float(values(per[c], "k3").mean()))
+            k3 = fmt(float(values(per[c], "k3").mean()))
             if c in cmp:
                 r = cmp[c]
                 erodes = "**yes**" if r.below() else f"no (costs {r.cost_bound()})"
-                out.append(f"| {c} | {k3} | {E.comparison_cells(r)} | {erodes} |")
+                out.append(f"| {c} | {k3} | {comparison_cells(r)} | {erodes} |")
             else:
-                out.append(f"| {c} | {k3} | {E.mean_cells(values(per[c], k))} | - | - | - | - |")
+                out.append(f"| {c} | {k3} | {mean_cells(values(per[c], k))} | - | - | - | - |")
         out += _left_out(dropped)
     return out
 
@@ -327,7 +328,7 @@ def _q1_md(per, lat, fl, gr) -> list[str]:
         for lr in LRS:
             if lr in cmp:
                 r = cmp[lr]
-                out.append(f"| {LABEL[k]} | {LR_LABEL[lr]} | {E.comparison_cells(r)} | {'**yes**' if r.below() else 'no'} |")
+                out.append(f"| {LABEL[k]} | {LR_LABEL[lr]} | {comparison_cells(r)} | {'**yes**' if r.below() else 'no'} |")
             else:
                 out.append(f"| {LABEL[k]} | {LR_LABEL[lr]} | left out (a run without a value) | - | - | - | - |")
     out += ["", "| condition | falls (plateau rule) [95% Clopper-Pearson] | fall steps (seed: step) |", "|---|---:|---|"]
@@ -340,7 +341,7 @@ def _q1_md(per, lat, fl, gr) -> list[str]:
             "growth matters (Q1) |", "|---|---:|---|---|---|---|"]
     for lr in LRS:
         g = gr[lr]
-        out.append(f"| {LR_LABEL[lr]} | {E.fmt(g['k3'][RAMP])}, {E.fmt(g['k3'][CONST])} ({g['k3_ratio']:.2f}"
+        out.append(f"| {LR_LABEL[lr]} | {fmt(g['k3'][RAMP])}, {fmt(g['k3'][CONST])} ({g['k3_ratio']:.2f}"
                    f"{'' if g['matched'] else ', UNMATCHED'}) | "
                    f"{'yes' if g['slope'] else 'no'} | {'yes' if g['falls'] else 'no'} | "
                    f"{'yes' if g['within'] else 'no'} | **{g['verdict']}** |")
@@ -360,8 +361,8 @@ def _q2_md(per, cmp, dropped) -> list[str]:
             g = bootstrap_ci(logk) if np.isfinite(logk).all() else (-math.inf, -math.inf)
             tr = values(per[f"{a}_{lr}"], "k3_trend")
             tm, tlo, thi = t_ci(tr) if np.isfinite(tr).all() else (math.nan,) * 3
-            row = (f"| {a} | {LR_LABEL[lr]} | {E.fmt(float(np.exp(logk.mean())))} [{E.fmt(math.exp(g[0]))}, "
-                   f"{E.fmt(math.exp(g[1]))}] | {tm:+.3f} [{tlo:+.3f}, {thi:+.3f}] | ")
+            row = (f"| {a} | {LR_LABEL[lr]} | {fmt(float(np.exp(logk.mean())))} [{fmt(math.exp(g[0]))}, "
+                   f"{fmt(math.exp(g[1]))}] | {tm:+.3f} [{tlo:+.3f}, {thi:+.3f}] | ")
             r = cmp.get((a, lr))
             if lr == LRS[0] or r is None:
                 out.append(row + ("- | - | - | - | - |" if lr == LRS[0] else "left out (a run without k3) | - | - | - | - |"))

@@ -23,7 +23,7 @@ per run) has finished at step 150 or diverged; before that one ``INCOMPLETE`` li
 analysis), and a control stopped by the zero-mismatch guard voids the study at once. Per level:
 validity (every control step keeps k3 exactly 0 and every token bitwise equal; every run of the
 level evaluates its start identically at step 0, with accuracy >= 0.95; a level that fails is void
-and left out of the tables and the fit); per run, the erosion study's endpoints (``erosion_tables.run_endpoints``) over the
+and left out of the tables and the fit); per run, the erosion study's endpoints (``study.endpoints.run_endpoints``) over the
 evaluations at steps 50-150 and the mean sampled response length over those steps; per arm the
 realized k3 with its intervals and, per endpoint, the excess over the level's control (bootstrap
 interval, exact permutation p over the 252 relabelings of 5 vs 5, Holm over the level's 4
@@ -66,11 +66,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from erosion_tables import collect, comparison_cells, fmt, incomplete_line, mean_cells, run_endpoints, runs  # noqa: E402
-from erosion_tables import sweep_states  # noqa: E402
+from timlab.experiments.study.endpoints import run_endpoints  # noqa: E402
+from timlab.experiments.study.sweep_runs import collect, incomplete_line, runs, sweep_states  # noqa: E402
+from timlab.experiments.study.text import comparison_cells, fmt, mean_cells  # noqa: E402
 from timlab.experiments.stats import N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, compare_family, least_squares, t_ci  # noqa: E402
 from timlab.experiments.sweep import load_spec  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402

@@ -35,6 +35,8 @@ from timlab.experiments.collapse import condition_table, judge, run_summary  # n
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import clopper_pearson, holm, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.sweep import read_index  # noqa: E402
+from timlab.experiments.study import analyze, load_study  # noqa: E402
+from timlab.experiments.study.text import splice_block  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
 
@@ -46,6 +48,8 @@ import moe_tables  # noqa: E402
 
 FINDINGS = ROOT / "docs" / "FINDINGS.md"
 SWEEPS = ROOT / "sweeps"
+STUDIES = ROOT / "docs" / "examples" / "studies"
+"""The study files (``timlab study``): each writes the FINDINGS block its ``findings`` names."""
 LEARNED_AT = 0.6
 """A surge-testbed run has learned once greedy accuracy reaches this (the scratchpad switch)."""
 SLOPE_LAG = 20
@@ -449,8 +453,7 @@ def remedies(R: pd.DataFrame) -> str:
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
           "d16-300": d16_300,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
-          "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.STUDY["start"]),
-          "erosion-study": lambda R: erosion_tables.study(str(SWEEPS / "erosion")),
+          "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.START),
           "e2-study": lambda R: e2_tables.study(str(SWEEPS / "e2")),
           "e3-starts": lambda R: e3_tables.starts(str(SWEEPS / "e3_starts")),
           "e3-followup": lambda R: e3_tables.followup(str(SWEEPS / "e3_starts_rl")),
@@ -464,7 +467,21 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
           "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),
           "moe-study": lambda R: moe_tables.study(str(SWEEPS / "moe"))}
-"""The generated blocks of docs/FINDINGS.md, by marker name."""
+"""The generated blocks of docs/FINDINGS.md, by marker name (with ``study_blocks``)."""
+
+
+def study_blocks() -> dict:
+    """{FINDINGS block: its study file's analysis} of every study file under ``STUDIES`` (sweep
+    directories relative to the repository)."""
+    out = {}
+    for path in sorted(STUDIES.glob("*.yaml")):
+        s = load_study(path)
+        if s.findings:
+            out[s.findings[1]] = lambda R, s=s: analyze(s, ROOT / s.out).text
+    return out
+
+
+BLOCKS.update(study_blocks())
 
 
 def render(R: pd.DataFrame | None = None) -> dict[str, str]:
@@ -475,10 +492,7 @@ def render(R: pd.DataFrame | None = None) -> dict[str, str]:
 def splice(text: str, blocks: dict[str, str]) -> str:
     """``text`` with each ``<!-- findings:NAME -->...<!-- /findings:NAME -->`` body replaced."""
     for name, body in blocks.items():
-        pat = re.compile(rf"(<!-- findings:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /findings:{re.escape(name)} -->)", re.S)
-        if not pat.search(text):
-            raise KeyError(f"{FINDINGS}: no block <!-- findings:{name} -->")
-        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+        text = splice_block(text, name, body, where=str(FINDINGS))
     return text
 
 

@@ -26,7 +26,7 @@ missing runs (no interim analysis), and a control run stopped by the zero-mismat
 study at once. Rule 1 (validity): every control step keeps k3 exactly 0 and every token bitwise
 equal, and every run's step-0 evaluation (accuracy and gold log-prob) is the same. Per run: the
 mechanism over steps 1-500 (k3, flip rates, mean |r| at flipped and unflipped positions) and the
-erosion study's endpoints (``erosion_tables.run_endpoints``: mean accuracy and gold log-prob and
+erosion study's endpoints (``study.endpoints.run_endpoints``: mean accuracy and gold log-prob and
 their OLS slopes per 100 steps over the evaluations at steps 50-500, plateau-rule falls, step-500
 values). Per arm: means with 95% t- and seed-bootstrap intervals; rule 2 places the k3 interval
 against the MoE and dense ranges. Each outcome endpoint is one Holm family (``stats.compare_family``:
@@ -36,7 +36,7 @@ and every replay arm (``<arm>_replay``) minus its no-replay arm (rule 5: recover
 where the no-replay arm erodes on that endpoint). k3 and the flip rate compare each replay arm with
 its no-replay arm the same way (Holm over the pairs), with the ratio of means and its bootstrap
 interval (``stats.bootstrap_ratio_ci``). Rule 6 places each arm's excess slope against the erosion
-study's k3 fit (``erosion_tables.off_fit``) once that study is complete.
+study's k3 fit (``study.fits.off_fit``) once that study is complete.
 
 ``layers``: per arm, each sparse layer's flip fraction (``router_flip_frac_by_layer`` in
 distributions.jsonl, which committed sweeps leave out, so it runs where the sweep ran).
@@ -56,18 +56,21 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from erosion_tables import CONTROL as ERO_CONTROL, HEAD, STUDY as ERO_STUDY  # noqa: E402  (the study tables
-from erosion_tables import arm, bootstrap_fit, collect, fit_power, fmt, off_fit, runs  # noqa: E402  these follow)
-from erosion_tables import comparison_cells, incomplete_line, mean_cells, sweep_states  # noqa: E402
-from erosion_tables import run_endpoints as erosion_run_endpoints  # noqa: E402
+from timlab.experiments.study.endpoints import run_endpoints as erosion_run_endpoints  # noqa: E402
+from timlab.experiments.study.fits import bootstrap_fit, fit_power, off_fit  # noqa: E402
+from timlab.experiments.study.sweep_runs import arm, collect, incomplete_line, runs, sweep_states  # noqa: E402
+from timlab.experiments.study.text import comparison_cells, fmt, mean_cells  # noqa: E402
 from timlab.experiments.stats import (N_BOOT, bootstrap_ci, bootstrap_ratio_ci, clopper_pearson,  # noqa: E402
                                       compare_family, t_ci)
 from timlab.experiments.sweep import INDEX_FILE, load_spec  # noqa: E402
 from timlab.rundir.metrics_log import without_timings  # noqa: E402
 
-CONTROL = "control"
-"""The zero-mismatch arm's condition name in the MoE specs."""
+CONTROL = ERO_CONTROL = "control"
+"""The zero-mismatch arm's condition name in the MoE specs (and the erosion study's)."""
+HEAD = "head_"
+"""Prefix of the erosion study's head_perturb arms (its k3 fit's arms)."""
+ERO_STUDY = {"arms": 11, "seeds": 8, "steps": 500, "start": 50, "min_start_accuracy": 0.95}
+"""The erosion study's design (docs/examples/studies/erosion.yaml), for rule 6."""
 CONTROL_REPLAY = "control_replay"
 """The control with router replay (the pilot's): it must equal the control in every logged value."""
 LEARN_BAR = 0.15
@@ -158,7 +161,7 @@ MECHANISM = (("k3", "realized k3"), ("flip", "router flip frac (pairs)"))
 
 
 def study_endpoints(m: pd.DataFrame, start: int = STUDY["start"], *, diverged: bool = False) -> dict:
-    """One run's endpoints: the erosion study's (``erosion_tables.run_endpoints``: levels and slopes
+    """One run's endpoints: the erosion study's (``study.endpoints.run_endpoints``: levels and slopes
     over the evaluations at steps >= ``start``, guard, falls, final values, k3 over the first and last
     20 steps), with the mechanism over every RL step (k3, flip rates, mean |r| at flipped and
     unflipped positions; steps 1-500 as registered, not the outcome window) and the step-0
@@ -190,7 +193,7 @@ def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY, erosion:
     if any(c not in done for c in want):  # no run's metrics are read before the study is complete
         return _incomplete(want, done, design)
     per = collect(sweep, design, endpoints=study_endpoints)
-    ero = collect(str(erosion)) if (Path(erosion) / INDEX_FILE).exists() else {}
+    ero = collect(str(erosion), ERO_STUDY, endpoints=erosion_run_endpoints) if (Path(erosion) / INDEX_FILE).exists() else {}
     return analyse(per, want, design=design, erosion=ero)
 
 
@@ -329,7 +332,7 @@ def _secondary(per: dict, order: list[str], design: dict) -> list[str]:
 
 def _cross_study(col: dict, mis: list[str], erosion: dict[str, list[dict]] | None, *, n: int = N_BOOT) -> list[str]:
     """Rule 6 (descriptive, no test): each MoE arm's excess slope against the erosion study's k3 fit
-    at its realized k3 (``erosion_tables.off_fit`` over ``n`` fit resamples, with the MoE control's
+    at its realized k3 (``study.fits.off_fit`` over ``n`` fit resamples, with the MoE control's
     seeds as its reference)."""
     head = "Cross-study (rule 6, descriptive): "
     want = ERO_STUDY["arms"] * ERO_STUDY["seeds"]

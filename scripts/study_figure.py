@@ -19,10 +19,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from erosion_tables import arm, runs  # noqa: E402
+from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
 
 PANELS = (("val/accuracy", "greedy val accuracy (pi, no injector)", 1, False),
           ("val/gold_logprob", "gold answer log-prob (pi)", 1, False),

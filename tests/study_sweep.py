@@ -13,13 +13,15 @@ from timlab.rundir import RunDir
 
 
 def write_sweep(root: Path, names: list[str], metrics: Callable[[str], pd.DataFrame], steps: int, *,
-                states: dict | None = None) -> Path:
+                states: dict | None = None, run_ids: dict | None = None) -> Path:
     """A sweep directory at ``root`` holding the runs ``names`` (``metrics(name)``: the run's full
-    table), each finished at ``steps`` unless ``states`` says otherwise (name -> (state, last step))."""
+    table), each finished at ``steps`` unless ``states`` says otherwise (name -> (state, last step));
+    ``run_ids``: name -> run directory (default ``<name>__abc123``; a study file's runs need the ids
+    their spec expands to)."""
     rows = []
     for name in names:
         state, last = (states or {}).get(name, ("finished", steps))
-        rd = RunDir(Path(root) / f"{name}__abc123")
+        rd = RunDir(Path(root) / (run_ids or {}).get(name, f"{name}__abc123"))
         rd.path.mkdir(parents=True)
         m = metrics(name)
         m[m["step"] <= last].to_parquet(rd.metrics_file, index=False)

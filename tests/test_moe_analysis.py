@@ -16,6 +16,7 @@ import pytest
 
 from script_loader import REPO, load_script
 from timlab.experiments.stats import bootstrap_ci, bootstrap_ratio_ci
+from timlab.experiments.study.sweep_runs import grouped_seeds
 from timlab.experiments.sweep import INDEX_FILE, load_spec
 from timlab.rundir import RunDir
 from timlab.rundir.metrics_log import MetricsLog
@@ -44,7 +45,7 @@ def test_bootstrap_ratio_ci():
 
 
 def test_seed_lists_compress_to_ranges():
-    assert load_script("erosion_tables").grouped_seeds(
+    assert grouped_seeds(
         ["control_s0", "control_s1", "control_s2", "bf16_s3", "bf16_s5", "control_s7"]) == \
         "control seeds 0-2, 7, bf16 seeds 3, 5"
 

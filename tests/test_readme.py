@@ -79,6 +79,12 @@ PLAN = (
     Step(r"timlab gradcheck --preset demo .*", replace=SMOKE + (("--samples 1024", "--samples 64"), ("--buckets 4", "--buckets 1")),
          add=("--model", "models/reverse", "--quiet")),
     Step(r"timlab check --model models/reverse .*", add=("--batch-sizes", "1,8")),
+    Step(r"timlab study check docs/examples/study_quickstart\.yaml"),
+    Step(r"timlab study run docs/examples/study_quickstart\.yaml",
+         skip="~40 CPU-seconds (bench/RESULTS.md); tests/test_study.py runs the engine and the command on planted sweeps"),
+    Step(r"timlab study analyze docs/examples/study_quickstart\.yaml", skip="needs the quickstart's runs (study run)"),
+    Step(r"timlab study analyze docs/examples/studies/erosion\.yaml",
+         skip="~15 s over sweeps/erosion; tests/test_findings.py recomputes the same block (erosion-study)"),
     Step(r"timlab export runs/r1 --step 100 --out models/learned", replace=(("--step 100", "--step 4"),)),
     Step(r"timlab gradcheck --run-dir runs/r1 --step 100", replace=(("--step 100", "--step 4"),), add=("--quiet",)),
 )

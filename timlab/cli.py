@@ -544,6 +544,85 @@ def _add_check(sub) -> None:
     p.set_defaults(func=cmd_check)
 
 
+# ---------------------------------------------------------------------------------- study
+def cmd_study(args: argparse.Namespace) -> int:
+    from timlab.experiments import study as S
+
+    st = S.load_study(args.file)
+    out = S.engine.sweep_dir(st, args.out)
+    if args.action == "check":
+        runs = S.planned_runs(st)
+        arms = {}
+        for r in runs:
+            arms[r.arm] = arms.get(r.arm, 0) + 1
+        states = (out / "index.parquet").exists()
+        print(f"study {st.name} ({args.file}): valid registration")
+        print(f"  registration hash: {st.hash}")
+        print(f"  sweep: {len(runs)} runs, {st.steps} steps each; arms: " + ", ".join(f"{a} ({n})" for a, n in arms.items()))
+        print(f"  endpoints: {', '.join(e.name for e in st.endpoints)}")
+        for f in st.families:
+            print(f"  family {f.name}: {', '.join(f.arms) or 'every arm'} vs {f.against} on {', '.join(f.endpoints)}; "
+                  f"{f.correction}; rule {f.rule}")
+        print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
+        return 0
+    if args.action == "run":
+        from timlab.experiments.sweep import INDEX_FILE, run_sweep, spec_from_dict
+
+        spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
+        S.planned_runs(st)  # every config resolves before anything is written
+        wrote = S.freeze(st, out)
+        print(f"registration {st.hash[:12]} " + (f"frozen in {out / S.registration.FREEZE_FILE}" if wrote
+                                                  else "matches its freeze"))
+        prog = SweepProgress(not args.quiet)
+        try:
+            df = run_sweep(spec, out, workers=args.workers, progress=prog)
+        finally:
+            prog.close()
+        counts = ", ".join(f"{n} {s}" for s, n in df["state"].value_counts().items())
+        print(f"study {st.name}: {len(df)} runs ({counts}) in {out}; index {out / INDEX_FILE}")
+        for run_id, msg in df.attrs.get("failed", {}).items():
+            print(f"  failed {run_id}: {msg}")
+        return 1 if df.attrs.get("failed") else 0
+    if args.action == "figure":
+        if not args.png:
+            raise CLIError("study figure needs --png FILE")
+        check_output_file(args.png, "--png")
+        print(f"wrote {S.figure(st, args.png, args.out)}")
+        return 0
+    res = S.analyze(st, args.out)
+    print(res.text)
+    print(f"\n{st.name}: {res.status}; {res.freeze}")
+    if args.write:
+        if res.status != "complete":
+            raise CLIError(f"--write: the analysis is {res.status}; nothing written")
+        if st.findings is None:
+            raise CLIError(f"--write: {args.file} names no findings block (findings: {{file, block}})")
+        from timlab.experiments.study.text import splice_block
+
+        path, name = st.findings
+        Path(path).write_text(splice_block(Path(path).read_text(encoding="utf-8"), name, res.text, where=path),
+                              encoding="utf-8")
+        print(f"wrote block {name} of {path}")
+    return 0 if res.status == "complete" else 1
+
+
+def _add_study(sub) -> None:
+    p = sub.add_parser("study", help="a pre-registered study from one study file: check it, run its sweep, "
+                                     "analyse it into verdicts (docs/studies.md)")
+    p.add_argument("action", choices=("check", "run", "analyze", "figure"),
+                   help="check: validate the file, print its hash and progress; run: freeze the registration and "
+                        "run (or resume) its sweep; analyze: the registered analysis and verdicts, refused while "
+                        "runs are missing or the registration changed without an amendment; figure: each arm's "
+                        "difference from its reference, with its interval")
+    p.add_argument("file", help="study file (YAML)")
+    p.add_argument("--out", help="sweep directory (default: the file's out)")
+    p.add_argument("--workers", type=int, help="run: parallel runs (default: the spec's workers, else the cores)")
+    p.add_argument("--write", action="store_true", help="analyze: rewrite the file's findings block")
+    p.add_argument("--png", help="figure: the PNG to write")
+    p.add_argument("--quiet", action="store_true", help=QUIET)
+    p.set_defaults(func=cmd_study)
+
+
 # ---------------------------------------------------------------------------------- threshold
 def cmd_threshold(args: argparse.Namespace) -> int:
     from timlab.experiments.threshold import format_threshold, plot_threshold, threshold_study
@@ -754,6 +833,11 @@ EXAMPLES: dict[str, list[str]] = {
     "report": ["timlab report sweeps/dose --out dose.html"],
     "analyze": ["timlab analyze timlab/data/sample_logprobs.jsonl --out analysis.html"],
     "threshold": ["timlab threshold sweeps/threshold --plot threshold.png"],
+    "study": ["timlab study check docs/examples/study_quickstart.yaml",
+              "timlab study run docs/examples/study_quickstart.yaml",
+              "timlab study analyze docs/examples/study_quickstart.yaml",
+              "timlab study figure docs/examples/study_quickstart.yaml --png quickstart.png",
+              "timlab study analyze docs/examples/studies/erosion.yaml --write"],
     "gradcheck": ["timlab gradcheck --preset demo --injector head_perturb --magnitude 1 --samples 256",
                   "timlab gradcheck --run-dir runs/r1 --step 50"],
     "config": ["timlab config", "timlab config --preset demo --set optim.lr=3e-4"],
@@ -780,7 +864,7 @@ def _describe(sub) -> None:
 
 
 COMMANDS = [_add_probe, _add_pretrain, _add_train, _add_demo, _add_sweep, _add_runs, _add_report, _add_analyze,
-            _add_check, _add_threshold, _add_gradcheck, _add_export, _add_config]
+            _add_check, _add_study, _add_threshold, _add_gradcheck, _add_export, _add_config]
 """Each subcommand's registrar, in the order ``timlab --help`` lists them."""
 
 

@@ -1,0 +1,286 @@
+"""The study engine (timlab.experiments.study) on synthetic sweeps with planted effects: the
+registration's checks and hash, the freeze and its amendments, the refusals (incomplete, void),
+the endpoints over windows, the comparison families with Holm and the verdicts, the power-law fit,
+and ``timlab study`` itself."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from study_sweep import write_sweep
+from timlab import cli
+from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, study_from_dict
+from timlab.experiments.study.endpoints import window_stat
+from timlab.experiments.study.fits import fit_power, power_law_section
+
+STEPS = 100
+SEEDS = 5
+ARMS = {"control": 0.0, "head": -0.10, "tiny": 0.0}
+"""Arm -> its planted shift of greedy accuracy (the control's level is 0.9)."""
+
+
+def registration(**over) -> dict:
+    """Three arms x 5 seeds on the smoke preset, one condition per (arm, seed)."""
+    conds = [{"name": f"{a}_s{s}", "set": {"mismatch.injector": "none" if a == "control" else "head_perturb",
+                                           **({} if a == "control" else {"mismatch.magnitude": 1.0 if a == "head" else 0.01}),
+                                           "run.seed": s, "mismatch.seed": s}}
+             for s in range(SEEDS) for a in ARMS]
+    d = {"study": "planted", "sweep": {"base": {"preset": "smoke", "set": {"run.steps": STEPS}}, "conditions": conds},
+         "steps": STEPS, "control": "control", "validity": {"control_exact": True, "min_start_accuracy": 0.5,
+                                                           "same_start": True},
+         "endpoints": [{"name": "acc", "metric": "val/accuracy", "stat": "level", "window": [20, None],
+                        "label": "mean accuracy, steps 20-100"},
+                       {"name": "slope", "metric": "val/accuracy", "stat": "slope", "window": [20, None]},
+                       {"name": "k3", "metric": "rollout_corr/k3_kl", "stat": "level", "window": [1, None],
+                        "label": "realized k3"},
+                       {"name": "fell", "metric": "val/accuracy", "stat": "fall"},
+                       {"name": "final", "metric": "val/accuracy", "stat": "final"}],
+         "families": [{"name": "cost", "endpoints": ["acc", "slope"], "rule": "lowers", "show": "k3"}],
+         "rules": [{"name": "lowers", "test": "below", "alpha": 0.05, "fails": "no (costs {cost})"}],
+         "tables": [{"title": "Secondary", "columns": [
+             {"header": "falls", "show": "count", "endpoint": "fell"},
+             {"header": "final accuracy [95% t]", "show": "t", "endpoint": "final"}]}]}
+    d.update(over)
+    return d
+
+
+def metrics(name: str) -> pd.DataFrame:
+    """A run's table: accuracy 0.9 + its arm's shift from step 10 on (+ seed noise of sd 1e-3),
+    evaluated every 10 steps, step 0 the same start in every run; k3 exactly 0 in the control."""
+    arm, seed = name.rsplit("_s", 1)
+    rng = np.random.default_rng(int(seed) + 10 * list(ARMS).index(arm))
+    steps = np.arange(STEPS + 1)
+    ev = np.where(steps % 10 == 0, 1.0, np.nan)
+    acc = 0.9 + np.where(steps >= 10, ARMS[arm], 0.0) + np.where(steps > 0, 1e-3 * rng.standard_normal(), 0.0)
+    rl = np.where(steps >= 1, 1.0, np.nan)
+    k3 = {"control": 0.0, "head": 0.1, "tiny": 1e-4}[arm]
+    return pd.DataFrame({"step": steps, "val/accuracy": ev * acc, "val/gold_logprob": ev * (-0.3),
+                         "rollout_corr/k3_kl": rl * k3, "mismatch/frac_bitwise_equal": rl * (1.0 if k3 == 0 else 0.4),
+                         "train/step_time_s": 0.1})
+
+
+def make(tmp_path, *, states=None, over=None, runs=None, metrics_of=metrics):
+    study = study_from_dict(registration(**(over or {})), root=tmp_path, source="planted.yaml")
+    ids = {p.name: p.run_id for p in planned_runs(study)}
+    out = tmp_path / "sweep"
+    freeze(study, out)
+    write_sweep(out, runs or list(ids), metrics_of, STEPS, states=states, run_ids=ids)
+    return study, out
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("planted")
+    study, out = make(tmp)
+    return study, out, analyze(study, out)
+
+
+# ------------------------------------------------------------------------------- the analysis
+def test_planted_effect_is_found_with_its_numbers(done):
+    study, _, res = done
+    assert res.status == "complete" and res.freeze.endswith("unchanged")
+    lines = res.text.splitlines()
+    assert lines[0] == ("Validity: control guard (k3 exactly 0, every token bitwise equal, every step) held; control "
+                        "step-0 accuracy 0.900 (bar 0.5); step-0 evaluation the same in all 15 runs (accuracy 0.900, "
+                        "gold log-prob -0.300): VALID.")
+    head = next(line for line in lines if line.startswith("| head | 0.100 | "))
+    cells = [c.strip() for c in head.split("|")[1:-1]]
+    # 5 vs 5: the floor is 2/252; Holm over the 2 treated arms doubles it
+    assert float(cells[3].split()[0]) == pytest.approx(-0.10, abs=2e-3)
+    assert cells[4] == f"{2 / 252:.4f}" and cells[5] == f"{4 / 252:.4f}" and cells[6] == "**yes**"
+    tiny = next(line for line in lines if line.startswith("| tiny | 1.0e-04 | "))
+    assert "| no (costs at most -" in tiny
+    assert res.verdicts[("cost", "acc", "head")] is True and res.verdicts[("cost", "acc", "tiny")] is False
+    assert "| control | 0 | +0.9" in res.text  # the control's k3, exactly 0 by its guard
+    # the flat accuracy after step 20 has a slope of 0 up to the noise: neither arm lowers it
+    assert res.verdicts[("cost", "slope", "head")] is False
+    assert "| head | 0/5 [0.00, 0.52] | 0.800 [" in res.text
+
+
+def test_endpoint_statistics_over_windows():
+    m = pd.DataFrame({"step": [0, 10, 20, 30, 40], "x": [1.0, 2.0, math.nan, 4.0, 6.0]})
+    assert window_stat(m, "x", "level", (10, 30)) == 3.0
+    # (10, 2), (30, 4), (40, 6): Sxy = 60, Sxx = 1400 / 3
+    assert window_stat(m, "x", "slope", (10, 40)) == pytest.approx(100 * 60 / (1400 / 3))
+    assert window_stat(m, "x", "first", (0, None), n=2) == 1.5 and window_stat(m, "x", "last", n=2) == 5.0
+    assert window_stat(m, "x", "start", (10, None)) == 2.0 and window_stat(m, "x", "final") == 6.0
+    assert math.isnan(window_stat(m, "x", "slope", (40, None))) and math.isnan(window_stat(m, "y", "level"))
+
+
+def test_an_incomplete_sweep_is_refused_naming_the_missing_runs(tmp_path):
+    study, out = make(tmp_path, states={"head_s3": ("running", 50)})
+    res = analyze(study, out)
+    assert res.status == "incomplete" and res.text == (
+        "INCOMPLETE: 14 of 15 runs finished at step 100 (missing: head seed 3); no endpoint is computed before "
+        "the study is complete (no interim analysis).")
+
+
+def test_a_broken_control_or_a_different_start_voids_the_study(tmp_path):
+    def leaky(name):
+        m = metrics(name)
+        if name == "control_s2":
+            m.loc[m["step"] == 7, "rollout_corr/k3_kl"] = 1e-9
+        return m
+
+    study, out = make(tmp_path / "a", metrics_of=leaky)
+    res = analyze(study, out)
+    assert res.status == "void" and "guard (k3 exactly 0, every token bitwise equal, every step) BROKEN" in res.text
+    assert res.text.endswith(": VOID (re-run, do not analyse).") and "|" not in res.text
+
+    def moved(name):
+        m = metrics(name)
+        if name == "tiny_s4":
+            m.loc[m["step"] == 0, "val/accuracy"] = 0.8
+        return m
+
+    study, out = make(tmp_path / "b", metrics_of=moved)
+    assert "step-0 evaluation DIFFERS between runs (2 distinct)" in analyze(study, out).text
+    study, out = make(tmp_path / "c", states={"control_s1": ("guard_failed", 12)})
+    assert analyze(study, out).text.startswith("VOID: the zero-mismatch guard stopped control_s1 ")
+
+
+def test_three_seeds_cannot_pass_alpha_and_say_so(tmp_path):
+    d = registration()
+    d["sweep"]["conditions"] = [c for c in d["sweep"]["conditions"] if int(c["name"][-1]) < 3]
+    study = study_from_dict(d, root=tmp_path, source="three.yaml")
+    ids = {p.name: p.run_id for p in planned_runs(study)}
+    freeze(study, tmp_path / "s")
+    write_sweep(tmp_path / "s", list(ids), metrics, STEPS, run_ids=ids)
+    res = analyze(study, tmp_path / "s")
+    # 3 vs 3: the smallest p is 2/20 = 0.1, times 2 under Holm
+    assert "| not testable here (smallest attainable p 0.200) |" in res.text
+    assert res.verdicts[("cost", "acc", "head")] is None
+
+
+def test_power_law_fit_recovers_a_planted_law():
+    k3 = {"head_a": 4e-4, "head_b": 1e-3, "head_c": 3e-3, "head_d": 1e-2, "head_e": 3e-2, "head_f": 0.1}
+    assert fit_power(np.array(list(k3.values())), -2e-3 * np.array(list(k3.values())) ** 0.8) == pytest.approx((2e-3, 0.8))
+    assert fit_power(np.array([1e-3, 1e-2, 0.1]), np.array([-1.0, 1.0, 1.0])) is None  # < 3 negative arms
+    rng = np.random.default_rng(0)
+    col = {"control": {"k3": np.zeros(8), "s": 1e-5 * rng.standard_normal(8)}}
+    for a, k in [*k3.items(), ("fp8", 0.1)]:  # fp8 lies on the law (its excess planted from its own k3)
+        k = k * (1 + 0.05 * rng.standard_normal(8))  # realized k3 per seed
+        col[a] = {"k3": k, "s": -2e-3 * k ** 0.8 * 100 + 1e-5 * rng.standard_normal(8)}
+    col["stale"] = {"k3": np.full(8, 1e-3), "s": np.full(8, -0.2)}
+    lines = power_law_section(col, "control", [*k3, "fp8", "stale"], "head_", "s", "accuracy slope", 0.1,
+                              "0.1 accuracy", 1e-3, {a: True for a in [*k3, "fp8", "stale"]})
+    c = float(lines[0].split("c = ")[1].split(" ")[0])
+    alpha = float(lines[0].split("alpha = ")[1].split(" ")[0])
+    t = float(lines[0].split("cost 0.1 accuracy: ")[1].split(" ")[0])
+    assert c == pytest.approx(2e-3, rel=0.1) and alpha == pytest.approx(0.8, abs=0.03)  # k3 noise of 5% per seed
+    assert t == pytest.approx(0.1 / (2e-3 * 1e-3 ** 0.8), rel=0.2)  # 1.26e4 steps
+    assert "agrees with the fit" in lines[1] and lines[1].startswith("- fp8:")
+    assert "off the curve" in lines[2] and lines[2].startswith("- stale:")
+
+
+# ------------------------------------------------------------------------------- the freeze
+def test_a_changed_registration_is_refused_unless_amended(tmp_path):
+    study, out = make(tmp_path)
+    assert (out / "study.json").exists()
+    changed = registration()
+    changed["endpoints"][0]["window"] = [30, None]
+    moved = study_from_dict(changed, root=tmp_path, source="planted.yaml")
+    assert moved.hash != study.hash
+    with pytest.raises(StudyError, match=r"changed after its first run .*endpoints\[0\]\.window\[0\]: 20 -> 30\); "
+                                         r"record an amendment"):
+        analyze(moved, out)
+    wrong = {"date": "2026-12-01", "reason": "a later window", "hash": study.hash}
+    with pytest.raises(StudyError, match="changed after its first run"):
+        analyze(study_from_dict({**changed, "amendments": [wrong]}, root=tmp_path), out)
+    ok = {"date": "2026-12-01", "reason": "steps 20-30 were still learning", "hash": moved.hash}
+    res = analyze(study_from_dict({**changed, "amendments": [ok]}, root=tmp_path), out)
+    assert res.status == "complete" and "amended 2026-12-01" in res.freeze
+    assert res.text.endswith("Amendments after the first run: 2026-12-01: steps 20-30 were still learning")
+    with pytest.raises(StudyError, match="reason must say why"):
+        study_from_dict({**changed, "amendments": [{**ok, "reason": " "}]})
+    with pytest.raises(StudyError, match=r"date 'soon' is not a date \(YYYY-MM-DD\)"):
+        study_from_dict({**changed, "amendments": [{**ok, "date": "soon"}]})
+
+
+def test_runs_without_a_freeze_are_refused(tmp_path):
+    study = study_from_dict(registration(), root=tmp_path)
+    ids = {p.name: p.run_id for p in planned_runs(study)}
+    write_sweep(tmp_path / "s", list(ids), metrics, STEPS, run_ids=ids)  # run without `timlab study run`
+    with pytest.raises(StudyError, match=f"holds runs but no frozen registration .* frozen: {study.hash}"):
+        analyze(study, tmp_path / "s")
+    with pytest.raises(StudyError, match="holds runs but no frozen registration"):
+        freeze(study, tmp_path / "s")  # `timlab study run` does not freeze late either
+    assert not (tmp_path / "s" / "study.json").exists()
+    assert analyze(study_from_dict({**registration(), "frozen": study.hash}, root=tmp_path), tmp_path / "s").status == "complete"
+
+
+def test_hash_ignores_amendments_and_formatting_but_not_the_sweep(tmp_path):
+    a = study_from_dict(registration(), root=tmp_path)
+    b = study_from_dict(yaml.safe_load(yaml.safe_dump(registration(), default_flow_style=True)), root=tmp_path)
+    assert a.hash == b.hash == study_from_dict({**registration(), "frozen": a.hash}, root=tmp_path).hash
+    d = registration()
+    d["sweep"]["base"]["set"]["run.steps"] = 101
+    assert study_from_dict(d, root=tmp_path).hash != a.hash
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"wrong": 1}, "unknown key 'wrong'; valid choices: study, sweep, out, steps,"),
+    ({"steps": 0}, "steps must be an integer >= 1, got 0"),
+    ({"rules": [{"name": "lowers", "test": "lower"}]}, "rules[0]: test: 'lower'; valid choices: below, above"),
+    ({"families": [{"name": "f", "endpoints": ["accuracy"], "rule": "lowers"}]},
+     "families[0]: endpoints: 'accuracy'; valid choices: acc, slope, k3, fell, final"),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "rule": "lowers", "correction": "bonferroni"}]},
+     "families[0]: correction: 'bonferroni'; valid choices: holm, none"),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "rule": "lowers", "arms": "head"}]},
+     "families[0]: arms: expected a non-empty list of arm names, got 'head'"),
+    ({"endpoints": [{"name": "a", "metric": "m", "stat": "median"}]},
+     "endpoints[0]: stat: 'median'; valid choices: level, slope, first, last, start, final, fall"),
+    ({"endpoints": [{"name": "a", "metric": "m", "stat": "level", "window": [50, 10]}]},
+     "endpoints[0]: window: first step 50 after last step 10"),
+    ({"sweep": "missing.yaml"}, "sweep: spec file not found"),
+])
+def test_bad_registrations_are_one_line_errors_naming_the_field(tmp_path, change, message):
+    with pytest.raises(StudyError) as e:
+        study_from_dict(registration(**change), root=tmp_path, source="s.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- the command
+def test_study_command_checks_analyzes_and_writes_a_block(tmp_path, capsys):
+    findings = {"findings": {"file": "FINDINGS.md", "block": "planted"}}
+    study, out = make(tmp_path, over=findings)
+    path = tmp_path / "planted.yaml"
+    (tmp_path / "FINDINGS.md").write_text("x\n<!-- findings:planted -->\nold\n<!-- /findings:planted -->\ny\n")
+    path.write_text(yaml.safe_dump(registration(**findings)))  # the registration frozen at the first run
+    assert cli.main(["study", "check", str(path), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"registration hash: {load_study(path).hash}" in text and "arms: control (5), head (5), tiny (5)" in text
+    assert "runs not finished: none" in text
+    assert cli.main(["study", "analyze", str(path), "--out", str(out), "--write"]) == 0
+    text = capsys.readouterr().out
+    assert "| head | 0.100 |" in text and "planted: complete; frozen registration" in text
+    body = (tmp_path / "FINDINGS.md").read_text()
+    assert body.startswith("x\n<!-- findings:planted -->\nValidity: ") and body.endswith("<!-- /findings:planted -->\ny\n")
+    d = yaml.safe_load(path.read_text())
+    d["endpoints"][0]["window"] = [25, None]  # changed after the first run, no amendment
+    path.write_text(yaml.safe_dump(d))
+    assert cli.main(["study", "analyze", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("timlab: error: ") and "changed after its first run" in err and err.count("\n") == 1
+
+
+def test_figure_of_a_complete_study_and_refusal_of_an_incomplete_one(done, tmp_path):
+    from timlab.experiments.study import figure
+
+    study, out, _ = done
+    png = figure(study, tmp_path / "f.png", out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    partial, pout = make(tmp_path / "p", states={"tiny_s0": ("running", 3)})
+    with pytest.raises(StudyError, match="no figure: INCOMPLETE: 14 of 15 runs"):
+        figure(partial, tmp_path / "g.png", pout)
+
+
+def test_an_arm_the_sweep_does_not_have_is_named(tmp_path):
+    d = registration(families=[{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "arms": ["haed"]}])
+    with pytest.raises(StudyError, match=r"families: cost: 'haed' is not an arm of the sweep; arms: control, head, tiny"):
+        planned_runs(study_from_dict(d, root=tmp_path, source="s.yaml"))

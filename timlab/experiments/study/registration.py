@@ -1,0 +1,487 @@
+"""A study's registration: the study file (YAML) read into frozen dataclasses, its hash, and the
+freeze that keeps it from changing once its first run exists.
+
+The file holds everything registered before the data: the sweep (a spec file, or the spec inline),
+the endpoints (metric, statistic, step window), the comparison families with their correction and
+decision rule, the validity checks, descriptive tables, fits, and the FINDINGS block it writes.
+docs/studies.md describes every field; each dataclass below documents its own. Paths in the file
+are relative to the file's folder, except ``out`` (the sweep directory), which is relative to the
+working directory, like every ``--out`` of timlab.
+
+Freeze by hash. ``registration_hash`` is the SHA-256 of the registration (the file's mapping
+without ``amendments``, ``frozen`` and ``out``, with a referenced sweep spec's own mapping in place of its
+path), in canonical JSON. ``timlab study run`` records it in ``<out>/study.json`` before the first
+run starts. From then on the hash must stay that one, or equal the ``hash`` of the last entry of
+``amendments`` (each with its ``date`` and ``reason``): ``check_freeze`` refuses anything else, so a
+registration cannot change after the data exist without saying when and why. A sweep run before
+``timlab study run`` existed has no ``study.json``; its study file then names the hash it was
+registered with in ``frozen``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from timlab.errors import TimlabError
+from timlab.experiments.study.endpoints import STATS
+from timlab.files import read_text
+from timlab.yaml_io import load_yaml
+
+FREEZE_FILE = "study.json"
+"""The freeze record in a study's sweep directory: the registration's hash and mapping at the first run."""
+CORRECTIONS = ("holm", "none")
+TESTS = ("below", "above")
+SHOWS = ("count", "change", "t")
+FITS = ("power_law",)
+NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+class StudyError(TimlabError, ValueError):
+    """A bad study file, or a study that may not be run or analysed as it stands; one line."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One number per run, compared between arms (``endpoints.window_stat``)."""
+
+    name: str
+    """The key families, tables and fits use (a letter, then letters, digits, _)."""
+    metric: str
+    """The logged metric (a metrics.parquet column, e.g. ``val/accuracy``)."""
+    stat: str
+    """``level``, ``slope`` (per 100 steps), ``first``, ``last``, ``start``, ``final`` or ``fall``."""
+    window: tuple[int | None, int | None] = (None, None)
+    """[first step, last step], both inclusive; null leaves that end open."""
+    n: int = 20
+    """``first`` / ``last``: how many values are averaged."""
+    rule: str = "plateau"
+    """``fall``: the collapse rule (``timlab.experiments.collapse``: plateau or peak)."""
+    label: str = ""
+    """How tables name the endpoint (default: its name)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A decision rule, as data: when a comparison counts as an effect, and what the verdict says."""
+
+    name: str
+    """The rule's name: the verdict column's header."""
+    test: str = "below"
+    """``below``: the difference is negative, its (Holm) p < alpha and its bootstrap interval lies
+    below 0 (``stats.Comparison.below``); ``above``: the mirror image."""
+    alpha: float = 0.05
+    """The level the (corrected) p must stay under."""
+    holds: str = "**yes**"
+    """The verdict when the rule holds."""
+    fails: str = "no"
+    """The verdict when it does not; ``{cost}`` is replaced by what the data still allow
+    (``Comparison.cost_bound``: "at most -0.0061" or "none: the interval ... lies above 0")."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """Comparisons of arms against one reference arm on some endpoints; each endpoint is one
+    family for the correction."""
+
+    name: str
+    """The family's name."""
+    endpoints: tuple[str, ...]
+    """The endpoints compared, one table each, in this order."""
+    rule: str
+    """The decision rule applied to every comparison (a name from ``rules``)."""
+    against: str = ""
+    """The reference arm (default: the study's control)."""
+    arms: tuple[str, ...] = ()
+    """The arms compared with it (default: every other arm, in the sweep's order)."""
+    correction: str = "holm"
+    """``holm`` (Holm's step-down over the family's arms, per endpoint) or ``none``."""
+    show: str = ""
+    """An endpoint shown beside each arm as its own column (e.g. the realized k3); none if empty."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a descriptive table."""
+
+    header: str
+    """The column's header."""
+    show: str
+    """``count``: how many runs have the endpoint non-zero, with a 95% Clopper-Pearson interval;
+    ``change``: the mean of the first endpoint -> the mean of the second; ``t``: the mean with its
+    95% t-interval (3 decimals)."""
+    endpoints: tuple[str, ...]
+    """The endpoint (two for ``change``)."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A descriptive table, one row per arm (no test, no verdict)."""
+
+    title: str
+    """Printed in bold above the table."""
+    columns: tuple[Column, ...]
+    """The columns after the arm's name."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A registered fit over the arms (``timlab.experiments.study.fits``)."""
+
+    kind: str
+    """``power_law``: excess = -c * k3^alpha over the dose arms, the other arms placed against it."""
+    endpoint: str
+    """The slope endpoint fitted (per 100 steps in the tables, per step in the fit)."""
+    arms: str
+    """The dose arms: every arm whose name starts with this."""
+    k3: str = "k3"
+    """The endpoint holding each run's realized k3."""
+    loss: float = 0.1
+    """The loss whose step count the fit predicts."""
+    what: str = ""
+    """How the text names that loss (e.g. "0.1 accuracy")."""
+    k3_ref: float = 1e-3
+    """The realized k3 the headline step count is for."""
+    name: str = ""
+    """How the text names the fitted endpoint (default: its label)."""
+    dose_label: str = "head_perturb"
+    """How the text names the dose arms."""
+
+
+@dataclass(frozen=True)
+class Validity:
+    """The checks that void a study (nothing else is computed) when they fail."""
+
+    control_exact: bool = True
+    """Every control run keeps k3 exactly 0 and every token bitwise equal at each of its steps."""
+    min_start_accuracy: float | None = None
+    """The control runs' step-0 accuracy must reach this (null: no bar)."""
+    same_start: bool = False
+    """Every run's step-0 evaluation (accuracy and gold log-prob) is the same."""
+    label: str = ""
+    """Named in the validity line (e.g. "rule 1")."""
+
+
+@dataclass(frozen=True)
+class Amendment:
+    """A change to the registration after its first run, recorded in the file."""
+
+    date: str
+    """When it was made (YYYY-MM-DD)."""
+    reason: str
+    """Why."""
+    hash: str
+    """The registration's hash after the change (``timlab study check`` prints it)."""
+
+
+@dataclass(frozen=True)
+class Study:
+    """A whole registration (see the module docstring)."""
+
+    name: str
+    """The study's name."""
+    sweep: dict
+    """The sweep spec's mapping (inline, or read from the file ``sweep`` names)."""
+    sweep_root: str
+    """The folder the spec's own relative paths (``base.config``) start from."""
+    sweep_source: str
+    """Where the spec came from (for messages)."""
+    steps: int
+    """Steps every run must reach (a run counts once it finished there, or diverged)."""
+    endpoints: tuple[Endpoint, ...]
+    """Per-run endpoints."""
+    families: tuple[Family, ...]
+    """Comparison families."""
+    rules: tuple[Rule, ...]
+    """Decision rules, by name."""
+    control: str = "control"
+    """The zero-mismatch arm."""
+    out: str = ""
+    """The sweep directory (relative to the working directory); ``--out`` overrides it."""
+    validity: Validity = Validity()
+    """The validity checks."""
+    tables: tuple[Table, ...] = ()
+    """Descriptive tables, after the families."""
+    fits: tuple[Fit, ...] = ()
+    """Fits, after the tables."""
+    findings: tuple[str, str] | None = None
+    """(FINDINGS file, block name) the analysis writes with ``--write``."""
+    frozen: str = ""
+    """The registration's hash at its first run, for a sweep started without ``timlab study run``."""
+    amendments: tuple[Amendment, ...] = ()
+    """Changes after the first run, oldest first."""
+    source: str = "<dict>"
+    """The study file (for messages)."""
+    hash: str = ""
+    """The registration's hash (``registration_hash``)."""
+    registration: dict = field(default_factory=dict, compare=False)
+    """The hashed mapping."""
+
+    def endpoint(self, name: str) -> Endpoint:
+        return {e.name: e for e in self.endpoints}[name]
+
+    def label(self, name: str) -> str:
+        e = self.endpoint(name)
+        return e.label or e.name
+
+
+STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "validity", "endpoints", "families", "rules", "tables",
+              "fits", "findings", "frozen", "amendments")
+UNHASHED = ("frozen", "amendments", "out")
+"""Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
+
+
+def _keys(d: Any, allowed: tuple, required: tuple, where: str) -> dict:
+    if not isinstance(d, dict):
+        raise StudyError(f"{where}: expected a mapping, got {type(d).__name__}")
+    for k in d:
+        if k not in allowed:
+            raise StudyError(f"{where}: unknown key {k!r}; valid choices: {', '.join(allowed)}")
+    for k in required:
+        if k not in d:
+            raise StudyError(f"{where}: missing key {k!r}")
+    return d
+
+
+def _choice(v: Any, choices: tuple, where: str) -> str:
+    if v not in choices:
+        raise StudyError(f"{where}: {v!r}; valid choices: {', '.join(choices)}")
+    return v
+
+
+def _names(v: Any, known: list[str], where: str) -> tuple[str, ...]:
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not v:
+        raise StudyError(f"{where}: expected a name or a non-empty list of names")
+    for x in v:
+        _choice(x, tuple(known), where)
+    return tuple(v)
+
+
+def _number(v: Any, where: str, *, positive: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise StudyError(f"{where}: expected a {'positive ' if positive else ''}number, got {v!r}")
+    return float(v)
+
+
+def _window(v: Any, where: str) -> tuple[int | None, int | None]:
+    if v is None:
+        return (None, None)
+    if not (isinstance(v, list) and len(v) == 2 and all(x is None or (isinstance(x, int) and not isinstance(x, bool)
+                                                                     and x >= 0) for x in v)):
+        raise StudyError(f"{where}: expected [first step, last step] (integers >= 0, or null), got {v!r}")
+    if None not in v and v[0] > v[1]:
+        raise StudyError(f"{where}: first step {v[0]} after last step {v[1]}")
+    return (v[0], v[1])
+
+
+def _endpoint(d: Any, where: str) -> Endpoint:
+    d = _keys(d, ("name", "metric", "stat", "window", "n", "rule", "label"), ("name", "metric", "stat"), where)
+    if not isinstance(d["name"], str) or not NAME.fullmatch(d["name"]):
+        raise StudyError(f"{where}: name must be a letter followed by letters, digits or _ (got {d['name']!r})")
+    n = d.get("n", 20)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise StudyError(f"{where}: n must be an integer >= 1, got {n!r}")
+    return Endpoint(d["name"], str(d["metric"]), _choice(d["stat"], STATS, f"{where}: stat"),
+                    _window(d.get("window"), f"{where}: window"), n,
+                    _choice(d.get("rule", "plateau"), ("plateau", "peak"), f"{where}: rule"), str(d.get("label", "")))
+
+
+def _amendment(d: Any, where: str) -> Amendment:
+    d = _keys(d, ("date", "reason", "hash"), ("date", "reason", "hash"), where)
+    date = d["date"]
+    try:
+        date = (date if isinstance(date, datetime.date) else datetime.date.fromisoformat(str(date))).isoformat()
+    except ValueError:
+        raise StudyError(f"{where}: date {d['date']!r} is not a date (YYYY-MM-DD)") from None
+    if not isinstance(d["reason"], str) or not d["reason"].strip():
+        raise StudyError(f"{where}: reason must say why the registration changed")
+    if not isinstance(d["hash"], str) or not re.fullmatch(r"[0-9a-f]{64}", d["hash"]):
+        raise StudyError(f"{where}: hash must be the 64-hex-digit registration hash that `timlab study check` prints")
+    return Amendment(date, d["reason"].strip(), d["hash"])
+
+
+def canonical(obj: Any) -> str:
+    """``obj`` as canonical JSON (sorted keys, no spaces): what the registration hash is taken of."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def registration_hash(registration: dict) -> str:
+    """SHA-256 of a registration mapping (``Study.registration``) in canonical JSON."""
+    return hashlib.sha256(canonical(registration).encode()).hexdigest()
+
+
+def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -> Study:
+    """Validate a study mapping (``root``: the folder its relative paths start from)."""
+    w = source
+    d = _keys(d, STUDY_KEYS, ("study", "sweep", "steps", "endpoints", "families", "rules"), w)
+    sweep = d["sweep"]
+    if isinstance(sweep, str):
+        p = Path(root) / sweep
+        if not p.exists():
+            raise StudyError(f"{w}: sweep: spec file not found: {p}")
+        sweep = load_yaml(read_text(p, what="sweep spec"), str(p), StudyError) or {}
+        sweep_root, sweep_source = p.parent, str(p)
+    else:
+        sweep_root, sweep_source = Path(root), f"{source}: sweep"
+    if not isinstance(sweep, dict):
+        raise StudyError(f"{w}: sweep: expected a spec file name or an inline spec mapping")
+    steps = d["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise StudyError(f"{w}: steps must be an integer >= 1, got {steps!r}")
+    if not isinstance(d["endpoints"], list) or not d["endpoints"]:
+        raise StudyError(f"{w}: endpoints: expected a non-empty list")
+    endpoints = tuple(_endpoint(e, f"{w}: endpoints[{i}]") for i, e in enumerate(d["endpoints"]))
+    names = [e.name for e in endpoints]
+    if len(set(names)) != len(names):
+        raise StudyError(f"{w}: endpoints: duplicate name {next(n for n in names if names.count(n) > 1)!r}")
+    rules = []
+    for i, r in enumerate(d["rules"] if isinstance(d["rules"], list) else [None]):
+        where = f"{w}: rules[{i}]"
+        r = _keys(r, ("name", "test", "alpha", "holds", "fails"), ("name",), where)
+        alpha = _number(r.get("alpha", 0.05), f"{where}: alpha")
+        if alpha >= 1:
+            raise StudyError(f"{where}: alpha must be below 1, got {alpha}")
+        rules.append(Rule(str(r["name"]), _choice(r.get("test", "below"), TESTS, f"{where}: test"), alpha,
+                          str(r.get("holds", "**yes**")), str(r.get("fails", "no"))))
+    rule_names = [r.name for r in rules]
+    control = str(d.get("control", "control"))
+    families = []
+    for i, f in enumerate(d["families"] if isinstance(d["families"], list) and d["families"] else [None]):
+        where = f"{w}: families[{i}]"
+        f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show"),
+                  ("name", "endpoints", "rule"), where)
+        if "arms" in f and not (isinstance(f["arms"], list) and f["arms"] and all(isinstance(a, str) for a in f["arms"])):
+            raise StudyError(f"{where}: arms: expected a non-empty list of arm names, got {f['arms']!r}")
+        families.append(Family(
+            str(f["name"]), _names(f["endpoints"], names, f"{where}: endpoints"),
+            _choice(f["rule"], tuple(rule_names), f"{where}: rule"), str(f.get("against", control)),
+            tuple(f["arms"]) if isinstance(f.get("arms"), list) else (),
+            _choice(f.get("correction", "holm"), CORRECTIONS, f"{where}: correction"),
+            _names(f["show"], names, f"{where}: show")[0] if f.get("show") else ""))
+    tables = []
+    for i, t in enumerate(d.get("tables") or []):
+        where = f"{w}: tables[{i}]"
+        t = _keys(t, ("title", "columns"), ("title", "columns"), where)
+        cols = []
+        for j, c in enumerate(t["columns"] if isinstance(t["columns"], list) else [None]):
+            cw = f"{where}: columns[{j}]"
+            c = _keys(c, ("header", "show", "endpoint", "endpoints"), ("header", "show"), cw)
+            show = _choice(c["show"], SHOWS, f"{cw}: show")
+            eps = _names(c.get("endpoints", c.get("endpoint")), names, f"{cw}: endpoint")
+            if len(eps) != (2 if show == "change" else 1):
+                raise StudyError(f"{cw}: show {show} takes {'two endpoints' if show == 'change' else 'one endpoint'}")
+            cols.append(Column(str(c["header"]), show, eps))
+        tables.append(Table(str(t["title"]), tuple(cols)))
+    fits = []
+    for i, f in enumerate(d.get("fits") or []):
+        where = f"{w}: fits[{i}]"
+        f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label"),
+                  ("kind", "endpoint", "arms"), where)
+        ep = _names(f["endpoint"], names, f"{where}: endpoint")[0]
+        fits.append(Fit(_choice(f["kind"], FITS, f"{where}: kind"), ep, str(f["arms"]),
+                        _names(f.get("k3", "k3"), names, f"{where}: k3")[0], _number(f.get("loss", 0.1), f"{where}: loss"),
+                        str(f.get("what", "")), _number(f.get("k3_ref", 1e-3), f"{where}: k3_ref"),
+                        str(f.get("name", "")), str(f.get("dose_label", "head_perturb"))))
+    v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "label"), (),
+              f"{w}: validity")
+    bar = v.get("min_start_accuracy")
+    validity = Validity(bool(v.get("control_exact", True)),
+                        None if bar is None else _number(bar, f"{w}: validity: min_start_accuracy", positive=False),
+                        bool(v.get("same_start", False)), str(v.get("label", "")))
+    findings = None
+    if d.get("findings") is not None:
+        fd = _keys(d["findings"], ("file", "block"), ("file", "block"), f"{w}: findings")
+        findings = (str(Path(root) / fd["file"]), str(fd["block"]))
+    amendments = tuple(_amendment(a, f"{w}: amendments[{i}]") for i, a in enumerate(d.get("amendments") or []))
+    frozen = d.get("frozen") or ""
+    if frozen and not re.fullmatch(r"[0-9a-f]{64}", str(frozen)):
+        raise StudyError(f"{w}: frozen must be a 64-hex-digit registration hash, got {frozen!r}")
+    registration = {k: v for k, v in d.items() if k not in UNHASHED}
+    registration["sweep"] = sweep
+    return Study(name=str(d["study"]), sweep=sweep, sweep_root=str(sweep_root), sweep_source=sweep_source, steps=steps, endpoints=endpoints, families=tuple(families),
+                 rules=tuple(rules), control=control, out=str(d.get("out") or ""), validity=validity,
+                 tables=tuple(tables), fits=tuple(fits), findings=findings, frozen=str(frozen), amendments=amendments,
+                 source=source, hash=registration_hash(registration), registration=registration)
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and validate a study file."""
+    p = Path(path)
+    if not p.is_file():
+        raise StudyError(f"study file not found: {p}")
+    return study_from_dict(load_yaml(read_text(p, what="study file"), str(p), StudyError) or {}, root=p.parent,
+                           source=str(p))
+
+
+# ------------------------------------------------------------------------------ the freeze
+def _first_difference(old: Any, new: Any, where: str = "") -> str:
+    """The first path at which two registrations differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new)):
+            if canonical(old.get(k)) != canonical(new.get(k)):
+                return _first_difference(old.get(k), new.get(k), f"{where}.{k}" if where else str(k))
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new)):
+            if canonical(a) != canonical(b):
+                return _first_difference(a, b, f"{where}[{i}]")
+    return f"{where or 'the registration'}: {canonical(old)} -> {canonical(new)}"
+
+
+def frozen_record(out: str | Path) -> dict | None:
+    """The freeze record in a sweep directory, or None."""
+    p = Path(out) / FREEZE_FILE
+    if not p.exists():
+        return None
+    try:
+        rec = json.loads(read_text(p, what="freeze record"))
+    except json.JSONDecodeError as e:
+        raise StudyError(f"{p}: not JSON ({e.msg}); it records the registration frozen at the first run") from None
+    if not isinstance(rec, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(rec.get("hash", ""))):
+        raise StudyError(f"{p}: no registration hash in it")
+    return rec
+
+
+def check_freeze(study: Study, out: str | Path, *, has_runs: bool) -> str:
+    """Raise ``StudyError`` unless ``study``'s registration is the one frozen at its first run (or
+    the last amendment's); return a line saying which. ``has_runs``: the sweep has runs, so a
+    registration that was never frozen is refused too."""
+    rec = frozen_record(out)
+    frozen = rec["hash"] if rec else study.frozen
+    if not frozen:
+        if has_runs:
+            raise StudyError(f"{study.source}: {out} holds runs but no frozen registration (no {FREEZE_FILE}, no "
+                             f"frozen:); start runs with `timlab study run`, or record the hash they were registered "
+                             f"with as frozen: {study.hash}")
+        return "not frozen yet (no run)"
+    if study.hash == frozen:
+        return f"frozen registration {frozen[:12]} unchanged"
+    last = study.amendments[-1] if study.amendments else None
+    if last is not None and study.hash == last.hash:
+        return f"frozen registration {frozen[:12]}, amended {last.date} ({len(study.amendments)} amendment(s)): {last.reason}"
+    what = _first_difference(rec["registration"], study.registration) if rec and "registration" in rec else \
+        "no frozen copy to compare"
+    raise StudyError(f"{study.source}: the registration changed after its first run (frozen {frozen[:12]}, now "
+                     f"{study.hash[:12]}; {what}); record an amendment with date, reason and hash: {study.hash}")
+
+
+def freeze(study: Study, out: str | Path) -> bool:
+    """Record ``study``'s registration in ``<out>/study.json`` before the first run; once a record
+    exists (or the file names ``frozen``), check against it instead; a sweep that already holds runs
+    without either is refused (its registration was never frozen). Returns whether it wrote one."""
+    if frozen_record(out) is not None or study.frozen or (Path(out) / "index.parquet").exists():
+        check_freeze(study, out, has_runs=True)  # runs made without a freeze: refused unless frozen: is set
+        return False
+    from timlab.files import atomic_write_with
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    rec = {"study": study.name, "hash": study.hash, "frozen_at": datetime.date.today().isoformat(),
+           "source": study.source, "registration": study.registration}
+    atomic_write_with(Path(out) / FREEZE_FILE, lambda tmp: Path(tmp).write_text(json.dumps(rec, indent=1, default=str) + "\n"))
+    return True
