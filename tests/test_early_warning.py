@@ -14,10 +14,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from timlab.errors import UsageError
+from timlab.cli import main
+from timlab.config import ConfigError, RunSection, resolve, validate
+from timlab.errors import TimlabError, UsageError
 from timlab.experiments import early_warning as ew
+from timlab.experiments.collapse import DEFAULT_LEARNED_AT
 from timlab.experiments.stats import fisher_greater
 from timlab.metrics.alarm import ALARMS, EPS, AlarmWatch, alarm_statistic, first_alarm, statistic_series
+from timlab.trainer.run import train
 
 REPO = Path(__file__).resolve().parents[1]
 FINDINGS = REPO / "docs" / "FINDINGS.md"
@@ -38,6 +42,7 @@ def test_alarm_statistic_by_hand():
     s = statistic_series([1, 1, 1, 1, 5, 5], rule="level", direction="up")
     assert [x for x in s[:4] if not math.isnan(x)] == [] and s[4:] == [9 / 5, 13 / 5]
     assert first_alarm(s, 2.0) == 5 and first_alarm(s, 3.0) is None
+    assert first_alarm([1.0, 2.0], 2.0) is None  # strictly above: the threshold is a healthy run's own score
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -53,7 +58,7 @@ def test_bad_rule_is_one_line(kwargs, words):
 
 
 def test_unknown_alarm_name_lists_the_registered_ones():
-    with pytest.raises(UsageError) as e:
+    with pytest.raises(TimlabError) as e:
         ALARMS.get("k3_trend")
     assert "k3_level" in str(e.value) and "grad_norm_change" in str(e.value)
 
@@ -119,13 +124,13 @@ DIP_ACC = evals([0.9] * 5 + [0.3] + [0.9] * 7)       # one evaluation below the 
 def test_run_series_fall_and_dip():
     r = ew.run_series("s/fall", planted(FALL_ACC))
     assert (r.learned_step, r.fall_step, r.before_fall, r.fell, r.dipped) == (0, 70, 60, True, False)
-    assert r.frame["step"].min() == 1 and r.frame["step"].max() == 120
+    assert r.series["step"].min() == 1 and r.series["step"].max() == 120
     d = ew.run_series("s/dip", planted(DIP_ACC))
     assert (d.fall_step, d.dipped) == (None, True)
     h = ew.run_series("s/ok", planted(HEALTHY_ACC))
     assert (h.fall_step, h.dipped) == (None, False)
     late = ew.run_series("s/late", planted(evals([0.1, 0.2, 0.6] + [0.9] * 10)))
-    assert late.learned_step == 20 and late.frame["step"].min() == 21  # watched after it learned only
+    assert late.learned_step == 20 and late.series["step"].min() == 21  # watched after it learned only
 
 
 def test_lead_time_of_a_planted_rise():
@@ -237,3 +242,82 @@ def test_findings_block_matches_the_committed_sweeps(committed):
 def test_registered_thresholds_are_the_measured_ones(committed):
     for name in ALARMS:
         assert ALARMS.get(name).threshold == committed.choosing[name].threshold, name
+
+
+# ------------------------------------------------------------------------------- the trainer's alarm
+def _alarm_run(tmp_path, name: str, *sets: str) -> pd.DataFrame:
+    cfg = resolve(preset="smoke", overrides=["rollout.samples_per_prompt=8", "run.alarm=grad_norm_level", *sets])
+    train(cfg, tmp_path / name)
+    m = pd.read_parquet(tmp_path / name / "metrics.parquet")
+    return m[m["step"] >= 1].reset_index(drop=True)
+
+
+def test_trainer_alarm_logs_each_step_and_warns_once(tmp_path):
+    with pytest.warns(UserWarning, match=r"step 5: early-warning alarm grad_norm_level: train/grad_norm at") as rec:
+        t = _alarm_run(tmp_path, "run", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
+    assert sum("early-warning alarm" in str(w.message) for w in rec) == 1
+    assert t["alarm/above_threshold"].tolist() == [0.0] * 4 + [1.0] * 3  # a level rule needs 5 values
+    g = t["train/grad_norm"].tolist()
+    stat = t["alarm/statistic"]
+    assert stat.iloc[:4].isna().all()
+    assert [stat.iloc[4], stat.iloc[6]] == [math.fsum(g[0:5]) / 5, math.fsum(g[2:7]) / 5]  # the rule's own bits
+
+
+def test_trainer_alarm_waits_until_armed_and_resumes(tmp_path):
+    t = _alarm_run(tmp_path, "never", "run.steps=6", "run.alarm_threshold=-1", "run.alarm_armed_at=1")
+    m = pd.read_parquet(tmp_path / "never" / "metrics.parquet")
+    assert m["val/accuracy"].max() < 1  # so the alarm never armed
+    assert (t["alarm/above_threshold"] == 0).all() and t["alarm/statistic"].isna().all()
+    # stopped at step 4 and resumed to 7: the watch carries its last values across the checkpoint
+    ref = _alarm_run(tmp_path, "ref", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
+    _alarm_run(tmp_path, "resumed", "run.steps=4", "run.alarm_threshold=-1", "run.alarm_armed_at=0",
+               "run.checkpoint_every=4")
+    cfg = resolve(preset="smoke", overrides=["rollout.samples_per_prompt=8", "run.alarm=grad_norm_level", "run.steps=7",
+                                             "run.alarm_threshold=-1", "run.alarm_armed_at=0", "run.checkpoint_every=4"])
+    train(cfg, tmp_path / "resumed", resume=True)
+    again = pd.read_parquet(tmp_path / "resumed" / "metrics.parquet")
+    again = again[again["step"] >= 1].reset_index(drop=True)
+    for col in ("alarm/above_threshold", "alarm/statistic", "train/grad_norm"):
+        pd.testing.assert_series_equal(ref[col], again[col], check_exact=True)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["run.alarm=k3_trend"], ["unknown run.alarm 'k3_trend'", "off, entropy_change", "grad_norm_change"]),
+    (["run.alarm_armed_at=2"], ["run.alarm_armed_at", "[0, 1]"]),
+])
+def test_trainer_alarm_bad_settings_one_line(sets, words):
+    with pytest.raises(ConfigError) as e:
+        validate(resolve(preset="smoke", overrides=sets))
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words)
+
+
+def test_alarm_defaults_are_the_benchmarks():
+    assert RunSection().alarm == "off" and RunSection().alarm_armed_at == DEFAULT_LEARNED_AT
+
+
+# ------------------------------------------------------------------------------- timlab analyze --alarm
+def test_analyze_alarm_on_a_run_directory(tmp_path, capsys):
+    _write_run(tmp_path / "run", planted(FALL_ACC, {0: 1e-3, 50: 1.0}))
+    c = ew.check_run(tmp_path / "run", "k3_level")
+    # mean of steps 48-52: (2e-3 + 3) / 5 = 0.6004 > 0.411; at 51: 0.4006, not yet
+    assert (c.armed_after, c.watched, c.first, c.above) == (0, 120, 52, 120 - 51)
+    assert c.statistic == pytest.approx(0.6004)
+    assert main(["analyze", str(tmp_path / "run"), "--alarm", "k3_level"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1 and "fired at step 52 (0.6)" in out and "watched 120 steps after step 0" in out
+    # armed only after an accuracy it never reaches: never watched
+    assert ew.check_run(tmp_path / "run", "k3_level", armed_at=0.95).watched == 0
+    c0 = ew.check_run(tmp_path / "run", "k3_level", armed_at=0)
+    assert (c0.armed_after, c0.watched, c0.first) == (None, 120, 52)  # step 0 logs no k3
+
+def test_analyze_alarm_on_a_log_file_and_bad_names(tmp_path, capsys):
+    sample = REPO / "timlab" / "data" / "sample_logprobs.jsonl"
+    assert main(["analyze", str(sample), "--alarm", "k3_level"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("alarm k3_level (mean of the last 5 steps' "
+                                                                      "rollout_corr/k3_kl > 0.411) on ")
+    for name, words in (("grad_norm_change", ["train/grad_norm", "run directory", "k3_level"]),
+                        ("bogus", ["unknown alarm 'bogus'", "grad_norm_change"])):
+        assert main(["analyze", str(sample), "--alarm", name]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+        assert all(w in captured.err for w in words)

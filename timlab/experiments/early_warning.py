@@ -51,7 +51,7 @@ import pandas as pd
 from timlab.errors import UsageError
 from timlab.experiments.collapse import DEFAULT_FRAC, DEFAULT_LEARNED_AT, DEFAULT_LEVEL_WINDOW, judge, plateau_levels
 from timlab.experiments.stats import clopper_pearson, fisher_greater, holm
-from timlab.metrics.alarm import ALARMS, AlarmRule, first_alarm, statistic_series
+from timlab.metrics.alarm import ALARMS, BASELINE, WINDOW, AlarmRule, first_alarm, statistic_series
 from timlab.rundir import COMPLETE_STATES, DIVERGED, RunDir
 
 MIN_STEPS = 100
@@ -88,8 +88,8 @@ class RunSeries:
     """F_prev: the evaluation before F, the last one above the line (None without a fall)."""
     dipped: bool
     """No fall, but some evaluation after learning was below the plateau line."""
-    frame: pd.DataFrame = field(repr=False)
-    """``step`` and the indicator columns the run logs, steps after L only, sorted."""
+    series: dict[str, np.ndarray] = field(repr=False)
+    """``step`` and each indicator column the run logs, as arrays over its steps after L, sorted."""
 
     @property
     def fell(self) -> bool:
@@ -114,25 +114,23 @@ def run_series(name: str, metrics: pd.DataFrame, *, diverged: bool = False, dive
     elif hit.size:
         level = plateau_levels(acc, int(hit[0]), DEFAULT_LEVEL_WINDOW)  # (E,)
         dipped = bool(any(acc[i] < DEFAULT_FRAC * level[i - 1] for i in range(int(hit[0]) + 1, len(acc))))
-    cols = ["step"] + [c for c in (*INDICATORS, "mismatch/k3_seq") if c in m.columns]
-    after = m.loc[m["step"] > learned, cols] if learned is not None else m.iloc[:0][cols]
+    cols = [c for c in (*INDICATORS, "mismatch/k3_seq") if c in m.columns]
+    after = m[m["step"] > learned] if learned is not None else m.iloc[:0]
+    series = {"step": after["step"].to_numpy(dtype=np.int64), **{c: after[c].to_numpy(dtype=float) for c in cols}}
     return RunSeries(name=name, sweep=name.split("/")[0], last_step=int(m["step"].max()) if len(m) else 0,
-                     learned_step=learned, fall_step=fall, before_fall=before, dipped=bool(dipped),
-                     frame=after.reset_index(drop=True))
+                     learned_step=learned, fall_step=fall, before_fall=before, dipped=bool(dipped), series=series)
 
 
 def alarm_trace(run: RunSeries, alarm: AlarmRule) -> tuple[np.ndarray, np.ndarray] | None:
     """(steps, statistics) of ``alarm`` over the run's steps after it learned (NaN while the rule
     is undefined; a fall's steps after F are left out), or None when the run does not log the
     indicator. Non-finite values are skipped, as the trainer's watcher skips them."""
-    if alarm.indicator not in run.frame.columns:
+    if alarm.indicator not in run.series:
         return None
-    f = run.frame[["step", alarm.indicator]]
-    f = f[np.isfinite(f[alarm.indicator].to_numpy(dtype=float))]
-    if run.fell:
-        f = f[f["step"] <= run.fall_step]
-    stats = statistic_series(f[alarm.indicator].tolist(), rule=alarm.rule, direction=alarm.direction)
-    return f["step"].to_numpy(dtype=np.int64), np.array(stats, dtype=float)
+    steps, values = run.series["step"], run.series[alarm.indicator]
+    keep = np.isfinite(values) & (steps <= run.fall_step if run.fell else True)  # (steps,)
+    stats = statistic_series(values[keep].tolist(), rule=alarm.rule, direction=alarm.direction)
+    return steps[keep], np.array(stats, dtype=float)
 
 
 def score(trace: tuple[np.ndarray, np.ndarray]) -> float:
@@ -239,14 +237,25 @@ class RuleResult:
     """First alarm step (or None) per falling run's name."""
 
 
-def evaluate(runs: list[RunSeries], name: str, threshold: float) -> RuleResult:
-    """Rule ``name`` (of ``ALARMS``) on ``runs`` at ``threshold``."""
+Trace = tuple[np.ndarray, np.ndarray]
+
+
+def traces_of(runs: list[RunSeries], name: str) -> dict[str, Trace | None]:
+    """``alarm_trace`` of rule ``name`` (of ``ALARMS``) for each run, by run name."""
     alarm = ALARMS.get(name)
+    return {r.name: alarm_trace(r, alarm) for r in runs}
+
+
+def evaluate(runs: list[RunSeries], name: str, threshold: float, traces: dict[str, Trace | None] | None = None
+             ) -> RuleResult:
+    """Rule ``name`` (of ``ALARMS``) on ``runs`` at ``threshold`` (``traces``: ``traces_of(runs,
+    name)``, computed when not given)."""
+    traces = traces_of(runs, name) if traces is None else traces
     falls, healthy, alarms = [], [], {}
     detected = early = false_alarms = clean = clean_alarms = 0
     leads = []
     for r in runs:
-        trace = alarm_trace(r, alarm)
+        trace = traces[r.name]
         if trace is None:
             continue
         a = first_alarm_step(trace, threshold)
@@ -271,13 +280,14 @@ def evaluate(runs: list[RunSeries], name: str, threshold: float) -> RuleResult:
                       leads=tuple(sorted(leads)), auc=auc, p=p, alarms=alarms)
 
 
-def roc_points(runs: list[RunSeries], name: str) -> list[tuple[float, float, float]]:
+def roc_points(runs: list[RunSeries], name: str, traces: dict[str, Trace | None] | None = None
+               ) -> list[tuple[float, float, float]]:
     """(threshold, false-alarm rate, detection rate) at every score of ``runs`` as the threshold,
-    from the highest (nothing alarms) down; the rule's ROC curve."""
-    alarm = ALARMS.get(name)
+    from the highest (nothing alarms) down; the rule's ROC curve (``traces`` as in ``evaluate``)."""
+    traces = traces_of(runs, name) if traces is None else traces
     falls, healthy = [], []
     for r in runs:
-        trace = alarm_trace(r, alarm)
+        trace = traces[r.name]
         if trace is not None:
             (falls if r.fell else healthy).append(score(trace))
     if not falls or not healthy:
@@ -323,11 +333,10 @@ def study(root: str | Path) -> Study:
     choose, test = split(runs)
     choosing, tested = {}, {}
     for name in ALARMS:
-        alarm = ALARMS.get(name)
-        scores = [score(t) for r in choose if not r.fell and (t := alarm_trace(r, alarm)) is not None]
-        c = choose_threshold(scores)
-        choosing[name] = evaluate(choose, name, c)
-        tested[name] = evaluate(test, name, c)
+        mine, theirs = traces_of(choose, name), traces_of(test, name)
+        c = choose_threshold([score(t) for r in choose if not r.fell and (t := mine[r.name]) is not None])
+        choosing[name] = evaluate(choose, name, c, mine)
+        tested[name] = evaluate(test, name, c, theirs)
     names = [n for n in ALARMS if tested[n].falls and tested[n].healthy]
     return Study(runs=len(runs), falls=sum(r.fell for r in runs), choosing=choosing, test=tested,
                  holm=dict(zip(names, holm([tested[n].p for n in names]))), test_runs=test)
@@ -412,7 +421,7 @@ def plot_roc(s: Study, out_png: str | Path) -> Path:
         ax = fig.add_subplot(1, 2, k + 1)
         for i, name in enumerate(names):
             pts = roc_points(s.test_runs, name)
-            ax.step([p[1] for p in pts], [p[2] for p in pts], where="post", color=f"C{i}", label=name)
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], color=f"C{i}", lw=1.2, label=name)
             t = s.test[name]
             ax.plot([t.false_alarms / t.healthy], [t.detected / t.falls], "o", color=f"C{i}")
         ax.plot([0, 1], [0, 1], ":", color="gray", lw=0.8)
@@ -429,6 +438,100 @@ def plot_roc(s: Study, out_png: str | Path) -> Path:
     return out
 
 
+# ------------------------------------------------------------------------------- one rule, one series
+@dataclass(frozen=True)
+class AlarmCheck:
+    """A registered alarm rule run over one series: what ``timlab analyze --alarm`` prints."""
+
+    name: str
+    source: str
+    threshold: float
+    armed_after: int | None
+    """The series is watched from the step after this one (None: from its first step)."""
+    watched: int
+    """Steps watched (finite values)."""
+    first: int | None
+    """The step it first fired (None: it did not)."""
+    statistic: float
+    """Its statistic at ``first`` (NaN without)."""
+    above: int
+    """Steps whose statistic exceeded the threshold."""
+
+
+def check_series(steps, values, name: str, *, source: str, threshold: float | None = None,
+                 armed_after: int | None = None) -> AlarmCheck:
+    """Rule ``name`` of ``ALARMS`` over (steps, values), as the trainer's alarm would run it: from
+    the step after ``armed_after`` (None: the first), at ``threshold`` (None: the rule's own)."""
+    alarm = ALARMS.get(name)
+    c = alarm.threshold if threshold is None else float(threshold)
+    steps, values = np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=float)
+    keep = np.isfinite(values) & (steps > armed_after if armed_after is not None else True)  # (steps,)
+    stats = np.array(statistic_series(values[keep].tolist(), rule=alarm.rule, direction=alarm.direction), dtype=float)
+    i = first_alarm(stats.tolist(), c)
+    return AlarmCheck(name=name, source=source, threshold=c, armed_after=armed_after, watched=int(keep.sum()),
+                      first=None if i is None else int(steps[keep][i]), statistic=math.nan if i is None else float(stats[i]),
+                      above=int((stats > c).sum()))
+
+
+def check_run(run_dir: str | Path, name: str, *, threshold: float | None = None,
+              armed_at: float = DEFAULT_LEARNED_AT) -> AlarmCheck:
+    """Rule ``name`` over a run directory's logged series, watched after its first evaluation with
+    val/accuracy >= ``armed_at`` (0: from the first step), as the benchmark and ``run.alarm`` do."""
+    alarm = ALARMS.get(name)
+    m = RunDir(run_dir).read_metrics()
+    if m is None:
+        raise UsageError(f"{run_dir}: no metrics.parquet (not a timlab run directory, or no step logged yet)")
+    if alarm.indicator not in m.columns:
+        raise UsageError(f"{run_dir}: the run did not log {alarm.indicator}, which alarm {name} reads")
+    armed = None
+    if armed_at > 0:
+        ev = m.loc[m["val/accuracy"].notna() & (m["val/accuracy"] >= armed_at), "step"] if "val/accuracy" in m else []
+        if not len(ev):
+            return AlarmCheck(name=name, source=str(run_dir), threshold=alarm.threshold if threshold is None else threshold,
+                              armed_after=None, watched=0, first=None, statistic=math.nan, above=0)
+        armed = int(ev.iloc[0])
+    return check_series(m["step"], m[alarm.indicator], name, source=str(run_dir), threshold=threshold,
+                        armed_after=armed)
+
+
+def check_file_rule(name: str) -> None:
+    """A one-line error, before any reading, when rule ``name`` watches a series a file of log-probs
+    cannot give (anything but ``timlab.metrics.all_metrics``' keys: the grad norm, entropy, ...)."""
+    from timlab.metrics import MISMATCH_KEYS, VERL_KEYS
+
+    known = {f"rollout_corr/{k}" for k in VERL_KEYS} | {f"mismatch/{k}" for k in MISMATCH_KEYS}
+    if ALARMS.get(name).indicator not in known:
+        fits = [n for n in ALARMS if ALARMS.get(n).indicator in known]
+        raise UsageError(f"--alarm {name} reads {ALARMS.get(name).indicator}, which a file of log-probs does not give; "
+                         f"give a run directory instead, or one of: {', '.join(fits)}")
+
+
+def check_analysis(result: dict, name: str, *, threshold: float | None = None) -> AlarmCheck:
+    """Rule ``name`` over the per-step metrics of ``timlab.experiments.analyze.analyze_file``'s
+    result, from its first step (a log-prob file holds no accuracy to arm on)."""
+    check_file_rule(name)
+    alarm = ALARMS.get(name)
+    per_step = result.get("per_step") or []
+    if not per_step:
+        raise UsageError(f"--alarm {name}: {result.get('source', 'the file')} has no step column, so no series to watch")
+    return check_series([s["step"] for s in per_step], [s["metrics"][alarm.indicator] for s in per_step], name,
+                        source=str(result.get("source", "")), threshold=threshold)
+
+
+def format_check(c: AlarmCheck) -> str:
+    """One line: where the alarm was watched and whether, when, it fired."""
+    a = ALARMS.get(c.name)
+    what = (f"mean of the last {WINDOW} steps' {a.indicator}" if a.rule == "level" else
+            f"{a.indicator}'s last {WINDOW} steps against the {BASELINE} before ({a.direction})")
+    unit = "x" if a.rule == "change" else ""
+    watched = f"watched {c.watched} steps" + (f" after step {c.armed_after}" if c.armed_after is not None else "")
+    if c.watched == 0:
+        watched = "never armed (no evaluation reached the arming accuracy)" if c.armed_after is None else watched
+    fired = (f"fired at step {c.first} ({c.statistic:.3g}{unit}), above the threshold on {c.above} steps"
+             if c.first is not None else "did not fire")
+    return f"alarm {c.name} ({what} > {c.threshold:.3g}{unit}) on {c.source}: {watched}; {fired}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m timlab.experiments.early_warning", description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default="sweeps", help="the folder of sweeps (default: sweeps)")
@@ -442,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["RunSeries", "RuleResult", "Study", "run_series", "alarm_trace", "score", "first_alarm_step", "load_runs",
-           "distinct", "split", "choose_threshold", "evaluate", "roc_points", "study", "format_study", "plot_roc",
+           "distinct", "split", "choose_threshold", "traces_of", "evaluate", "roc_points", "study", "format_study", "plot_roc",
+           "AlarmCheck", "check_series", "check_run", "check_file_rule", "check_analysis", "format_check",
            "MIN_STEPS", "REPEAT_STEPS", "REPEAT_COLUMNS", "INDICATORS", "FALSE_ALARM_TARGET", "LEVEL", "FINDINGS_BLOCK"]
 
 if __name__ == "__main__":

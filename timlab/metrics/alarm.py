@@ -67,15 +67,19 @@ def alarm_statistic(values: Sequence[float], *, rule: str, direction: str, windo
     oldest first); NaN while there are too few values (``window``, or ``window + baseline`` for the
     change rule). Only the last ``window + baseline`` values are read."""
     check_rule(rule, direction, window=window, baseline=baseline)
-    n = len(values)
+    return _statistic(values, len(values), rule, direction, window, baseline)
+
+
+def _statistic(values: Sequence[float], n: int, rule: str, direction: str, window: int, baseline: int) -> float:
+    """``alarm_statistic`` of ``values[:n]``, arguments already checked."""
     if rule == "level":
         if n < window:
             return math.nan
-        m = _mean(values[n - window:])
+        m = _mean(values[n - window:n])
         return m if direction == "up" else -m
     if n < window + baseline:
         return math.nan
-    m = _mean(values[n - window:]) + EPS
+    m = _mean(values[n - window:n]) + EPS
     p = _mean(values[n - window - baseline:n - window]) + EPS
     if direction == "up":
         return m / p
@@ -88,10 +92,9 @@ def statistic_series(values: Sequence[float], *, rule: str, direction: str, wind
                      baseline: int = BASELINE) -> list[float]:
     """``alarm_statistic`` after each value of ``values`` (NaN where undefined): what a watcher armed
     before the first value would have seen at each step."""
+    check_rule(rule, direction, window=window, baseline=baseline)
     values = [float(v) for v in values]
-    keep = window + baseline
-    return [alarm_statistic(values[max(0, i + 1 - keep):i + 1], rule=rule, direction=direction, window=window,
-                            baseline=baseline) for i in range(len(values))]
+    return [_statistic(values, i + 1, rule, direction, window, baseline) for i in range(len(values))]
 
 
 def first_alarm(statistics: Iterable[float], threshold: float) -> int | None:
@@ -125,17 +128,17 @@ ALARMS: Registry[AlarmRule] = Registry("alarm")
 """The rules the early-warning benchmark registered (docs/FINDINGS.md), by name."""
 
 for _name, _rule in {
-    "k3_level": AlarmRule("rollout_corr/k3_kl", "level", "up", 0.0),
-    "log_ppl_abs_diff_level": AlarmRule("rollout_corr/log_ppl_abs_diff", "level", "up", 0.0),
-    "grad_norm_level": AlarmRule("train/grad_norm", "level", "up", 0.0),
-    "k3_change": AlarmRule("rollout_corr/k3_kl", "change", "up", 0.0),
-    "log_ppl_abs_diff_change": AlarmRule("rollout_corr/log_ppl_abs_diff", "change", "up", 0.0),
-    "response_length_change": AlarmRule("train/response_length_mean", "change", "up", 0.0),
-    "grad_norm_change": AlarmRule("train/grad_norm", "change", "either", 0.0),
-    "entropy_change": AlarmRule("train/entropy", "change", "either", 0.0),
-    "reward_std_change": AlarmRule("train/reward_std", "change", "either", 0.0),
-    "k3_seq_level": AlarmRule("mismatch/k3_seq", "level", "up", 0.0),
-    "k3_seq_change": AlarmRule("mismatch/k3_seq", "change", "up", 0.0),
+    "k3_level": AlarmRule("rollout_corr/k3_kl", "level", "up", 0.410589876554939),
+    "log_ppl_abs_diff_level": AlarmRule("rollout_corr/log_ppl_abs_diff", "level", "up", 0.500168749147534),
+    "grad_norm_level": AlarmRule("train/grad_norm", "level", "up", 16.267154693603516),
+    "k3_change": AlarmRule("rollout_corr/k3_kl", "change", "up", 12.992658168563208),
+    "log_ppl_abs_diff_change": AlarmRule("rollout_corr/log_ppl_abs_diff", "change", "up", 4.71020667950593),
+    "response_length_change": AlarmRule("train/response_length_mean", "change", "up", 1.1608799363901268),
+    "grad_norm_change": AlarmRule("train/grad_norm", "change", "either", 3.981324269121714),
+    "entropy_change": AlarmRule("train/entropy", "change", "either", 2.3422043822167646),
+    "reward_std_change": AlarmRule("train/reward_std", "change", "either", 2.7730306374275533),
+    "k3_seq_level": AlarmRule("mismatch/k3_seq", "level", "up", 5.380783910084338),
+    "k3_seq_change": AlarmRule("mismatch/k3_seq", "change", "up", 9.618232931789585),
 }.items():
     ALARMS.add(_name, _rule)
 
@@ -164,8 +167,7 @@ class AlarmWatch:
         if not math.isfinite(value):
             return math.nan, False
         self.values.append(float(value))
-        stat = alarm_statistic(list(self.values), rule=self.rule, direction=self.direction, window=self.window,
-                               baseline=self.baseline)
+        stat = _statistic(list(self.values), len(self.values), self.rule, self.direction, self.window, self.baseline)
         above = stat > self.threshold
         if above and self.fired_step is None:
             self.fired_step = int(step)
