@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -269,12 +270,17 @@ def test_trainer_alarm_waits_until_armed_and_resumes(tmp_path):
     assert m["val/accuracy"].max() < 1  # so the alarm never armed
     assert (t["alarm/above_threshold"] == 0).all() and t["alarm/statistic"].isna().all()
     # stopped at step 4 and resumed to 7: the watch carries its last values across the checkpoint
-    ref = _alarm_run(tmp_path, "ref", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
-    _alarm_run(tmp_path, "resumed", "run.steps=4", "run.alarm_threshold=-1", "run.alarm_armed_at=0",
-               "run.checkpoint_every=4")
+    with pytest.warns(UserWarning, match="step 5: early-warning alarm"):
+        ref = _alarm_run(tmp_path, "ref", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*early-warning alarm")  # steps 1-4: the rule is not defined yet
+        _alarm_run(tmp_path, "resumed", "run.steps=4", "run.alarm_threshold=-1", "run.alarm_armed_at=0",
+                   "run.checkpoint_every=4")
     cfg = resolve(preset="smoke", overrides=["rollout.samples_per_prompt=8", "run.alarm=grad_norm_level", "run.steps=7",
                                              "run.alarm_threshold=-1", "run.alarm_armed_at=0", "run.checkpoint_every=4"])
-    train(cfg, tmp_path / "resumed", resume=True)
+    with pytest.warns(UserWarning, match="step 5: early-warning alarm") as rec:
+        train(cfg, tmp_path / "resumed", resume=True)
+    assert sum("early-warning alarm" in str(w.message) for w in rec) == 1
     again = pd.read_parquet(tmp_path / "resumed" / "metrics.parquet")
     again = again[again["step"] >= 1].reset_index(drop=True)
     for col in ("alarm/above_threshold", "alarm/statistic", "train/grad_norm"):
