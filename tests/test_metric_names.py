@@ -56,12 +56,12 @@ def test_every_key_a_run_logs_is_documented(tmp_path):
     cfg = resolve(preset="smoke", overrides=[
         "run.steps=2", "scheduler.name=length_decay", "correction.mode=truncate", "run.gradcheck_every=2",
         "mismatch.injector=logit_noise", "mismatch.magnitude=0.1", "correction.rs=seq_max_k3,token_k1",
-        "correction.rs_threshold=0.1,0.5_2.0",
+        "correction.rs_threshold=0.1,0.5_2.0", "run.alarm=grad_norm_change",
     ])
     train(cfg, tmp_path / "run")
     columns = set(pd.read_parquet(tmp_path / "run" / "metrics.parquet").columns) - {"step"}
     assert {"scheduler/surge_step", "scheduler/decay_period", "gradcheck/rel_bias", "is/ess", "is/ratio_min_before",
-            "rs/masked_frac", "rs/seq_max_k3_max"} <= columns
+            "rs/masked_frac", "rs/seq_max_k3_max", "alarm/above_threshold", "alarm/statistic"} <= columns
     assert set(HARM_CANDIDATES) <= columns  # a run with an injector logs every harm candidate
     assert columns - documented() == set()
     assert {c for c in columns if c.startswith("scheduler/")} <= set(SCHEDULER_KEYS)  # the plug-ins' names

@@ -485,8 +485,19 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     check_output_file(args.out, "--out")
     check_output_file(args.json, "--json")
+    if args.alarm:  # an early-warning rule over a run's logged series, or over the file's per-step metrics
+        from timlab.experiments.early_warning import check_analysis, check_file_rule, check_run, format_check
+        from timlab.metrics.alarm import ALARMS
+
+        ALARMS.get(args.alarm)  # an unknown name fails before any reading
+        if Path(args.file).is_dir():
+            print(format_check(check_run(args.file, args.alarm)))
+            return 0
+        check_file_rule(args.alarm)
     result = analyze_file(args.file, out_html=args.out)
     print(format_analysis(result))
+    if args.alarm:
+        print(format_check(check_analysis(result, args.alarm)))
     _write_json(args.json, result)
     return 1 if result["num_invalid"] else 0  # analyzed, but some rows were bad and left out
 
@@ -497,6 +508,9 @@ def _add_analyze(sub) -> None:
     p.add_argument("file", help="Parquet or JSONL: one row per sequence with trainer_logprobs, rollout_logprobs")
     p.add_argument("--out", metavar="REPORT.html", help="write a self-contained HTML report here")
     p.add_argument("--json", help="write the full result (metrics, per step, distributions, errors) as JSON here")
+    p.add_argument("--alarm", metavar="RULE", help="also run an early-warning rule (run.alarm's names, e.g. "
+                                                    "grad_norm_change) over the per-step series; FILE may then be "
+                                                    "a run directory (docs/metrics.md, Early-warning alarm)")
     p.set_defaults(func=cmd_analyze)
 
 

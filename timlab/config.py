@@ -314,11 +314,24 @@ class RunSection:
     """Sequences per side for each in-run gradcheck (a multiple of 8, at least 64)."""
     gradcheck_estimator: str = "reinforce"
     """In-run gradcheck estimator: reinforce (w = R) or rloo (groups of rollout.samples_per_prompt)."""
+    alarm: str = "off"
+    """Early-warning alarm: off, or a rule of timlab.metrics.alarm.ALARMS, e.g. grad_norm_change (the
+    grad norm's mean over the last 5 steps against the 10 before, either way), the one rule that passed
+    its held-out test (its lead time and false alarms: docs/metrics.md, "Early-warning alarm"). Logs
+    alarm/above_threshold (0/1) and alarm/statistic each step and warns once, the first time it fires."""
+    alarm_threshold: float = 0.0
+    """run.alarm: fire when the statistic exceeds this (a mean for a level rule, a fold change for a change
+    rule); 0 = the threshold measured for the rule (ALARMS)."""
+    alarm_armed_at: float = 0.5
+    """run.alarm: watch only the steps after an evaluation reached this val/accuracy (as measured: the
+    plateau rule's learned_at); 0 = from the first step."""
 
     def __post_init__(self):
         _at_least_one("run", self, ("steps", "eval_every", "checkpoint_every"))
         if self.gradcheck_every < 0:
             raise ConfigError(f"run.gradcheck_every must be >= 0, got {self.gradcheck_every}")
+        if not 0 <= self.alarm_armed_at <= 1:
+            raise ConfigError(f"run.alarm_armed_at must be in [0, 1] (a val/accuracy), got {self.alarm_armed_at}")
 
 
 @dataclass(frozen=True)
@@ -700,6 +713,7 @@ def validate(cfg: Config) -> Task:
     from timlab.engines import ENGINES
     from timlab.injectors import check_section
     from timlab.kernels import check_device
+    from timlab.metrics.alarm import ALARMS
     from timlab.remedies import IS_LEVELS, IS_MODES
     from timlab.schedulers import SCHEDULERS
     from timlab.tasks import TASKS, build_task
@@ -724,6 +738,8 @@ def validate(cfg: Config) -> Task:
     if cfg.algorithm.loss_type not in POLICY_LOSSES:
         raise ConfigError(f"unknown algorithm.loss_type {cfg.algorithm.loss_type!r}; valid choices: {', '.join(POLICY_LOSSES)}")
     validate_correction(cfg)
+    if cfg.run.alarm != "off" and cfg.run.alarm not in ALARMS:
+        raise ConfigError(f"unknown run.alarm {cfg.run.alarm!r}; valid choices: off, {', '.join(ALARMS.names())}")
     if cfg.model.dtype not in PRECISIONS:
         raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
     try:

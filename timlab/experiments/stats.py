@@ -12,6 +12,8 @@ intervals. numpy and the standard library only (no scipy).
 - ``bootstrap_ci(a)`` / ``bootstrap_diff_ci(a, b)`` / ``bootstrap_ratio_ci(a, b)``: percentile
   intervals of a mean, of a difference in means and of a ratio of means, resampling seeds with
   replacement (within each group) with a fixed seed.
+- ``fisher_greater(k_a, n_a, k_b, n_b)``: the one-sided Fisher exact p that group a's rate of
+  events is above group b's (the hypergeometric tail, in exact integers).
 - ``t_ci(a)``: the Student-t interval of a mean.
 - ``holm(ps)``: Holm's step-down adjustment of p-values for a family of tests.
 - ``least_squares(X, y)`` / ``line_fit(x, y)``: small least-squares fits (a few columns, tens of
@@ -115,6 +117,17 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     lower = 0.0 if k == 0 else _bisect(lambda p: alpha / 2 - (1 - binom_cdf(k - 1, n, p)))
     upper = 1.0 if k == n else _bisect(lambda p: binom_cdf(k, n, p) - alpha / 2)
     return lower, upper
+
+
+def fisher_greater(k_a: int, n_a: int, k_b: int, n_b: int) -> float:
+    """One-sided Fisher exact test that k_a events in n_a is a higher rate than k_b in n_b: the
+    chance that n_a of the n_a + n_b units, drawn at random, hold k_a or more of the k_a + k_b
+    events (the upper hypergeometric tail). Counted in exact integers, one division at the end."""
+    if not (0 <= k_a <= n_a and 0 <= k_b <= n_b and n_a >= 1 and n_b >= 1):
+        raise ValueError(f"fisher_greater needs 0 <= k <= n, n >= 1; got {k_a}/{n_a} and {k_b}/{n_b}")
+    n, k = n_a + n_b, k_a + k_b
+    tail = sum(math.comb(k, i) * math.comb(n - k, n_a - i) for i in range(k_a, min(n_a, k) + 1))
+    return tail / math.comb(n, n_a)
 
 
 N_BOOT = 2_000
@@ -299,5 +312,5 @@ def compare_family(groups: dict, references: dict) -> dict:
     return out
 
 
-__all__ = ["least_squares", "line_fit", "RANK_TOL", "Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "binom_cdf",
+__all__ = ["least_squares", "line_fit", "RANK_TOL", "Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "fisher_greater", "binom_cdf",
            "MAX_EXACT", "N_MC"]

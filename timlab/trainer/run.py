@@ -62,6 +62,7 @@ from timlab.metrics import (
     ratio_histogram,
     routing_metrics,
 )
+from timlab.metrics.alarm import ALARMS, AlarmWatch
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
 from timlab.model.moe import Routing
@@ -254,6 +255,7 @@ class RLRun:
         self.step = 0
         self.grad_norm_ema: float | None = None
         self.peak_val = float("-inf")
+        self.alarm = self._build_alarm()
         self.log = MetricsLog(self.rundir.path, tensorboard=cfg.run.tensorboard and self.world.is_main) if self.world.is_main else None
         if resume:
             self._resume()
@@ -314,6 +316,9 @@ class RLRun:
         self.step = state["step"]
         self.grad_norm_ema = state["grad_norm_ema"]
         self.peak_val = state["peak_val"]
+        saved_alarm = state.get("alarm")
+        if self.alarm is not None and saved_alarm and saved_alarm["setting"] == self._alarm_setting():
+            self.alarm.load_state_dict(saved_alarm["watch"])  # the same alarm: it goes on; another starts afresh
         self.injector.refresh()
         if self.log is not None:
             self.log.load(self.step)
@@ -351,6 +356,7 @@ class RLRun:
             "torch_rng": torch.get_rng_state(),
             "grad_norm_ema": self.grad_norm_ema,
             "peak_val": self.peak_val,
+            "alarm": {"setting": self._alarm_setting(), "watch": self.alarm.state_dict()} if self.alarm else None,
         }
 
     def checkpoint(self) -> Path | None:
@@ -401,6 +407,8 @@ class RLRun:
         metrics.update(grad_metrics)
         metrics.update(self.scheduler.metrics())
         metrics.update(self.injector.metrics())
+        if self.alarm is not None:
+            metrics.update(self._alarm_metrics(metrics))
         return StepOutput(metrics, dists)
 
     # 1. rollout ------------------------------------------------------------------------
@@ -539,6 +547,34 @@ class RLRun:
             "train/tokens_per_s": rollout.num_tokens / max(step_time, 1e-9),
             **times,
         }
+
+    # the early-warning alarm (run.alarm) -------------------------------------------------------
+    def _alarm_setting(self) -> list:
+        c = self.cfg.run
+        return [c.alarm, c.alarm_threshold, c.alarm_armed_at]
+
+    def _build_alarm(self) -> AlarmWatch | None:
+        if self.cfg.run.alarm == "off":
+            return None
+        rule = ALARMS.get(self.cfg.run.alarm)
+        return AlarmWatch(rule=rule.rule, direction=rule.direction,
+                          threshold=self.cfg.run.alarm_threshold or rule.threshold)
+
+    def _alarm_metrics(self, metrics: dict) -> dict:
+        """alarm/* of the step: the alarm watches the run's indicator once an evaluation before this
+        step reached run.alarm_armed_at, and warns the first time its statistic exceeds the threshold."""
+        c = self.cfg.run
+        rule = ALARMS.get(c.alarm)
+        if c.alarm_armed_at > 0 and not self.peak_val >= c.alarm_armed_at:
+            return {"alarm/above_threshold": 0.0, "alarm/statistic": float("nan")}
+        first = self.alarm.fired_step is None
+        stat, above = self.alarm.update(float(metrics.get(rule.indicator, float("nan"))), step=self.step)
+        if above and first and self.world.is_main:
+            shown = f"{stat:.3g}x its level over the 10 steps before" if rule.rule == "change" else f"{stat:.3g}"
+            warnings.warn(f"step {self.step}: early-warning alarm {c.alarm}: {rule.indicator} at {shown} (threshold "
+                          f"{self.alarm.threshold:.3g}); see docs/metrics.md for how often this preceded a fall",
+                          stacklevel=2)
+        return {"alarm/above_threshold": float(above), "alarm/statistic": stat}
 
     def gradient_check(self) -> dict:
         """gradcheck at the current weights against this run's injector (own seeds: the run's
