@@ -594,7 +594,7 @@ def _dataset_args(run: Path, model: Path, *sets: str) -> list[str]:
 
 
 def attack_issue42(t: Tally, work: Path) -> None:
-    """Issue 42's findings 1-6, 8, 10-17 and 20 (its `timlab check` findings have their own cases)."""
+    """Issue 42's findings 1-6, 8, 10-17 and 20 (its `timlab check` findings: ``attack_issue42_check``)."""
     w = work / "issue42"
     w.mkdir()
     ref = work / "train_ref"
@@ -778,6 +778,23 @@ def attack_issue42(t: Tally, work: Path) -> None:
               flush=True)
 
 
+def attack_issue42_check(t: Tally, work: Path) -> None:
+    """Issue 42's `timlab check` findings 7, 9, 18 and 19: sizes bounded, an overflowing seed, a
+    repeated length name and a gate metric without a threshold, each one line and exit 2, fast."""
+    model = work / "issue42_check_model"
+    if not model.exists():
+        assert sh(["pretrain", "--preset", "smoke", "--out", str(model)]).returncode == 0
+    base = ["check", "--model", str(model), "--lengths", "s=4:4", "--batch-sizes", "1"]
+    t.kind = "hang"
+    _timed(t, "check --boot 1000000000", [*base, "--boot", "1000000000"], 60)
+    _timed(t, "check --batch-sizes 99999999", [*base[:-2], "--batch-sizes", "99999999"], 60)
+    t.kind = "traceback"
+    _timed(t, "check --seed 100000000000000000000000", [*base, "--seed", "100000000000000000000000"], 60)
+    t.kind = "wrong"
+    _timed(t, "check --lengths a=1:1,a=2:2 (a repeated name)", [*base[:3], "--batch-sizes", "1", "--lengths", "a=1:1,a=2:2"], 60)
+    _timed(t, "check --gate-metric k3_kl without --fail-above", [*base, "--gate-metric", "k3_kl"], 60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5, help="kill-and-resume attacks per command (train; sweep and "
@@ -807,6 +824,7 @@ def main() -> int:
         attack_hostile(t, work)
     if args.only in (None, "issue42"):
         attack_issue42(t, work)
+        attack_issue42_check(t, work)
     failed = [r for r in t.results if not r[1]]
     tracebacks = sum("TRACEBACK" in r[2] for r in t.results)
     by_kind = {k: sum(1 for kind, r in zip(t.kinds, t.results) if kind == k and not r[1])
