@@ -361,7 +361,7 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
                         color="C3" if held else "C0", label=None)
         ax.axhline(0, color="0.5", lw=0.8)
         ax.set_xticks(range(len(members)), members, rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"{study.label(key)}\n{fam.rule} (red: holds)", fontsize=9)
+        ax.set_title(f"{study.label(key)}\n" + (f"{fam.rule} (red: holds)" if fam.rule else "descriptive"), fontsize=9)
         ax.set_ylabel(f"arm minus {fam.against}, 95% bootstrap")
     fig.suptitle(f"{study.name}: each arm against {study.control}", fontsize=10)
     fig.tight_layout()

@@ -414,6 +414,11 @@ def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
         if not ok:
             raise StudyError(f"{where}: line: field {{{f}}}; valid choices: {{arm}}, {{verdict}}, or an endpoint of "
                              f"family {fam.name} ({', '.join(fam.endpoints)}) with a field: {', '.join(COMPARISON_FIELDS)}")
+    probe = dict.fromkeys(COMPARISON_FIELDS, 0.0) | {"t_ci": (0.0, 0.0), "boot_ci": (0.0, 0.0), "diff_ci": (0.0, 0.0)}
+    try:  # a bad format spec ({acc.p:.4z}) is refused here, not after the data are read
+        line.format(arm="a", verdict="v", **{e: type("Comparison", (), probe)() for e in fam.endpoints})
+    except (ValueError, KeyError, IndexError, AttributeError) as e:
+        raise StudyError(f"{where}: line: {e}") from None
     alpha = _number(d.get("alpha", 0.05), f"{where}: alpha")
     return Verdict(str(d["name"]), fam.name, tuple(cases), str(d["otherwise"]), line, alpha)
 
