@@ -3,11 +3,12 @@
     python bench/erosion_late_window.py [sweeps/erosion]
 
 E1 registered levels over steps 50-500, not healing; E3d registered healing (its early window,
-steps 50-150, against its late one, 400-500). This runs E3d's per-run endpoints
-(``e3_tables.heal_endpoints``: accuracy level per window, its change from early to late, realized
-k3 per window) over the committed erosion runs and compares each arm with the control
-(``compare_family``: exact permutation p, bootstrap intervals; Holm over the 10 arms). Not a
-registered test of E1: FINDINGS quotes it to say in words what "heals" can and cannot mean there.
+steps 50-150, against its late one, 400-500). This takes E3d's per-run endpoints from its study file
+(docs/examples/studies/e3d.yaml: accuracy level per window, its change from early to late, realized
+k3 per window), computes them over the committed erosion runs (``study.engine.run_record``) and
+compares each arm with the control (``compare_family``: exact permutation p, bootstrap intervals;
+Holm over the 10 arms). Not a registered test of E1: FINDINGS quotes it to say in words what
+"heals" can and cannot mean there.
 """
 
 from __future__ import annotations
@@ -16,21 +17,27 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # run from a checkout, no install
+sys.path.insert(0, str(ROOT))  # run from a checkout, no install
 
-from e3_tables import HEAL, heal_endpoints  # noqa: E402
-from erosion_tables import STUDY, arm, collect, comparison_cells, fmt  # noqa: E402
 from timlab.experiments.stats import compare_family  # noqa: E402
+from timlab.experiments.study import load_study  # noqa: E402
+from timlab.experiments.study.engine import run_record  # noqa: E402
+from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
+from timlab.experiments.study.text import comparison_cells, fmt  # noqa: E402
+from timlab.rundir import DIVERGED, FINISHED  # noqa: E402
 
-DESIGN = {**HEAL, "steps": STUDY["steps"], "start": STUDY["start"]}
+E3D = load_study(ROOT / "docs" / "examples" / "studies" / "e3d.yaml")
+KEYS = ("acc_early", "acc_late", "acc_change", "k3_early", "k3_late")
 
 
 def main(sweep: str = str(ROOT / "sweeps" / "erosion")) -> None:
-    per = collect(sweep, DESIGN, key=arm, endpoints=lambda m, st, diverged: heal_endpoints(m, st, diverged=diverged,
-                                                                                         design=DESIGN))
-    col = {a: {k: [r[k] for r in rows] for k in rows[0] if k != "condition"} for a, rows in per.items()}
+    per: dict[str, list[dict]] = {}
+    for row, m in runs(sweep):
+        if row["state"] == DIVERGED or (row["state"] == FINISHED and int(m["step"].max()) == E3D.steps):
+            per.setdefault(arm(row["spec_condition"]), []).append(run_record(E3D, m, diverged=row["state"] == DIVERGED))
+    col = {a: {k: [r[k] for r in rows] for k in KEYS} for a, rows in per.items()}
     arms = [a for a in sorted(per) if a != "control"]
-    (e0, e1), (l0, l1) = DESIGN["early"], DESIGN["late"]
+    (e0, e1), (l0, l1) = E3D.endpoint("acc_early").window, E3D.endpoint("acc_late").window
     print(f"{sweep}: {sum(len(v) for v in per.values())} runs; early = steps {e0}-{e1}, late = steps {l0}-{l1}\n")
     print("| arm | k3 early -> late | accuracy early | accuracy late |")
     print("|---|---|---:|---:|")

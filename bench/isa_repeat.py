@@ -16,30 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from timlab.rundir import read_metrics
-from timlab.rundir.metrics_log import without_timings
-
-
-def first_difference(a, b) -> str | None:
-    """None when the two metrics tables are bitwise equal in the columns both hold, else where
-    they first differ."""
-    a, b = without_timings(a), without_timings(b)
-    if len(a) != len(b):
-        return f"{len(a)} vs {len(b)} rows"
-    for col in [c for c in a.columns if c in b.columns]:
-        x, y = a[col].to_numpy(), b[col].to_numpy()
-        if x.dtype != y.dtype:
-            return f"{col}: dtype {x.dtype} vs {y.dtype}"
-        if x.dtype.kind == "f":
-            same = (x.view(f"i{x.itemsize}") == y.view(f"i{y.itemsize}")) | (np.isnan(x) & np.isnan(y))
-        else:
-            same = x == y
-        if not np.all(same):
-            i = int(np.argmin(same))
-            return f"step {a['step'].iloc[i]} {col}: {x[i]!r} vs {y[i]!r}"
-    return None
+from timlab.rundir.metrics_log import first_difference
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,6 @@
     python scripts/e3_tables.py study sweeps/e3                # the pre-registered analysis
     python scripts/e3_tables.py figure sweeps/e3 --out docs/img/e3_length.png
     python scripts/e3_tables.py predict sweeps/e3c             # E3c: E3b's fit tested at a new length
-    python scripts/e3_tables.py heal sweeps/e3d                # E3d: do E3b's level costs heal?
 
 ``starts``: the calibration of E3's learned starts (docs/examples/e3_starts.yaml): per condition
 (verbosity level, SFT step count), the greedy accuracy and gold log-prob at the step-0 evaluation
@@ -47,12 +46,8 @@ consistent. "T * k3 holds out of sample" when its prediction is consistent and T
 (and the reverse); then the test level's own tables, and the free fit over all levels together
 (descriptive).
 
-``heal``: the analysis pre-registered in FINDINGS ("Study E3d"), once every run of its spec
-(default docs/examples/e3d.yaml, 500 steps) has finished: per arm the accuracy and gold log-prob
-levels over an early (50-150) and a late (400-500) window; the late level and the change from
-early to late against the control's (exact permutation p, bootstrap interval); the verdict
-(persists, partly heals, heals, grows, or neither established); and whether steps 0-150 of each
-run repeat E3b's run of the same name bit for bit.
+Study E3d (do E3b's level costs heal?) is a study file, analysed by the package:
+``timlab study analyze docs/examples/studies/e3d.yaml`` (``timlab.experiments.study``).
 """
 
 from __future__ import annotations
@@ -148,11 +143,6 @@ FIT_SPEC = ROOT / "docs" / "examples" / "e3b.yaml"
 """The sweep whose length fit E3c tests out of sample, and its spec."""
 TEST_SPEC = ROOT / "docs" / "examples" / "e3c.yaml"
 """E3c's spec: the level the fit did not see (``predict``)."""
-HEAL_SPEC = ROOT / "docs" / "examples" / "e3d.yaml"
-"""E3d's spec: one E3b level and arm run to 500 steps (``heal``)."""
-HEAL = {"steps": 500, "start": 50, "min_start_accuracy": 0.95, "early": (50, 150), "late": (400, 500)}
-"""E3d's design: steps per run, the validity bar, and the two windows of evaluations (inclusive)
-whose accuracy levels are compared: E3b's (early) and the last 100 steps (late)."""
 
 
 def threshold_k3(T: float) -> float:
@@ -581,113 +571,11 @@ def _prediction(colf: dict, fit_treated: list, col: dict, treated: list, *, n: i
     return out + [""]
 
 
-def heal_endpoints(m: pd.DataFrame, start: int = HEAL["start"], *, diverged: bool = False,
-                   design: dict = HEAL) -> dict:
-    """One E3d run's endpoints: ``study_endpoints`` over steps >= ``start``, plus the accuracy and
-    gold log-prob levels, realized k3 and mean sampled response length over the early and the late
-    window, and the change of each level from early to late."""
-    out = study_endpoints(m, start, diverged=diverged)
-    ev = m[m["val/accuracy"].notna()]
-    for name, (lo, hi) in (("early", design["early"]), ("late", design["late"])):
-        w = ev[(ev["step"] >= lo) & (ev["step"] <= hi)]
-        t = m[(m["step"] >= lo) & (m["step"] <= hi)]
-        out.update({f"acc_{name}": float(w["val/accuracy"].mean()), f"gold_{name}": float(w["val/gold_logprob"].mean()),
-                    f"k3_{name}": float(t["rollout_corr/k3_kl"].mean()),
-                    f"length_{name}": float(t["train/response_length_mean"].mean())})
-    out["acc_change"] = out["acc_late"] - out["acc_early"]
-    out["gold_change"] = out["gold_late"] - out["gold_early"]
-    return out
-
-
-def heal(sweep: str, *, spec: str | Path = HEAL_SPEC, earlier: str | Path = FIT_SWEEP, design: dict = HEAL) -> str:
-    """E3d's pre-registered analysis (FINDINGS, "Study E3d"), once every run of ``spec`` has
-    finished at step 500: per arm the early and late levels; the late excess over the control and
-    the change from early to late against the control's (exact permutation p, bootstrap interval;
-    one treated arm per level, so no correction); falls; the verdict by the registered rules; and
-    whether steps 0-150 of each run repeat ``earlier``'s run of the same name (E3b) bit for bit."""
-    want = [c.name for c in load_spec(spec).conditions]
-    refusal = _refusal(sweep, want, design)
-    if refusal:
-        return refusal
-    per = collect(sweep, design, key=cell, endpoints=lambda m, st, diverged: heal_endpoints(m, st, diverged=diverged,
-                                                                                          design=design))
-    cells, per = _in_spec(per, want)
-    col = _columns(per, cells)
-    out = []
-    levels = sorted({lv for lv, _ in cells})
-    ok = []
-    for lv in levels:
-        valid, line = _validity(per, cells, lv, design)
-        ok += [lv] if valid else []
-        out.append(line)
-    out += [_repeats(sweep, want, earlier), ""]
-    (e0, e1), (l0, l1) = design["early"], design["late"]
-    for lv in ok:
-        arms = [a for v, a in cells if v == lv and a != CONTROL]
-        out += [f"**Level {lv}: early (steps {e0}-{e1}) and late (steps {l0}-{l1}) windows** (means over seeds [95% t])", "",
-                "| arm | accuracy early | accuracy late | gold log-prob early | gold log-prob late | k3 early -> late | "
-                "response length early -> late | falls (plateau rule) [95% Clopper-Pearson] |",
-                "|---|---:|---:|---:|---:|---|---|---:|"]
-        for a in (CONTROL, *arms):
-            c = col[lv, a]
-            cis = [t_ci(c[k]) for k in ("acc_early", "acc_late", "gold_early", "gold_late")]
-            k = sum(r["fell"] for r in per[lv, a])
-            clo, chi = clopper_pearson(k, len(per[lv, a]))
-            out.append(f"| {a} | " + " | ".join(f"{m_:.4f} [{lo:.4f}, {hi:.4f}]" for m_, lo, hi in cis)
-                       + f" | {fmt(float(c['k3_early'].mean()))} -> {fmt(float(c['k3_late'].mean()))} | "
-                       f"{float(c['length_early'].mean()):.1f} -> {float(c['length_late'].mean()):.1f} | "
-                       f"{k}/{len(per[lv, a])} [{clo:.2f}, {chi:.2f}] |")
-        out.append("")
-        verdict = {}
-        for key, label in (("acc_early", f"accuracy level, steps {e0}-{e1} (E3b's endpoint)"),
-                           ("acc_late", f"accuracy level, steps {l0}-{l1} (primary)"),
-                           ("acc_change", "accuracy change from early to late (primary)"),
-                           ("gold_late", f"gold log-prob level, steps {l0}-{l1}"),
-                           ("gold_change", "gold log-prob change from early to late")):
-            cmp = compare_family({a: col[lv, a][key] for a in arms}, {a: col[lv, CONTROL][key] for a in arms})
-            out += [f"**{label}**, arm minus control", "", "| arm | arm mean [95% t] [95% bootstrap] | "
-                    "excess over control [95% bootstrap] | permutation p | Holm p |", "|---|---:|---:|---:|---:|"]
-            for a in arms:
-                out.append(f"| {a} | {comparison_cells(cmp[a])} |")
-                verdict[a, key] = cmp[a]
-            out.append("")
-        for a in arms:
-            late, change = verdict[a, "acc_late"], verdict[a, "acc_change"]
-            up, down = change.above(), change.below()
-            v = ("**persists**" if late.below() and not up and not down else
-                 "**partly heals**" if late.below() and up else
-                 "**heals**" if not late.below() and up else
-                 "**grows**" if down else "**neither healing nor persisting is established**")
-            out.append(f"Verdict, level {lv} {a}: {v} (late excess {late.diff:+.4f} [{late.diff_ci[0]:+.4f}, "
-                       f"{late.diff_ci[1]:+.4f}], p {late.p:.4f}; change against the control's {change.diff:+.4f} "
-                       f"[{change.diff_ci[0]:+.4f}, {change.diff_ci[1]:+.4f}], p {change.p:.4f}).")
-        out.append("")
-    return "\n".join(out)
-
-
 def _shown(path: str | Path) -> Path:
     """``path`` relative to the repository when it lies inside it (so committed text does not
     name this machine's folders), else absolute."""
     p = Path(path).resolve()
     return p.relative_to(ROOT) if p.is_relative_to(ROOT) else p
-
-
-def _repeats(sweep: str, want: list[str], earlier: str | Path) -> str:
-    """How many runs repeat, over steps 0-150, ``earlier``'s run of the same condition bit for bit
-    (every logged value but wall-clock timings, in the columns both hold)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from isa_repeat import first_difference  # drops the wall-clock columns before comparing
-
-    mine = {row["spec_condition"]: m for row, m in runs(sweep)}
-    theirs = {row["spec_condition"]: m for row, m in runs(str(earlier))} if (Path(earlier) / "index.parquet").exists() else {}
-    shared = [c for c in want if c in theirs and c in mine]
-    cut = STUDY["steps"]
-    diffs = {c: first_difference(mine[c][mine[c]["step"] <= cut].reset_index(drop=True),
-                                 theirs[c][theirs[c]["step"] <= cut].reset_index(drop=True)) for c in shared}
-    bad = {c: d for c, d in diffs.items() if d is not None}
-    return (f"Steps 0-{cut} against {_shown(earlier)}'s runs of the same name: {len(shared) - len(bad)} of {len(shared)} "
-            f"identical in every logged value but timings" + ("." if not bad else
-            "; differ: " + "; ".join(f"{c} ({d})" for c, d in bad.items()) + "."))
 
 
 def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict = STUDY) -> Path:
@@ -734,7 +622,7 @@ def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict
     return out
 
 
-TABLES = {"starts": starts, "followup": followup, "study": study, "predict": predict, "heal": heal}
+TABLES = {"starts": starts, "followup": followup, "study": study, "predict": predict}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -757,8 +645,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.table == "predict":
         print(predict(a.sweep, spec=a.spec or TEST_SPEC, fit_sweep=a.fit, fit_spec=a.fit_spec))
-    elif a.table == "heal":
-        print(heal(a.sweep, spec=a.spec or HEAL_SPEC))
     else:
         print(study(a.sweep, spec=a.spec or SPEC) if a.table == "study" else TABLES[a.table](a.sweep))
     return 0

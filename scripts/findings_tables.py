@@ -461,7 +461,6 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "e3b-probe": lambda R: erosion_tables.probe(str(SWEEPS / "e3b_probe")),
           "e3b-study": lambda R: e3_tables.study(str(SWEEPS / "e3b"), spec=e3_tables.ROOT / "docs" / "examples" / "e3b.yaml"),
           "e3c-predictions": lambda R: e3_tables.predictions(SWEEPS / "e3b"),
-          "e3d-study": lambda R: e3_tables.heal(str(SWEEPS / "e3d")),
           "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
@@ -477,7 +476,7 @@ def study_blocks() -> dict:
     for path in sorted(STUDIES.glob("*.yaml")):
         s = load_study(path)
         if s.findings:
-            out[s.findings[1]] = lambda R, s=s: analyze(s, ROOT / s.out).text
+            out[s.findings[1]] = lambda R, s=s: analyze(s, root=ROOT).text
     return out
 
 

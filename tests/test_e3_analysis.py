@@ -289,64 +289,10 @@ def test_out_of_sample_refuses_incomplete_sweeps_and_a_seen_level(fit_linear, tm
 
 E3D_SPEC = REPO / "docs" / "examples" / "e3d.yaml"
 E3D_WANT = [c.name for c in load_spec(E3D_SPEC).conditions]
-
-
-def _long(level: int, arm: str, seed: int, *, early: float, late: float, steps: int = 500) -> pd.DataFrame:
-    """A 500-step run of E3d: accuracy 0.97 (noise 2e-3 per evaluation), the arm losing ``early``
-    at the evaluations of steps 25-150 and ``late`` after."""
-    rng = np.random.default_rng([level, int(arm != "control"), seed])
-    ev = np.arange(0, steps + 1, EVERY)
-    acc = 0.97 + rng.normal(0, 2e-3, ev.size)
-    gold = -0.10 + rng.normal(0, 1e-3, ev.size)
-    if arm != "control":
-        cost = np.where(ev <= 150, early, late) * (ev >= 25)
-        acc, gold = acc - cost, gold - 10 * cost
-    acc[0], gold[0] = 0.99, -0.05
-    t = np.arange(1, steps + 1)
-    train = pd.DataFrame({"step": t, "rollout_corr/k3_kl": 0.0 if arm == "control" else 5e-3 * np.exp(rng.normal(0, .02, t.size)),
-                          "mismatch/frac_bitwise_equal": 1.0 if arm == "control" else 0.2,
-                          "train/response_length_mean": 66.0 + rng.normal(0, 0.5, t.size), "train/step_time_s": 0.3})
-    m = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold}).merge(train, on="step", how="outer")
-    return m.sort_values("step")[["step"] + sorted(c for c in m.columns if c != "step")]
-
-
-def _e3d(root, *, early=0.05, late=0.0, earlier_shift: float = 0.0):
-    """An E3d sweep at ``root``/e3d and an E3b-like sweep at ``root``/e3b holding the same runs cut at
-    step 150 (shifted by ``earlier_shift`` in accuracy at step 25: not a repeat)."""
-    def metrics(name, cut=None):
-        lv, a = E3.cell(name)
-        m = _long(lv, a, int(name.rsplit("_s", 1)[1]), early=early, late=late)
-        if cut:
-            m = m[m["step"] <= cut].copy()
-            m.loc[m["step"] == 25, "val/accuracy"] += earlier_shift
-        return m
-    d = write_sweep(Path(root) / "e3d", E3D_WANT, metrics, 500)
-    b = write_sweep(Path(root) / "e3b", E3D_WANT, lambda n: metrics(n, cut=150), 150)
-    return d, b
+"""Study E3d's runs (its analysis is a study file: tests/test_study.py)."""
 
 
 def test_e3d_spec_extends_e3bs_level_1_largest_dose():
     assert len(E3D_WANT) == 16 and {E3.cell(c) for c in E3D_WANT} == {(1, "control"), (1, "head_0.95")}
     assert set(E3D_WANT) <= set(E3B_WANT)  # the same names as E3b's runs, for the repeat check
     assert [int(c.rsplit("_s", 1)[1]) for c in E3D_WANT] == [s for s in range(8) for _ in range(2)]
-
-
-@pytest.mark.parametrize("late, verdict", [(0.0, "**heals**"), (0.05, "**persists**"), (0.02, "**partly heals**"),
-                                           (0.10, "**grows**")])
-def test_heal_verdicts_as_planted(tmp_path, late, verdict):
-    d, b = _e3d(tmp_path, late=late)
-    text = E3.heal(str(d), earlier=str(b))
-    assert "Validity, level 1:" in text and "VALID." in text
-    line = next(x for x in text.splitlines() if x.startswith("Verdict, level 1 head_0.95: "))
-    assert line.startswith(f"Verdict, level 1 head_0.95: {verdict} (late excess "), line
-    assert float(line.split("late excess ")[1].split(" ")[0]) == pytest.approx(-late, abs=2e-3)
-    assert float(line.split("control's ")[1].split(" ")[0]) == pytest.approx(0.05 - late, abs=2e-3)
-    assert "16 of 16 identical in every logged value but timings." in text
-
-
-def test_heal_reports_runs_that_do_not_repeat_and_refuses_an_incomplete_sweep(tmp_path):
-    d, b = _e3d(tmp_path, earlier_shift=0.01)
-    text = E3.heal(str(d), earlier=str(b))
-    assert "0 of 16 identical" in text and "v1_control_s0 (" in text
-    part = write_sweep(tmp_path / "part", E3D_WANT[:3], lambda n: _long(1, E3.cell(n)[1], 0, early=0, late=0), 500)
-    assert E3.heal(str(part)).startswith("INCOMPLETE: 3 of 16 runs finished at step 500")

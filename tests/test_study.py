@@ -6,6 +6,8 @@ and ``timlab study`` itself."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,6 +20,7 @@ from timlab.experiments.study import StudyError, analyze, freeze, load_study, pl
 from timlab.experiments.study.endpoints import window_stat
 from timlab.experiments.study.fits import fit_power, power_law_section
 
+REPO = Path(__file__).resolve().parents[1]
 STEPS = 100
 SEEDS = 5
 ARMS = {"control": 0.0, "head": -0.10, "tiny": 0.0}
@@ -284,3 +287,159 @@ def test_an_arm_the_sweep_does_not_have_is_named(tmp_path):
     d = registration(families=[{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "arms": ["haed"]}])
     with pytest.raises(StudyError, match=r"families: cost: 'haed' is not an arm of the sweep; arms: control, head, tiny"):
         planned_runs(study_from_dict(d, root=tmp_path, source="s.yaml"))
+
+
+# ------------------------------------------------------------------------------- features as data
+def test_a_difference_endpoint_a_descriptive_family_and_a_combined_verdict(tmp_path):
+    over = {
+        "endpoints": registration()["endpoints"] + [
+            {"name": "start", "metric": "val/accuracy", "stat": "level", "window": [0, 0]},
+            {"name": "change", "stat": "difference", "of": ["acc", "start"], "label": "change from the start"}],
+        "families": registration()["families"] + [
+            {"name": "desc", "endpoints": ["change"], "note": ", arm minus control", "reference_row": False,
+             "headers": ["arm", "arm mean", "excess", "perm p", "Holm p"]}],
+        "verdicts": [{"name": "moved", "family": "desc", "alpha": 0.05, "otherwise": "unclear",
+                      "cases": [{"when": {"change": "below"}, "then": "**lowered**"},
+                                {"when": {"change": ["not below", "not above"]}, "then": "flat"}],
+                      "line": "{arm}: {verdict} ({change.diff:+.2f}, Holm p {change.p_holm:.4f})"}],
+        "order": ["tables", "families", "verdicts", "fits"],
+        "tables": [{"title": "Start and end", "note": " (means)", "columns": [
+            {"header": "start -> level", "show": "change", "endpoints": ["start", "acc"], "format": ".2f"},
+            {"header": "final [95% t]", "show": "t", "endpoint": "final", "digits": 4}]}]}
+    study, out = make(tmp_path, over=over)
+    res = analyze(study, out)
+    lines = res.text.splitlines()
+    # the run's change is its level minus its start (0.9 in every run), exactly
+    from timlab.experiments.study.engine import run_record
+    rec = run_record(study, metrics("head_s0"), diverged=False)
+    assert rec["change"] == rec["acc"] - rec["start"] and rec["change"] == pytest.approx(-0.1, abs=5e-3)
+    # the descriptive table comes first (order), with its note, a format and 4 digits
+    assert lines.index("**Start and end** (means)") < lines.index("**mean accuracy, steps 20-100**")
+    assert "| head | 0.90 -> 0.80 | 0.8" in res.text and re.search(r"\| control \| 0\.90 -> 0\.90 \| 0\.9\d{3} \[", res.text)
+    i = lines.index("**change from the start**, arm minus control")
+    assert lines[i + 2:i + 4] == ["| arm | arm mean | excess | perm p | Holm p |", "|---|---:|---:|---:|---:|"]
+    cells = [c.strip() for c in lines[i + 4].split("|")[1:-1]]  # no reference row, no verdict column
+    assert cells[0] == "head" and len(cells) == 5 and float(cells[2].split()[0]) == pytest.approx(-0.1, abs=2e-3)
+    assert cells[3:] == [f"{2 / 252:.4f}", f"{4 / 252:.4f}"]
+    # the verdict: 5 vs 5, Holm over 2 arms: head at the floor 2/252, doubled
+    assert f"head: **lowered** (-0.10, Holm p {4 / 252:.4f})" in lines
+    assert res.decisions == {("moved", "head"): "**lowered**", ("moved", "tiny"): "flat"}
+    assert ("desc", "change", "head") not in res.verdicts  # a family without a rule decides nothing
+
+
+def test_repeats_name_the_runs_that_differ(tmp_path):
+    study, out = make(tmp_path, over={"repeats": {"sweep": "earlier", "last_step": 30}})
+    ids = {p.name: p.run_id for p in planned_runs(study)}
+
+    def earlier(name):
+        m = metrics(name)
+        if name == "head_s2":
+            m.loc[m["step"] == 20, "val/accuracy"] += 1e-12
+        m["train/step_time_s"] = 9.0  # timings are not compared
+        return m
+
+    write_sweep(tmp_path / "earlier", list(ids), earlier, 30)
+    lines = analyze(study, out, root=tmp_path).text.splitlines()
+    assert lines[1].startswith("Steps 0-30 against earlier's runs of the same name: 14 of 15 identical in every "
+                               "logged value but timings; differ: head_s2 (step 20 val/accuracy: ")
+    assert lines[2] == ""
+    assert analyze(study, out, root=tmp_path / "nowhere").text.splitlines()[1] == (
+        "Steps 0-30 against earlier's runs of the same name: 0 of 0 identical in every logged value but timings.")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"endpoints": [{"name": "d", "stat": "difference", "of": ["a", "b"]},
+                    {"name": "a", "metric": "m", "stat": "level"}]},
+     "endpoints[0]: of (endpoints listed before it): 'a'; valid choices: "),
+    ({"endpoints": registration()["endpoints"] + [{"name": "d", "stat": "difference", "of": ["acc"]}]},
+     "of: difference takes two endpoints [a, b] (a - b), got ['acc']"),
+    ({"verdicts": [{"name": "v", "family": "cost", "cases": [{"when": {"acc": "lower"}, "then": "x"}],
+                    "otherwise": "y", "line": "{arm}"}]},
+     "verdicts[0]: cases[0]: when: acc: 'lower'; valid choices: below, above, not below, not above"),
+    ({"verdicts": [{"name": "v", "family": "cost", "cases": [{"when": {"acc": "below"}, "then": "x"}],
+                    "otherwise": "y", "line": "{arm}: {acc.dif:+.3f}"}]},
+     "verdicts[0]: line: field {acc.dif}; valid choices: {arm}, {verdict}, or an endpoint of family cost (acc, slope)"),
+    ({"verdicts": [{"name": "v", "family": "cost", "cases": [{"when": {"acc": "below"}, "then": "x"}],
+                    "otherwise": "y", "line": "{arm}: {acc.p:.4z}"}]},
+     "verdicts[0]: line: Unknown format code 'z'"),
+    ({"order": ["verdicts", "families", "tables", "fits"]}, "order: fits and verdicts read the families' comparisons"),
+    ({"order": ["families", "tables"]}, "order: expected each of families, tables, fits, verdicts once"),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "headers": ["a", "b"]}]},
+     "families[0]: headers: 2 given, the table has 5 columns"),
+    ({"arm_pattern": "(.+)_s\\d+"}, "arm_pattern: needs a group named arm"),
+    ({"repeats": {"sweep": "x", "last_step": 101}}, "repeats: last_step must be an integer from 0 to steps (100)"),
+])
+def test_bad_feature_registrations_are_one_line_errors(tmp_path, change, message):
+    with pytest.raises(StudyError) as e:
+        study_from_dict(registration(**change), root=tmp_path, source="s.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- Study E3d's file
+E3D = load_study(REPO / "docs" / "examples" / "studies" / "e3d.yaml")
+
+
+def e3d_run(name: str, *, early: float, late: float) -> pd.DataFrame:
+    """A 500-step run of E3d (``v1_<arm>_s<seed>``): accuracy 0.97 (noise 2e-3 per evaluation,
+    every 25 steps), the treated arm losing ``early`` at the evaluations of steps 25-150 and
+    ``late`` after; the same step-0 evaluation in every run."""
+    arm, seed = name[3:].rsplit("_s", 1)
+    rng = np.random.default_rng([1, int(arm != "control"), int(seed)])
+    ev = np.arange(0, 501, 25)
+    acc = 0.97 + rng.normal(0, 2e-3, ev.size)
+    gold = -0.10 + rng.normal(0, 1e-3, ev.size)
+    if arm != "control":
+        cost = np.where(ev <= 150, early, late) * (ev >= 25)
+        acc, gold = acc - cost, gold - 10 * cost
+    acc[0], gold[0] = 0.99, -0.05
+    t = np.arange(1, 501)
+    train = pd.DataFrame({"step": t, "rollout_corr/k3_kl": 0.0 if arm == "control" else 5e-3 * np.exp(rng.normal(0, .02, t.size)),
+                          "mismatch/frac_bitwise_equal": 1.0 if arm == "control" else 0.2,
+                          "train/response_length_mean": 66.0 + rng.normal(0, 0.5, t.size), "train/step_time_s": 0.3})
+    m = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold}).merge(train, on="step", how="outer")
+    return m.sort_values("step")[["step"] + sorted(c for c in m.columns if c != "step")]
+
+
+def e3d_sweeps(root, *, late: float, shift: float = 0.0, names=None):
+    """E3d's sweep at ``root``/sweeps/e3d and E3b's runs of the same names at ``root``/sweeps/e3b,
+    cut at step 150 (accuracy at step 25 shifted by ``shift``: then no run repeats)."""
+    ids = {p.name: p.run_id for p in planned_runs(E3D)}
+    write_sweep(root / "sweeps" / "e3d", names or list(ids), lambda n: e3d_run(n, early=0.05, late=late), 500,
+                run_ids=ids)
+
+    def cut(n):
+        m = e3d_run(n, early=0.05, late=late)
+        m = m[m["step"] <= 150].copy()
+        m.loc[m["step"] == 25, "val/accuracy"] += shift
+        return m
+    write_sweep(root / "sweeps" / "e3b", list(ids), cut, 150)
+
+
+@pytest.mark.parametrize("late, verdict", [(0.0, "**heals**"), (0.05, "**persists**"), (0.02, "**partly heals**"),
+                                           (0.10, "**grows**")])
+def test_e3d_study_file_finds_each_planted_course(tmp_path, late, verdict):
+    e3d_sweeps(tmp_path, late=late)
+    res = analyze(E3D, root=tmp_path)
+    lines = res.text.splitlines()
+    assert lines[0].startswith("Validity, level 1: control guard (k3 exactly 0, every token bitwise equal, every step) "
+                               "held; step-0 evaluation the same in all its runs (accuracy 0.990, gold log-prob -0.050): VALID.")
+    assert lines[1] == ("Steps 0-150 against sweeps/e3b's runs of the same name: 16 of 16 identical in every logged "
+                        "value but timings.")
+    line = next(x for x in lines if x.startswith("Verdict, level 1 head_0.95: "))
+    assert line.startswith(f"Verdict, level 1 head_0.95: {verdict} (late excess "), line
+    assert float(line.split("late excess ")[1].split(" ")[0]) == pytest.approx(-late, abs=2e-3)
+    assert float(line.split("control's ")[1].split(" ")[0]) == pytest.approx(0.05 - late, abs=2e-3)
+    assert res.decisions == {("heals", "head_0.95"): verdict} and res.text.endswith(").\n")  # the block's last blank line
+    row = next(x for x in lines if x.startswith("| head_0.95 | 0.9"))  # the windows' table, 4 decimals
+    early = [c.strip() for c in row.split("|")[1:-1]][1]
+    assert re.fullmatch(r"0\.\d{4} \[0\.\d{4}, 0\.\d{4}\]", early) and float(early.split()[0]) == pytest.approx(0.92, abs=3e-3)
+
+
+def test_e3d_study_file_names_runs_that_do_not_repeat_and_refuses_an_incomplete_sweep(tmp_path):
+    e3d_sweeps(tmp_path / "a", late=0.0, shift=0.01)
+    text = analyze(E3D, root=tmp_path / "a").text
+    assert "against sweeps/e3b's runs of the same name: 0 of 16 identical" in text and "v1_control_s0 (step 25 " in text
+    e3d_sweeps(tmp_path / "b", late=0.0, names=[p.name for p in planned_runs(E3D)][:3])
+    assert analyze(E3D, root=tmp_path / "b").text == (
+        "INCOMPLETE: 3 of 16 runs finished at step 500 (missing: head_0.95 seeds 1-7, control seeds 2-7); no endpoint "
+        "is computed before the study is complete (no interim analysis).")

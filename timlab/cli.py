@@ -576,7 +576,10 @@ def cmd_study(args: argparse.Namespace) -> int:
         print(f"  endpoints: {', '.join(e.name for e in st.endpoints)}")
         for f in st.families:
             print(f"  family {f.name}: {', '.join(f.arms) or 'every arm'} vs {f.against} on {', '.join(f.endpoints)}; "
-                  f"{f.correction}; rule {f.rule}")
+                  f"{f.correction}; " + (f"rule {f.rule}" if f.rule else "no rule (descriptive)"))
+        for v in st.verdicts:
+            print(f"  verdict {v.name}: per arm of family {v.family}, {len(v.cases)} cases (first that holds), else "
+                  f"{v.otherwise!r}")
         print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
         return 0
     if args.action == "run":

@@ -33,6 +33,28 @@ def without_timings(df: pd.DataFrame) -> pd.DataFrame:
     return df.drop(columns=[c for c in df.columns if is_timing(c)])
 
 
+def first_difference(a: pd.DataFrame, b: pd.DataFrame) -> str | None:
+    """None when two metrics tables are bitwise equal (NaN equal to NaN) in the columns both hold,
+    wall-clock columns left out (``without_timings``); else where they first differ."""
+    import numpy as np
+
+    a, b = without_timings(a), without_timings(b)
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} rows"
+    for col in [c for c in a.columns if c in b.columns]:
+        x, y = a[col].to_numpy(), b[col].to_numpy()
+        if x.dtype != y.dtype:
+            return f"{col}: dtype {x.dtype} vs {y.dtype}"
+        if x.dtype.kind == "f":
+            same = (x.view(f"i{x.itemsize}") == y.view(f"i{y.itemsize}")) | (np.isnan(x) & np.isnan(y))
+        else:
+            same = x == y
+        if not np.all(same):
+            i = int(np.argmin(same))
+            return f"step {a['step'].iloc[i]} {col}: {x[i]!r} vs {y[i]!r}"
+    return None
+
+
 class MetricsLog:
     """Rows of ``{metric: float}`` keyed by ``step``, persisted to ``metrics.parquet``."""
 

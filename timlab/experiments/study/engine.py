@@ -15,15 +15,22 @@ markdown block FINDINGS holds, with each verdict the registration's rules give.
    difference with its bootstrap interval, exact permutation p, Holm over the family's arms) and
    the rule's verdict; a comparison whose smallest attainable p (the permutation floor, times the
    family size under Holm) is not below the rule's alpha is "not testable here";
-6. the descriptive tables, then the fits (``fits``).
+6. the descriptive tables, the fits (``fits``), and the verdicts that combine several
+   comparisons of one arm (a ``Verdict``: its first case whose tests all pass), in the study's
+   ``order``.
+
+A ``repeats`` check (runs that must repeat another sweep's runs of the same name over their first
+steps, bit for bit but for timings) is reported under the validity line; it does not void.
 
 Arms are the sweep's conditions without a trailing ``_s<seed>`` (one condition per seed), or the
-conditions themselves when seeds come from a ``run.seed`` grid; arms keep the spec's order.
+conditions themselves when seeds come from a ``run.seed`` grid, or the group ``arm`` of the
+study's ``arm_pattern``; arms keep the spec's order.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +41,10 @@ from timlab.experiments.stats import clopper_pearson, compare_family, permutatio
 from timlab.experiments.study.endpoints import guard, rows, window_stat
 from timlab.experiments.study.fits import power_law_section
 from timlab.experiments.study.registration import Study, StudyError, check_freeze
-from timlab.experiments.study.sweep_runs import arm as arm_of, grouped_seeds, incomplete_line
+from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
 from timlab.experiments.study.text import comparison_cells, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
+from timlab.rundir.metrics_log import first_difference
 
 SEED = "run.seed"
 
@@ -65,6 +73,18 @@ class StudyResult:
     """The freeze check's line."""
     verdicts: dict = field(default_factory=dict)
     """{(family, endpoint, arm): True/False/None (not testable)} of a complete, valid study."""
+    decisions: dict = field(default_factory=dict)
+    """{(verdict, arm): the verdict's text} of the study's ``verdicts``."""
+
+
+def arm_of(study: Study, condition: str) -> str:
+    """The arm a sweep condition belongs to (see the module docstring)."""
+    if not study.arm_pattern:
+        return seedless(condition)
+    m = re.fullmatch(study.arm_pattern, condition)
+    if m is None:
+        raise StudyError(f"{study.source}: arm_pattern: condition {condition!r} does not match {study.arm_pattern!r}")
+    return m.group("arm")
 
 
 def planned_runs(study: Study) -> list[PlannedRun]:
@@ -75,7 +95,7 @@ def planned_runs(study: Study) -> list[PlannedRun]:
     spec = spec_from_dict(study.sweep, root=study.sweep_root, source=study.sweep_source)
     seeded = SEED in spec.grid
     planned = [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
-                          arm_of(r.spec_condition)) for r in expand(spec)]
+                          arm_of(study, r.spec_condition)) for r in expand(spec)]
     arms = list(dict.fromkeys(p.arm for p in planned))
     for where, a in [("control", study.control)] + [(f"families: {f.name}", a) for f in study.families
                                                      for a in (f.against, *f.arms)]:
@@ -104,8 +124,10 @@ def _states(out: Path) -> dict[str, tuple[str, int]] | None:
 
 def run_record(study: Study, m: pd.DataFrame, *, diverged: bool) -> dict:
     """One run's registered endpoints and its validity facts."""
-    rec = {e.name: window_stat(m, e.metric, e.stat, e.window, n=e.n, rule=e.rule, diverged=diverged)
-           for e in study.endpoints}
+    rec = {}
+    for e in study.endpoints:  # in order: a difference reads endpoints listed before it
+        rec[e.name] = rec[e.of[0]] - rec[e.of[1]] if e.stat == "difference" else \
+            window_stat(m, e.metric, e.stat, e.window, n=e.n, rule=e.rule, diverged=diverged)
     ev = m.sort_values("step")
     ev = ev[ev["val/accuracy"].notna()] if "val/accuracy" in ev.columns else ev.iloc[:0]
     gold = "val/gold_logprob" in ev.columns
@@ -130,12 +152,31 @@ def _validity(study: Study, per: dict[str, list[dict]]) -> tuple[bool, str]:
     if v.same_start:
         starts = {r["_valid"]["start"] for rs in per.values() for r in rs}
         s0 = next(iter(starts))
-        ok &= len(starts) == 1 and s0[0] == 0
+        learned = v.start_bar is None or s0[1] >= v.start_bar
+        ok &= len(starts) == 1 and s0[0] == 0 and learned
         n = sum(len(rs) for rs in per.values())
-        parts.append(f"step-0 evaluation the same in all {n} runs (accuracy {s0[1]:.3f}, gold log-prob {s0[2]:.3f})"
-                     if len(starts) == 1 else f"step-0 evaluation DIFFERS between runs ({len(starts)} distinct)")
-    head = f"Validity ({v.label})" if v.label else "Validity"
-    return ok, f"{head}: {'; '.join(parts) or 'no check registered'}: {'VALID' if ok else 'VOID (re-run, do not analyse)'}."
+        parts.append(f"step-0 evaluation the same in all {v.runs or f'{n} runs'} (accuracy {s0[1]:.3f}, gold log-prob "
+                     f"{s0[2]:.3f})" + ("" if learned else f", below the bar {v.start_bar:g}") if len(starts) == 1 else
+                     f"step-0 evaluation DIFFERS between {v.runs or 'runs'} ({len(starts)} distinct)")
+    return ok, f"{v.title}: {'; '.join(parts) or 'no check registered'}: {'VALID' if ok else 'VOID (re-run, do not analyse)'}."
+
+
+def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> list[str]:
+    """The ``repeats`` line: how many runs repeat, over steps 0 to its last step, the other sweep's
+    run of the same name bit for bit (every logged value but wall-clock timings, in the columns
+    both hold); none if the study registers no such check."""
+    r = study.repeats
+    if r is None:
+        return []
+    other = root / r.sweep
+    theirs = {row["spec_condition"]: m for row, m in runs(other)} if (other / "index.parquet").exists() else {}
+    shared = [p for p in planned if p.name in theirs]
+    cut = lambda m: m[m["step"] <= r.last_step].reset_index(drop=True)  # noqa: E731
+    bad = {p.name: d for p in shared
+           if (d := first_difference(cut(read_metrics(out / p.run_id)), cut(theirs[p.name]))) is not None}
+    return [f"Steps 0-{r.last_step} against {r.sweep}'s runs of the same name: {len(shared) - len(bad)} of {len(shared)} "
+            f"identical in every logged value but timings" + ("." if not bad else
+            "; differ: " + "; ".join(f"{c} ({d})" for c, d in bad.items()) + ".")]
 
 
 def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool) -> tuple[bool | None, str]:
@@ -146,10 +187,11 @@ def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool) -> tupl
     return holds, rule.holds if holds else rule.fails.replace("{cost}", c.cost_bound())
 
 
-def _family_tables(study: Study, col: dict, arms: list[str], verdicts: dict) -> list[str]:
+def _family_tables(study: Study, col: dict, arms: list[str], verdicts: dict, cmps: dict) -> list[str]:
+    """Each family's tables; ``verdicts`` and ``cmps`` ({(family, endpoint, arm): Comparison}) are filled."""
     out = []
     for fam in study.families:
-        rule = {r.name: r for r in study.rules}[fam.rule]
+        rule = {r.name: r for r in study.rules}.get(fam.rule)
         ref = fam.against
         members = list(fam.arms) or [a for a in arms if a != ref]
         for key in fam.endpoints:
@@ -159,17 +201,24 @@ def _family_tables(study: Study, col: dict, arms: list[str], verdicts: dict) -> 
             else:
                 cmp = {a: compare_family({a: vals[a]}, {a: col[ref][key]})[a] for a in members}
             show = [study.label(fam.show)] if fam.show else []
-            out += [f"**{study.label(key)}**", "",
-                    "| arm | " + "".join(f"{s} | " for s in show) + f"mean [95% t] [95% bootstrap] | excess over {ref} "
-                    f"[95% bootstrap] | permutation p | {'Holm p' if fam.correction == 'holm' else 'p'} | {rule.name} |",
-                    "|---|" + "---:|" * len(show) + "---:|---:|---:|---:|---|"]
+            headers = fam.headers or ("arm", *show, "mean [95% t] [95% bootstrap]", f"excess over {ref} [95% bootstrap]",
+                                      "permutation p", "Holm p" if fam.correction == "holm" else "p",
+                                      *([rule.name] if rule else []))
+            out += [f"**{study.label(key)}**{fam.note}", "", "| " + " | ".join(headers) + " |",
+                    "|---|" + "---:|" * len(show) + "---:|---:|---:|---:|" + ("---|" if rule else "")]
             shown = lambda a: [("0" if col[a][fam.show].mean() == 0 else fmt(float(col[a][fam.show].mean())))] if show else []  # noqa: E731
-            out.append(f"| {ref} | " + "".join(f"{s} | " for s in shown(ref)) + f"{mean_cells(col[ref][key])} | - | - | - | - |")
+            if fam.reference_row:
+                out.append(f"| {ref} | " + "".join(f"{s} | " for s in shown(ref)) + f"{mean_cells(col[ref][key])} | - | - | - |"
+                           + (" - |" if rule else ""))
             for a in members:
-                holds, text = _verdict(rule, cmp[a], len(members), (len(vals[a]), len(col[ref][key])),
-                                       fam.correction == "holm")
-                verdicts[fam.name, key, a] = holds
-                out.append(f"| {a} | " + "".join(f"{s} | " for s in shown(a)) + f"{comparison_cells(cmp[a])} | {text} |")
+                cmps[fam.name, key, a] = cmp[a]
+                text = ""
+                if rule:
+                    holds, text = _verdict(rule, cmp[a], len(members), (len(vals[a]), len(col[ref][key])),
+                                           fam.correction == "holm")
+                    verdicts[fam.name, key, a] = holds
+                    text = f" {text} |"
+                out.append(f"| {a} | " + "".join(f"{s} | " for s in shown(a)) + f"{comparison_cells(cmp[a])} |{text}")
             out.append("")
     return out
 
@@ -178,7 +227,7 @@ def _descriptive(study: Study, col: dict, arms: list[str]) -> list[str]:
     out = []
     align = {"count": "---:", "change": "---", "t": "---:"}
     for t in study.tables:
-        out += [f"**{t.title}**", "", "| arm | " + " | ".join(c.header for c in t.columns) + " |",
+        out += [f"**{t.title}**{t.note}", "", "| arm | " + " | ".join(c.header for c in t.columns) + " |",
                 "|---|" + "".join(f"{align[c.show]}|" for c in t.columns)]
         for a in arms:
             cells = []
@@ -189,9 +238,10 @@ def _descriptive(study: Study, col: dict, arms: list[str]) -> list[str]:
                     lo, hi = clopper_pearson(k, x.size)
                     cells.append(f"{k}/{x.size} [{lo:.2f}, {hi:.2f}]")
                 elif c.show == "change":
-                    cells.append(f"{fmt(float(x.mean()))} -> {fmt(float(col[a][c.endpoints[1]].mean()))}")
+                    f = (lambda v: format(v, c.format)) if c.format else fmt  # noqa: E731
+                    cells.append(f"{f(float(x.mean()))} -> {f(float(col[a][c.endpoints[1]].mean()))}")
                 else:
-                    cells.append(t_cells(x))
+                    cells.append(t_cells(x, c.digits))
             out.append(f"| {a} | " + " | ".join(cells) + " |")
         out.append("")
     return out
@@ -210,9 +260,29 @@ def _fits(study: Study, col: dict, arms: list[str], verdicts: dict) -> list[str]
     return out
 
 
-def analyze(study: Study, out: str | Path | None = None) -> StudyResult:
-    """The registered analysis of ``study`` over its sweep directory (see the module docstring)."""
-    out = sweep_dir(study, out)
+def _decisions(study: Study, cmps: dict, arms: list[str], decisions: dict) -> list[str]:
+    """Each ``Verdict``'s line per arm of its family; ``decisions`` is filled."""
+    tests = {"below": lambda c, a: c.below(a), "above": lambda c, a: c.above(a),
+             "not below": lambda c, a: not c.below(a), "not above": lambda c, a: not c.above(a)}
+    out = []
+    for v in study.verdicts:
+        fam = next(f for f in study.families if f.name == v.family)
+        for a in fam.arms or [x for x in arms if x != fam.against]:
+            c = {key: cmps[fam.name, key, a] for key in fam.endpoints}
+            text = next((case.then for case in v.cases
+                         if all(tests[t](c[key], v.alpha) for key, ts in case.when for t in ts)), v.otherwise)
+            decisions[v.name, a] = text
+            out.append(v.line.format(arm=a, verdict=text, **c))
+        out.append("")
+    return out
+
+
+def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | None = None) -> StudyResult:
+    """The registered analysis of ``study`` over its sweep directory (see the module docstring).
+    ``root``: the folder ``out`` and the other sweeps the study names are relative to (default:
+    the working directory)."""
+    root = Path(root) if root is not None else Path(".")
+    out = root / sweep_dir(study, out)
     planned = planned_runs(study)
     arms = list(dict.fromkeys(p.arm for p in planned))
     states = _states(out)
@@ -225,7 +295,9 @@ def analyze(study: Study, out: str | Path | None = None) -> StudyResult:
     done = {p.name for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
             or states.get(p.run_id, ("", 0)) == (FINISHED, study.steps)}
     if len(done) < len(planned):
-        return StudyResult(incomplete_line([p.name for p in planned], done, study.steps), "incomplete", freeze)
+        arm_by = {p.name: p.arm for p in planned}
+        return StudyResult(incomplete_line([p.name for p in planned], done, study.steps, label=arm_by.get), "incomplete",
+                           freeze)
     per: dict[str, list[dict]] = {a: [] for a in arms}
     for p in planned:
         m = read_metrics(out / p.run_id)
@@ -236,12 +308,17 @@ def analyze(study: Study, out: str | Path | None = None) -> StudyResult:
     if not valid:
         return StudyResult(line, "void", freeze)
     col = {a: {e.name: np.array([r[e.name] for r in rs], float) for e in study.endpoints} for a, rs in per.items()}
-    verdicts: dict = {}
-    lines = [line, ""] + _family_tables(study, col, arms, verdicts) + _descriptive(study, col, arms) \
-        + _fits(study, col, arms, verdicts)
+    verdicts, cmps, decisions = {}, {}, {}
+    sections = {"families": lambda: _family_tables(study, col, arms, verdicts, cmps),
+                "tables": lambda: _descriptive(study, col, arms), "fits": lambda: _fits(study, col, arms, verdicts),
+                "verdicts": lambda: _decisions(study, cmps, arms, decisions)}
+    lines = [line, *_repeats(study, out, planned, root), ""]
+    for part in study.order:
+        lines += sections[part]()
     if study.amendments:
         lines += ["", "Amendments after the first run: " + "; ".join(f"{a.date}: {a.reason}" for a in study.amendments)]
-    return StudyResult("\n".join(lines).rstrip("\n"), "complete", freeze, verdicts)
+    text = "\n".join(lines).rstrip("\n")
+    return StudyResult(text + ("\n" if study.blank_end else ""), "complete", freeze, verdicts, decisions)
 
 
 def missing_runs(study: Study, out: str | Path | None = None) -> str:
@@ -284,7 +361,7 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
                         color="C3" if held else "C0", label=None)
         ax.axhline(0, color="0.5", lw=0.8)
         ax.set_xticks(range(len(members)), members, rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"{study.label(key)}\n{fam.rule} (red: holds)", fontsize=9)
+        ax.set_title(f"{study.label(key)}\n" + (f"{fam.rule} (red: holds)" if fam.rule else "descriptive"), fontsize=9)
         ax.set_ylabel(f"arm minus {fam.against}, 95% bootstrap")
     fig.suptitle(f"{study.name}: each arm against {study.control}", fontsize=10)
     fig.tight_layout()

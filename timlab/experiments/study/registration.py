@@ -2,8 +2,10 @@
 freeze that keeps it from changing once its first run exists.
 
 The file holds everything registered before the data: the sweep (a spec file, or the spec inline),
-the endpoints (metric, statistic, step window), the comparison families with their correction and
-decision rule, the validity checks, descriptive tables, fits, and the FINDINGS block it writes.
+the endpoints (metric, statistic, step window, or the difference of two), the comparison families
+with their correction and decision rule, verdicts that combine several comparisons of an arm, the
+validity checks (and runs that must repeat an earlier sweep's), descriptive tables, fits, and the
+FINDINGS block it writes.
 docs/studies.md describes every field; each dataclass below documents its own. Paths in the file
 are relative to the file's folder, except ``out`` (the sweep directory), which is relative to the
 working directory, like every ``--out`` of timlab.
@@ -25,6 +27,7 @@ import hashlib
 import json
 import math
 import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,14 @@ CORRECTIONS = ("holm", "none")
 TESTS = ("below", "above")
 SHOWS = ("count", "change", "t")
 FITS = ("power_law",)
+DERIVED = ("difference",)
+"""Statistics of an endpoint computed from two earlier endpoints of the same run (``of``)."""
+SECTIONS = ("families", "tables", "fits", "verdicts")
+"""The parts of the analysis after the validity line, in the default order (``order``)."""
+CASE_TESTS = ("below", "above", "not below", "not above")
+"""What a verdict case may require of a comparison (``stats.Comparison.below`` / ``above``)."""
+COMPARISON_FIELDS = ("mean", "t_ci", "boot_ci", "diff", "diff_ci", "p", "p_holm")
+"""The fields of a comparison a verdict line may print, e.g. ``{late.diff:+.4f}``, ``{late.diff_ci[0]:+.4f}``."""
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
@@ -54,9 +65,10 @@ class Endpoint:
     name: str
     """The key families, tables and fits use (a letter, then letters, digits, _)."""
     metric: str
-    """The logged metric (a metrics.parquet column, e.g. ``val/accuracy``)."""
+    """The logged metric (a metrics.parquet column, e.g. ``val/accuracy``); empty for ``difference``."""
     stat: str
-    """``level``, ``slope`` (per 100 steps), ``first``, ``last``, ``start``, ``final`` or ``fall``."""
+    """``level``, ``slope`` (per 100 steps), ``first``, ``last``, ``start``, ``final``, ``fall``, or
+    ``difference`` (of two earlier endpoints, ``of``)."""
     window: tuple[int | None, int | None] = (None, None)
     """[first step, last step], both inclusive; null leaves that end open."""
     n: int = 20
@@ -65,6 +77,8 @@ class Endpoint:
     """``fall``: the collapse rule (``timlab.experiments.collapse``: plateau or peak)."""
     label: str = ""
     """How tables name the endpoint (default: its name)."""
+    of: tuple[str, ...] = ()
+    """``difference``: the two earlier endpoints [a, b]; the run's value is a - b (e.g. late minus early)."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +108,9 @@ class Family:
     """The family's name."""
     endpoints: tuple[str, ...]
     """The endpoints compared, one table each, in this order."""
-    rule: str
-    """The decision rule applied to every comparison (a name from ``rules``)."""
+    rule: str = ""
+    """The decision rule applied to every comparison (a name from ``rules``); none: the tables
+    have no verdict column (the comparisons are descriptive, or a ``verdicts`` entry decides)."""
     against: str = ""
     """The reference arm (default: the study's control)."""
     arms: tuple[str, ...] = ()
@@ -104,6 +119,12 @@ class Family:
     """``holm`` (Holm's step-down over the family's arms, per endpoint) or ``none``."""
     show: str = ""
     """An endpoint shown beside each arm as its own column (e.g. the realized k3); none if empty."""
+    note: str = ""
+    """Text after each table's bold title (e.g. ", arm minus control")."""
+    headers: tuple[str, ...] = ()
+    """The tables' header cells in place of the default ones (as many as there are columns)."""
+    reference_row: bool = True
+    """Each table opens with the reference arm's own row (its mean and intervals)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +139,10 @@ class Column:
     95% t-interval (3 decimals)."""
     endpoints: tuple[str, ...]
     """The endpoint (two for ``change``)."""
+    digits: int = 3
+    """``t``: the decimals of the mean and its interval."""
+    format: str = ""
+    """``change``: a Python format spec for both means (e.g. ``.1f``); default the tables' ``fmt``."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +153,8 @@ class Table:
     """Printed in bold above the table."""
     columns: tuple[Column, ...]
     """The columns after the arm's name."""
+    note: str = ""
+    """Text after the bold title (e.g. " (means over seeds [95% t])")."""
 
 
 @dataclass(frozen=True)
@@ -164,8 +191,57 @@ class Validity:
     """The control runs' step-0 accuracy must reach this (null: no bar)."""
     same_start: bool = False
     """Every run's step-0 evaluation (accuracy and gold log-prob) is the same."""
-    label: str = ""
-    """Named in the validity line (e.g. "rule 1")."""
+    start_bar: float | None = None
+    """``same_start``: that one step-0 accuracy must reach this; the line names the bar only when
+    it does not (null: no bar)."""
+    title: str = "Validity"
+    """The words that open the validity line (e.g. "Validity (rule 1)")."""
+    runs: str = ""
+    """How ``same_start``'s part names the runs: "the same in all <runs>", "DIFFERS between <runs>"
+    (default: "all N runs" and "runs"; e.g. "its runs")."""
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """Runs that must repeat, over their first steps, the runs of the same name in another sweep
+    (a study that extends an earlier one). Reported under the validity line; a run that differs is
+    named there, it does not void the study."""
+
+    sweep: str
+    """The other sweep's directory (relative to the working directory, like ``out``)."""
+    last_step: int
+    """Steps 0 to this are compared: every logged value but wall-clock timings, bit for bit."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case of a ``Verdict``: it applies when every named comparison passes its test(s)."""
+
+    when: tuple[tuple[str, tuple[str, ...]], ...]
+    """(endpoint, tests) pairs; tests from ``below``, ``above``, ``not below``, ``not above``."""
+    then: str
+    """The verdict's text."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A decision rule over several comparisons of one arm (e.g. a late level and a change), as
+    data: the first case whose tests all pass gives the verdict; one line per arm of the family."""
+
+    name: str
+    """The verdict's name (``StudyResult.decisions`` keys)."""
+    family: str
+    """The family whose comparisons the cases test (a name from ``families``)."""
+    cases: tuple[Case, ...]
+    """Tried in order."""
+    otherwise: str
+    """The verdict when no case applies."""
+    line: str
+    """The line printed per arm, a Python format string: ``{arm}``, ``{verdict}``, and each of the
+    family's endpoints with a comparison field (``{late.diff:+.4f}``, ``{late.diff_ci[0]:+.4f}``,
+    ``{late.p:.4f}``; fields: mean, t_ci, boot_ci, diff, diff_ci, p, p_holm)."""
+    alpha: float = 0.05
+    """The level of ``below`` / ``above`` (on the Holm p of the family)."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +288,17 @@ class Study:
     """Fits, after the tables."""
     findings: tuple[str, str] | None = None
     """(FINDINGS file, block name) the analysis writes with ``--write``."""
+    blank_end: bool = False
+    """The block ends with an empty line (how some blocks were first written)."""
+    arm_pattern: str = ""
+    """A regular expression each sweep condition must match in full; its group ``arm`` names the
+    arm (default: the condition without a trailing ``_s<seed>``)."""
+    repeats: Repeats | None = None
+    """Runs that must repeat another sweep's runs of the same name over their first steps."""
+    verdicts: tuple[Verdict, ...] = ()
+    """Decision rules over several comparisons of an arm, one line per arm."""
+    order: tuple[str, ...] = SECTIONS
+    """The order of the parts after the validity line (the default order by default)."""
     frozen: str = ""
     """The registration's hash at its first run, for a sweep started without ``timlab study run``."""
     amendments: tuple[Amendment, ...] = ()
@@ -231,8 +318,8 @@ class Study:
         return e.label or e.name
 
 
-STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "validity", "endpoints", "families", "rules", "tables",
-              "fits", "findings", "frozen", "amendments")
+STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "validity", "repeats", "endpoints",
+              "families", "rules", "verdicts", "tables", "fits", "order", "findings", "frozen", "amendments")
 UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
@@ -281,16 +368,59 @@ def _window(v: Any, where: str) -> tuple[int | None, int | None]:
     return (v[0], v[1])
 
 
-def _endpoint(d: Any, where: str) -> Endpoint:
-    d = _keys(d, ("name", "metric", "stat", "window", "n", "rule", "label"), ("name", "metric", "stat"), where)
+def _endpoint(d: Any, where: str, earlier: list[str]) -> Endpoint:
+    d = _keys(d, ("name", "metric", "stat", "window", "n", "rule", "label", "of"), ("name", "stat"), where)
     if not isinstance(d["name"], str) or not NAME.fullmatch(d["name"]):
         raise StudyError(f"{where}: name must be a letter followed by letters, digits or _ (got {d['name']!r})")
     n = d.get("n", 20)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise StudyError(f"{where}: n must be an integer >= 1, got {n!r}")
-    return Endpoint(d["name"], str(d["metric"]), _choice(d["stat"], STATS, f"{where}: stat"),
-                    _window(d.get("window"), f"{where}: window"), n,
-                    _choice(d.get("rule", "plateau"), ("plateau", "peak"), f"{where}: rule"), str(d.get("label", "")))
+    stat = _choice(d["stat"], STATS + DERIVED, f"{where}: stat")
+    of: tuple[str, ...] = ()
+    if stat in DERIVED:
+        of = _names(d.get("of"), earlier, f"{where}: of (endpoints listed before it)")
+        if len(of) != 2:
+            raise StudyError(f"{where}: of: {stat} takes two endpoints [a, b] (a - b), got {list(of)}")
+    elif "metric" not in d:
+        raise StudyError(f"{where}: missing key 'metric'")
+    return Endpoint(d["name"], str(d.get("metric", "")), stat, _window(d.get("window"), f"{where}: window"), n,
+                    _choice(d.get("rule", "plateau"), ("plateau", "peak"), f"{where}: rule"), str(d.get("label", "")),
+                    of)
+
+
+def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
+    d = _keys(d, ("name", "family", "cases", "otherwise", "line", "alpha"), ("name", "family", "cases", "otherwise", "line"),
+              where)
+    fam = {f.name: f for f in families}[_choice(d["family"], tuple(f.name for f in families), f"{where}: family")]
+    cases = []
+    for i, c in enumerate(d["cases"] if isinstance(d["cases"], list) and d["cases"] else [None]):
+        cw = f"{where}: cases[{i}]"
+        c = _keys(c, ("when", "then"), ("when", "then"), cw)
+        if not isinstance(c["when"], dict) or not c["when"]:
+            raise StudyError(f"{cw}: when: expected a mapping of endpoint: test (or a list of tests)")
+        when = tuple((_choice(e, fam.endpoints, f"{cw}: when: endpoint of family {fam.name}"),
+                      tuple(_choice(t, CASE_TESTS, f"{cw}: when: {e}") for t in (v if isinstance(v, list) else [v])))
+                     for e, v in c["when"].items())
+        cases.append(Case(when, str(c["then"])))
+    line = str(d["line"])
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(line) if f is not None]
+    except ValueError as e:
+        raise StudyError(f"{where}: line: not a format string ({e})") from None
+    for f in fields:
+        m = re.fullmatch(r"(\w+)(?:\.(\w+)(?:\[[01]\])?)?", f)
+        ok = m is not None and (m.group(1) in ("arm", "verdict") and not m.group(2)
+                                or m.group(1) in fam.endpoints and m.group(2) in COMPARISON_FIELDS)
+        if not ok:
+            raise StudyError(f"{where}: line: field {{{f}}}; valid choices: {{arm}}, {{verdict}}, or an endpoint of "
+                             f"family {fam.name} ({', '.join(fam.endpoints)}) with a field: {', '.join(COMPARISON_FIELDS)}")
+    probe = dict.fromkeys(COMPARISON_FIELDS, 0.0) | {"t_ci": (0.0, 0.0), "boot_ci": (0.0, 0.0), "diff_ci": (0.0, 0.0)}
+    try:  # a bad format spec ({acc.p:.4z}) is refused here, not after the data are read
+        line.format(arm="a", verdict="v", **{e: type("Comparison", (), probe)() for e in fam.endpoints})
+    except (ValueError, KeyError, IndexError, AttributeError) as e:
+        raise StudyError(f"{where}: line: {e}") from None
+    alpha = _number(d.get("alpha", 0.05), f"{where}: alpha")
+    return Verdict(str(d["name"]), fam.name, tuple(cases), str(d["otherwise"]), line, alpha)
 
 
 def _amendment(d: Any, where: str) -> Amendment:
@@ -320,7 +450,7 @@ def registration_hash(registration: dict) -> str:
 def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -> Study:
     """Validate a study mapping (``root``: the folder its relative paths start from)."""
     w = source
-    d = _keys(d, STUDY_KEYS, ("study", "sweep", "steps", "endpoints", "families", "rules"), w)
+    d = _keys(d, STUDY_KEYS, ("study", "sweep", "steps", "endpoints", "families"), w)
     sweep = d["sweep"]
     if isinstance(sweep, str):
         p = Path(root) / sweep
@@ -337,12 +467,16 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         raise StudyError(f"{w}: steps must be an integer >= 1, got {steps!r}")
     if not isinstance(d["endpoints"], list) or not d["endpoints"]:
         raise StudyError(f"{w}: endpoints: expected a non-empty list")
-    endpoints = tuple(_endpoint(e, f"{w}: endpoints[{i}]") for i, e in enumerate(d["endpoints"]))
+    endpoints: list[Endpoint] = []
+    for i, e in enumerate(d["endpoints"]):
+        endpoints.append(_endpoint(e, f"{w}: endpoints[{i}]", [x.name for x in endpoints]))
     names = [e.name for e in endpoints]
     if len(set(names)) != len(names):
         raise StudyError(f"{w}: endpoints: duplicate name {next(n for n in names if names.count(n) > 1)!r}")
     rules = []
-    for i, r in enumerate(d["rules"] if isinstance(d["rules"], list) else [None]):
+    if not isinstance(d.get("rules") or [], list):
+        raise StudyError(f"{w}: rules: expected a list")
+    for i, r in enumerate(d.get("rules") or []):
         where = f"{w}: rules[{i}]"
         r = _keys(r, ("name", "test", "alpha", "holds", "fails"), ("name",), where)
         alpha = _number(r.get("alpha", 0.05), f"{where}: alpha")
@@ -355,30 +489,43 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     families = []
     for i, f in enumerate(d["families"] if isinstance(d["families"], list) and d["families"] else [None]):
         where = f"{w}: families[{i}]"
-        f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show"),
-                  ("name", "endpoints", "rule"), where)
+        f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show", "note", "headers",
+                      "reference_row"), ("name", "endpoints"), where)
         if "arms" in f and not (isinstance(f["arms"], list) and f["arms"] and all(isinstance(a, str) for a in f["arms"])):
             raise StudyError(f"{where}: arms: expected a non-empty list of arm names, got {f['arms']!r}")
-        families.append(Family(
+        fam = Family(
             str(f["name"]), _names(f["endpoints"], names, f"{where}: endpoints"),
-            _choice(f["rule"], tuple(rule_names), f"{where}: rule"), str(f.get("against", control)),
+            _choice(f["rule"], tuple(rule_names), f"{where}: rule") if f.get("rule") else "", str(f.get("against", control)),
             tuple(f["arms"]) if isinstance(f.get("arms"), list) else (),
             _choice(f.get("correction", "holm"), CORRECTIONS, f"{where}: correction"),
-            _names(f["show"], names, f"{where}: show")[0] if f.get("show") else ""))
+            _names(f["show"], names, f"{where}: show")[0] if f.get("show") else "", str(f.get("note", "")),
+            tuple(str(h) for h in f.get("headers") or ()), bool(f.get("reference_row", True)))
+        n_cols = 5 + bool(fam.show) + bool(fam.rule)
+        if fam.headers and len(fam.headers) != n_cols:
+            raise StudyError(f"{where}: headers: {len(fam.headers)} given, the table has {n_cols} columns")
+        families.append(fam)
     tables = []
     for i, t in enumerate(d.get("tables") or []):
         where = f"{w}: tables[{i}]"
-        t = _keys(t, ("title", "columns"), ("title", "columns"), where)
+        t = _keys(t, ("title", "columns", "note"), ("title", "columns"), where)
         cols = []
         for j, c in enumerate(t["columns"] if isinstance(t["columns"], list) else [None]):
             cw = f"{where}: columns[{j}]"
-            c = _keys(c, ("header", "show", "endpoint", "endpoints"), ("header", "show"), cw)
+            c = _keys(c, ("header", "show", "endpoint", "endpoints", "digits", "format"), ("header", "show"), cw)
             show = _choice(c["show"], SHOWS, f"{cw}: show")
             eps = _names(c.get("endpoints", c.get("endpoint")), names, f"{cw}: endpoint")
             if len(eps) != (2 if show == "change" else 1):
                 raise StudyError(f"{cw}: show {show} takes {'two endpoints' if show == 'change' else 'one endpoint'}")
-            cols.append(Column(str(c["header"]), show, eps))
-        tables.append(Table(str(t["title"]), tuple(cols)))
+            digits = c.get("digits", 3)
+            if isinstance(digits, bool) or not isinstance(digits, int) or not 0 <= digits <= 8:
+                raise StudyError(f"{cw}: digits must be an integer from 0 to 8, got {digits!r}")
+            spec = str(c.get("format", ""))
+            try:
+                format(1.0, spec)
+            except ValueError:
+                raise StudyError(f"{cw}: format {spec!r} is not a Python format spec for a number (e.g. .1f)") from None
+            cols.append(Column(str(c["header"]), show, eps, digits, spec))
+        tables.append(Table(str(t["title"]), tuple(cols), str(t.get("note", ""))))
     fits = []
     for i, f in enumerate(d.get("fits") or []):
         where = f"{w}: fits[{i}]"
@@ -389,25 +536,50 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                         _names(f.get("k3", "k3"), names, f"{where}: k3")[0], _number(f.get("loss", 0.1), f"{where}: loss"),
                         str(f.get("what", "")), _number(f.get("k3_ref", 1e-3), f"{where}: k3_ref"),
                         str(f.get("name", "")), str(f.get("dose_label", "head_perturb"))))
-    v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "label"), (),
-              f"{w}: validity")
-    bar = v.get("min_start_accuracy")
+    v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "start_bar", "title",
+                                        "runs"), (), f"{w}: validity")
+    bar, start_bar = v.get("min_start_accuracy"), v.get("start_bar")
     validity = Validity(bool(v.get("control_exact", True)),
                         None if bar is None else _number(bar, f"{w}: validity: min_start_accuracy", positive=False),
-                        bool(v.get("same_start", False)), str(v.get("label", "")))
-    findings = None
+                        bool(v.get("same_start", False)),
+                        None if start_bar is None else _number(start_bar, f"{w}: validity: start_bar", positive=False),
+                        str(v.get("title", "Validity")), str(v.get("runs", "")))
+    findings, blank_end = None, False
     if d.get("findings") is not None:
-        fd = _keys(d["findings"], ("file", "block"), ("file", "block"), f"{w}: findings")
-        findings = (str(Path(root) / fd["file"]), str(fd["block"]))
+        fd = _keys(d["findings"], ("file", "block", "blank_end"), ("file", "block"), f"{w}: findings")
+        findings, blank_end = (str(Path(root) / fd["file"]), str(fd["block"])), bool(fd.get("blank_end", False))
+    arm_pattern = str(d.get("arm_pattern") or "")
+    if arm_pattern:
+        try:
+            ok = "arm" in re.compile(arm_pattern).groupindex
+        except re.error as e:
+            raise StudyError(f"{w}: arm_pattern: not a regular expression ({e})") from None
+        if not ok:
+            raise StudyError(f"{w}: arm_pattern: needs a group named arm, e.g. v1_(?P<arm>.+)_s\\d+")
+    repeats = None
+    if d.get("repeats") is not None:
+        r = _keys(d["repeats"], ("sweep", "last_step"), ("sweep", "last_step"), f"{w}: repeats")
+        last = r["last_step"]
+        if isinstance(last, bool) or not isinstance(last, int) or not 0 <= last <= steps:
+            raise StudyError(f"{w}: repeats: last_step must be an integer from 0 to steps ({steps}), got {last!r}")
+        repeats = Repeats(str(r["sweep"]), last)
+    verdicts = tuple(_verdict(x, f"{w}: verdicts[{i}]", families) for i, x in enumerate(d.get("verdicts") or []))
+    order = tuple(d.get("order") or SECTIONS)
+    if sorted(order) != sorted(SECTIONS):
+        raise StudyError(f"{w}: order: expected each of {', '.join(SECTIONS)} once, got {list(order)}")
+    if min(order.index("fits"), order.index("verdicts")) < order.index("families"):
+        raise StudyError(f"{w}: order: fits and verdicts read the families' comparisons, so families come before them")
     amendments = tuple(_amendment(a, f"{w}: amendments[{i}]") for i, a in enumerate(d.get("amendments") or []))
     frozen = d.get("frozen") or ""
     if frozen and not re.fullmatch(r"[0-9a-f]{64}", str(frozen)):
         raise StudyError(f"{w}: frozen must be a 64-hex-digit registration hash, got {frozen!r}")
     registration = {k: v for k, v in d.items() if k not in UNHASHED}
     registration["sweep"] = sweep
-    return Study(name=str(d["study"]), sweep=sweep, sweep_root=str(sweep_root), sweep_source=sweep_source, steps=steps, endpoints=endpoints, families=tuple(families),
+    return Study(name=str(d["study"]), sweep=sweep, sweep_root=str(sweep_root), sweep_source=sweep_source, steps=steps,
+                 endpoints=tuple(endpoints), families=tuple(families),
                  rules=tuple(rules), control=control, out=str(d.get("out") or ""), validity=validity,
-                 tables=tuple(tables), fits=tuple(fits), findings=findings, frozen=str(frozen), amendments=amendments,
+                 tables=tuple(tables), fits=tuple(fits), findings=findings, blank_end=blank_end, arm_pattern=arm_pattern,
+                 repeats=repeats, verdicts=verdicts, order=order, frozen=str(frozen), amendments=amendments,
                  source=source, hash=registration_hash(registration), registration=registration)
 
 
