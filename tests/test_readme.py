@@ -68,7 +68,7 @@ PLAN = (
     Step(r"timlab probe --model models/reverse --prompts .*", add=("--max-new-tokens", "6")),
     Step(r"timlab train --preset (default|demo) --run-dir runs/r[01]( .*)?", replace=SMOKE, add=(*MODEL, "--quiet")),
     Step(r"timlab train --run-dir runs/r1 --resume"),
-    Step(r"timlab train --preset surge --run-dir runs/(fp8|async|ramp) .*",
+    Step(r"timlab train --preset surge --run-dir runs/(fp8|async|held|ramp) .*",
          replace=(("--preset surge", "--preset smoke"), ("mismatch.start_step=100", "mismatch.start_step=2")),
          add=(*MODEL, "--quiet")),  # smoke runs 4 steps: a ramp from step 100 would be refused (it would never act)
     Step(r"timlab sweep docs/examples/dose_response\.yaml --out sweeps/dose",
@@ -189,7 +189,7 @@ def test_readme_commands_run_on_a_tiny_budget(workdir, capsys):
         out = capsys.readouterr()
         assert code == 0, f"{' '.join(argv)} exited {code}: {out.err.strip()[-500:]}"
         ran.append(argv[1])
-    assert ran.count("train") == 6 and ran.count("probe") == 2 and ran.count("gradcheck") == 2
+    assert ran.count("train") == 7 and ran.count("probe") == 2 and ran.count("gradcheck") == 2
     assert ran.count("runs") == 2 and (workdir / "models/learned/config.json").is_file()
     assert (workdir / "dose.html").is_file() and (workdir / "threshold.png").is_file()
     assert (workdir / "runs/r1/checkpoints").is_dir() and (workdir / "bias.png").is_file()
