@@ -464,8 +464,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
-          "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),
-          "moe-study": lambda R: moe_tables.study(str(SWEEPS / "moe"))}
+          "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib"))}
 """The generated blocks of docs/FINDINGS.md, by marker name (with ``study_blocks``)."""
 
 

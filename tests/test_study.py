@@ -443,3 +443,177 @@ def test_e3d_study_file_names_runs_that_do_not_repeat_and_refuses_an_incomplete_
     assert analyze(E3D, root=tmp_path / "b").text == (
         "INCOMPLETE: 3 of 16 runs finished at step 500 (missing: head_0.95 seeds 1-7, control seeds 2-7); no endpoint "
         "is computed before the study is complete (no interim analysis).")
+
+
+# ------------------------------------------------------------------------------- comparisons as data
+LAW = {"control": 0.0, "head_a": 1e-3, "head_b": 1e-2, "head_c": 0.1, "head_d": 1.0}
+"""A dose study's arms -> realized k3; its accuracy slope is the law -C * k3^ALPHA per step."""
+C, ALPHA = 2e-3, 0.8
+
+
+def law_metrics(k3_of: dict, slope_of) -> callable:
+    """Run tables whose accuracy falls at ``slope_of(arm, k3)`` per step from step 20 (noise 2e-4
+    per evaluation, every 10 steps), k3 constant, the same step-0 evaluation everywhere."""
+    def run(name):
+        arm, seed = name.rsplit("_s", 1)
+        rng = np.random.default_rng([int(seed), list(k3_of).index(arm), 7])
+        steps = np.arange(STEPS + 1)
+        ev = np.where(steps % 10 == 0, 1.0, np.nan)
+        acc = 0.9 + slope_of(arm, k3_of[arm]) * np.maximum(steps - 20, 0) + 2e-4 * rng.standard_normal(steps.size)
+        acc[0] = 0.9
+        rl = np.where(steps >= 1, 1.0, np.nan)
+        return pd.DataFrame({"step": steps, "val/accuracy": ev * acc, "val/gold_logprob": ev * (-0.3),
+                             "rollout_corr/k3_kl": rl * k3_of[arm],
+                             "mismatch/frac_bitwise_equal": rl * (1.0 if k3_of[arm] == 0 else 0.4),
+                             "train/step_time_s": 0.1})
+    return run
+
+
+def law_study(tmp_path, *, runs=None, broken=False) -> None:
+    """The dose study at ``tmp_path``/law.yaml, its sweep at ``tmp_path``/law_sweep (``runs``: only
+    these; ``broken``: a control step with k3 above 0)."""
+    conds = [{"name": f"{a}_s{s}", "set": {"mismatch.injector": "none" if a == "control" else "head_perturb",
+                                           **({} if a == "control" else {"mismatch.magnitude": 0.5}),
+                                           "run.seed": s, "mismatch.seed": s}} for s in range(SEEDS) for a in LAW]
+    d = registration(study="law", out="law_sweep", sweep={"base": {"preset": "smoke", "set": {"run.steps": STEPS}},
+                                                          "conditions": conds}, tables=[],
+                     families=[{"name": "cost", "endpoints": ["slope"]}])
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "law.yaml").write_text(yaml.safe_dump(d))
+    law = load_study(tmp_path / "law.yaml")
+    run = law_metrics(LAW, lambda a, k: -C * k ** ALPHA)
+
+    def metrics_of(name):
+        m = run(name)
+        if broken and name == "control_s1":
+            m.loc[m["step"] == 5, "rollout_corr/k3_kl"] = 1e-9
+        return m
+    write_sweep(tmp_path / "law_sweep", runs or [p.name for p in planned_runs(law)], metrics_of, STEPS,
+                run_ids={p.name: p.run_id for p in planned_runs(law)})
+
+
+PLACE = {"fits": [{"kind": "place", "study": "law.yaml", "endpoint": ["slope"], "name": ["accuracy slope"],
+                   "arms": "head_", "k3": "k3", "title": "Cross: ", "dose_label": "the dose arms"}],
+         "families": [{"name": "cost", "endpoints": ["acc"]}]}
+
+
+def test_arms_are_placed_against_another_studys_law(tmp_path):
+    """head (k3 0.1) falls on the law; tiny (k3 1e-4) falls far faster than the law allows there."""
+    law_study(tmp_path)
+    on_law = {"control": 0.0, "head": 0.1, "tiny": 1e-4}
+    study, out = make(tmp_path, over=PLACE, metrics_of=law_metrics(
+        on_law, lambda a, k: 0.0 if a == "control" else -C * k ** ALPHA if a == "head" else -5e-4))
+    lines = analyze(study, out, root=tmp_path).text.splitlines()
+    i = lines.index("Cross: accuracy slope, each arm's excess over this study's control (per step) minus the law "
+                    "study's fit at the arm's realized k3, with its 95% interval:")
+    head, tiny = lines[i + 1], lines[i + 2]
+    assert head.startswith("- head: realized k3 0.100, ") and head.endswith(": costs what the dose arms costs at the same k3.")
+    d = float(head.split(", ")[1].split(" ")[0])
+    assert abs(d) < 2e-5  # the law at k3 0.1 is -3.2e-04 per step; the arm sits on it
+    assert tiny.startswith("- tiny: realized k3 1.0e-04, ") and tiny.endswith(": costs more than the dose arms at the same k3.")
+    assert float(tiny.split(", ")[1].split(" ")[0]) == pytest.approx(-5e-4 + C * 1e-4 ** ALPHA, rel=0.05)
+
+
+def test_placing_refuses_an_incomplete_or_void_law_study(tmp_path):
+    law_study(tmp_path / "a", runs=["control_s0", "head_a_s0"])
+    study, out = make(tmp_path / "a", over=PLACE)
+    assert ("Cross: the law study is not complete (2 of 25 runs), so it has no fit; nothing is placed."
+            in analyze(study, out, root=tmp_path / "a").text.splitlines())
+    law_study(tmp_path / "b", broken=True)
+    study, out = make(tmp_path / "b", over=PLACE)
+    assert ("Cross: the law study is void (its validity checks), so it has no fit; nothing is placed."
+            in analyze(study, out, root=tmp_path / "b").text.splitlines())
+
+
+PAIRS = {"families": [{"name": "pairs", "endpoints": ["acc", "k3"], "rule": {"acc": "lowers", "k3": "less"},
+                       "comparisons": [{"arm": "head"}, {"arm": "tiny"}, {"arm": "tiny", "against": "head", "rule": "gains"}],
+                       "label": "{arm} - {against}", "reference_label": "{against} (reference)",
+                       "headers": ["comparison", "mean", "diff", "p", "Holm p", "verdict"]},
+                      {"name": "ratio", "title": "Ratios", "endpoints": ["k3"], "reference_row": False,
+                       "comparisons": [{"arm": "tiny", "against": "head"}], "rule": "less",
+                       "columns": ["endpoint", "comparison", "ratio", "diff_fmt", "p", "verdict"],
+                       "headers": ["endpoint", "pair", "ratio", "difference", "p", "verdict"], "label": "{arm} / {against}"}],
+         "rules": [{"name": "lowers", "test": "below", "fails": "no (costs {cost})"},
+                   {"name": "gains", "test": "above", "requires": "lowers", "holds": "**gains**",
+                    "unmet": "higher, not claimed ({against} does not lower it)", "opposite": "lower than {against}",
+                    "fails": "no"},
+                   {"name": "less", "test": "below", "holds": "less", "opposite": "more", "fails": "not separable"}],
+         "order": ["ratio", "families", "tables", "fits", "verdicts"]}
+
+
+def test_explicit_comparisons_a_dependent_rule_a_ratio_and_an_opposite(tmp_path):
+    study, out = make(tmp_path, over=PAIRS)
+    res = analyze(study, out)
+    lines = res.text.splitlines()
+    # the named family comes first (order), one table titled once, its own columns
+    i = lines.index("**Ratios**")
+    assert i < lines.index("**mean accuracy, steps 20-100**") and lines[i + 3] == "|---|---|---:|---:|---:|---|"
+    # tiny's k3 (1e-4) over head's (0.1): exactly 1e-3 in every resample; lower, a family of 1
+    assert lines[i + 4] == (f"| realized k3 | tiny / head | 1.0e-03 [1.0e-03, 1.0e-03] | -0.100 [-0.100, -0.100] | "
+                            f"{2 / 252:.4f} | less |")
+    acc = lines[lines.index("**mean accuracy, steps 20-100**") + 4:][:4]
+    assert acc[0].startswith("| control (reference) | +0.9") and acc[0].endswith(" | - | - | - | - |")
+    assert acc[1].startswith("| head - control | ") and acc[1].endswith("| **yes** |")
+    assert acc[2].startswith("| tiny - control | ") and "| no (costs at most " in acc[2]
+    # tiny is 0.1 above head and head lowers accuracy (the rule gains requires), so the gain is claimed
+    assert acc[3].startswith("| tiny - head | ") and acc[3].endswith("| **gains** |")
+    assert res.verdicts[("pairs", "acc", "tiny - head")] is True and res.verdicts[("pairs", "acc", "head")] is True
+    k3 = lines[lines.index("**realized k3**") + 4:][:4]
+    # k3 (the endpoint's rule less): head's above the control's is the opposite; tiny - head keeps its own rule,
+    # gains, whose opposite it meets (k3 below head's)
+    assert k3[1].endswith("| more |") and k3[3].endswith("| lower than head |")
+    # the same gain over an arm whose lowering is not established (here: not testable at alpha 1e-9) is not claimed
+    over = dict(PAIRS, order=None, rules=[dict(PAIRS["rules"][0], alpha=1e-9), *PAIRS["rules"][1:]],
+                families=[dict(PAIRS["families"][0], comparisons=[
+                    {"arm": "head"}, {"arm": "tiny"}, {"arm": "head", "against": "tiny", "rule": "gains"},
+                    {"arm": "tiny", "against": "head", "rule": "gains"}])])
+    res = analyze(*make(tmp_path / "b", over=over))
+    text = res.text.splitlines()
+    assert any(x.startswith("| head - tiny | ") and x.endswith("| lower than tiny |") for x in text)
+    assert any(x.startswith("| tiny - head | ") and x.endswith("| higher, not claimed (head does not lower it) |") for x in text)
+
+
+def test_descriptive_cells_ranges_and_pairs(tmp_path):
+    cols = [{"header": "k3 [t] [boot]", "show": "t_boot", "endpoint": "k3"},
+            {"header": "where", "show": "range", "endpoint": "k3", "control": "-", "otherwise": "elsewhere",
+             "ranges": [{"then": "high", "low": 0.01, "high": 1.0}, {"then": "low", "high": 0.001}]},
+            {"header": "boot", "show": "boot", "endpoint": "acc"}, {"header": "mean", "show": "mean", "endpoint": "k3"},
+            {"header": "pair", "show": "pair", "endpoints": ["k3", "acc"]}]
+    study, out = make(tmp_path, over={"tables": [{"title": "Cells", "columns": cols}]})
+    lines = analyze(study, out).text.splitlines()
+    i = lines.index("**Cells**")
+    assert lines[i + 3] == "|---|---:|---|---:|---:|---|"
+    assert lines[i + 4].startswith("| control | 0.000 [0.000, 0.000] [0.000, 0.000] | - | 0.9")
+    assert lines[i + 5].startswith("| head | 0.100 [0.100, 0.100] [0.100, 0.100] | high | 0.8") and \
+        lines[i + 5].endswith("| 0.100 | 0.100 / 0.800 |")
+    assert lines[i + 6].startswith("| tiny | 1.0e-04 [1.0e-04, 1.0e-04] [1.0e-04, 1.0e-04] | low | 0.9")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"families": [{"name": "f", "endpoints": ["acc"], "comparisons": [{"arm": "tiny", "against": "head", "rule": "g"}]}],
+      "rules": [{"name": "lowers"}, {"name": "g", "test": "above", "requires": "lowers"}]},
+     "families[0]: comparisons[0]: its rule requires 'lowers' of head against control, so that comparison must come before it"),
+    ({"rules": [{"name": "lowers", "requires": "lowers"}]}, "rules[0]: requires: 'lowers'; valid choices: "),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "columns": ["comparison", "odds"], "headers": ["a", "b"]}]},
+     "families[0]: columns: 'odds'; valid choices: endpoint, comparison, show, mean, diff, diff_fmt, ratio, p, p_holm, verdict"),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "columns": ["comparison", "p"]}]},
+     "families[0]: columns: name each with headers (as many)"),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "rule": {"slope": "lowers"}}]},
+     "families[0]: rule: endpoint: 'slope'; valid choices: acc"),
+    ({"families": [{"name": "f", "endpoints": ["acc"], "label": "{arm} - {other}"}]},
+     "families[0]: label: '{arm} - {other}' is not a format string of {arm} and {against}"),
+    ({"tables": [{"title": "t", "columns": [{"header": "h", "show": "range", "endpoint": "k3",
+                                             "ranges": [{"then": "x"}]}]}]},
+     "tables[0]: columns[0]: ranges[0]: give low, high or both"),
+    ({"tables": [{"title": "t", "columns": [{"header": "h", "show": "pair", "endpoint": "k3"}]}]},
+     "tables[0]: columns[0]: show pair takes two endpoints"),
+    ({"order": ["families", "tables", "fits", "verdicts", "nope"]}, "order: 'nope'; valid choices: families, tables"),
+    ({"fits": [{"kind": "place", "endpoint": "slope", "arms": "head_"}]}, "fits[0]: kind place needs study: "),
+    ({"fits": [{"kind": "power_law", "endpoint": ["slope", "acc"], "arms": "head_"}]},
+     "fits[0]: endpoint: kind power_law fits one endpoint"),
+    ({"notes": "text"}, "notes: expected a list of paragraphs (text)"),
+])
+def test_bad_comparison_registrations_are_one_line_errors(tmp_path, change, message):
+    with pytest.raises(StudyError) as e:
+        study_from_dict(registration(**change), root=tmp_path, source="s.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value)

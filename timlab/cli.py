@@ -575,8 +575,11 @@ def cmd_study(args: argparse.Namespace) -> int:
         print(f"  sweep: {len(runs)} runs, {st.steps} steps each; arms: " + ", ".join(f"{a} ({n})" for a, n in arms.items()))
         print(f"  endpoints: {', '.join(e.name for e in st.endpoints)}")
         for f in st.families:
-            print(f"  family {f.name}: {', '.join(f.arms) or 'every arm'} vs {f.against} on {', '.join(f.endpoints)}; "
-                  f"{f.correction}; " + (f"rule {f.rule}" if f.rule else "no rule (descriptive)"))
+            what = (", ".join(f"{a} vs {b}" for a, b, _ in f.comparisons) if f.comparisons else
+                    f"{', '.join(f.arms) or 'every arm'} vs {f.against}")
+            rules = sorted({f.rule_for(e, r) for e in f.endpoints for r in [c[2] for c in f.comparisons] or [""]} - {""})
+            print(f"  family {f.name}: {what} on {', '.join(f.endpoints)}; {f.correction}; "
+                  + (f"rule {', '.join(rules)}" if rules else "no rule (descriptive)"))
         for v in st.verdicts:
             print(f"  verdict {v.name}: per arm of family {v.family}, {len(v.cases)} cases (first that holds), else "
                   f"{v.otherwise!r}")

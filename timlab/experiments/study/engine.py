@@ -37,12 +37,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from timlab.experiments.stats import clopper_pearson, compare_family, permutation_floor
+from timlab.experiments.stats import (bootstrap_ci, bootstrap_ratio_ci, clopper_pearson, compare_family,
+                                      permutation_floor, t_ci)
 from timlab.experiments.study.endpoints import guard, rows, window_stat
-from timlab.experiments.study.fits import power_law_section
+from timlab.experiments.study.fits import bootstrap_fit, fit_power, off_fit, power_law_section
 from timlab.experiments.study.registration import Study, StudyError, check_freeze
 from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
-from timlab.experiments.study.text import comparison_cells, fmt, mean_cells, t_cells
+from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
 
@@ -179,77 +180,152 @@ def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> 
             "; differ: " + "; ".join(f"{c} ({d})" for c, d in bad.items()) + ".")]
 
 
-def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool) -> tuple[bool | None, str]:
+def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, required: bool = True,
+             names: dict | None = None) -> tuple[bool | None, str]:
+    """A rule's verdict on one comparison: (holds, text); None when no p could pass ``alpha``.
+    ``required``: the comparison that ``rule.requires`` reads held its rule; ``names``: what
+    ``{arm}`` and ``{against}`` in the texts become."""
     floor = permutation_floor(*sizes) * (n_family if holm else 1)
     if floor >= rule.alpha:
         return None, f"not testable here (smallest attainable p {min(floor, 1.0):.3f})"
-    holds = c.below(rule.alpha) if rule.test == "below" else c.above(rule.alpha)
-    return holds, rule.holds if holds else rule.fails.replace("{cost}", c.cost_bound())
+    fill = lambda t: t.replace("{cost}", c.cost_bound()).replace("{arm}", (names or {}).get("arm", "")).replace(  # noqa: E731
+        "{against}", (names or {}).get("against", ""))
+    below = c.below(rule.alpha)
+    holds, mirror = (below, c.above(rule.alpha)) if rule.test == "below" else (c.above(rule.alpha), below)
+    if holds and rule.requires and not required:
+        return False, fill(rule.unmet or rule.fails)
+    if holds:
+        return True, fill(rule.holds)
+    return False, fill(rule.opposite if rule.opposite and mirror else rule.fails)
 
 
-def _family_tables(study: Study, col: dict, arms: list[str], verdicts: dict, cmps: dict) -> list[str]:
-    """Each family's tables; ``verdicts`` and ``cmps`` ({(family, endpoint, arm): Comparison}) are filled."""
-    out = []
-    for fam in study.families:
-        rule = {r.name: r for r in study.rules}.get(fam.rule)
-        ref = fam.against
-        members = list(fam.arms) or [a for a in arms if a != ref]
-        for key in fam.endpoints:
-            vals = {a: col[a][key] for a in members}
-            if fam.correction == "holm":
-                cmp = compare_family(vals, {a: col[ref][key] for a in members})
-            else:
-                cmp = {a: compare_family({a: vals[a]}, {a: col[ref][key]})[a] for a in members}
-            show = [study.label(fam.show)] if fam.show else []
-            headers = fam.headers or ("arm", *show, "mean [95% t] [95% bootstrap]", f"excess over {ref} [95% bootstrap]",
-                                      "permutation p", "Holm p" if fam.correction == "holm" else "p",
-                                      *([rule.name] if rule else []))
-            out += [f"**{study.label(key)}**{fam.note}", "", "| " + " | ".join(headers) + " |",
-                    "|---|" + "---:|" * len(show) + "---:|---:|---:|---:|" + ("---|" if rule else "")]
-            shown = lambda a: [("0" if col[a][fam.show].mean() == 0 else fmt(float(col[a][fam.show].mean())))] if show else []  # noqa: E731
-            if fam.reference_row:
-                out.append(f"| {ref} | " + "".join(f"{s} | " for s in shown(ref)) + f"{mean_cells(col[ref][key])} | - | - | - |"
-                           + (" - |" if rule else ""))
-            for a in members:
-                cmps[fam.name, key, a] = cmp[a]
-                text = ""
-                if rule:
-                    holds, text = _verdict(rule, cmp[a], len(members), (len(vals[a]), len(col[ref][key])),
-                                           fam.correction == "holm")
-                    verdicts[fam.name, key, a] = holds
-                    text = f" {text} |"
-                out.append(f"| {a} | " + "".join(f"{s} | " for s in shown(a)) + f"{comparison_cells(cmp[a])} |{text}")
+ALIGN = {"endpoint": "---", "comparison": "---", "verdict": "---"}
+"""A family table's column alignment (the others right-aligned)."""
+
+
+def comparisons(fam, arms: list[str]) -> list[tuple[str, str, str, str]]:
+    """A family's comparisons as (name, arm, reference, rule): its explicit ``comparisons``, else
+    each of its arms against ``against``. The name is the arm, or "arm - reference" when the
+    reference is not the family's (the key of ``StudyResult.verdicts``)."""
+    pairs = fam.comparisons or [(a, fam.against, "") for a in (fam.arms or [x for x in arms if x != fam.against])]
+    return [(a if b == fam.against else f"{a} - {b}", a, b, r) for a, b, r in pairs]
+
+
+def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, verdict: str) -> str:
+    if kind == "endpoint":
+        return study.label(key)
+    if kind == "comparison":
+        return fam.label.format(arm=a, against=b)
+    if kind == "show":
+        return "0" if col[a][fam.show].mean() == 0 else fmt(float(col[a][fam.show].mean()))
+    if kind == "mean":
+        return f"{c.mean:+.4f} {ci_text(c.t_ci)} {ci_text(c.boot_ci)}"
+    if kind == "diff":
+        return f"{c.diff:+.4f} {ci_text(c.diff_ci)}"
+    if kind == "diff_fmt":
+        return f"{fmt(c.diff)} [{fmt(c.diff_ci[0])}, {fmt(c.diff_ci[1])}]"
+    if kind == "ratio":
+        try:
+            lo, hi = bootstrap_ratio_ci(col[a][key], col[b][key])
+        except ValueError:
+            return f"- (a resample of {b} has mean 0)"
+        return f"{fmt(float(col[a][key].mean()) / float(col[b][key].mean()))} [{fmt(lo)}, {fmt(hi)}]"
+    if kind == "p":
+        return f"{c.p:.4f}"
+    if kind == "p_holm":
+        return f"{c.p_holm:.4f}"
+    return verdict
+
+
+def _family(study: Study, fam, col: dict, arms: list[str], verdicts: dict, cmps: dict) -> list[str]:
+    """One family's table(s); ``verdicts`` and ``cmps`` ({(family, endpoint, name): Comparison}) are filled."""
+    rules = {r.name: r for r in study.rules}
+    pairs = comparisons(fam, arms)
+    judged = bool(fam.rule or fam.endpoint_rules or any(r for *_, r in pairs))
+    columns = fam.columns or ("comparison", *(["show"] if fam.show else []), "mean", "diff", "p", "p_holm",
+                              *(["verdict"] if judged else []))
+    ref = fam.against
+    headers = fam.headers or ("arm", *([study.label(fam.show)] if fam.show else []), "mean [95% t] [95% bootstrap]",
+                              f"excess over {ref} [95% bootstrap]", "permutation p",
+                              "Holm p" if fam.correction == "holm" else "p",
+                              *([fam.rule or "verdict"] if judged else []))
+    head = ["| " + " | ".join(headers) + " |", "|" + "".join(f"{ALIGN.get(c, '---:')}|" for c in columns)]
+    out = [f"**{fam.title}**{fam.note}", "", *head] if fam.title else []
+    for key in fam.endpoints:
+        vals = {n: col[a][key] for n, a, _, _ in pairs}
+        refs = {n: col[b][key] for n, _, b, _ in pairs}
+        if fam.correction == "holm":
+            cmp = compare_family(vals, refs)
+        else:
+            cmp = {n: compare_family({n: vals[n]}, {n: refs[n]})[n] for n in vals}
+        if not fam.title:
+            out += [f"**{study.label(key)}**{fam.note}", "", *head]
+        if fam.reference_row:
+            cells = {"comparison": fam.reference_label.format(against=ref, arm=ref), "endpoint": study.label(key),
+                     "mean": mean_cells(col[ref][key]),
+                     "show": _cell("show", None, ref, ref, key, study, fam, col, "") if fam.show else "-"}
+            out.append("| " + " | ".join(cells.get(c, "-") for c in columns) + " |")
+        for n, a, b, r in pairs:
+            cmps[fam.name, key, n] = c = cmp[n]
+            text = ""
+            rule = rules.get(fam.rule_for(key, r))
+            if rule:
+                required = not rule.requires or verdicts.get((fam.name, key, b)) is True
+                holds, text = _verdict(rule, c, len(pairs), (len(vals[n]), len(refs[n])), fam.correction == "holm",
+                                       required, {"arm": a, "against": b})
+                verdicts[fam.name, key, n] = holds
+            out.append("| " + " | ".join(_cell(k, c, a, b, key, study, fam, col, text) for k in columns) + " |")
+        if not fam.title:
             out.append("")
-    return out
+    return out + ([""] if fam.title else [])
 
 
-def _descriptive(study: Study, col: dict, arms: list[str]) -> list[str]:
-    out = []
-    align = {"count": "---:", "change": "---", "t": "---:"}
-    for t in study.tables:
-        out += [f"**{t.title}**{t.note}", "", "| arm | " + " | ".join(c.header for c in t.columns) + " |",
-                "|---|" + "".join(f"{align[c.show]}|" for c in t.columns)]
-        for a in arms:
-            cells = []
-            for c in t.columns:
-                x = col[a][c.endpoints[0]]
-                if c.show == "count":
-                    k = int((x != 0).sum())
-                    lo, hi = clopper_pearson(k, x.size)
-                    cells.append(f"{k}/{x.size} [{lo:.2f}, {hi:.2f}]")
-                elif c.show == "change":
-                    f = (lambda v: format(v, c.format)) if c.format else fmt  # noqa: E731
-                    cells.append(f"{f(float(x.mean()))} -> {f(float(col[a][c.endpoints[1]].mean()))}")
-                else:
-                    cells.append(t_cells(x, c.digits))
-            out.append(f"| {a} | " + " | ".join(cells) + " |")
-        out.append("")
-    return out
+def _ranged(x, ranges, otherwise: str) -> str:
+    """Where the 95% bootstrap interval of ``x`` lies: the first (text, low, high) holding it."""
+    lo, hi = bootstrap_ci(x)
+    return next((t for t, a, b in ranges if (a is None or a <= lo) and (b is None or hi <= b)), otherwise)
 
 
-def _fits(study: Study, col: dict, arms: list[str], verdicts: dict) -> list[str]:
+def _column(c, a: str, col: dict, control: str) -> str:
+    """One cell of a descriptive table (``registration.Column``)."""
+    if c.control is not None and a == control:
+        return c.control
+    x = col[a][c.endpoints[0]]
+    f = (lambda v: format(v, c.format)) if c.format else fmt  # noqa: E731
+    if c.show == "count":
+        k = int((x != 0).sum())
+        lo, hi = clopper_pearson(k, x.size)
+        return f"{k}/{x.size} [{lo:.2f}, {hi:.2f}]"
+    if c.show in ("change", "pair"):
+        return f"{f(float(x.mean()))} {'->' if c.show == 'change' else '/'} {f(float(col[a][c.endpoints[1]].mean()))}"
+    if c.show == "t":
+        return t_cells(x, c.digits)
+    if c.show == "t_boot":
+        mu, lo, hi = t_ci(x)
+        blo, bhi = bootstrap_ci(x)
+        return f"{fmt(mu)} [{fmt(lo)}, {fmt(hi)}] [{fmt(blo)}, {fmt(bhi)}]"
+    if c.show == "boot":
+        lo, hi = bootstrap_ci(x)
+        return f"{fmt(float(x.mean()))} [{fmt(lo)}, {fmt(hi)}]"
+    if c.show == "mean":
+        return fmt(float(x.mean()))
+    return _ranged(x, c.ranges, c.otherwise)
+
+
+def _table(study: Study, t, col: dict, arms: list[str]) -> list[str]:
+    align = {"count": "---:", "change": "---", "pair": "---", "range": "---"}
+    out = [f"**{t.title}**{t.note}", "", "| arm | " + " | ".join(c.header for c in t.columns) + " |",
+           "|---|" + "".join(f"{align.get(c.show, '---:')}|" for c in t.columns)]
+    out += [f"| {a} | " + " | ".join(_column(c, a, col, study.control) for c in t.columns) + " |" for a in arms]
+    return out + [""]
+
+
+def _fits(study: Study, col: dict, arms: list[str], verdicts: dict, root: Path) -> list[str]:
     out = []
     for f in study.fits:
+        if f.kind == "place":
+            out += _place(study, f, col, arms, root)
+            continue
         on = {a: bool(verdicts.get((fam.name, f.endpoint, a))) for fam in study.families for a in arms
               if (fam.name, f.endpoint, a) in verdicts}
         name = f.name or study.label(f.endpoint)
@@ -260,6 +336,48 @@ def _fits(study: Study, col: dict, arms: list[str], verdicts: dict) -> list[str]
     return out
 
 
+def _place(study: Study, f, col: dict, arms: list[str], root: Path) -> list[str]:
+    """A ``place`` fit (descriptive, no test): each treated arm's excess slope over this study's
+    control against another study's power law at the arm's realized k3 (``fits.off_fit``), once
+    that study is complete and valid."""
+    from timlab.experiments.study.registration import load_study
+
+    other = load_study(f.study)
+    who = f"the {other.name} study"
+    planned = planned_runs(other)
+    out_dir = root / sweep_dir(other)
+    states = _states(out_dir) or {}
+    done = [p for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
+            or states.get(p.run_id, ("", 0)) == (FINISHED, other.steps)]
+    if len(done) < len(planned):
+        return [f"{f.title}{who} is not complete ({len(done)} of {len(planned)} runs), so it has no fit; nothing is "
+                f"placed.", ""]
+    per = _records(other, out_dir, planned, states)
+    if not _validity(other, per)[0]:
+        return [f"{f.title}{who} is void (its validity checks), so it has no fit; nothing is placed.", ""]
+    ocol = _columns(other, per)
+    out = []
+    for key, name in zip(f.endpoints, f.names):
+        name = name or study.label(key)
+        hp = {a: {"k3": ocol[a][f.k3], key: ocol[a][key]} for a in ocol if a.startswith(f.arms)}
+        ctrl = ocol[other.control][key]
+        ex = np.array([(hp[a][key].mean() - ctrl.mean()) / 100 for a in sorted(hp)])
+        if fit_power(np.array([hp[a]["k3"].mean() for a in sorted(hp)]), ex) is None:
+            out.append(f"{f.title}{name}: {who} fitted no power law (fewer than 3 {f.dose_label} arms with a negative "
+                       f"mean excess); nothing is placed.")
+            continue
+        fits, _ = bootstrap_fit(hp, ctrl, key)
+        out.append(f"{f.title}{name}, each arm's excess over this study's control (per step) minus {who}'s fit at the "
+                   f"arm's realized k3, with its 95% interval:")
+        for a in (x for x in arms if x != study.control):
+            d, lo, hi = off_fit(fits, col[a][f.k3], col[a][key], control=col[study.control][key])
+            where = (f"costs what {f.dose_label} costs at the same k3" if lo <= 0 <= hi else
+                     f"costs more than {f.dose_label} at the same k3" if hi < 0 else
+                     f"costs less than {f.dose_label} at the same k3")
+            out.append(f"- {a}: realized k3 {fmt(float(col[a][f.k3].mean()))}, {d:+.2e} [{lo:+.2e}, {hi:+.2e}]: {where}.")
+    return out + [""]
+
+
 def _decisions(study: Study, cmps: dict, arms: list[str], decisions: dict) -> list[str]:
     """Each ``Verdict``'s line per arm of its family; ``decisions`` is filled."""
     tests = {"below": lambda c, a: c.below(a), "above": lambda c, a: c.above(a),
@@ -267,7 +385,7 @@ def _decisions(study: Study, cmps: dict, arms: list[str], decisions: dict) -> li
     out = []
     for v in study.verdicts:
         fam = next(f for f in study.families if f.name == v.family)
-        for a in fam.arms or [x for x in arms if x != fam.against]:
+        for a, *_ in comparisons(fam, arms):
             c = {key: cmps[fam.name, key, a] for key in fam.endpoints}
             text = next((case.then for case in v.cases
                          if all(tests[t](c[key], v.alpha) for key, ts in case.when for t in ts)), v.otherwise)
@@ -275,6 +393,22 @@ def _decisions(study: Study, cmps: dict, arms: list[str], decisions: dict) -> li
             out.append(v.line.format(arm=a, verdict=text, **c))
         out.append("")
     return out
+
+
+def _records(study: Study, out: Path, planned: list[PlannedRun], states: dict) -> dict[str, list[dict]]:
+    """{arm: each of its runs' ``run_record``} in spec order (every run finished or diverged)."""
+    per: dict[str, list[dict]] = {p.arm: [] for p in planned}
+    for p in planned:
+        m = read_metrics(out / p.run_id)
+        if m is None:
+            raise StudyError(f"{out / p.run_id}: finished but has no metrics.parquet")
+        per[p.arm].append(run_record(study, m, diverged=states[p.run_id][0] == DIVERGED))
+    return per
+
+
+def _columns(study: Study, per: dict[str, list[dict]]) -> dict[str, dict[str, np.ndarray]]:
+    """{arm: {endpoint: its values over the arm's runs}}."""
+    return {a: {e.name: np.array([r[e.name] for r in rs], float) for e in study.endpoints} for a, rs in per.items()}
 
 
 def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | None = None) -> StudyResult:
@@ -298,23 +432,26 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
         arm_by = {p.name: p.arm for p in planned}
         return StudyResult(incomplete_line([p.name for p in planned], done, study.steps, label=arm_by.get), "incomplete",
                            freeze)
-    per: dict[str, list[dict]] = {a: [] for a in arms}
-    for p in planned:
-        m = read_metrics(out / p.run_id)
-        if m is None:
-            raise StudyError(f"{out / p.run_id}: finished but has no metrics.parquet")
-        per[p.arm].append(run_record(study, m, diverged=states[p.run_id][0] == DIVERGED))
+    per = _records(study, out, planned, states)
     valid, line = _validity(study, per)
     if not valid:
         return StudyResult(line, "void", freeze)
-    col = {a: {e.name: np.array([r[e.name] for r in rs], float) for e in study.endpoints} for a, rs in per.items()}
+    col = _columns(study, per)
     verdicts, cmps, decisions = {}, {}, {}
-    sections = {"families": lambda: _family_tables(study, col, arms, verdicts, cmps),
-                "tables": lambda: _descriptive(study, col, arms), "fits": lambda: _fits(study, col, arms, verdicts),
-                "verdicts": lambda: _decisions(study, cmps, arms, decisions)}
+    fams = {f.name: f for f in study.families}
+    tables = {t.name: t for t in study.tables if t.name}
+    kinds = {"families": lambda: [x for f in study.families if f.name not in study.order
+                                  for x in _family(study, f, col, arms, verdicts, cmps)],
+             "tables": lambda: [x for t in study.tables if t.name not in study.order or not t.name
+                                for x in _table(study, t, col, arms)],
+             "fits": lambda: _fits(study, col, arms, verdicts, root),
+             "verdicts": lambda: _decisions(study, cmps, arms, decisions)}
     lines = [line, *_repeats(study, out, planned, root), ""]
     for part in study.order:
-        lines += sections[part]()
+        lines += kinds[part]() if part in kinds else _family(study, fams[part], col, arms, verdicts, cmps) \
+            if part in fams else _table(study, tables[part], col, arms)
+    for note in study.notes:
+        lines += [note, ""]
     if study.amendments:
         lines += ["", "Amendments after the first run: " + "; ".join(f"{a.date}: {a.reason}" for a in study.amendments)]
     text = "\n".join(lines).rstrip("\n")
@@ -350,13 +487,14 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
     fig = Figure(figsize=(4.5 * len(panels), 3.6))
     for i, (fam, key) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
-        ref = np.array([r[key] for r in per[fam.against]], float)
-        members = list(fam.arms) or [a for a in per if a != fam.against]
-        for j, a in enumerate(members):
+        pairs = comparisons(fam, list(per))
+        members = [n for n, *_ in pairs]
+        for j, (n, a, b, _) in enumerate(pairs):
+            ref = np.array([r[key] for r in per[b]], float)
             x = np.array([r[key] for r in per[a]], float)
             diff = float(x.mean() - ref.mean())
             lo, hi = bootstrap_diff_ci(x, ref)
-            held = res.verdicts.get((fam.name, key, a))
+            held = res.verdicts.get((fam.name, key, n))
             ax.errorbar([j], [diff], yerr=[[diff - lo], [hi - diff]], fmt="o", capsize=3,
                         color="C3" if held else "C0", label=None)
         ax.axhline(0, color="0.5", lw=0.8)

@@ -41,8 +41,8 @@ FREEZE_FILE = "study.json"
 """The freeze record in a study's sweep directory: the registration's hash and mapping at the first run."""
 CORRECTIONS = ("holm", "none")
 TESTS = ("below", "above")
-SHOWS = ("count", "change", "t")
-FITS = ("power_law",)
+SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range")
+FITS = ("power_law", "place")
 DERIVED = ("difference",)
 """Statistics of an endpoint computed from two earlier endpoints of the same run (``of``)."""
 SECTIONS = ("families", "tables", "fits", "verdicts")
@@ -50,6 +50,8 @@ SECTIONS = ("families", "tables", "fits", "verdicts")
 CASE_TESTS = ("below", "above", "not below", "not above")
 """What a verdict case may require of a comparison (``stats.Comparison.below`` / ``above``)."""
 COMPARISON_FIELDS = ("mean", "t_ci", "boot_ci", "diff", "diff_ci", "p", "p_holm")
+CELLS = ("endpoint", "comparison", "show", "mean", "diff", "diff_fmt", "ratio", "p", "p_holm", "verdict")
+"""The columns a family's table may list (``Family.columns``)."""
 """The fields of a comparison a verdict line may print, e.g. ``{late.diff:+.4f}``, ``{late.diff_ci[0]:+.4f}``."""
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
@@ -97,6 +99,15 @@ class Rule:
     fails: str = "no"
     """The verdict when it does not; ``{cost}`` is replaced by what the data still allow
     (``Comparison.cost_bound``: "at most -0.0061" or "none: the interval ... lies above 0")."""
+    opposite: str = ""
+    """The verdict when the mirror test holds instead (e.g. "higher" for a ``below`` rule); empty:
+    ``fails``."""
+    requires: str = ""
+    """A rule the compared-with arm's own comparison against the family's reference must hold (on
+    the same endpoint) for this rule to hold, e.g. "recovers" only where the arm without the
+    remedy "erodes"; empty: none."""
+    unmet: str = ""
+    """The verdict when the test holds but ``requires`` does not (e.g. "higher, not claimed")."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,25 @@ class Family:
     """The tables' header cells in place of the default ones (as many as there are columns)."""
     reference_row: bool = True
     """Each table opens with the reference arm's own row (its mean and intervals)."""
+    comparisons: tuple[tuple[str, str, str], ...] = ()
+    """Explicit (arm, reference, rule) comparisons in place of ``arms`` against ``against`` (e.g.
+    each remedy arm against its own arm without the remedy); one Holm family per endpoint over all
+    of them. An empty rule: the family's."""
+    endpoint_rules: tuple[tuple[str, str], ...] = ()
+    """(endpoint, rule) pairs: a rule per endpoint in place of ``rule``."""
+    columns: tuple[str, ...] = ()
+    """The table's columns (``CELLS``) in place of the default ones; ``headers`` then names them."""
+    title: str = ""
+    """One table for all endpoints under this bold title (rows endpoint by endpoint), in place of
+    one table per endpoint titled by its label."""
+    label: str = "{arm}"
+    """A comparison's row name, a format string of ``{arm}`` and ``{against}`` (e.g. "{arm} - {against}")."""
+    reference_label: str = "{against}"
+    """The reference row's name (e.g. "{against} (reference)")."""
+
+    def rule_for(self, endpoint: str, rule: str = "") -> str:
+        """The rule of one comparison on ``endpoint`` (its own ``rule``, else the endpoint's, else the family's)."""
+        return rule or dict(self.endpoint_rules).get(endpoint, self.rule)
 
 
 @dataclass(frozen=True)
@@ -135,14 +165,24 @@ class Column:
     """The column's header."""
     show: str
     """``count``: how many runs have the endpoint non-zero, with a 95% Clopper-Pearson interval;
-    ``change``: the mean of the first endpoint -> the mean of the second; ``t``: the mean with its
-    95% t-interval (3 decimals)."""
+    ``change``: the mean of the first endpoint -> the mean of the second; ``pair``: the two means
+    as "a / b"; ``t``: the mean with its 95% t-interval (``digits`` decimals); ``t_boot``: the mean
+    with its 95% t- and seed-bootstrap intervals; ``boot``: the mean with its bootstrap interval;
+    ``mean``: the mean; ``range``: where the bootstrap interval lies (``ranges``). ``t_boot``,
+    ``boot``, ``mean`` and ``pair`` print as ``text.fmt``."""
     endpoints: tuple[str, ...]
     """The endpoint (two for ``change``)."""
     digits: int = 3
     """``t``: the decimals of the mean and its interval."""
     format: str = ""
     """``change``: a Python format spec for both means (e.g. ``.1f``); default the tables' ``fmt``."""
+    ranges: tuple[tuple[str, float | None, float | None], ...] = ()
+    """``range``: (text, low, high) tried in order; the first whose [low, high] holds the arm's 95%
+    bootstrap interval gives the cell (an open end: null)."""
+    otherwise: str = ""
+    """``range``: the cell when no range holds the interval."""
+    control: str | None = None
+    """The cell of the control's row in place of its value (e.g. "-"); none: its value."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +195,8 @@ class Table:
     """The columns after the arm's name."""
     note: str = ""
     """Text after the bold title (e.g. " (means over seeds [95% t])")."""
+    name: str = ""
+    """A name ``order`` may place the table by (default: it goes with the other tables)."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +204,8 @@ class Fit:
     """A registered fit over the arms (``timlab.experiments.study.fits``)."""
 
     kind: str
-    """``power_law``: excess = -c * k3^alpha over the dose arms, the other arms placed against it."""
+    """``power_law``: excess = -c * k3^alpha over the dose arms, the other arms placed against it;
+    ``place``: this study's treated arms placed against another study's power law (``study``)."""
     endpoint: str
     """The slope endpoint fitted (per 100 steps in the tables, per step in the fit)."""
     arms: str
@@ -179,6 +222,15 @@ class Fit:
     """How the text names the fitted endpoint (default: its label)."""
     dose_label: str = "head_perturb"
     """How the text names the dose arms."""
+    study: str = ""
+    """``place``: the other study's file, whose complete and valid sweep gives the law (its
+    ``endpoint``, ``k3``, ``arms`` and control); this study's arms' excess is over its own control."""
+    title: str = ""
+    """``place``: the words that open each line (e.g. "Cross-study (rule 6, descriptive): ")."""
+    endpoints: tuple[str, ...] = ()
+    """``place``: every slope endpoint placed (``endpoint`` is the first), one paragraph each."""
+    names: tuple[str, ...] = ()
+    """``place``: how the text names each of ``endpoints`` (default: their labels)."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +355,8 @@ class Study:
     """The registration's hash at its first run, for a sweep started without ``timlab study run``."""
     amendments: tuple[Amendment, ...] = ()
     """Changes after the first run, oldest first."""
+    notes: tuple[str, ...] = ()
+    """Paragraphs printed at the end of the block (e.g. where a secondary endpoint lives)."""
     source: str = "<dict>"
     """The study file (for messages)."""
     hash: str = ""
@@ -319,7 +373,7 @@ class Study:
 
 
 STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "validity", "repeats", "endpoints",
-              "families", "rules", "verdicts", "tables", "fits", "order", "findings", "frozen", "amendments")
+              "families", "rules", "verdicts", "tables", "fits", "order", "notes", "findings", "frozen", "amendments")
 UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
@@ -423,6 +477,83 @@ def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
     return Verdict(str(d["name"]), fam.name, tuple(cases), str(d["otherwise"]), line, alpha)
 
 
+def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: str, rules: dict) -> Family:
+    f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show", "note", "headers",
+                  "reference_row", "comparisons", "columns", "title", "label", "reference_label"), ("name", "endpoints"),
+              where)
+    if "arms" in f and not (isinstance(f["arms"], list) and f["arms"] and all(isinstance(a, str) for a in f["arms"])):
+        raise StudyError(f"{where}: arms: expected a non-empty list of arm names, got {f['arms']!r}")
+    eps = _names(f["endpoints"], names, f"{where}: endpoints")
+    rule, by_endpoint = f.get("rule") or "", ()
+    if isinstance(rule, dict):  # a rule per endpoint
+        by_endpoint = tuple((_choice(e, eps, f"{where}: rule: endpoint"), _choice(r, rule_names, f"{where}: rule: {e}"))
+                            for e, r in rule.items())
+        rule = ""
+    elif rule:
+        rule = _choice(rule, rule_names, f"{where}: rule")
+    against = str(f.get("against", control))
+    comparisons = []
+    for j, c in enumerate(f.get("comparisons") or []):
+        cw = f"{where}: comparisons[{j}]"
+        c = _keys(c, ("arm", "against", "rule"), ("arm",), cw)
+        r = _choice(c["rule"], rule_names, f"{cw}: rule") if c.get("rule") else ""
+        comparisons.append((str(c["arm"]), str(c.get("against", against)), r))
+    for j, (a, b, r) in enumerate(comparisons):
+        for key in eps:
+            need = rules[r or dict(by_endpoint).get(key, rule)].requires if (r or dict(by_endpoint).get(key, rule)) else ""
+            if need and not any(x == b and y == against for x, y, _ in comparisons[:j]):
+                raise StudyError(f"{where}: comparisons[{j}]: its rule requires {need!r} of {b} against {against}, "
+                                 f"so that comparison must come before it")
+    columns = tuple(_choice(c, CELLS, f"{where}: columns") for c in f.get("columns") or ())
+    fam = Family(str(f["name"]), eps, rule, against, tuple(f["arms"]) if isinstance(f.get("arms"), list) else (),
+                 _choice(f.get("correction", "holm"), CORRECTIONS, f"{where}: correction"),
+                 _names(f["show"], names, f"{where}: show")[0] if f.get("show") else "", str(f.get("note", "")),
+                 tuple(str(h) for h in f.get("headers") or ()), bool(f.get("reference_row", True)), tuple(comparisons),
+                 by_endpoint, columns, str(f.get("title", "")), str(f.get("label", "{arm}")),
+                 str(f.get("reference_label", "{against}")))
+    for key, text in (("label", fam.label), ("reference_label", fam.reference_label)):
+        try:
+            text.format(arm="a", against="b")
+        except (KeyError, IndexError, ValueError) as e:
+            raise StudyError(f"{where}: {key}: {text!r} is not a format string of {{arm}} and {{against}} ({e})") from None
+    if columns and not fam.headers:
+        raise StudyError(f"{where}: columns: name each with headers (as many)")
+    n_cols = len(columns) or 5 + bool(fam.show) + bool(fam.rule or by_endpoint or any(r for *_, r in comparisons))
+    if fam.headers and len(fam.headers) != n_cols:
+        raise StudyError(f"{where}: headers: {len(fam.headers)} given, the table has {n_cols} columns")
+    return fam
+
+
+def _ranges(v: Any, where: str) -> tuple[tuple[str, float | None, float | None], ...]:
+    if not isinstance(v, list) or not v:
+        raise StudyError(f"{where}: expected a list of {{then, low, high}} (show range)")
+    out = []
+    for i, r in enumerate(v):
+        r = _keys(r, ("then", "low", "high"), ("then",), f"{where}[{i}]")
+        lo, hi = (None if r.get(k) is None else _number(r[k], f"{where}[{i}]: {k}", positive=False) for k in ("low", "high"))
+        if lo is None and hi is None:
+            raise StudyError(f"{where}[{i}]: give low, high or both")
+        out.append((str(r["then"]), lo, hi))
+    return tuple(out)
+
+
+def _order(v: Any, families: list[Family], tables: list[Table], w: str) -> tuple[str, ...]:
+    """The parts after the validity line: each kind of ``SECTIONS`` once (it places the items of
+    its kind not named elsewhere), and any family or named table by its name."""
+    order = tuple(v or SECTIONS)
+    items = [f.name for f in families] + [t.name for t in tables if t.name]
+    kinds = [x for x in order if x in SECTIONS]
+    if sorted(kinds) != sorted(SECTIONS) or len(set(order)) != len(order):
+        raise StudyError(f"{w}: order: expected each of {', '.join(SECTIONS)} once (and any family or named table "
+                         f"once), got {list(order)}")
+    for x in order:
+        _choice(x, SECTIONS + tuple(items), f"{w}: order")
+    fams = [i for i, x in enumerate(order) if x == "families" or x in {f.name for f in families}]
+    if min(order.index("fits"), order.index("verdicts")) < max(fams):
+        raise StudyError(f"{w}: order: fits and verdicts read the families' comparisons, so families come before them")
+    return order
+
+
 def _amendment(d: Any, where: str) -> Amendment:
     d = _keys(d, ("date", "reason", "hash"), ("date", "reason", "hash"), where)
     date = d["date"]
@@ -478,44 +609,37 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         raise StudyError(f"{w}: rules: expected a list")
     for i, r in enumerate(d.get("rules") or []):
         where = f"{w}: rules[{i}]"
-        r = _keys(r, ("name", "test", "alpha", "holds", "fails"), ("name",), where)
+        r = _keys(r, ("name", "test", "alpha", "holds", "fails", "opposite", "requires", "unmet"), ("name",), where)
         alpha = _number(r.get("alpha", 0.05), f"{where}: alpha")
         if alpha >= 1:
             raise StudyError(f"{where}: alpha must be below 1, got {alpha}")
         rules.append(Rule(str(r["name"]), _choice(r.get("test", "below"), TESTS, f"{where}: test"), alpha,
-                          str(r.get("holds", "**yes**")), str(r.get("fails", "no"))))
+                          str(r.get("holds", "**yes**")), str(r.get("fails", "no")), str(r.get("opposite", "")),
+                          str(r.get("requires", "")), str(r.get("unmet", ""))))
     rule_names = [r.name for r in rules]
+    for i, r in enumerate(rules):
+        if r.requires:
+            _choice(r.requires, tuple(n for n in rule_names if n != r.name), f"{w}: rules[{i}]: requires")
     control = str(d.get("control", "control"))
     families = []
     for i, f in enumerate(d["families"] if isinstance(d["families"], list) and d["families"] else [None]):
         where = f"{w}: families[{i}]"
-        f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show", "note", "headers",
-                      "reference_row"), ("name", "endpoints"), where)
-        if "arms" in f and not (isinstance(f["arms"], list) and f["arms"] and all(isinstance(a, str) for a in f["arms"])):
-            raise StudyError(f"{where}: arms: expected a non-empty list of arm names, got {f['arms']!r}")
-        fam = Family(
-            str(f["name"]), _names(f["endpoints"], names, f"{where}: endpoints"),
-            _choice(f["rule"], tuple(rule_names), f"{where}: rule") if f.get("rule") else "", str(f.get("against", control)),
-            tuple(f["arms"]) if isinstance(f.get("arms"), list) else (),
-            _choice(f.get("correction", "holm"), CORRECTIONS, f"{where}: correction"),
-            _names(f["show"], names, f"{where}: show")[0] if f.get("show") else "", str(f.get("note", "")),
-            tuple(str(h) for h in f.get("headers") or ()), bool(f.get("reference_row", True)))
-        n_cols = 5 + bool(fam.show) + bool(fam.rule)
-        if fam.headers and len(fam.headers) != n_cols:
-            raise StudyError(f"{where}: headers: {len(fam.headers)} given, the table has {n_cols} columns")
-        families.append(fam)
+        families.append(_family(f, where, names, tuple(rule_names), control, {r.name: r for r in rules}))
     tables = []
     for i, t in enumerate(d.get("tables") or []):
         where = f"{w}: tables[{i}]"
-        t = _keys(t, ("title", "columns", "note"), ("title", "columns"), where)
+        t = _keys(t, ("title", "columns", "note", "name"), ("title", "columns"), where)
         cols = []
         for j, c in enumerate(t["columns"] if isinstance(t["columns"], list) else [None]):
             cw = f"{where}: columns[{j}]"
-            c = _keys(c, ("header", "show", "endpoint", "endpoints", "digits", "format"), ("header", "show"), cw)
+            c = _keys(c, ("header", "show", "endpoint", "endpoints", "digits", "format", "ranges", "otherwise",
+                          "control"), ("header", "show"), cw)
             show = _choice(c["show"], SHOWS, f"{cw}: show")
             eps = _names(c.get("endpoints", c.get("endpoint")), names, f"{cw}: endpoint")
-            if len(eps) != (2 if show == "change" else 1):
-                raise StudyError(f"{cw}: show {show} takes {'two endpoints' if show == 'change' else 'one endpoint'}")
+            two = show in ("change", "pair")
+            if len(eps) != (2 if two else 1):
+                raise StudyError(f"{cw}: show {show} takes {'two endpoints' if two else 'one endpoint'}")
+            ranges = _ranges(c.get("ranges"), f"{cw}: ranges") if show == "range" else ()
             digits = c.get("digits", 3)
             if isinstance(digits, bool) or not isinstance(digits, int) or not 0 <= digits <= 8:
                 raise StudyError(f"{cw}: digits must be an integer from 0 to 8, got {digits!r}")
@@ -524,18 +648,36 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                 format(1.0, spec)
             except ValueError:
                 raise StudyError(f"{cw}: format {spec!r} is not a Python format spec for a number (e.g. .1f)") from None
-            cols.append(Column(str(c["header"]), show, eps, digits, spec))
-        tables.append(Table(str(t["title"]), tuple(cols), str(t.get("note", ""))))
+            cols.append(Column(str(c["header"]), show, eps, digits, spec, ranges, str(c.get("otherwise", "")),
+                               None if c.get("control") is None else str(c["control"])))
+        tables.append(Table(str(t["title"]), tuple(cols), str(t.get("note", "")), str(t.get("name", ""))))
     fits = []
     for i, f in enumerate(d.get("fits") or []):
         where = f"{w}: fits[{i}]"
-        f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label"),
+        f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label", "study", "title"),
                   ("kind", "endpoint", "arms"), where)
-        ep = _names(f["endpoint"], names, f"{where}: endpoint")[0]
-        fits.append(Fit(_choice(f["kind"], FITS, f"{where}: kind"), ep, str(f["arms"]),
-                        _names(f.get("k3", "k3"), names, f"{where}: k3")[0], _number(f.get("loss", 0.1), f"{where}: loss"),
+        kind = _choice(f["kind"], FITS, f"{where}: kind")
+        eps = _names(f["endpoint"], names, f"{where}: endpoint")
+        ep = eps[0]
+        if len(eps) > 1 and kind != "place":
+            raise StudyError(f"{where}: endpoint: kind {kind} fits one endpoint, got {list(eps)}")
+        labels = f.get("name", "")
+        labels = labels if isinstance(labels, list) else [labels] * len(eps)
+        if len(labels) != len(eps):
+            raise StudyError(f"{where}: name: one per endpoint ({len(eps)}), got {len(labels)}")
+        k3 = _names(f.get("k3", "k3"), names, f"{where}: k3")[0]
+        other = ""
+        if kind == "place":
+            if not f.get("study"):
+                raise StudyError(f"{where}: kind place needs study: the file of the study whose law it places arms against")
+            other = str(Path(root) / f["study"])
+            o = load_study(other)
+            for key, e in [("endpoint", e) for e in eps] + [("k3", k3)]:
+                _choice(e, tuple(x.name for x in o.endpoints), f"{where}: {key} (an endpoint of {other} too)")
+        fits.append(Fit(kind, ep, str(f["arms"]), k3, _number(f.get("loss", 0.1), f"{where}: loss"),
                         str(f.get("what", "")), _number(f.get("k3_ref", 1e-3), f"{where}: k3_ref"),
-                        str(f.get("name", "")), str(f.get("dose_label", "head_perturb"))))
+                        str(labels[0]), str(f.get("dose_label", "head_perturb")), other, str(f.get("title", "")), eps,
+                        tuple(str(x) for x in labels)))
     v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "start_bar", "title",
                                         "runs"), (), f"{w}: validity")
     bar, start_bar = v.get("min_start_accuracy"), v.get("start_bar")
@@ -564,11 +706,10 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{w}: repeats: last_step must be an integer from 0 to steps ({steps}), got {last!r}")
         repeats = Repeats(str(r["sweep"]), last)
     verdicts = tuple(_verdict(x, f"{w}: verdicts[{i}]", families) for i, x in enumerate(d.get("verdicts") or []))
-    order = tuple(d.get("order") or SECTIONS)
-    if sorted(order) != sorted(SECTIONS):
-        raise StudyError(f"{w}: order: expected each of {', '.join(SECTIONS)} once, got {list(order)}")
-    if min(order.index("fits"), order.index("verdicts")) < order.index("families"):
-        raise StudyError(f"{w}: order: fits and verdicts read the families' comparisons, so families come before them")
+    order = _order(d.get("order"), families, tables, w)
+    notes = d.get("notes") or []
+    if not (isinstance(notes, list) and all(isinstance(x, str) for x in notes)):
+        raise StudyError(f"{w}: notes: expected a list of paragraphs (text)")
     amendments = tuple(_amendment(a, f"{w}: amendments[{i}]") for i, a in enumerate(d.get("amendments") or []))
     frozen = d.get("frozen") or ""
     if frozen and not re.fullmatch(r"[0-9a-f]{64}", str(frozen)):
@@ -580,7 +721,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                  rules=tuple(rules), control=control, out=str(d.get("out") or ""), validity=validity,
                  tables=tuple(tables), fits=tuple(fits), findings=findings, blank_end=blank_end, arm_pattern=arm_pattern,
                  repeats=repeats, verdicts=verdicts, order=order, frozen=str(frozen), amendments=amendments,
-                 source=source, hash=registration_hash(registration), registration=registration)
+                 notes=tuple(notes), source=source, hash=registration_hash(registration), registration=registration)
 
 
 def load_study(path: str | Path) -> Study:
