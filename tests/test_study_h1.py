@@ -1,0 +1,129 @@
+"""Study H1's registration (docs/examples/studies/h1.yaml, docs/FINDINGS.md "Study H1"), tested
+before its data exist: the sweep it registers (arms, seeds, the order that keeps partial sweeps to
+whole seeds, the controller's targets), and its analysis on a planted 2,000-step sweep, where each
+registered verdict must find the effect planted for it and nothing else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from study_sweep import write_sweep
+from timlab.experiments.study import analyze, freeze, load_study, planned_runs
+from timlab.experiments.sweep_spec import expand, spec_from_dict
+from timlab.injectors.schedule import scheduled_magnitude
+
+REPO = Path(__file__).resolve().parents[1]
+H1 = load_study(REPO / "docs" / "examples" / "studies" / "h1.yaml")
+ARMS = ["control", "hold_3e-3", "hold_3e-3_tis", "hold_1e-2", "hold_1e-2_tis", "grow", "grow_tis"]
+TIS = {"correction.mode": "truncate", "correction.level": "token", "correction.threshold": 2.0}
+
+
+def test_h1_registers_seven_arms_of_eight_seeds_listed_seed_by_seed():
+    spec = spec_from_dict(H1.sweep, root=H1.sweep_root, source=H1.sweep_source)
+    runs = expand(spec)
+    assert [r.spec_condition for r in runs] == [f"{a}_s{s}" for s in range(8) for a in ARMS]
+    assert [p.arm for p in planned_runs(H1)][:7] == ARMS and H1.steps == 2000 and spec.isa == "avx2"
+    for r in runs:
+        seed = int(r.spec_condition.rsplit("_s", 1)[1])
+        assert r.overrides["run.seed"] == r.overrides["mismatch.seed"] == seed
+        assert r.config.model.path == "runs/erosion_start" and r.config.run.steps == 2000
+        assert r.config.task.n_val == 512 and r.config.run.eval_every == 25
+        tis = r.spec_condition.split("_s")[0].endswith("_tis")
+        assert (r.config.correction.mode, r.config.correction.level, r.config.correction.threshold) == \
+            (("truncate", "token", 2.0) if tis else ("none", "token", 2.0))
+    by = {r.spec_condition: r.config.mismatch for r in runs}
+    assert by["control_s3"].injector == "none" and by["control_s3"].target_k3 == 0
+    assert (by["hold_3e-3_s0"].target_k3, by["hold_1e-2_s0"].target_k3) == (0.003, 0.01)
+    assert by["hold_1e-2_tis_s5"] == by["hold_1e-2_s5"] and by["grow_tis_s7"] == by["grow_s7"]
+    g = by["grow_s0"]
+    target = [scheduled_magnitude(t, schedule=g.schedule, magnitude=g.target_k3, magnitude_end=g.target_k3_end,
+                                  start_step=g.start_step, ramp_steps=g.ramp_steps) for t in (1, 1000, 2000)]
+    assert target[0] == pytest.approx(1e-3) and target[2] == pytest.approx(3e-2)
+    assert target[1] == pytest.approx(1e-3 * 30 ** (999 / 1999))  # geometric over the whole run
+
+
+def test_findings_names_the_registration_hash_and_the_block():
+    text = (REPO / "docs" / "FINDINGS.md").read_text()
+    section = text[text.index("## Study H1:"):text.index("## Not reproduced, and what we would try next")]
+    assert H1.hash in section
+    assert H1.findings[1] == "held-k3" and "<!-- findings:held-k3 -->" in section
+
+
+# ------------------------------------------------------------------------------- a planted sweep
+def planted(name: str) -> pd.DataFrame:
+    """A 2,000-step run: accuracy 0.97 (seed offset sd 2e-3, evaluation noise sd 2e-3, every 25
+    steps), gold log-prob -0.10; planted: hold_3e-3 and grow lose gold log-prob in proportion to
+    the step (0.2 nats by step 2,000), hold_1e-2 loses 0.05 accuracy from step 25 on and 0.5 nats,
+    grow loses accuracy in proportion to the step (0.04 by step 2,000); TIS stops the hold arms'
+    losses and not grow's; the same step-0 evaluation everywhere."""
+    arm, seed = name.rsplit("_s", 1)
+    rng = np.random.default_rng([ARMS.index(arm), int(seed)])
+    ev = np.arange(0, 2001, 25)
+    acc = 0.97 + rng.normal(0, 2e-3) + rng.normal(0, 2e-3, ev.size)
+    gold = -0.10 + rng.normal(0, 1e-3, ev.size)
+    frac = ev / 2000
+    if arm == "hold_3e-3":
+        gold = gold - 0.2 * frac
+    if arm == "hold_1e-2":
+        acc, gold = acc - 0.05 * (ev >= 25), gold - 0.5 * (ev >= 25)
+    if arm in ("grow", "grow_tis"):
+        acc, gold = acc - 0.04 * frac, gold - 0.2 * frac
+    acc[0], gold[0] = 0.965, -0.32
+    t = np.arange(1, 2001)
+    control = arm == "control"
+    train = pd.DataFrame({"step": t, "rollout_corr/k3_kl": 0.0 if control else 3e-3 * np.exp(rng.normal(0, .3, t.size)),
+                          "mismatch/frac_bitwise_equal": 1.0 if control else 0.3,
+                          "mismatch/magnitude": 0.0 if control else 0.3,
+                          "train/response_length_mean": 30.0 + rng.normal(0, 0.5, t.size)})
+    m = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold}).merge(train, on="step", how="outer")
+    return m.sort_values("step")[["step"] + sorted(c for c in m.columns if c != "step")]
+
+
+def test_h1_analysis_finds_each_planted_effect(tmp_path):
+    ids = {p.name: p.run_id for p in planned_runs(H1)}
+    assert freeze(H1, tmp_path / "sweeps" / "h1")  # as `timlab study run` does before the first run
+    write_sweep(tmp_path / "sweeps" / "h1", list(ids), planted, 2000, run_ids=ids)
+    res = analyze(H1, root=tmp_path)
+    assert res.status == "complete", res.text
+    lines = res.text.splitlines()
+    assert lines[0] == ("Validity: control guard (k3 exactly 0, every token bitwise equal, every step) held; step-0 "
+                        "evaluation the same in all 56 runs (accuracy 0.965, gold log-prob -0.320): VALID.")
+    assert res.decisions == {
+        ("erodes", "hold_3e-3"): "**the gold answer drifts** (late accuracy level not shown lower)",
+        ("erodes", "hold_1e-2"): "**erodes**",
+        ("erodes", "grow"): "**erodes, still falling at step 2000**",
+        ("erodes_tis", "hold_3e-3_tis"): "**no erosion shown**",
+        ("erodes_tis", "hold_1e-2_tis"): "**no erosion shown**",
+        ("erodes_tis", "grow_tis"): "**erodes, still falling at step 2000**",
+        ("tis_hold_3e-3", "hold_3e-3_tis"): "**TIS lessens the gold drift** (late accuracy not shown higher)",
+        ("tis_hold_1e-2", "hold_1e-2_tis"): "**TIS raises the late accuracy**",
+        ("tis_grow", "grow_tis"): "**no gain from TIS shown**"}
+
+    def number(line: str, after: str) -> float:
+        return float(re.search(re.escape(after) + r" ([+-]\d\.\d{4})", line).group(1))
+    verdict = {x.split(":")[0]: x for x in lines if x.startswith("Verdict")}
+    assert number(verdict["Verdict hold_1e-2"], "late accuracy") == pytest.approx(-0.05, abs=4e-3)
+    assert number(verdict["Verdict grow"], "late accuracy") == pytest.approx(-0.04 * 0.875, abs=4e-3)
+    assert number(verdict["Verdict grow"], "late slope") == pytest.approx(-0.002, abs=5e-4)  # -0.04 per 2000 steps
+    assert number(verdict["Verdict hold_3e-3"], "gold drift") == pytest.approx(-0.2 * (0.875 - 0.1375), abs=4e-3)
+    assert number(verdict["Verdict TIS, hold_1e-2_tis"], "late accuracy") == pytest.approx(0.05, abs=4e-3)
+    # the windows' table: realized k3 and the magnitude beside each arm, falls counted
+    row = next(x for x in lines if x.startswith("| hold_1e-2 |"))
+    assert "| 0/8 [0.00, 0.37] |" in row
+
+
+def test_h1_analysis_refuses_a_sweep_of_two_whole_seeds(tmp_path):
+    names = [p.name for p in planned_runs(H1)]
+    freeze(H1, tmp_path / "sweeps" / "h1")
+    write_sweep(tmp_path / "sweeps" / "h1", names[:14], planted, 2000,
+                run_ids={p.name: p.run_id for p in planned_runs(H1)})
+    res = analyze(H1, root=tmp_path)
+    assert res.status == "incomplete" and res.text == (
+        "INCOMPLETE: 14 of 56 runs finished at step 2000 (missing: control seeds 2-7, hold_3e-3 seeds 2-7, "
+        "hold_3e-3_tis seeds 2-7, hold_1e-2 seeds 2-7, hold_1e-2_tis seeds 2-7, grow seeds 2-7, grow_tis seeds 2-7); "
+        "no endpoint is computed before the study is complete (no interim analysis).")
