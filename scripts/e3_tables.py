@@ -1,8 +1,11 @@
-"""Tables of Study E3, length at fixed difficulty (docs/FINDINGS.md, "Study E3"), from its sweeps.
+"""Tables of Study E3, length at fixed difficulty (docs/FINDINGS.md, "Study E3"), from its sweeps,
+besides the pre-registered analyses of E3, E3b and E3d, which are study files analysed by the
+package (``timlab.experiments.study``)::
+
+    timlab study analyze docs/examples/studies/e3.yaml    # E3 (e3b.yaml: E3b; e3d.yaml: E3d)
 
     python scripts/e3_tables.py starts sweeps/e3_starts
     python scripts/e3_tables.py followup sweeps/e3_starts_rl
-    python scripts/e3_tables.py study sweeps/e3                # the pre-registered analysis
     python scripts/e3_tables.py figure sweeps/e3 --out docs/img/e3_length.png
     python scripts/e3_tables.py predict sweeps/e3c             # E3c: E3b's fit tested at a new length
 
@@ -16,25 +19,6 @@ token (over the level's mean worked answer + EOS), the share of GRPO groups kept
 chosen SFT lengths; FINDINGS gives their commands): each evaluation's greedy accuracy and gold
 log-prob, and the share of GRPO groups kept.
 
-``study``: the analysis pre-registered in FINDINGS ("Study E3"), run only when every condition of
-the study's spec (``--spec``, default docs/examples/e3.yaml; one condition ``v<L>_<arm>_s<seed>``
-per run) has finished at step 150 or diverged; before that one ``INCOMPLETE`` line (no interim
-analysis), and a control stopped by the zero-mismatch guard voids the study at once. Per level:
-validity (every control step keeps k3 exactly 0 and every token bitwise equal; every run of the
-level evaluates its start identically at step 0, with accuracy >= 0.95; a level that fails is void
-and left out of the tables and the fit); per run, the erosion study's endpoints (``study.endpoints.run_endpoints``) over the
-evaluations at steps 50-150 and the mean sampled response length over those steps; per arm the
-realized k3 with its intervals and, per endpoint, the excess over the level's control (bootstrap
-interval, exact permutation p over the 252 relabelings of 5 vs 5, Holm over the level's 4
-treatment arms); falls under the plateau rule with Clopper-Pearson intervals. The length fit:
-log(-level loss) = a + alpha log k3 + beta log T over the (level, treatment arm) cells with a
-negative mean accuracy-level excess (at least 4 cells over at least 2 valid levels), T the level's
-control mean response length, refitted on 2,000 seed resamples; rho = beta / alpha decides between
-T * k3 (rho = 1), T^2 * k3 (rho = 2), neither, or undecided; the fitted loss at k3 1e-3 and T =
-1,000-8,000 (an extrapolation). The same fit on the accuracy slopes is secondary. The threshold
-study's k3*(T) = 1e-3 (T / 465)^-1.85 is tested cell by cell: above it a cell should fall in at
-least half its seeds, below it in fewer.
-
 ``predict``: the out-of-sample test pre-registered in FINDINGS ("Study E3c"), run only when both
 its sweep (``--spec``, default docs/examples/e3c.yaml) and the fit's (``--fit``/``--fit-spec``,
 default sweeps/e3b) are complete. The fit's cells (its valid levels) are fitted three ways: the
@@ -43,11 +27,11 @@ predicts the accuracy-level loss of every treated cell of the test sweep (a leve
 see) at that cell's realized k3 and its control's T. D = measured loss - predicted, with a 95%
 bootstrap interval over 2,000 joint resamples of both studies' seeds: an interval holding 0 is
 consistent. "T * k3 holds out of sample" when its prediction is consistent and T^2 * k3's is not
-(and the reverse); then the test level's own tables, and the free fit over all levels together
-(descriptive).
+(and the reverse); then the test level's own tables as E3's study file registers them (per level:
+validity, realized k3 and length, the erosion families with Holm over the level's arms, falls),
+and the free length fit over all levels together (descriptive; ``study.fits.length_section``).
 
-Study E3d (do E3b's level costs heal?) is a study file, analysed by the package:
-``timlab study analyze docs/examples/studies/e3d.yaml`` (``timlab.experiments.study``).
+``figure``: each treated (level, arm) cell's accuracy cost against k3, T * k3 and T^2 * k3.
 """
 
 from __future__ import annotations
@@ -64,6 +48,8 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timlab.experiments.study.endpoints import run_endpoints  # noqa: E402
+from timlab.experiments.study.fits import (fit_length, fit_shape, fmt_loss, length_cells, length_section,  # noqa: E402
+                                           threshold_section)
 from timlab.experiments.study.sweep_runs import collect, incomplete_line, runs, sweep_states  # noqa: E402
 from timlab.experiments.study.text import comparison_cells, fmt, mean_cells  # noqa: E402
 from timlab.experiments.stats import N_BOOT, bootstrap_ci, bootstrap_diff_ci, clopper_pearson, compare_family, least_squares, t_ci  # noqa: E402
@@ -119,35 +105,19 @@ CONTROL = "control"
 ENDPOINTS = (("acc_level", "mean accuracy"), ("acc_slope", "accuracy slope per 100 steps"),
              ("gold_level", "mean gold log-prob"), ("gold_slope", "gold log-prob slope per 100 steps"))
 """The primary endpoints (key, label); each is one Holm family per level (the level's treatment arms)."""
-K3_REF = 1e-3
-"""The realized k3 the extrapolation is for."""
-T_EXTRAPOLATE = (1000, 2000, 4000, 8000)
-"""Answer lengths (tokens) where real runs collapse: the fitted loss is extrapolated to them."""
-MIN_CELLS, MIN_LEVELS = 4, 2
-"""The length fit needs at least this many cells with a negative excess, over at least this many levels."""
-UNBOUNDED = 10.0
-"""A fitted loss above this (ten times all there is to lose, accuracy lying in [0, 1]) prints as
-"unbounded": such a bound is set by a few resamples whose exponent runs off, its digits carry no
-information, and they would differ with the last bits of the fit."""
-
-
-def fmt_loss(x: float) -> str:
-    """An extrapolated loss as the tables print it: ``fmt``, or "unbounded" above ``UNBOUNDED``."""
-    return "unbounded" if x > UNBOUNDED else fmt(x)
-
-
 RHO = {"T * k3": 1.0, "T^2 * k3": 2.0}
 """The two hypotheses for rho = beta / alpha."""
+UNBOUNDED = 10.0
+"""A predicted loss above this prints as "unbounded" (``fits.fmt_loss``)."""
+THRESHOLD = {"title": "The threshold fit's test",
+             "note": " (k3*(T) = 1e-3 x (T / 465)^-1.85 at each level's mean worked answer; a cell above it should "
+                     "fall in at least half its seeds, one below it in fewer)"}
+"""How the threshold test's section opens (``fits.threshold_section``, the threshold study's law)."""
 FIT_SWEEP = ROOT / "sweeps" / "e3b"
 FIT_SPEC = ROOT / "docs" / "examples" / "e3b.yaml"
 """The sweep whose length fit E3c tests out of sample, and its spec."""
 TEST_SPEC = ROOT / "docs" / "examples" / "e3c.yaml"
 """E3c's spec: the level the fit did not see (``predict``)."""
-
-
-def threshold_k3(T: float) -> float:
-    """The threshold study's fit, k3*(T) = 1e-3 x (T / 465)^-1.85 (FINDINGS, "Threshold")."""
-    return 1e-3 * (T / 465) ** -1.85
 
 
 def cell(condition: str) -> tuple[int, str]:
@@ -179,47 +149,8 @@ def _refusal(sweep: str, want: list[str], design: dict) -> str | None:
     return _incomplete(want, done, design) if any(c not in done for c in want) else None
 
 
-def study(sweep: str, *, spec: str | Path = SPEC, design: dict = STUDY) -> str:
-    """The pre-registered analysis of the E3 sweep as markdown (FINDINGS' "Study E3")."""
-    want = [c.name for c in load_spec(spec).conditions]
-    refusal = _refusal(sweep, want, design)  # no run's metrics are read before the study is complete
-    if refusal:
-        return refusal
-    per = collect(sweep, design, key=cell, endpoints=study_endpoints)
-    return analyse(per, want, design=design)
-
-
 def _incomplete(want: list[str], done: set[str], design: dict) -> str:
     return incomplete_line(want, done, design["steps"], label=lambda c: "v{} {}".format(*cell(c)))
-
-
-def analyse(per: dict[tuple[int, str], list[dict]], want: list[str], *, design: dict = STUDY,
-            n: int = N_BOOT) -> str:
-    """The analysis of per-cell run endpoints (``collect`` with ``key=cell``, ``study_endpoints``)."""
-    done = {r["condition"] for v in per.values() for r in v}
-    if any(c not in done for c in want):
-        return _incomplete(want, done, design)
-    cells, per = _in_spec(per, want)
-    levels = sorted({lv for lv, _ in cells})
-    col = _columns(per, cells)
-    out, valid = [], {}
-    for lv in levels:
-        valid[lv], line = _validity(per, cells, lv, design)
-        out.append(line)
-    out.append("")
-    ok = [lv for lv in levels if valid[lv]]
-    arms = {lv: [a for v, a in cells if v == lv and a != CONTROL] for lv in ok}
-    T = {lv: float(col[lv, CONTROL]["length"].mean()) for lv in ok}
-    out += _mechanism(col, ok, arms, T, design)
-    erodes: dict[tuple[int, str, str], bool] = {}
-    for key, label in ENDPOINTS:
-        out += _outcome(col, ok, arms, key, f"{label}, evaluations at steps {design['start']}-{design['steps']}", erodes)
-    out += _falls(per, ok, arms, design)
-    treated = [(lv, a) for lv in ok for a in arms[lv]]
-    out += _length_fit(col, treated, "acc_level", "mean accuracy (primary)", n=n)
-    out += _length_fit(col, treated, "acc_slope", "accuracy slope per 100 steps (secondary)", n=n)
-    out += _threshold(per, col, treated)
-    return "\n".join(out)
 
 
 def _in_spec(per: dict, want: list[str]) -> tuple[list, dict]:
@@ -298,116 +229,6 @@ def _falls(per: dict, ok: list[int], arms: dict, design: dict) -> list[str]:
     return out + [""]
 
 
-def _fit_cells(excess: np.ndarray, level: np.ndarray) -> np.ndarray | None:
-    """The mask of the cells a length fit uses (negative excess), or None with fewer than
-    ``MIN_CELLS`` such cells or fewer than ``MIN_LEVELS`` levels among them."""
-    keep = excess < 0
-    return None if keep.sum() < MIN_CELLS or len(set(level[keep].tolist())) < MIN_LEVELS else keep
-
-
-def fit_length(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndarray) -> tuple[float, float, float] | None:
-    """(a, alpha, beta) of log(-excess) = a + alpha log k3 + beta log T by least squares over the
-    cells with a negative excess; None with fewer than ``MIN_CELLS`` such cells, fewer than
-    ``MIN_LEVELS`` levels among them, or a rank-deficient design (k3 and T not separable)."""
-    keep = _fit_cells(excess, level)
-    if keep is None:
-        return None
-    X = [[1.0, math.log(k), math.log(t)] for k, t in zip(k3[keep], T[keep])]  # (cells, 3)
-    return least_squares(X, [math.log(-e) for e in excess[keep]])  # None: rank-deficient
-
-
-def _cells(col: dict, treated: list, key: str, rng: np.random.Generator | None = None):
-    """(k3, T, excess, level) per treated cell: means over seeds (resampled with ``rng``), the
-    excess over the level's control and T its control's mean response length (resampled too)."""
-    pick = (lambda x: x) if rng is None else (lambda x: x[rng.integers(0, x.size, x.size)])
-    ctrl = {}
-    for lv in sorted({lv for lv, _ in treated}):
-        i = pick(np.arange(col[lv, CONTROL][key].size))
-        ctrl[lv] = (col[lv, CONTROL][key][i].mean(), col[lv, CONTROL]["length"][i].mean())
-    k3, T, ex, level = [], [], [], []
-    for lv, a in treated:
-        i = pick(np.arange(col[lv, a][key].size))
-        k3.append(col[lv, a]["k3"][i].mean())
-        ex.append(col[lv, a][key][i].mean() - ctrl[lv][0])
-        T.append(ctrl[lv][1])
-        level.append(lv)
-    return np.array(k3), np.array(T), np.array(ex), np.array(level)
-
-
-def _length_fit(col: dict, treated: list, key: str, label: str, *, n: int = N_BOOT, seed: int = 0) -> list[str]:
-    k3, T, ex, level = _cells(col, treated, key)
-    head = f"**Length fit, {label}**: "
-    fit = fit_length(k3, T, ex, level)
-    neg = int((ex < 0).sum())
-    if fit is None:
-        return [head + f"{neg} cells with a negative mean excess over {len(set(level[ex < 0].tolist()))} levels "
-                f"(needs {MIN_CELLS} over {MIN_LEVELS}, with k3 and T separable): no fit; the result is stated per level "
-                f"in the tables above.", ""]
-    a, alpha, beta = fit
-    rng = np.random.default_rng(seed)
-    reps, failed = [], 0
-    for _ in range(n):
-        f = fit_length(*_cells(col, treated, key, rng))
-        if f is None:
-            failed += 1
-        else:
-            reps.append(f)
-    R = np.array(reps)  # (fits, 3)
-    rho = beta / alpha if alpha else math.nan
-    out = [head + f"log(-excess) = a + alpha log k3 + beta log T over {neg} cells with a negative mean excess: "
-           f"alpha = {alpha:.2f}, beta = {beta:.2f}, rho = beta / alpha = {rho:.2f}"]
-    if len(R) < n / 2:
-        return out + [f"; only {len(R)} of {n} resamples could be fitted ({failed} had too few negative cells or "
-                      f"levels): no interval, no decision.", ""]
-    rhos = R[:, 2] / R[:, 1]
-    lo, hi = (float(np.percentile(rhos, q)) for q in (2.5, 97.5))
-    holds = {h: lo <= v <= hi for h, v in RHO.items()}
-    decision = ("**T * k3**" if holds["T * k3"] and not holds["T^2 * k3"] else
-                "**T^2 * k3**" if holds["T^2 * k3"] and not holds["T * k3"] else
-                "**neither**" if not any(holds.values()) else "**undecided** (the interval holds both 1 and 2)")
-    alo, ahi = (float(np.percentile(R[:, 1], q)) for q in (2.5, 97.5))
-    blo, bhi = (float(np.percentile(R[:, 2], q)) for q in (2.5, 97.5))
-    out = [out[0] + f" [95% bootstrap {lo:.2f}, {hi:.2f}] (alpha [{alo:.2f}, {ahi:.2f}], beta [{blo:.2f}, {bhi:.2f}]; "
-           f"{len(R)} of {n} resamples fitted, {failed} had too few negative cells or levels): {decision}.", "",
-           f"Extrapolated {label.split(' (')[0]} lost at a realized k3 of {K3_REF:g}, beyond the T measured "
-           f"({T.min():.0f}-{T.max():.0f}; a loss above what there is to lose means the fit predicts a fall; \"unbounded\": above {UNBOUNDED:g}):", "",
-           "| T | fitted loss | 95% bootstrap |", "|---:|---:|---:|"]
-    for t in T_EXTRAPOLATE:
-        pts = np.array([math.exp(r[0] + r[1] * math.log(K3_REF) + r[2] * math.log(t)) for r in R])
-        fit_t = math.exp(a + alpha * math.log(K3_REF) + beta * math.log(t))
-        out.append(f"| {t:,} | {fmt_loss(fit_t)} | [{fmt_loss(float(np.percentile(pts, 2.5)))}, "
-                   f"{fmt_loss(float(np.percentile(pts, 97.5)))}] |")
-    return out + [""]
-
-
-def _threshold(per: dict, col: dict, treated: list) -> list[str]:
-    out = ["**The threshold fit's test** (k3*(T) = 1e-3 x (T / 465)^-1.85 at each level's mean worked answer; "
-           "a cell above it should fall in at least half its seeds, one below it in fewer)", "",
-           "| level | T | k3*(T) | arm | realized k3 | above k3* | falls | agrees |", "|---:|---:|---:|---|---:|---|---:|---|"]
-    agree = 0
-    for lv, a in treated:
-        star = threshold_k3(ANSWER_TOKENS[lv])
-        k = float(col[lv, a]["k3"].mean())
-        falls = sum(r["fell"] for r in per[lv, a])
-        above = k > star
-        ok = (falls >= len(per[lv, a]) / 2) == above
-        agree += ok
-        out.append(f"| {lv} | {ANSWER_TOKENS[lv]} | {fmt(star)} | {a} | {fmt(k)} | {'yes' if above else 'no'} | "
-                   f"{falls}/{len(per[lv, a])} | {'yes' if ok else 'no'} |")
-    return out + ["", f"Cells that agree with the threshold fit: {agree} of {len(treated)}.", ""]
-
-
-def fit_shape(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, level: np.ndarray, rho: float) -> tuple[float, float] | None:
-    """(a, g) of log(-excess) = a + g log(T^rho k3): the cost as a power of one dose, T * k3 (rho 1)
-    or T^2 * k3 (rho 2), by least squares over the cells with a negative excess; None where
-    ``fit_length`` would have too few cells or levels."""
-    keep = _fit_cells(excess, level)
-    if keep is None:
-        return None
-    X = [[1.0, math.log(t ** rho * k)] for k, t in zip(k3[keep], T[keep])]  # (cells, 2)
-    return least_squares(X, [math.log(-e) for e in excess[keep]])
-
-
 def _elementwise(fn, k, t):
     """``fn(k, t)`` over broadcast arrays with the standard library's ``math`` (the same bits on every
     CPU, unlike numpy's SIMD exp and log): a float for scalar inputs, else an array of their shape."""
@@ -445,10 +266,10 @@ def predictions(fit_sweep: str | Path = FIT_SWEEP, fit_spec: str | Path = FIT_SP
     cells, per = _in_spec(collect(str(fit_sweep), design, key=cell, endpoints=study_endpoints), want)
     col = _columns(per, cells)
     treated = [k for k in cells if k[1] != CONTROL]
-    full = _cells(col, treated, "acc_level")
+    full = length_cells(col, treated, "acc_level")
     pred = _predictors(*full)
     rng = np.random.default_rng(seed)
-    reps = [_predictors(*_cells(col, treated, "acc_level", rng)) for _ in range(n)]
+    reps = [_predictors(*length_cells(col, treated, "acc_level", rng=rng)) for _ in range(n)]
     label = {"the registered fit (alpha, beta free)": "the registered fit, log loss = a + alpha log k3 + beta log T"}
     for h, rho in RHO.items():
         g = fit_shape(*full, rho)
@@ -461,8 +282,8 @@ def predictions(fit_sweep: str | Path = FIT_SWEEP, fit_spec: str | Path = FIT_SP
         for k in at["k3"]:
             v = np.array([r[h](k, T) for r in reps if r[h] is not None])
             row.append("no fit" if f is None else
-                       f"{fmt_loss(float(f(k, T)))} [{fmt_loss(float(np.percentile(v, 2.5)))}, "
-                       f"{fmt_loss(float(np.percentile(v, 97.5)))}]")
+                       f"{fmt_loss(float(f(k, T)), UNBOUNDED)} [{fmt_loss(float(np.percentile(v, 2.5)), UNBOUNDED)}, "
+                       f"{fmt_loss(float(np.percentile(v, 97.5)), UNBOUNDED)}]")
         out.append(f"| {label[h]} | " + " | ".join(row) + " |")
     return "\n".join(out)
 
@@ -514,23 +335,23 @@ def out_of_sample(per_fit: dict, want_fit: list[str], per: dict, want: list[str]
     treated = [(lv, a) for lv in ok for a in arms[lv]]
     out += _prediction(colf, fit_treated, col, treated, n=n, seed=seed)
     both = {**colf, **col}
-    out += _length_fit(both, fit_treated + treated, "acc_level",
-                       "mean accuracy over the fit's and the test's levels (descriptive)", n=n, seed=seed)
-    return "\n".join(out + _threshold(per, col, treated))
+    out += length_section(both, fit_treated + treated, "acc_level",
+                          "mean accuracy over the fit's and the test's levels (descriptive)", n=n, seed=seed)
+    return "\n".join(out + threshold_section(col, treated, ANSWER_TOKENS, **THRESHOLD))
 
 
 def _prediction(colf: dict, fit_treated: list, col: dict, treated: list, *, n: int, seed: int) -> list[str]:
     """The registered test: per treated test cell and hypothesis, the measured accuracy-level loss
     minus the predicted one, D, with a 95% bootstrap interval over joint resamples of both studies'
     seeds; an interval holding 0 is consistent with the hypothesis."""
-    k3, T, ex, _ = _cells(col, treated, "acc_level")
-    pred = _predictors(*_cells(colf, fit_treated, "acc_level"))
+    k3, T, ex, _ = length_cells(col, treated, "acc_level")
+    pred = _predictors(*length_cells(colf, fit_treated, "acc_level"))
     rng = np.random.default_rng(seed)
     D, P = {h: [] for h in pred}, {h: [] for h in pred}
     failed = dict.fromkeys(pred, 0)
     for _ in range(n):
-        fr = _predictors(*_cells(colf, fit_treated, "acc_level", rng))
-        kt, Tt, et, _ = _cells(col, treated, "acc_level", rng)
+        fr = _predictors(*length_cells(colf, fit_treated, "acc_level", rng=rng))
+        kt, Tt, et, _ = length_cells(col, treated, "acc_level", rng=rng)
         for h, f in fr.items():
             if f is None:
                 failed[h] += 1
@@ -622,7 +443,7 @@ def figure(sweep: str, out: str | Path, *, spec: str | Path = SPEC, design: dict
     return out
 
 
-TABLES = {"starts": starts, "followup": followup, "study": study, "predict": predict}
+TABLES = {"starts": starts, "followup": followup, "predict": predict}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -646,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.table == "predict":
         print(predict(a.sweep, spec=a.spec or TEST_SPEC, fit_sweep=a.fit, fit_spec=a.fit_spec))
     else:
-        print(study(a.sweep, spec=a.spec or SPEC) if a.table == "study" else TABLES[a.table](a.sweep))
+        print(TABLES[a.table](a.sweep))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Study E3's pre-registered analysis (``scripts/e3_tables.py study``), checked on a synthetic
-sweep with planted effects before any study data exist: the registered spec's 75 runs
+"""Study E3's pre-registered analysis (the study file docs/examples/studies/e3.yaml, a grouped
+study: one group per level) and E3c's out-of-sample test (``scripts/e3_tables.py predict``),
+checked on synthetic sweeps with planted effects: the registered spec's 75 runs
 (docs/examples/e3.yaml), each a run directory as the trainer leaves it (metrics.parquet: step 0
 holds the start's evaluation, steps 1-150 a training row each, evaluations every 25 steps;
 status.json; the sweep's index.parquet)."""
@@ -15,9 +16,13 @@ import pytest
 
 from script_loader import REPO, load_script
 from study_sweep import write_sweep
+from timlab.experiments.study import analyze, load_study, planned_runs
+from timlab.experiments.study.fits import fit_length, threshold_k3, threshold_section
 from timlab.experiments.sweep import load_spec
 
 E3 = load_script("e3_tables")
+E3_STUDY = load_study(REPO / "docs" / "examples" / "studies" / "e3.yaml")
+E3B_STUDY = load_study(REPO / "docs" / "examples" / "studies" / "e3b.yaml")
 SPEC = REPO / "docs" / "examples" / "e3.yaml"
 WANT = [c.name for c in load_spec(SPEC).conditions]
 STEPS, EVERY = E3.STUDY["steps"], 25
@@ -38,15 +43,15 @@ def loss(level: int, arm: str, rho: float, k3s: dict = K3) -> float:
 
 
 def _metrics(level: int, arm: str, seed: int, *, rho: float = 2.0, start=(0.99, -0.05), k3s: dict = K3,
-             acc_sd: float = 1e-5) -> pd.DataFrame:
+             acc_sd: float = 1e-5, cost: float = 1.0) -> pd.DataFrame:
     rng = np.random.default_rng([level, list(k3s).index(arm) + 1 if arm in k3s else 0, seed])
     steps = np.arange(1, STEPS + 1)  # (150,)
     ev = np.arange(0, STEPS + 1, EVERY)  # (7,)
     acc = 0.99 + rng.normal(0, acc_sd, ev.size)
     gold = -0.05 + rng.normal(0, 1e-3, ev.size)
     if arm != "control":
-        acc[ev >= 25] -= loss(level, arm, rho, k3s)
-        gold[ev >= 25] -= 10 * loss(level, arm, rho, k3s)
+        acc[ev >= 25] -= cost * loss(level, arm, rho, k3s)
+        gold[ev >= 25] -= cost * 10 * loss(level, arm, rho, k3s)
     acc[0], gold[0] = start
     k3 = np.zeros(steps.size) if arm == "control" else \
         k3s[arm] * K3_LEVEL[level] * np.exp(rng.normal(0, 0.02, steps.size))
@@ -59,11 +64,20 @@ def _metrics(level: int, arm: str, seed: int, *, rho: float = 2.0, start=(0.99, 
     return m[["step"] + sorted(c for c in m.columns if c != "step")]  # the column order MetricsLog writes
 
 
+RUN_IDS = {p.name: p.run_id for s in (E3_STUDY, E3B_STUDY) for p in planned_runs(s)}
+"""Each condition's run directory as the study files' specs expand it (E3c's: the script's default)."""
+
+
 def _sweep(root, names=WANT, *, states: dict | None = None, metrics=_metrics):
     """A sweep directory holding the runs ``names`` (finished at step 150 unless ``states`` says
     otherwise: name -> (state, last step))."""
     return write_sweep(root, names, lambda name: metrics(*E3.cell(name), int(name.rsplit("_s", 1)[1])), STEPS,
-                       states=states)
+                       states=states, run_ids=RUN_IDS)
+
+
+def _study(root, study=E3_STUDY) -> str:
+    """The study file's analysis of the sweep at ``root``."""
+    return analyze(study, root).text
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +92,7 @@ def per(sweep):
 
 @pytest.fixture(scope="module")
 def analysis(sweep):
-    return E3.study(str(sweep), spec=SPEC)
+    return _study(sweep)
 
 
 def _row(text: str, section: str, level: int, arm: str) -> str:
@@ -95,9 +109,12 @@ def test_the_spec_is_the_registered_design():
 
 def test_threshold_fit_values_as_registered():
     # FINDINGS: "0.28, 0.043, 8.2e-3 and 2.2e-3 at T = 22, 61, 149, 302"
-    got = [E3.threshold_k3(E3.ANSWER_TOKENS[lv]) for lv in range(4)]
+    got = [threshold_k3(E3.ANSWER_TOKENS[lv]) for lv in range(4)]
     assert got == pytest.approx([0.28, 0.043, 8.2e-3, 2.2e-3], rel=0.03)
-    assert E3.threshold_k3(465) == pytest.approx(1e-3)
+    assert threshold_k3(465) == pytest.approx(1e-3)
+    fit = next(f for f in E3_STUDY.fits if f.kind == "threshold")  # the study file registers the same law
+    assert (fit.k3_star, fit.t_star, fit.exponent) == (1e-3, 465.0, -1.85)
+    assert dict(fit.tokens) == {str(lv): float(E3.ANSWER_TOKENS[lv]) for lv in range(3)}
 
 
 def test_fit_length_recovers_planted_exponents():
@@ -105,14 +122,14 @@ def test_fit_length_recovers_planted_exponents():
     k3 = np.exp(rng.uniform(-9, -4, 9))
     T = np.repeat([22.0, 61.0, 149.0], 3)
     ex = -0.7 * k3 ** 0.8 * T ** 1.6
-    a, alpha, beta = E3.fit_length(k3, T, ex, np.repeat([0, 1, 2], 3))
+    a, alpha, beta = fit_length(k3, T, ex, np.repeat([0, 1, 2], 3))
     assert (a, alpha, beta) == pytest.approx((math.log(0.7), 0.8, 1.6), abs=1e-9)
     # too few negative cells, one level only, or k3 and T collinear: no fit
-    assert E3.fit_length(k3, T, np.where(np.arange(9) < 6, 1.0, ex), np.repeat([0, 1, 2], 3)) is None
-    assert E3.fit_length(k3[:3], T[:3], ex[:3], np.zeros(3)) is None
-    assert E3.fit_length(k3[6:], np.full(3, 149.0), ex[6:], np.array([2, 2, 2])) is None
+    assert fit_length(k3, T, np.where(np.arange(9) < 6, 1.0, ex), np.repeat([0, 1, 2], 3)) is None
+    assert fit_length(k3[:3], T[:3], ex[:3], np.zeros(3)) is None
+    assert fit_length(k3[6:], np.full(3, 149.0), ex[6:], np.array([2, 2, 2])) is None
     T2 = np.repeat([22.0, 61.0], 3)
-    assert E3.fit_length(T2 * 1e-5, T2, -(T2 * 1e-5) * T2, np.repeat([0, 1], 3)) is None  # log k3 = log T + const
+    assert fit_length(T2 * 1e-5, T2, -(T2 * 1e-5) * T2, np.repeat([0, 1], 3)) is None  # log k3 = log T + const
 
 
 def test_valid_study_erodes_where_planted(analysis):
@@ -141,50 +158,52 @@ def test_length_fit_decides_the_planted_shape(analysis):
 
 def test_planted_linear_length_decides_t_k3(tmp_path):
     root = _sweep(tmp_path / "lin", metrics=lambda lv, a, s: _metrics(lv, a, s, rho=1.0))
-    text = E3.study(str(root), spec=SPEC)
+    text = _study(root)
     fit = text.split("**Length fit, mean accuracy (primary)**: ")[1].split("\n")[0]
     assert "**T * k3**" in fit, fit
 
 
-def test_no_fit_without_enough_negative_cells(per):
-    flat = {k: [dict(r, acc_level=0.99, acc_slope=0.0) for r in v] for k, v in per.items()}
-    text = E3.analyse(flat, WANT)
+def test_no_fit_without_enough_negative_cells(tmp_path):
+    flat = _sweep(tmp_path / "flat", metrics=lambda lv, a, s: _metrics(lv, a, s, cost=-1.0))  # every arm gains
+    text = _study(flat)
     assert "0 cells with a negative mean excess over 0 levels (needs 4 over 2" in text
-    assert "no detectable erosion (costs" in text
+    assert "no detectable erosion (costs none: the interval [" in text and "**erodes**" not in text
 
 
-def test_threshold_test_counts_agreeing_cells(per):
+def test_threshold_test_counts_agreeing_cells():
     # plant falls: level 2 head 0.49 (k3 1.5e-2 > k3*(149) = 8.2e-3) falls in 3 of 5 seeds, level 0
     # fp8 (3e-4 < 0.28) in 4 of 5 (disagrees); every other cell none (agrees when below)
     fell = {(2, "head_0.49"): 3, (0, "fp8"): 4}
-    p = {k: [dict(r, fell=i < fell.get(k, 0)) for i, r in enumerate(v)] for k, v in per.items()}
-    text = E3.analyse(p, WANT)
+    col = {(lv, a): {"k3": np.full(5, K3[a] * K3_LEVEL[lv]), "fell": (np.arange(5) < fell.get((lv, a), 0)) * 1.0}
+           for lv in range(3) for a in K3}
+    text = "\n".join(threshold_section(col, list(col), E3.ANSWER_TOKENS, title="T", note=" (n)"))
+    assert text.startswith("**T** (n)\n\n| level | T | k3*(T) | arm | realized k3 | above k3* | falls | agrees |")
     assert "| 2 | 149 | 8.2e-03 | head_0.49 | 0.015 | yes | 3/5 | yes |" in text
     assert "| 0 | 22 | 0.283 | fp8 | 3.0e-04 | no | 4/5 | no |" in text
+    assert "| 1 | 61 | 0.043 | head_0.49 | 6.0e-03 | no | 0/5 | yes |" in text
     assert "Cells that agree with the threshold fit: 11 of 12." in text
 
 
 def test_incomplete_sweeps_are_refused(tmp_path):
     root = _sweep(tmp_path / "part", WANT[:40], states={WANT[39]: ("running", 60)})
-    text = E3.study(str(root), spec=SPEC)
+    text = _study(root)
     assert text.startswith("INCOMPLETE: 39 of 75 runs finished at step 150") and "no interim analysis" in text
-    assert "v2 head_0.49 seeds 2-4" in text
+    assert "v2_head_0.49 seeds 2-4" in text
 
 
-def test_a_guard_trip_voids_the_study_and_a_differing_start_voids_its_level(tmp_path, per):
+def test_a_guard_trip_voids_the_study_and_a_differing_start_voids_its_level(tmp_path):
     root = _sweep(tmp_path / "trip", WANT[:5], states={"v0_control_s0": ("guard_failed", 12)})
-    assert E3.study(str(root), spec=SPEC).startswith("VOID: the zero-mismatch guard stopped v0_control_s0")
-    p = {k: [dict(r) for r in v] for k, v in per.items()}
-    p[1, "fp8"][2]["start_acc"] = 0.5
-    text = E3.analyse(p, WANT)
+    assert _study(root).startswith("VOID: the zero-mismatch guard stopped v0_control_s0")
+    odd = lambda lv, a, s: _metrics(lv, a, s, start=(0.5, -0.05) if (lv, a, s) == (1, "fp8", 2) else (0.99, -0.05))  # noqa: E731
+    text = _study(_sweep(tmp_path / "odd", metrics=odd))
     assert "Validity, level 1:" in text and "DIFFERS between its runs (2 distinct): VOID" in text
     assert "| 1 | fp8 |" not in text and "over 8 cells" in text  # level 1 left out of the tables and the fit
-    p = {k: [dict(r, start_acc=0.93) if k[0] == 2 else r for r in v] for k, v in per.items()}
-    text = E3.analyse(p, WANT)
+    low = lambda lv, a, s: _metrics(lv, a, s, start=(0.93, -0.05) if lv == 2 else (0.99, -0.05))  # noqa: E731
+    text = _study(_sweep(tmp_path / "low", metrics=low))
     assert "Validity, level 2:" in text and "(accuracy 0.930, gold log-prob -0.050), below the bar 0.95: VOID" in text
-    assert "Validity, level 0:" in text and text.count(": VALID.") == 2
-    p = {k: [dict(r, start_acc=0.5) for r in v] for k, v in per.items()}  # every level void: tables empty, no fit
-    text = E3.analyse(p, WANT)
+    assert "Validity, level 0:" in text and text.count(": VALID.") == 2 and "| 2 | head_0.49 |" not in text
+    none = _sweep(tmp_path / "none", metrics=lambda lv, a, s: _metrics(lv, a, s, start=(0.5, -0.05)))
+    text = _study(none)  # every level void: tables empty, no fit
     assert text.count("below the bar 0.95: VOID") == 3 and "0 cells with a negative mean excess over 0 levels" in text
 
 
@@ -202,7 +221,7 @@ def test_e3b_spec_is_analysed_by_the_same_code(tmp_path):
     assert len(want) == 96 and {E3.cell(c) for c in want} == {
         (lv, a) for lv in range(3) for a in ("control", "head_0.52", "head_0.72", "head_0.95")}
     assert [int(c.rsplit("_s", 1)[1]) for c in want[:12]] == [0] * 12  # seed by seed
-    assert E3.study(str(tmp_path / "not_started"), spec=spec).startswith("INCOMPLETE: 0 of 96 runs finished at step 150")
+    assert _study(tmp_path / "not_started", E3B_STUDY).startswith("INCOMPLETE: 0 of 96 runs finished at step 150")
 
 
 E3B_SPEC, E3C_SPEC = REPO / "docs" / "examples" / "e3b.yaml", REPO / "docs" / "examples" / "e3c.yaml"

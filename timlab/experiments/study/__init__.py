@@ -8,7 +8,8 @@ scripts/findings_tables.py for the FINDINGS blocks of the studies written as stu
   the registration hash, the freeze at the first run and its amendments;
 - ``engine``: the analysis (refusal of an incomplete sweep, validity, endpoints, comparison
   families, verdicts, tables, fits) rendered as a FINDINGS block; a figure;
-- ``endpoints``: per-run statistics over step windows; ``fits``: the dose law;
+- ``endpoints``: per-run statistics over step windows; ``fits``: the dose law, the length fit
+  and the threshold test;
 - ``sweep_runs``: reading a study's runs from a sweep directory; ``text``: the cell formats.
 """
 
