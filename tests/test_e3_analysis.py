@@ -224,6 +224,19 @@ def test_e3b_spec_is_analysed_by_the_same_code(tmp_path):
     assert _study(tmp_path / "not_started", E3B_STUDY).startswith("INCOMPLETE: 0 of 96 runs finished at step 150")
 
 
+def test_study_check_names_the_levels_and_a_grouped_study_has_no_engine_figure(tmp_path, capsys):
+    from timlab import cli
+    from timlab.experiments.study import StudyError, figure
+
+    path = REPO / "docs" / "examples" / "studies" / "e3b.yaml"
+    assert cli.main(["study", "check", str(path), "--out", str(tmp_path / "none")]) == 0
+    text = capsys.readouterr().out
+    assert "sweep: 96 runs, 150 steps each; arms: control (24), head_0.52 (24), head_0.72 (24), head_0.95 (24)" in text
+    assert "  levels: 0, 1, 2 (each with its own control, validity check and Holm families)" in text
+    with pytest.raises(StudyError, match="a grouped study \\(groups: level\\) has none yet"):
+        figure(E3B_STUDY, tmp_path / "x.png", tmp_path / "none")
+
+
 E3B_SPEC, E3C_SPEC = REPO / "docs" / "examples" / "e3b.yaml", REPO / "docs" / "examples" / "e3c.yaml"
 E3B_WANT = [c.name for c in load_spec(E3B_SPEC).conditions]
 E3C_WANT = [c.name for c in load_spec(E3C_SPEC).conditions]
