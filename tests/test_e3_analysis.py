@@ -1,5 +1,5 @@
 """Study E3's pre-registered analysis (the study file docs/examples/studies/e3.yaml, a grouped
-study: one group per level) and E3c's out-of-sample test (``scripts/e3_tables.py predict``),
+study: one group per level) and E3c's out-of-sample test (docs/examples/studies/e3c.yaml),
 checked on synthetic sweeps with planted effects: the registered spec's 75 runs
 (docs/examples/e3.yaml), each a run directory as the trainer leaves it (metrics.parquet: step 0
 holds the start's evaluation, steps 1-150 a training row each, evaluations every 25 steps;
@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from script_loader import REPO, load_script
 from study_sweep import write_sweep
-from timlab.experiments.study import analyze, load_study, planned_runs
+from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, predictions, study_from_dict
 from timlab.experiments.study.fits import fit_length, threshold_k3, threshold_section
 from timlab.experiments.sweep import load_spec
 
@@ -83,11 +84,6 @@ def _study(root, study=E3_STUDY) -> str:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     return _sweep(tmp_path_factory.mktemp("e3"))
-
-
-@pytest.fixture(scope="module")
-def per(sweep):
-    return E3.collect(str(sweep), E3.STUDY, key=E3.cell, endpoints=E3.study_endpoints)
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +236,9 @@ def test_study_check_names_the_levels_and_a_grouped_study_has_no_engine_figure(t
 E3B_SPEC, E3C_SPEC = REPO / "docs" / "examples" / "e3b.yaml", REPO / "docs" / "examples" / "e3c.yaml"
 E3B_WANT = [c.name for c in load_spec(E3B_SPEC).conditions]
 E3C_WANT = [c.name for c in load_spec(E3C_SPEC).conditions]
+STUDIES = REPO / "docs" / "examples" / "studies"
+E3C_STUDY = load_study(STUDIES / "e3c.yaml")
+RUN_IDS.update({p.name: p.run_id for p in planned_runs(E3C_STUDY)})
 
 
 def _planted(root, names, rho: float):
@@ -249,7 +248,17 @@ def _planted(root, names, rho: float):
 
 @pytest.fixture(scope="module")
 def fit_linear(tmp_path_factory):
-    return _planted(tmp_path_factory.mktemp("e3b_lin"), E3B_WANT, 1.0)
+    return _planted(tmp_path_factory.mktemp("e3b_lin") / "sweeps" / "e3b", E3B_WANT, 1.0)
+
+
+def _e3c(root, fit, names=E3C_WANT, rho: float = 1.0) -> str:
+    """E3c's analysis (its study file) with its sweep planted at ``root``/sweeps/e3c and E3b's (the
+    fit's) at ``fit``, linked as ``root``/sweeps/e3b."""
+    (root / "sweeps").mkdir(parents=True)
+    (root / "sweeps" / "e3b").symlink_to(fit, target_is_directory=True)
+    freeze(E3C_STUDY, root / "sweeps" / "e3c")  # E3c has no runs: its first run freezes it
+    _planted(root / "sweeps" / "e3c", names, rho)
+    return analyze(E3C_STUDY, root=root).text
 
 
 def _decision(text: str) -> str:
@@ -259,12 +268,14 @@ def _decision(text: str) -> str:
 def test_e3c_spec_is_level_3_at_e3bs_middle_dose():
     assert len(E3C_WANT) == 16 and {E3.cell(c) for c in E3C_WANT} == {(3, "control"), (3, "head_0.72")}
     assert [int(c.rsplit("_s", 1)[1]) for c in E3C_WANT] == [s for s in range(8) for _ in range(2)]
+    fit = next(f for f in E3C_STUDY.fits if f.kind == "predict")  # the registered predictions' table
+    assert (fit.at_T, fit.at_k3, fit.rho, Path(fit.study).name) == (300.0, (1e-3, 1.3e-3, 1.6e-3), (1.0, 2.0), "e3b.yaml")
 
 
 def test_out_of_sample_confirms_the_planted_linear_law(fit_linear, tmp_path):
-    test = _planted(tmp_path / "e3c", E3C_WANT, 1.0)
-    text = E3.predict(str(test), spec=E3C_SPEC, fit_sweep=str(fit_linear), fit_spec=E3B_SPEC)
-    assert text.count("VALID.") == 4 and "The test's validity, level 3:" in text
+    text = _e3c(tmp_path, fit_linear)
+    assert text.count("VALID.") == 4 and text.startswith("Validity, level 3:")
+    assert "The fit's validity, level 0: control guard" in text
     assert _decision(text) == ("Level 3, head_0.72: **T * k3** holds out of sample; "
                                "the registered fit's extrapolation: **holds**.")
     row = next(line for line in text.splitlines() if line.startswith("| 3 | head_0.72 |") and "| T * k3 |" in line)
@@ -275,11 +286,16 @@ def test_out_of_sample_confirms_the_planted_linear_law(fit_linear, tmp_path):
     assert predicted == pytest.approx(loss(3, "head_0.72", 1.0, K3_B), rel=0.05)
     assert "**Length fit, mean accuracy over the fit's and the test's levels (descriptive)**" in text
     assert "over 10 cells" in text and "**T * k3**" in text.split("levels (descriptive)**")[1]
+    assert "| 3 | 302 | 2.2e-03 | head_0.72 |" in text  # the threshold test at level 3's worked answer
 
 
-def test_prediction_table_of_a_planted_linear_law(fit_linear):
-    text = E3.predictions(fit_linear, E3B_SPEC, at={"T": 300.0, "k3": (1e-3, 2e-3)}, n=200)
-    rows = text.splitlines()
+def test_prediction_table_of_a_planted_linear_law(fit_linear, tmp_path):
+    d = yaml.safe_load((STUDIES / "e3c.yaml").read_text())
+    d["fits"][0]["at_k3"] = [0.001, 0.002]
+    study = study_from_dict(d, root=STUDIES, source="e3c.yaml")
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "e3b").symlink_to(fit_linear, target_is_directory=True)
+    rows = predictions(study, root=tmp_path).splitlines()
     assert rows[0] == "| hypothesis fitted on the 9 cells | k3 1.0e-03 | k3 2.0e-03 |"
     lin = next(r for r in rows if r.startswith("| one power of T * k3 (exponent "))
     sq = next(r for r in rows if r.startswith("| one power of T^2 * k3 (exponent "))
@@ -287,12 +303,12 @@ def test_prediction_table_of_a_planted_linear_law(fit_linear):
     # planted loss C * k3 * T / 100 = 4 * 1e-3 * 3 = 0.012 at T = 300; the square law over-predicts it
     assert float(lin.split("| ")[2].split(" [")[0]) == pytest.approx(0.012, rel=0.1)
     assert float(sq.split("| ")[2].split(" [")[0]) > 0.02
-    assert E3.predictions(fit_linear.parent / "none", E3B_SPEC).startswith("INCOMPLETE: 0 of 96")
+    assert predictions(study, root=tmp_path / "none") == ("The fit's study e3b is not complete (0 of 96 runs finished "
+                                                          "at step 150): no prediction is tested (no interim analysis).")
 
 
 def test_out_of_sample_catches_a_cost_larger_than_the_law(fit_linear, tmp_path):
-    test = _planted(tmp_path / "e3c_sq", E3C_WANT, 2.0)  # level 3 pays (T / 100)^2, 3x the linear law
-    text = E3.predict(str(test), spec=E3C_SPEC, fit_sweep=str(fit_linear), fit_spec=E3B_SPEC)
+    text = _e3c(tmp_path, fit_linear, rho=2.0)  # level 3 pays (T / 100)^2, 3x the linear law
     d = _decision(text)
     assert "the registered fit's extrapolation: **under-predicts (the cost is larger)**" in d
     row = next(line for line in text.splitlines() if line.startswith("| 3 | head_0.72 |") and "| T * k3 |" in line)
@@ -300,23 +316,30 @@ def test_out_of_sample_catches_a_cost_larger_than_the_law(fit_linear, tmp_path):
 
 
 def test_out_of_sample_decides_a_planted_square_law(tmp_path):
-    fit = _planted(tmp_path / "e3b_sq", E3B_WANT, 2.0)
-    test = _planted(tmp_path / "e3c_sq", E3C_WANT, 2.0)
-    text = E3.predict(str(test), spec=E3C_SPEC, fit_sweep=str(fit), fit_spec=E3B_SPEC)
+    fit = _planted(tmp_path / "fit" / "e3b", E3B_WANT, 2.0)
+    text = _e3c(tmp_path / "test", fit, rho=2.0)
     assert _decision(text) == ("Level 3, head_0.72: **T^2 * k3** holds out of sample; "
                                "the registered fit's extrapolation: **holds**.")
 
 
 def test_out_of_sample_refuses_incomplete_sweeps_and_a_seen_level(fit_linear, tmp_path):
-    part = _planted(tmp_path / "part", E3C_WANT[:5], 1.0)
-    text = E3.predict(str(part), spec=E3C_SPEC, fit_sweep=str(fit_linear), fit_spec=E3B_SPEC)
-    assert text.startswith("INCOMPLETE: 5 of 16 runs finished at step 150") and text.endswith(f"({part})")
-    fit_part = _planted(tmp_path / "fit_part", E3B_WANT[:90], 1.0)
-    text = E3.predict(str(part), spec=E3C_SPEC, fit_sweep=str(fit_part), fit_spec=E3B_SPEC)
-    assert text.startswith("INCOMPLETE: 90 of 96 runs") and "no interim analysis" in text
-    per = E3.collect(str(fit_linear), E3.STUDY, key=E3.cell, endpoints=E3.study_endpoints)
-    with pytest.raises(ValueError, match="levels the fit did not see"):
-        E3.out_of_sample(per, E3B_WANT, per, E3B_WANT)
+    text = _e3c(tmp_path / "a", fit_linear, names=E3C_WANT[:5])
+    assert text.startswith("INCOMPLETE: 5 of 16 runs finished at step 150") and "no interim analysis" in text
+    fit_part = _planted(tmp_path / "fit_part" / "e3b", E3B_WANT[:90], 1.0)
+    text = _e3c(tmp_path / "b", fit_part)
+    assert "The fit's study e3b is not complete (90 of 96 runs finished at step 150): no prediction is tested" in text
+    assert "**The out-of-sample test**" not in text and "| 3 | head_0.72 |" in text  # the test level's own tables stand
+    d = yaml.safe_load((STUDIES / "e3b.yaml").read_text())  # E3b "predicting" its own levels
+    d["fits"] = [dict(E3C_FIT, study="e3b.yaml")]
+    d["frozen"] = study_from_dict({k: v for k, v in d.items() if k != "frozen"}, root=STUDIES).hash
+    (tmp_path / "c" / "sweeps").mkdir(parents=True)
+    (tmp_path / "c" / "sweeps" / "e3b").symlink_to(fit_linear, target_is_directory=True)
+    with pytest.raises(StudyError, match="the test's levels must be levels e3b did not see \\(both have 0, 1, 2\\)"):
+        analyze(study_from_dict(d, root=STUDIES, source="self.yaml"), root=tmp_path / "c")
+
+
+E3C_FIT = yaml.safe_load((STUDIES / "e3c.yaml").read_text())["fits"][0]
+"""E3c's registered ``predict`` fit, as the file writes it."""
 
 
 E3D_SPEC = REPO / "docs" / "examples" / "e3d.yaml"

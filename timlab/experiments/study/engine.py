@@ -368,7 +368,7 @@ def _table(study: Study, t, cols: dict) -> list[str]:
 
 def _fits(study: Study, cols: dict, verdicts: dict, root: Path) -> list[str]:
     if study.groups:
-        return _group_fits(study, cols)
+        return _group_fits(study, cols, root)
     col = cols.get("", {})
     arms = list(col)
     out = []
@@ -386,15 +386,87 @@ def _fits(study: Study, cols: dict, verdicts: dict, root: Path) -> list[str]:
     return out
 
 
-def _group_fits(study: Study, cols: dict) -> list[str]:
+def _cells(study: Study, cols: dict) -> tuple[dict, list]:
+    """A grouped study's columns keyed by (group, arm), and its treated (group, arm) cells in order."""
+    col = {(g, a): v for g, c in cols.items() for a, v in c.items()}
+    return col, [(g, a) for g, c in cols.items() for a in c if a != study.control]
+
+
+def _fitted_study(f, root: Path) -> tuple[Study, list[str], dict | None]:
+    """The grouped study a ``predict`` fit names: (it, its validity lines or the one line saying it
+    is not complete, its valid groups' columns or None when it is not complete)."""
+    from timlab.experiments.study.registration import load_study
+
+    other = load_study(f.study)
+    planned = planned_runs(other)
+    states = _states(root / sweep_dir(other)) or {}
+    done = [p for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
+            or states.get(p.run_id, ("", 0)) == (FINISHED, other.steps)]
+    if len(done) < len(planned):
+        return other, [f"The fit's study {other.name} is not complete ({len(done)} of {len(planned)} runs finished at "
+                       f"step {other.steps}): no prediction is tested (no interim analysis).", ""], None
+    lines, cols = [], {}
+    for g, per in _records(other, root / sweep_dir(other), planned, states).items():
+        valid, line = _validity(other, per, g)
+        lines.append("The fit's " + line[0].lower() + line[1:])
+        if valid:
+            cols[g] = _columns(other, per)
+    return other, lines, cols
+
+
+def _predict(study: Study, f, cols: dict, root: Path) -> list[str]:
+    """A ``predict`` fit: another grouped study's length fit tested on this study's treated cells
+    (``fits.prediction_section``), then the free length fit over both studies' cells (descriptive)."""
+    from timlab.experiments.study.fits import length_section, prediction_section
+
+    other, lines, ocols = _fitted_study(f, root)
+    if ocols is None:
+        return lines
+    if set(ocols) & set(cols):
+        raise StudyError(f"{study.source}: fits: predict: the test's {study.groups}s must be {study.groups}s "
+                         f"{other.name} did not see (both have {', '.join(sorted(set(ocols) & set(cols)))})")
+    colf, fit_treated = _cells(other, ocols)
+    col, treated = _cells(study, cols)
+    if not treated:
+        return lines + ["", f"No valid test {study.groups}: no test.", ""]
+    keys = dict(control=study.control, k3=f.k3, length=f.length, rho=f.rho, min_cells=f.min_cells,
+                min_groups=f.min_groups)
+    out = lines + [""] + prediction_section(colf, fit_treated, col, treated, f.endpoint, groups=study.groups, **keys)
+    keys.pop("rho")
+    return out + length_section({**colf, **col}, fit_treated + treated, f.endpoint, f.name or study.label(f.endpoint),
+                                k3_ref=f.k3_ref, at=f.at, rho=f.rho, unbounded=f.unbounded, groups=study.groups,
+                                **keys)
+
+
+def predictions(study: Study, root: str | Path | None = None) -> str:
+    """The predictions of each ``predict`` fit with a table (``at_T``), written before the test's
+    runs from the fitted study alone (``fits.predictions_table``)."""
+    from timlab.experiments.study.fits import predictions_table
+
+    root = Path(root) if root is not None else Path(".")
+    out = []
+    for f in (f for f in study.fits if f.kind == "predict" and f.at_T):
+        other, lines, ocols = _fitted_study(f, root)
+        if ocols is None:
+            out += lines[:1]
+            continue
+        col, treated = _cells(other, ocols)
+        out += predictions_table(col, treated, f.endpoint, T=f.at_T, k3_at=f.at_k3, control=other.control, k3=f.k3,
+                                 length=f.length, rho=f.rho, min_cells=f.min_cells, min_groups=f.min_groups,
+                                 unbounded=f.unbounded)
+    return "\n".join(out)
+
+
+def _group_fits(study: Study, cols: dict, root: Path) -> list[str]:
     """The fits of a grouped study over its valid groups' treated (group, arm) cells (``fits``)."""
     from timlab.experiments.study.fits import length_section, threshold_section
 
-    col = {(g, a): v for g, c in cols.items() for a, v in c.items()}
-    treated = [(g, a) for g, c in cols.items() for a in c if a != study.control]
+    col, treated = _cells(study, cols)
     out = []
     for f in study.fits:
-        if f.kind == "length":
+        if f.kind == "predict":
+            out += _predict(study, f, cols, root)
+        elif f.kind == "length":
             out += length_section(col, treated, f.endpoint, f.name or study.label(f.endpoint), control=study.control,
                                   k3=f.k3, length=f.length, k3_ref=f.k3_ref, at=f.at, rho=f.rho, min_cells=f.min_cells,
                                   min_groups=f.min_groups, unbounded=f.unbounded, groups=study.groups)

@@ -17,6 +17,9 @@ log k3 + beta log T over the treated (group, arm) cells with a negative mean exc
 control's mean response length, by ``stats.least_squares`` (plain-float QR, the same bits on
 every CPU); rho = beta / alpha, with a seed-bootstrap interval, decides which dose T^rho * k3
 the cost follows. ``threshold``: a threshold law k3*(T) tested cell by cell against the falls.
+``predict``: another study's length fit, fitted three ways (free; one power of each dose), predicts
+this study's cells at groups that fit did not see (``prediction_section``), and the predictions
+written before the runs (``predictions_table``).
 """
 
 from __future__ import annotations
@@ -281,3 +284,121 @@ def threshold_section(col: dict, treated: list, tokens: dict, *, k3: str = "k3",
         out.append(f"| {g} | {tokens[g]:g} | {fmt(star)} | {a} | {fmt(k)} | {'yes' if above else 'no'} | "
                    f"{falls}/{n} | {'yes' if ok else 'no'} |")
     return out + ["", f"Cells that agree with the threshold fit: {agree} of {len(treated)}.", ""]
+
+
+# ------------------------------------------------------------------------------ out-of-sample prediction
+# ``predict`` (a grouped study that tests another study's length fit at groups it did not see): the
+# other study's treated cells are fitted three ways (the free fit, and one power of each dose
+# T^rho * k3), and each predicts this study's treated cells at their realized k3 and T.
+FREE = "the registered fit (alpha, beta free)"
+"""The free fit's name among the hypotheses (``predictors``)."""
+
+
+def _elementwise(fn, k, t):
+    """``fn(k, t)`` over broadcast arrays with the standard library's ``math`` (the same bits on every
+    CPU, unlike numpy's SIMD exp and log): a float for scalar inputs, else an array of their shape."""
+    kb, tb = np.broadcast_arrays(np.asarray(k, dtype=float), np.asarray(t, dtype=float))
+    out = np.array([fn(a, b) for a, b in zip(kb.ravel().tolist(), tb.ravel().tolist())]).reshape(kb.shape)
+    return float(out) if out.ndim == 0 else out
+
+
+def predictors(k3, T, ex, group, *, rho: tuple = (1.0, 2.0), min_cells: int = 4, min_groups: int = 2) -> dict:
+    """Each hypothesis fitted on the cells (``length_cells``' arrays), as a function (k3, T) ->
+    predicted loss, or None where it has no fit: ``FREE`` (``fit_length``) and each dose of ``rho``
+    (``fit_shape``, named by ``dose_name``)."""
+    limits = {"min_cells": min_cells, "min_groups": min_groups}
+    f = fit_length(k3, T, ex, group, **limits)
+    out = {FREE: None if f is None else (lambda k, t, f=f: _elementwise(
+        lambda kk, tt: math.exp(f[0] + f[1] * math.log(kk) + f[2] * math.log(tt)), k, t))}
+    for r in rho:
+        g = fit_shape(k3, T, ex, group, r, **limits)
+        out[dose_name(r)] = None if g is None else (lambda k, t, g=g, r=r: _elementwise(
+            lambda kk, tt: math.exp(g[0] + g[1] * math.log(tt ** r * kk)), k, t))
+    return out
+
+
+def predictions_table(col: dict, treated: list, key: str, *, T: float, k3_at: tuple, control: str = "control",
+                      k3: str = "k3", length: str = "length", rho: tuple = (1.0, 2.0), min_cells: int = 4,
+                      min_groups: int = 2, unbounded: float = 10.0, n: int = N_BOOT, seed: int = 0) -> list[str]:
+    """The predictions written before a test's runs: each hypothesis (``predictors``) fitted on the
+    treated cells, its loss at ``T`` and each k3 of ``k3_at``, with a 95% interval over ``n`` seed
+    resamples of the cells (as ``prediction_section`` draws them)."""
+    cells = dict(control=control, k3=k3, length=length)
+    limits = {"rho": rho, "min_cells": min_cells, "min_groups": min_groups}
+    full = length_cells(col, treated, key, **cells)
+    pred = predictors(*full, **limits)
+    rng = np.random.default_rng(seed)
+    reps = [predictors(*length_cells(col, treated, key, rng=rng, **cells), **limits) for _ in range(n)]
+    label = {FREE: "the registered fit, log loss = a + alpha log k3 + beta log T"}
+    for r in rho:
+        g = fit_shape(*full, r, min_cells=min_cells, min_groups=min_groups)
+        label[dose_name(r)] = f"one power of {dose_name(r)} (exponent {g[1]:.2f})" if g else \
+            f"one power of {dose_name(r)} (no fit)"
+    out = [f"| hypothesis fitted on the {len(treated)} cells | " + " | ".join(f"k3 {k:.1e}" for k in k3_at) + " |",
+           "|---|" + "---:|" * len(k3_at)]
+    for h, f in pred.items():
+        row = []
+        for k in k3_at:
+            v = np.array([r[h](k, T) for r in reps if r[h] is not None])
+            row.append("no fit" if f is None else
+                       f"{fmt_loss(float(f(k, T)), unbounded)} [{fmt_loss(float(np.percentile(v, 2.5)), unbounded)}, "
+                       f"{fmt_loss(float(np.percentile(v, 97.5)), unbounded)}]")
+        out.append(f"| {label[h]} | " + " | ".join(row) + " |")
+    return out
+
+
+def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, key: str, *, control: str = "control",
+                       k3: str = "k3", length: str = "length", rho: tuple = (1.0, 2.0), min_cells: int = 4,
+                       min_groups: int = 2, groups: str = "level", n: int = N_BOOT, seed: int = 0) -> list[str]:
+    """The out-of-sample test as lines of markdown: per treated test cell and hypothesis, the
+    measured loss of ``key`` minus the predicted one, D, with a 95% bootstrap interval over joint
+    resamples of both studies' seeds (an interval holding 0: consistent), then one verdict line
+    per cell: which dose holds out of sample, and whether the free fit's extrapolation holds."""
+    cells = dict(control=control, k3=k3, length=length)
+    limits = {"rho": rho, "min_cells": min_cells, "min_groups": min_groups}
+    ks, T, ex, _ = length_cells(col, treated, key, **cells)
+    pred = predictors(*length_cells(colf, fit_treated, key, **cells), **limits)
+    rng = np.random.default_rng(seed)
+    D, P = {h: [] for h in pred}, {h: [] for h in pred}
+    failed = dict.fromkeys(pred, 0)
+    for _ in range(n):
+        fr = predictors(*length_cells(colf, fit_treated, key, rng=rng, **cells), **limits)
+        kt, Tt, et, _ = length_cells(col, treated, key, rng=rng, **cells)
+        for h, f in fr.items():
+            if f is None:
+                failed[h] += 1
+            else:
+                P[h].append(f(kt, Tt))
+                D[h].append(-et - P[h][-1])
+    out = ["**The out-of-sample test** (accuracy-level loss over steps 50-150 predicted from the fit's cells at "
+           "each test cell's realized k3 and T; D = measured loss - predicted, 95% bootstrap over joint resamples of "
+           "both studies' seeds; D's interval holding 0 = consistent)", "",
+           f"| {groups} | arm | realized k3 | T | measured loss [95% bootstrap] | hypothesis | predicted loss [95% bootstrap] | "
+           "D [95% bootstrap] | verdict |", "|---:|---|---:|---:|---:|---|---:|---:|---|"]
+    verdicts: dict[tuple, dict[str, str]] = {}
+    for i, (g, a) in enumerate(treated):
+        lo_m, hi_m = (-x for x in reversed(bootstrap_diff_ci(col[g, a][key], col[g, control][key])))
+        for h, f in pred.items():
+            if f is None or len(D[h]) < n / 2:
+                verdicts.setdefault((g, a), {})[h] = "no fit"
+                out.append(f"| {g} | {a} | {fmt(ks[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
+                           f"no fit ({failed[h]} of {n} resamples failed) | - | no fit |")
+                continue
+            d = np.array(D[h])[:, i]
+            dlo, dhi = (float(np.percentile(d, q)) for q in (2.5, 97.5))
+            p_pt = float(f(ks[i], T[i]))
+            plo, phi = (float(np.percentile(np.array(P[h])[:, i], q)) for q in (2.5, 97.5))
+            v = ("consistent" if dlo <= 0 <= dhi else
+                 "under-predicts (the cost is larger)" if dlo > 0 else "over-predicts (the cost is smaller)")
+            verdicts.setdefault((g, a), {})[h] = v
+            out.append(f"| {g} | {a} | {fmt(ks[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
+                       f"{fmt(p_pt)} [{fmt(plo)}, {fmt(phi)}] | {-ex[i] - p_pt:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {v} |")
+    out.append("")
+    for (g, a), v in verdicts.items():
+        held = [dose_name(r) for r in rho if v[dose_name(r)] == "consistent"]
+        shape = (f"**{held[0]}** holds out of sample" if len(held) == 1 else "**neither** shape predicts it" if not held
+                 else f"**does not discriminate** ({'both' if len(held) == 2 else 'all'} consistent)")
+        free = v[FREE]
+        out.append(f"{groups.capitalize()} {g}, {a}: {shape}; the registered fit's extrapolation: "
+                   f"{'**holds**' if free == 'consistent' else f'**{free}**'}.")
+    return out + [""]

@@ -43,8 +43,8 @@ FREEZE_FILE = "study.json"
 CORRECTIONS = ("holm", "none")
 TESTS = ("below", "above")
 SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range", "scaled")
-FITS = ("power_law", "place", "length", "threshold")
-GROUPED_FITS = ("length", "threshold")
+FITS = ("power_law", "place", "length", "threshold", "predict")
+GROUPED_FITS = ("length", "threshold", "predict")
 """Fits over the (group, arm) cells of a grouped study (``groups``); the others need an ungrouped one."""
 DERIVED = ("difference",)
 """Statistics of an endpoint computed from two earlier endpoints of the same run (``of``)."""
@@ -263,6 +263,10 @@ class Fit:
     """``threshold``: see ``k3_star``."""
     note: str = ""
     """``threshold``: text after the bold ``title`` (e.g. the law written out)."""
+    at_T: float = 0.0
+    """``predict``: the T of the predictions table written before the test's runs (0: no table)."""
+    at_k3: tuple[float, ...] = ()
+    """``predict``: the k3 values of that table's columns."""
 
 
 @dataclass(frozen=True)
@@ -604,7 +608,8 @@ def _grouped_fit(f: dict, kind: str, names: list[str], where: str) -> dict:
             raise StudyError(f"{where}: {key}: expected a non-empty list of numbers, got {v!r}")
         return tuple(_number(x, f"{where}: {key}") for x in v)
 
-    out = {"length": _names(f.get("length", "length"), names, f"{where}: length")[0] if kind == "length" else "length",
+    out = {"length": _names(f.get("length", "length"), names, f"{where}: length")[0] if kind in ("length", "predict")
+           else "length",
            "at": tuple(int(x) if float(x).is_integer() else x for x in numbers("at", (1000, 2000, 4000, 8000))),
            "rho": numbers("rho", (1.0, 2.0)), "min_cells": count("min_cells", 4), "min_groups": count("min_groups", 2),
            "unbounded": _number(f.get("unbounded", 10.0), f"{where}: unbounded"),
@@ -612,6 +617,9 @@ def _grouped_fit(f: dict, kind: str, names: list[str], where: str) -> dict:
            "t_star": _number(f.get("t_star", 465.0), f"{where}: t_star"),
            "exponent": _number(f.get("exponent", -1.85), f"{where}: exponent", positive=False),
            "note": str(f.get("note", ""))}
+    if kind == "predict" and "at_T" in f:
+        out["at_T"] = _number(f["at_T"], f"{where}: at_T")
+        out["at_k3"] = numbers("at_k3", ())
     if kind == "threshold":
         t = f.get("tokens")
         if not isinstance(t, dict) or not t:
@@ -728,7 +736,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         where = f"{w}: fits[{i}]"
         f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label", "study", "title",
                       "length", "at", "rho", "min_cells", "min_groups", "unbounded", "tokens", "k3_star", "t_star",
-                      "exponent", "note"), ("kind", "endpoint"), where)
+                      "exponent", "note", "at_T", "at_k3"), ("kind", "endpoint"), where)
         kind = _choice(f["kind"], FITS, f"{where}: kind")
         if (kind in GROUPED_FITS) != bool(d.get("groups")):
             raise StudyError(f"{where}: kind {kind} " + ("needs groups: (a grouped study)" if kind in GROUPED_FITS
@@ -745,13 +753,18 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{where}: name: one per endpoint ({len(eps)}), got {len(labels)}")
         k3 = _names(f.get("k3", "k3"), names, f"{where}: k3")[0]
         other = ""
-        if kind == "place":
+        if kind in ("place", "predict"):
             if not f.get("study"):
-                raise StudyError(f"{where}: kind place needs study: the file of the study whose law it places arms against")
+                raise StudyError(f"{where}: kind {kind} needs study: the file of the study whose "
+                                 + ("law it places arms against" if kind == "place" else "length fit it tests"))
             other = str(Path(root) / f["study"])
             o = load_study(other)
-            if o.groups:
-                raise StudyError(f"{where}: study: {other} is a grouped study; place needs one control and one law")
+            if bool(o.groups) != (kind == "predict"):
+                raise StudyError(f"{where}: study: {other} is {'an ungrouped' if kind == 'predict' else 'a grouped'} "
+                                 f"study; {kind} needs {'a grouped' if kind == 'predict' else 'an ungrouped'} one")
+            if kind == "predict":
+                _names([f.get("length", "length")], [x.name for x in o.endpoints], f"{where}: length (an endpoint of "
+                                                                                   f"{other} too)")
             for key, e in [("endpoint", e) for e in eps] + [("k3", k3)]:
                 _choice(e, tuple(x.name for x in o.endpoints), f"{where}: {key} (an endpoint of {other} too)")
         fits.append(Fit(kind, ep, str(f.get("arms", "")), k3, _number(f.get("loss", 0.1), f"{where}: loss"),
