@@ -8,6 +8,7 @@ status.json; the sweep's index.parquet)."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +18,18 @@ import yaml
 
 from script_loader import REPO, load_script
 from study_sweep import write_sweep
-from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, predictions, study_from_dict
+from timlab.experiments.study import (StudyError, analyze, figure, freeze, load_study, planned_runs, predictions,
+                                     study_from_dict)
 from timlab.experiments.study.fits import fit_length, threshold_k3, threshold_section
 from timlab.experiments.sweep import load_spec
 
 E3 = load_script("e3_tables")
-E3_STUDY = load_study(REPO / "docs" / "examples" / "studies" / "e3.yaml")
-E3B_STUDY = load_study(REPO / "docs" / "examples" / "studies" / "e3b.yaml")
+STUDIES = REPO / "docs" / "examples" / "studies"
+E3_STUDY = load_study(STUDIES / "e3.yaml")
+E3B_STUDY = load_study(STUDIES / "e3b.yaml")
 SPEC = REPO / "docs" / "examples" / "e3.yaml"
 WANT = [c.name for c in load_spec(SPEC).conditions]
-STEPS, EVERY = E3.STUDY["steps"], 25
+STEPS, EVERY = E3_STUDY.steps, 25
 LENGTH = {0: 23.0, 1: 62.0, 2: 150.0, 3: 300.0}
 """Planted mean sampled response length per level (the fit's T)."""
 K3 = {"fp8": 3e-4, "stale_1": 6e-4, "head_0.175": 1e-3, "head_0.49": 1e-2}
@@ -72,7 +75,7 @@ RUN_IDS = {p.name: p.run_id for s in (E3_STUDY, E3B_STUDY) for p in planned_runs
 def _sweep(root, names=WANT, *, states: dict | None = None, metrics=_metrics):
     """A sweep directory holding the runs ``names`` (finished at step 150 unless ``states`` says
     otherwise: name -> (state, last step))."""
-    return write_sweep(root, names, lambda name: metrics(*E3.cell(name), int(name.rsplit("_s", 1)[1])), STEPS,
+    return write_sweep(root, names, lambda name: metrics(*cell(name), int(name.rsplit("_s", 1)[1])), STEPS,
                        states=states, run_ids=RUN_IDS)
 
 
@@ -96,11 +99,20 @@ def _row(text: str, section: str, level: int, arm: str) -> str:
     return next(line for line in part.splitlines() if line.startswith(f"| {level} | {arm} |"))
 
 
+def cell(condition: str) -> tuple[int, str]:
+    """``v2_head_0.49_s3`` -> (2, 'head_0.49'): the (level, arm) of a condition, as the study files'
+    ``arm_pattern`` reads it."""
+    m = re.fullmatch(E3_STUDY.arm_pattern, condition)
+    if m is None:
+        raise ValueError(f"condition {condition!r}: expected v<level>_<arm>_s<seed>")
+    return int(m["group"]), m["arm"]
+
+
 def test_the_spec_is_the_registered_design():
-    assert len(WANT) == 75 and {E3.cell(c) for c in WANT} == {(lv, a) for lv in range(3) for a in ("control", *K3)}
-    assert E3.cell("v2_head_0.49_s3") == (2, "head_0.49")
+    assert len(WANT) == 75 and {cell(c) for c in WANT} == {(lv, a) for lv in range(3) for a in ("control", *K3)}
+    assert cell("v2_head_0.49_s3") == (2, "head_0.49")
     with pytest.raises(ValueError, match="v<level>_<arm>_s<seed>"):
-        E3.cell("control_s0")
+        cell("control_s0")
 
 
 def test_threshold_fit_values_as_registered():
@@ -204,39 +216,39 @@ def test_a_guard_trip_voids_the_study_and_a_differing_start_voids_its_level(tmp_
 
 
 def test_figure_of_a_complete_sweep_and_refusal_of_an_incomplete_one(sweep, tmp_path):
-    out = E3.figure(str(sweep), tmp_path / "e3.png", spec=SPEC)
+    out = figure(E3_STUDY, tmp_path / "e3.png", sweep)  # the length fit's cells against k3, T * k3, T^2 * k3
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     part = _sweep(tmp_path / "part", WANT[:3])
-    with pytest.raises(SystemExit, match="INCOMPLETE: 3 of 75"):
-        E3.figure(str(part), tmp_path / "no.png", spec=SPEC)
+    with pytest.raises(StudyError, match="no figure: INCOMPLETE: 3 of 75"):
+        figure(E3_STUDY, tmp_path / "no.png", part)
+    d = yaml.safe_load((STUDIES / "e3.yaml").read_text())
+    d["fits"] = d["fits"][2:]  # the threshold test alone: no length fit to plot
+    with pytest.raises(StudyError, match="a grouped study's figure plots its length fit, and it has none"):
+        figure(study_from_dict(d, root=STUDIES, source="e3.yaml"), tmp_path / "no.png", sweep)
 
 
 def test_e3b_spec_is_analysed_by_the_same_code(tmp_path):
     spec = REPO / "docs" / "examples" / "e3b.yaml"
     want = [c.name for c in load_spec(spec).conditions]
-    assert len(want) == 96 and {E3.cell(c) for c in want} == {
+    assert len(want) == 96 and {cell(c) for c in want} == {
         (lv, a) for lv in range(3) for a in ("control", "head_0.52", "head_0.72", "head_0.95")}
     assert [int(c.rsplit("_s", 1)[1]) for c in want[:12]] == [0] * 12  # seed by seed
     assert _study(tmp_path / "not_started", E3B_STUDY).startswith("INCOMPLETE: 0 of 96 runs finished at step 150")
 
 
-def test_study_check_names_the_levels_and_a_grouped_study_has_no_engine_figure(tmp_path, capsys):
+def test_study_check_names_the_levels(tmp_path, capsys):
     from timlab import cli
-    from timlab.experiments.study import StudyError, figure
 
     path = REPO / "docs" / "examples" / "studies" / "e3b.yaml"
     assert cli.main(["study", "check", str(path), "--out", str(tmp_path / "none")]) == 0
     text = capsys.readouterr().out
     assert "sweep: 96 runs, 150 steps each; arms: control (24), head_0.52 (24), head_0.72 (24), head_0.95 (24)" in text
     assert "  levels: 0, 1, 2 (each with its own control, validity check and Holm families)" in text
-    with pytest.raises(StudyError, match="a grouped study \\(groups: level\\) has none yet"):
-        figure(E3B_STUDY, tmp_path / "x.png", tmp_path / "none")
 
 
 E3B_SPEC, E3C_SPEC = REPO / "docs" / "examples" / "e3b.yaml", REPO / "docs" / "examples" / "e3c.yaml"
 E3B_WANT = [c.name for c in load_spec(E3B_SPEC).conditions]
 E3C_WANT = [c.name for c in load_spec(E3C_SPEC).conditions]
-STUDIES = REPO / "docs" / "examples" / "studies"
 E3C_STUDY = load_study(STUDIES / "e3c.yaml")
 RUN_IDS.update({p.name: p.run_id for p in planned_runs(E3C_STUDY)})
 
@@ -266,7 +278,7 @@ def _decision(text: str) -> str:
 
 
 def test_e3c_spec_is_level_3_at_e3bs_middle_dose():
-    assert len(E3C_WANT) == 16 and {E3.cell(c) for c in E3C_WANT} == {(3, "control"), (3, "head_0.72")}
+    assert len(E3C_WANT) == 16 and {cell(c) for c in E3C_WANT} == {(3, "control"), (3, "head_0.72")}
     assert [int(c.rsplit("_s", 1)[1]) for c in E3C_WANT] == [s for s in range(8) for _ in range(2)]
     fit = next(f for f in E3C_STUDY.fits if f.kind == "predict")  # the registered predictions' table
     assert (fit.at_T, fit.at_k3, fit.rho, Path(fit.study).name) == (300.0, (1e-3, 1.3e-3, 1.6e-3), (1.0, 2.0), "e3b.yaml")
@@ -348,6 +360,6 @@ E3D_WANT = [c.name for c in load_spec(E3D_SPEC).conditions]
 
 
 def test_e3d_spec_extends_e3bs_level_1_largest_dose():
-    assert len(E3D_WANT) == 16 and {E3.cell(c) for c in E3D_WANT} == {(1, "control"), (1, "head_0.95")}
+    assert len(E3D_WANT) == 16 and {cell(c) for c in E3D_WANT} == {(1, "control"), (1, "head_0.95")}
     assert set(E3D_WANT) <= set(E3B_WANT)  # the same names as E3b's runs, for the repeat check
     assert [int(c.rsplit("_s", 1)[1]) for c in E3D_WANT] == [s for s in range(8) for _ in range(2)]

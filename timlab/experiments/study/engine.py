@@ -627,7 +627,7 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
     from timlab.experiments.stats import bootstrap_diff_ci
 
     if study.groups:
-        raise StudyError(f"{study.source}: no figure: a grouped study (groups: {study.groups}) has none yet")
+        return _group_figure(study, path, out)
     res = analyze(study, out)
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
@@ -656,6 +656,57 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
         ax.set_title(f"{study.label(key)}\n" + (f"{fam.rule} (red: holds)" if fam.rule else "descriptive"), fontsize=9)
         ax.set_ylabel(f"arm minus {fam.against}, 95% bootstrap")
     fig.suptitle(f"{study.name}: each arm against {study.control}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _group_figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
+    """A grouped study's figure, from its first ``length`` fit: each treated (group, arm) cell's
+    excess of the fitted endpoint over its group's control, with its 95% bootstrap interval,
+    against the realized k3 and each dose T^rho * k3 (T: the group control's mean ``length``);
+    under the dose that holds, the groups fall on one curve. Only for a complete, valid study."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
+
+    from timlab.experiments.stats import bootstrap_diff_ci
+    from timlab.experiments.study.fits import dose_name
+
+    fit = next((f for f in study.fits if f.kind == "length"), None)
+    if fit is None:
+        raise StudyError(f"{study.source}: no figure: a grouped study's figure plots its length fit, and it has none "
+                         f"(fits: kind length)")
+    res = analyze(study, out)
+    if res.status != "complete":
+        raise StudyError(f"{study.source}: no figure: {res.text}")
+    d = sweep_dir(study, out)
+    planned = planned_runs(study)
+    states = _states(d) or {}
+    cols = {g: _columns(study, per) for g, per in _records(study, d, planned, states).items()
+            if _validity(study, per, g)[0]}
+    arms = list(dict.fromkeys(a for c in cols.values() for a in c if a != study.control))
+    marks, key, ctrl = "osD^v", fit.endpoint, study.control
+    fig = Figure(figsize=(4.7 * (1 + len(fit.rho)), 4))
+    axes = [fig.add_subplot(1, 1 + len(fit.rho), i + 1) for i in range(1 + len(fit.rho))]
+    for i, (g, col) in enumerate(cols.items()):
+        T = float(col[ctrl][fit.length].mean())
+        for j, a in enumerate(x for x in arms if x in col):
+            ex = float(col[a][key].mean() - col[ctrl][key].mean())
+            lo, hi = bootstrap_diff_ci(col[a][key], col[ctrl][key])
+            k = float(col[a][fit.k3].mean())
+            for ax, x in zip(axes, (k, *(T ** r * k for r in fit.rho))):
+                ax.errorbar([x], [ex], yerr=[[ex - lo], [hi - ex]], fmt=marks[j % 5], color=f"C{i}", ms=5, capsize=2,
+                            label=f"{study.groups} {g} (T {T:.0f})" if j == 0 else None)
+    for ax, xl in zip(axes, ("realized k3", *(dose_name(r) for r in fit.rho))):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap within a decade
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set(xlabel=xl, ylabel=f"{study.label(key)}\nminus the {study.groups}'s {ctrl}")
+    axes[0].legend(fontsize=7, loc="lower left")
+    axes[1].set_title("markers: " + ", ".join(f"{marks[j % 5]} {a}" for j, a in enumerate(arms)), fontsize=8)
+    fig.suptitle(f"{study.name}: cost of each ({study.groups}, arm) cell, mean over seeds with 95% bootstrap interval",
+                 fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
