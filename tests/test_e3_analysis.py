@@ -341,6 +341,10 @@ def test_out_of_sample_refuses_incomplete_sweeps_and_a_seen_level(fit_linear, tm
     text = _e3c(tmp_path / "b", fit_part)
     assert "The fit's study e3b is not complete (90 of 96 runs finished at step 150): no prediction is tested" in text
     assert "**The out-of-sample test**" not in text and "| 3 | head_0.72 |" in text  # the test level's own tables stand
+    fit_void = _sweep(tmp_path / "fit_void" / "e3b", E3B_WANT, states={"v1_control_s4": ("guard_failed", 30)},
+                      metrics=lambda lv, a, s: _metrics(lv, a, s, rho=1.0, k3s=K3_B))
+    text = _e3c(tmp_path / "v", fit_void)
+    assert "The fit's study e3b is void: the zero-mismatch guard stopped v1_control_s4; no prediction is tested." in text
     d = yaml.safe_load((STUDIES / "e3b.yaml").read_text())  # E3b "predicting" its own levels
     d["fits"] = [dict(E3C_FIT, study="e3b.yaml")]
     d["frozen"] = study_from_dict({k: v for k, v in d.items() if k != "frozen"}, root=STUDIES).hash

@@ -394,12 +394,16 @@ def _cells(study: Study, cols: dict) -> tuple[dict, list]:
 
 def _fitted_study(f, root: Path) -> tuple[Study, list[str], dict | None]:
     """The grouped study a ``predict`` fit names: (it, its validity lines or the one line saying it
-    is not complete, its valid groups' columns or None when it is not complete)."""
+    is void or not complete, its valid groups' columns or None when it is void or not complete)."""
     from timlab.experiments.study.registration import load_study
 
     other = load_study(f.study)
     planned = planned_runs(other)
     states = _states(root / sweep_dir(other)) or {}
+    tripped = sorted(p.name for p in planned if p.arm == other.control and states.get(p.run_id, ("",))[0] == GUARD_FAILED)
+    if tripped:
+        return other, [f"The fit's study {other.name} is void: the zero-mismatch guard stopped {', '.join(tripped)}; "
+                       f"no prediction is tested.", ""], None
     done = [p for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
             or states.get(p.run_id, ("", 0)) == (FINISHED, other.steps)]
     if len(done) < len(planned):
