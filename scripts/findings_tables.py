@@ -35,7 +35,7 @@ from timlab.experiments.collapse import condition_table, judge, run_summary  # n
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import clopper_pearson, holm, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.sweep import read_index  # noqa: E402
-from timlab.experiments.study import analyze, load_study  # noqa: E402
+from timlab.experiments.study import analyze, load_study, predictions  # noqa: E402
 from timlab.experiments.study.text import splice_block  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
@@ -457,10 +457,8 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "e2-study": lambda R: e2_tables.study(str(SWEEPS / "e2")),
           "e3-starts": lambda R: e3_tables.starts(str(SWEEPS / "e3_starts")),
           "e3-followup": lambda R: e3_tables.followup(str(SWEEPS / "e3_starts_rl")),
-          "e3-study": lambda R: e3_tables.study(str(SWEEPS / "e3")),
           "e3b-probe": lambda R: erosion_tables.probe(str(SWEEPS / "e3b_probe")),
-          "e3b-study": lambda R: e3_tables.study(str(SWEEPS / "e3b"), spec=e3_tables.ROOT / "docs" / "examples" / "e3b.yaml"),
-          "e3c-predictions": lambda R: e3_tables.predictions(SWEEPS / "e3b"),
+          "e3c-predictions": lambda R: predictions(load_study(STUDIES / "e3c.yaml"), root=ROOT),
           "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),

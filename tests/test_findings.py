@@ -117,6 +117,11 @@ def test_small_fits_are_plain_python_and_match_numpy():
 
 
 def test_e3_extrapolations_print_unbounded_not_digits():
-    mod = load_script("e3_tables")
-    assert mod.fmt_loss(40605.674) == "unbounded" and mod.fmt_loss(mod.UNBOUNDED * 1.01) == "unbounded"
-    assert mod.fmt_loss(2.064) == "2.064" and mod.fmt_loss(2.6e-3) == "2.6e-03"
+    from timlab.experiments.study import load_study
+    from timlab.experiments.study.fits import fmt_loss
+
+    studies = REPO / "docs" / "examples" / "studies"
+    bound = load_study(studies / "e3.yaml").fits[0].unbounded
+    assert bound == 10.0 == load_study(studies / "e3c.yaml").fits[0].unbounded  # E3c's predictions print the same way
+    assert fmt_loss(40605.674, bound) == "unbounded" and fmt_loss(bound * 1.01, bound) == "unbounded"
+    assert fmt_loss(2.064, bound) == "2.064" and fmt_loss(2.6e-3, bound) == "2.6e-03"

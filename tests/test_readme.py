@@ -85,6 +85,8 @@ PLAN = (
     Step(r"timlab study analyze docs/examples/study_quickstart\.yaml", skip="needs the quickstart's runs (study run)"),
     Step(r"timlab study analyze docs/examples/studies/erosion\.yaml",
          skip="~15 s over sweeps/erosion; tests/test_findings.py recomputes the same block (erosion-study)"),
+    Step(r"timlab study analyze docs/examples/studies/e3b\.yaml",
+         skip="~3 s over sweeps/e3b; tests/test_findings.py recomputes the same block (e3b-study)"),
     Step(r"timlab export runs/r1 --step 100 --out models/learned", replace=(("--step 100", "--step 4"),)),
     Step(r"timlab gradcheck --run-dir runs/r1 --step 100", replace=(("--step 100", "--step 4"),), add=("--quiet",)),
 )

@@ -368,6 +368,11 @@ def test_repeats_name_the_runs_that_differ(tmp_path):
      "families[0]: headers: 2 given, the table has 5 columns"),
     ({"arm_pattern": "(.+)_s\\d+"}, "arm_pattern: needs a group named arm"),
     ({"repeats": {"sweep": "x", "last_step": 101}}, "repeats: last_step must be an integer from 0 to steps (100)"),
+    ({"groups": "level"}, "groups: set, but arm_pattern has no group named group"),
+    ({"arm_pattern": "(?P<group>[a-z]+)_(?P<arm>.+)_s\\d+"}, "groups: unset, but arm_pattern has a group named group"),
+    ({"fits": [{"kind": "length", "endpoint": "acc"}]}, "fits[0]: kind length needs groups: (a grouped study)"),
+    ({"tables": [{"title": "t", "columns": [{"header": "h", "show": "scaled", "endpoint": "k3"}]}]},
+     "tables[0]: columns[0]: show scaled needs by:"),
 ])
 def test_bad_feature_registrations_are_one_line_errors(tmp_path, change, message):
     with pytest.raises(StudyError) as e:
@@ -617,3 +622,68 @@ def test_bad_comparison_registrations_are_one_line_errors(tmp_path, change, mess
     with pytest.raises(StudyError) as e:
         study_from_dict(registration(**change), root=tmp_path, source="s.yaml")
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- grouped studies
+GROUPED = {"arm_pattern": "g(?P<group>\\d)_(?P<arm>.+)_s\\d+", "groups": "group",
+           "validity": {"control_exact": True, "same_start": True, "start_bar": 0.8, "title": "Validity, group {group}",
+                        "runs": "its runs"}}
+
+
+def grouped(**over) -> dict:
+    """``registration``'s arms in two groups, g0 and g1 (conditions g<group>_<arm>_s<seed>)."""
+    d = registration(**GROUPED, **over)
+    d["sweep"]["conditions"] = [dict(c, name=f"g{g}_{c['name']}") for g in (0, 1) for c in d["sweep"]["conditions"]]
+    return d
+
+
+def grouped_metrics(start1: float = 0.9):
+    """``metrics`` per run, group 1's shifts doubled and its k3 x 10; its runs' step-0 accuracy ``start1``."""
+    def of(name: str) -> pd.DataFrame:
+        g, rest = name[1], name[3:]
+        m = metrics(rest)
+        if g == "1":
+            arm = rest.rsplit("_s", 1)[0]
+            late = m["step"] >= 10
+            m.loc[late, "val/accuracy"] += ARMS[arm]  # twice the shift
+            m["rollout_corr/k3_kl"] *= 10
+            m.loc[m["step"] == 0, "val/accuracy"] = start1
+        return m
+    return of
+
+
+def test_a_grouped_study_compares_within_groups_and_leaves_a_void_group_out(tmp_path):
+    over = {"tables": [{"title": "Dose", "columns": [
+        {"header": "k3", "show": "mean", "endpoint": "k3"},
+        {"header": "k3 x final^2", "show": "scaled", "endpoint": "k3", "by": "final", "power": 2}],
+        "after": "T is the group's control final accuracy."}]}
+    study = study_from_dict(grouped(**over), root=tmp_path, source="grouped.yaml")
+    ids = {p.name: p.run_id for p in planned_runs(study)}
+    assert {(p.group, p.arm) for p in planned_runs(study)} == {(g, a) for g in "01" for a in ARMS}
+    freeze(study, tmp_path / "a")
+    write_sweep(tmp_path / "a", list(ids), grouped_metrics(), STEPS, run_ids=ids)
+    res = analyze(study, tmp_path / "a")
+    text = res.text
+    assert text.startswith("Validity, group 0: control guard") and "Validity, group 1: control guard" in text
+    # one table per endpoint, each group's rows under one header, Holm over the group's 2 arms
+    assert "| group | arm | realized k3 | mean [95% t] [95% bootstrap] |" in text
+    assert "| 0 | head | 0.100 | +0.8003 [+0.7990, +0.8016] [+0.7995, +0.8011] | -0.1001 [-0.1013, -0.0990] | 0.0079 | " \
+           "0.0159 | **yes** |" in text
+    assert "| 1 | head | 1.000 | +0.7003 [+0.6990, +0.7016] [+0.6995, +0.7011] | -0.2001 [-0.2013, -0.1990] | 0.0079 | " \
+           "0.0159 | **yes** |" in text  # each group's control is its own reference
+    assert text.count("| control | 0 | +0.9004 [") == 2
+    assert res.verdicts["cost", "acc", ("0", "head")] is True and res.verdicts["cost", "acc", ("1", "tiny")] is False
+    # the scaled column: k3 x (the group's control final accuracy, 0.9 + noise)^2: 0.1 x 0.9^2 = 0.081 in group 0
+    assert "| 0 | head | 0.100 | 0.081 |" in text and "| 1 | head | 1.000 | 0.811 |" in text
+    assert text.endswith("| 1 | tiny | 1.0e-03 | 8.1e-04 |\n\nT is the group's control final accuracy.")
+    # group 1's runs start below the others': only group 1 is void, left out of every table
+    study_b = study_from_dict(grouped(**over), root=tmp_path, source="grouped.yaml")
+    freeze(study_b, tmp_path / "b")
+    write_sweep(tmp_path / "b", list(ids), grouped_metrics(start1=0.5), STEPS, run_ids=ids)
+    b = analyze(study_b, tmp_path / "b").text
+    assert "Validity, group 0: control guard (k3 exactly 0, every token bitwise equal, every step) held; step-0 " \
+           "evaluation the same in all its runs (accuracy 0.900, gold log-prob -0.300): VALID." in b
+    assert "Validity, group 1: control guard (k3 exactly 0, every token bitwise equal, every step) held; step-0 " \
+           "evaluation the same in all its runs (accuracy 0.500, gold log-prob -0.300), below the bar 0.8: VOID (left out " \
+           "of every table and fit)." in b
+    assert "| 0 | head |" in b and "| 1 |" not in b

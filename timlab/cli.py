@@ -573,6 +573,9 @@ def cmd_study(args: argparse.Namespace) -> int:
         print(f"study {st.name} ({args.file}): valid registration")
         print(f"  registration hash: {st.hash}")
         print(f"  sweep: {len(runs)} runs, {st.steps} steps each; arms: " + ", ".join(f"{a} ({n})" for a, n in arms.items()))
+        if st.groups:
+            groups = list(dict.fromkeys(r.group for r in runs))
+            print(f"  {st.groups}s: {', '.join(groups)} (each with its own {st.control}, validity check and Holm families)")
         print(f"  endpoints: {', '.join(e.name for e in st.endpoints)}")
         for f in st.families:
             what = (", ".join(f"{a} vs {b}" for a, b, _ in f.comparisons) if f.comparisons else

@@ -8,13 +8,15 @@ scripts/findings_tables.py for the FINDINGS blocks of the studies written as stu
   the registration hash, the freeze at the first run and its amendments;
 - ``engine``: the analysis (refusal of an incomplete sweep, validity, endpoints, comparison
   families, verdicts, tables, fits) rendered as a FINDINGS block; a figure;
-- ``endpoints``: per-run statistics over step windows; ``fits``: the dose law;
+- ``endpoints``: per-run statistics over step windows; ``fits``: the dose law, the length fit
+  and the threshold test;
 - ``sweep_runs``: reading a study's runs from a sweep directory; ``text``: the cell formats.
 """
 
-from timlab.experiments.study.engine import PlannedRun, StudyResult, analyze, figure, missing_runs, planned_runs
+from timlab.experiments.study.engine import (PlannedRun, StudyResult, analyze, figure, missing_runs, planned_runs,
+                                             predictions)
 from timlab.experiments.study.registration import (Study, StudyError, check_freeze, freeze, load_study,
                                                    registration_hash, study_from_dict)
 
 __all__ = ["Study", "StudyError", "StudyResult", "PlannedRun", "analyze", "figure", "missing_runs", "planned_runs",
-           "load_study", "study_from_dict", "registration_hash", "check_freeze", "freeze"]
+           "predictions", "load_study", "study_from_dict", "registration_hash", "check_freeze", "freeze"]

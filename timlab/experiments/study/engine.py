@@ -25,6 +25,12 @@ steps, bit for bit but for timings) is reported under the validity line; it does
 Arms are the sweep's conditions without a trailing ``_s<seed>`` (one condition per seed), or the
 conditions themselves when seeds come from a ``run.seed`` grid, or the group ``arm`` of the
 study's ``arm_pattern``; arms keep the spec's order.
+
+A grouped study (``Study.groups``; the group ``group`` of ``arm_pattern``, e.g. a verbosity level)
+runs steps 4-6 per group: each group has its own control and validity line (a void group is left
+out, the others analysed), each family compares a group's arms with that group's reference (Holm
+within the group), the tables list each group's rows in turn, and its fits (``length``,
+``threshold``) take the (group, arm) cells of the valid groups.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class PlannedRun:
     """How lines name it: the spec's condition, with ``_s<seed>`` when seeds come from the grid."""
     arm: str
     """The arm it belongs to."""
+    group: str = ""
+    """Its group in a grouped study (``Study.groups``); empty otherwise."""
 
 
 @dataclass
@@ -88,6 +96,12 @@ def arm_of(study: Study, condition: str) -> str:
     return m.group("arm")
 
 
+def group_of(study: Study, condition: str) -> str:
+    """The group a sweep condition belongs to in a grouped study (the group ``group`` of its
+    ``arm_pattern``); empty in an ungrouped one."""
+    return re.fullmatch(study.arm_pattern, condition).group("group") if study.groups else ""
+
+
 def planned_runs(study: Study) -> list[PlannedRun]:
     """The runs the study's sweep spec expands to, in spec order (every config resolved); the
     control and every arm a family names must be arms of the sweep."""
@@ -96,12 +110,16 @@ def planned_runs(study: Study) -> list[PlannedRun]:
     spec = spec_from_dict(study.sweep, root=study.sweep_root, source=study.sweep_source)
     seeded = SEED in spec.grid
     planned = [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
-                          arm_of(study, r.spec_condition)) for r in expand(spec)]
+                          arm_of(study, r.spec_condition), group_of(study, r.spec_condition)) for r in expand(spec)]
     arms = list(dict.fromkeys(p.arm for p in planned))
     for where, a in [("control", study.control)] + [(f"families: {f.name}", a) for f in study.families
                                                      for a in (f.against, *f.arms)]:
         if a not in arms:
             raise StudyError(f"{study.source}: {where}: {a!r} is not an arm of the sweep; arms: {', '.join(arms)}")
+    for g in dict.fromkeys(p.group for p in planned if study.groups):
+        if not any(p.group == g and p.arm == study.control for p in planned):
+            raise StudyError(f"{study.source}: control: {study.groups} {g} has no {study.control!r} runs (each group "
+                             f"needs its own control)")
     return planned
 
 
@@ -139,7 +157,9 @@ def run_record(study: Study, m: pd.DataFrame, *, diverged: bool) -> dict:
     return rec
 
 
-def _validity(study: Study, per: dict[str, list[dict]]) -> tuple[bool, str]:
+def _validity(study: Study, per: dict[str, list[dict]], group: str = "") -> tuple[bool, str]:
+    """The registered checks over one group's runs (``per``: {arm: records}); in a grouped study a
+    void group is left out, in an ungrouped one the study is void."""
     v, ctrl = study.validity, per[study.control]
     parts, ok = [], True
     if v.control_exact:
@@ -159,7 +179,9 @@ def _validity(study: Study, per: dict[str, list[dict]]) -> tuple[bool, str]:
         parts.append(f"step-0 evaluation the same in all {v.runs or f'{n} runs'} (accuracy {s0[1]:.3f}, gold log-prob "
                      f"{s0[2]:.3f})" + ("" if learned else f", below the bar {v.start_bar:g}") if len(starts) == 1 else
                      f"step-0 evaluation DIFFERS between {v.runs or 'runs'} ({len(starts)} distinct)")
-    return ok, f"{v.title}: {'; '.join(parts) or 'no check registered'}: {'VALID' if ok else 'VOID (re-run, do not analyse)'}."
+    void = "VOID (left out of every table and fit)" if study.groups else "VOID (re-run, do not analyse)"
+    return ok, (f"{v.title.replace('{group}', group)}: {'; '.join(parts) or 'no check registered'}: "
+                f"{'VALID' if ok else void}.")
 
 
 def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> list[str]:
@@ -237,10 +259,17 @@ def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, 
     return verdict
 
 
-def _family(study: Study, fam, col: dict, arms: list[str], verdicts: dict, cmps: dict) -> list[str]:
-    """One family's table(s); ``verdicts`` and ``cmps`` ({(family, endpoint, name): Comparison}) are filled."""
+def _key(group: str, name: str):
+    """A comparison's key in ``StudyResult.verdicts``: its name, or (group, name) in a grouped study."""
+    return (group, name) if group else name
+
+
+def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict) -> list[str]:
+    """One family's table(s), each group's rows in turn (``cols``: {group: {arm: {endpoint: values}}},
+    one group "" in an ungrouped study); ``verdicts`` and ``cmps`` ({(family, endpoint, name):
+    Comparison}, the name ``_key``) are filled. Holm runs within each group."""
     rules = {r.name: r for r in study.rules}
-    pairs = comparisons(fam, arms)
+    pairs = comparisons(fam, list(next(iter(cols.values()), {})))
     judged = bool(fam.rule or fam.endpoint_rules or any(r for *_, r in pairs))
     columns = fam.columns or ("comparison", *(["show"] if fam.show else []), "mean", "diff", "p", "p_holm",
                               *(["verdict"] if judged else []))
@@ -249,35 +278,47 @@ def _family(study: Study, fam, col: dict, arms: list[str], verdicts: dict, cmps:
                               f"excess over {ref} [95% bootstrap]", "permutation p",
                               "Holm p" if fam.correction == "holm" else "p",
                               *([fam.rule or "verdict"] if judged else []))
-    head = ["| " + " | ".join(headers) + " |", "|" + "".join(f"{ALIGN.get(c, '---:')}|" for c in columns)]
+    grouped = [study.groups] if study.groups else []
+    head = ["| " + " | ".join([*grouped, *headers]) + " |",
+            "|" + "---:|" * len(grouped) + "".join(f"{ALIGN.get(c, '---:')}|" for c in columns)]
     out = [f"**{fam.title}**{fam.note}", "", *head] if fam.title else []
     for key in fam.endpoints:
-        vals = {n: col[a][key] for n, a, _, _ in pairs}
-        refs = {n: col[b][key] for n, _, b, _ in pairs}
-        if fam.correction == "holm":
-            cmp = compare_family(vals, refs)
-        else:
-            cmp = {n: compare_family({n: vals[n]}, {n: refs[n]})[n] for n in vals}
         if not fam.title:
             out += [f"**{study.label(key)}**{fam.note}", "", *head]
-        if fam.reference_row:
-            cells = {"comparison": fam.reference_label.format(against=ref, arm=ref), "endpoint": study.label(key),
-                     "mean": mean_cells(col[ref][key]),
-                     "show": _cell("show", None, ref, ref, key, study, fam, col, "") if fam.show else "-"}
-            out.append("| " + " | ".join(cells.get(c, "-") for c in columns) + " |")
-        for n, a, b, r in pairs:
-            cmps[fam.name, key, n] = c = cmp[n]
-            text = ""
-            rule = rules.get(fam.rule_for(key, r))
-            if rule:
-                required = not rule.requires or verdicts.get((fam.name, key, b)) is True
-                holds, text = _verdict(rule, c, len(pairs), (len(vals[n]), len(refs[n])), fam.correction == "holm",
-                                       required, {"arm": a, "against": b})
-                verdicts[fam.name, key, n] = holds
-            out.append("| " + " | ".join(_cell(k, c, a, b, key, study, fam, col, text) for k in columns) + " |")
+        for g, col in cols.items():
+            pairs = comparisons(fam, list(col))
+            out += _family_rows(study, fam, key, g, col, pairs, rules, columns, verdicts, cmps)
         if not fam.title:
             out.append("")
     return out + ([""] if fam.title else [])
+
+
+def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, rules: dict, columns: tuple,
+                 verdicts: dict, cmps: dict) -> list[str]:
+    """One endpoint's rows of one group: the reference row, then each comparison with its verdict."""
+    ref, lead, out = fam.against, f"| {g} " if g else "", []
+    vals = {n: col[a][key] for n, a, _, _ in pairs}
+    refs = {n: col[b][key] for n, _, b, _ in pairs}
+    if fam.correction == "holm":
+        cmp = compare_family(vals, refs)
+    else:
+        cmp = {n: compare_family({n: vals[n]}, {n: refs[n]})[n] for n in vals}
+    if fam.reference_row:
+        cells = {"comparison": fam.reference_label.format(against=ref, arm=ref), "endpoint": study.label(key),
+                 "mean": mean_cells(col[ref][key]),
+                 "show": _cell("show", None, ref, ref, key, study, fam, col, "") if fam.show else "-"}
+        out.append(lead + "| " + " | ".join(cells.get(c, "-") for c in columns) + " |")
+    for n, a, b, r in pairs:
+        cmps[fam.name, key, _key(g, n)] = c = cmp[n]
+        text = ""
+        rule = rules.get(fam.rule_for(key, r))
+        if rule:
+            required = not rule.requires or verdicts.get((fam.name, key, _key(g, b))) is True
+            holds, text = _verdict(rule, c, len(pairs), (len(vals[n]), len(refs[n])), fam.correction == "holm",
+                                   required, {"arm": a, "against": b})
+            verdicts[fam.name, key, _key(g, n)] = holds
+        out.append(lead + "| " + " | ".join(_cell(k, c, a, b, key, study, fam, col, text) for k in columns) + " |")
+    return out
 
 
 def _ranged(x, ranges, otherwise: str) -> str:
@@ -308,19 +349,28 @@ def _column(c, a: str, col: dict, control: str) -> str:
         lo, hi = bootstrap_ci(x)
         return f"{fmt(float(x.mean()))} [{fmt(lo)}, {fmt(hi)}]"
     if c.show == "mean":
-        return fmt(float(x.mean()))
+        return f(float(x.mean()))
+    if c.show == "scaled":
+        return f(float(x.mean()) * float(col[control][c.by].mean()) ** c.power)
     return _ranged(x, c.ranges, c.otherwise)
 
 
-def _table(study: Study, t, col: dict, arms: list[str]) -> list[str]:
+def _table(study: Study, t, cols: dict) -> list[str]:
+    """A descriptive table: one row per arm, each group's arms in turn (``cols`` as ``_family``'s)."""
     align = {"count": "---:", "change": "---", "pair": "---", "range": "---"}
-    out = [f"**{t.title}**{t.note}", "", "| arm | " + " | ".join(c.header for c in t.columns) + " |",
-           "|---|" + "".join(f"{align.get(c.show, '---:')}|" for c in t.columns)]
-    out += [f"| {a} | " + " | ".join(_column(c, a, col, study.control) for c in t.columns) + " |" for a in arms]
-    return out + [""]
+    grouped = f"| {study.groups} " if study.groups else ""
+    out = [f"**{t.title}**{t.note}", "", grouped + "| arm | " + " | ".join(c.header for c in t.columns) + " |",
+           "|---:" * bool(study.groups) + "|---|" + "".join(f"{align.get(c.show, '---:')}|" for c in t.columns)]
+    out += [(f"| {g} " if g else "") + f"| {a} | " + " | ".join(_column(c, a, col, study.control) for c in t.columns)
+            + " |" for g, col in cols.items() for a in col]
+    return out + [""] + ([t.after, ""] if t.after else [])
 
 
-def _fits(study: Study, col: dict, arms: list[str], verdicts: dict, root: Path) -> list[str]:
+def _fits(study: Study, cols: dict, verdicts: dict, root: Path) -> list[str]:
+    if study.groups:
+        return _group_fits(study, cols, root)
+    col = cols.get("", {})
+    arms = list(col)
     out = []
     for f in study.fits:
         if f.kind == "place":
@@ -333,6 +383,106 @@ def _fits(study: Study, col: dict, arms: list[str], verdicts: dict, root: Path) 
         sub = {a: {"k3": col[a][f.k3], f.endpoint: col[a][f.endpoint]} for a in arms}
         out += power_law_section(sub, study.control, treated, f.arms, f.endpoint, name, f.loss, f.what or f"{f.loss:g}",
                                  f.k3_ref, {a: on.get(a, False) for a in treated}, f.dose_label)
+    return out
+
+
+def _cells(study: Study, cols: dict) -> tuple[dict, list]:
+    """A grouped study's columns keyed by (group, arm), and its treated (group, arm) cells in order."""
+    col = {(g, a): v for g, c in cols.items() for a, v in c.items()}
+    return col, [(g, a) for g, c in cols.items() for a in c if a != study.control]
+
+
+def _fitted_study(f, root: Path) -> tuple[Study, list[str], dict | None]:
+    """The grouped study a ``predict`` fit names: (it, its validity lines or the one line saying it
+    is void or not complete, its valid groups' columns or None when it is void or not complete)."""
+    from timlab.experiments.study.registration import load_study
+
+    other = load_study(f.study)
+    planned = planned_runs(other)
+    states = _states(root / sweep_dir(other)) or {}
+    tripped = sorted(p.name for p in planned if p.arm == other.control and states.get(p.run_id, ("",))[0] == GUARD_FAILED)
+    if tripped:
+        return other, [f"The fit's study {other.name} is void: the zero-mismatch guard stopped {', '.join(tripped)}; "
+                       f"no prediction is tested.", ""], None
+    done = [p for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
+            or states.get(p.run_id, ("", 0)) == (FINISHED, other.steps)]
+    if len(done) < len(planned):
+        return other, [f"The fit's study {other.name} is not complete ({len(done)} of {len(planned)} runs finished at "
+                       f"step {other.steps}): no prediction is tested (no interim analysis).", ""], None
+    lines, cols = [], {}
+    for g, per in _records(other, root / sweep_dir(other), planned, states).items():
+        valid, line = _validity(other, per, g)
+        lines.append("The fit's " + line[0].lower() + line[1:])
+        if valid:
+            cols[g] = _columns(other, per)
+    return other, lines, cols
+
+
+def _predict(study: Study, f, cols: dict, root: Path) -> list[str]:
+    """A ``predict`` fit: another grouped study's length fit tested on this study's treated cells
+    (``fits.prediction_section``), then the free length fit over both studies' cells (descriptive)."""
+    from timlab.experiments.study.fits import length_section, prediction_section
+
+    other, lines, ocols = _fitted_study(f, root)
+    if ocols is None:
+        return lines
+    if set(ocols) & set(cols):
+        raise StudyError(f"{study.source}: fits: predict: the test's {study.groups}s must be {study.groups}s "
+                         f"{other.name} did not see (both have {', '.join(sorted(set(ocols) & set(cols)))})")
+    colf, fit_treated = _cells(other, ocols)
+    col, treated = _cells(study, cols)
+    if not treated:
+        return lines + ["", f"No valid test {study.groups}: no test.", ""]
+    keys = dict(control=study.control, k3=f.k3, length=f.length, rho=f.rho, min_cells=f.min_cells,
+                min_groups=f.min_groups)
+    out = lines + [""] + prediction_section(colf, fit_treated, col, treated, f.endpoint, groups=study.groups, **keys)
+    keys.pop("rho")
+    return out + length_section({**colf, **col}, fit_treated + treated, f.endpoint, f.name or study.label(f.endpoint),
+                                k3_ref=f.k3_ref, at=f.at, rho=f.rho, unbounded=f.unbounded, groups=study.groups,
+                                **keys)
+
+
+def predictions(study: Study, root: str | Path | None = None) -> str:
+    """The predictions of each ``predict`` fit with a table (``at_T``), written before the test's
+    runs from the fitted study alone (``fits.predictions_table``)."""
+    from timlab.experiments.study.fits import predictions_table
+
+    root = Path(root) if root is not None else Path(".")
+    out = []
+    for f in (f for f in study.fits if f.kind == "predict" and f.at_T):
+        other, lines, ocols = _fitted_study(f, root)
+        if ocols is None:
+            out += lines[:1]
+            continue
+        col, treated = _cells(other, ocols)
+        out += predictions_table(col, treated, f.endpoint, T=f.at_T, k3_at=f.at_k3, control=other.control, k3=f.k3,
+                                 length=f.length, rho=f.rho, min_cells=f.min_cells, min_groups=f.min_groups,
+                                 unbounded=f.unbounded)
+    return "\n".join(out)
+
+
+def _group_fits(study: Study, cols: dict, root: Path) -> list[str]:
+    """The fits of a grouped study over its valid groups' treated (group, arm) cells (``fits``)."""
+    from timlab.experiments.study.fits import length_section, threshold_section
+
+    col, treated = _cells(study, cols)
+    out = []
+    for f in study.fits:
+        if f.kind == "predict":
+            out += _predict(study, f, cols, root)
+        elif f.kind == "length":
+            out += length_section(col, treated, f.endpoint, f.name or study.label(f.endpoint), control=study.control,
+                                  k3=f.k3, length=f.length, k3_ref=f.k3_ref, at=f.at, rho=f.rho, min_cells=f.min_cells,
+                                  min_groups=f.min_groups, unbounded=f.unbounded, groups=study.groups)
+        else:
+            tokens = dict(f.tokens)
+            missing = [g for g in cols if g not in tokens]
+            if missing:
+                raise StudyError(f"{study.source}: fits: threshold: tokens: no T for {study.groups} "
+                                 f"{', '.join(missing)}; given for {', '.join(tokens)}")
+            out += threshold_section(col, treated, tokens, k3=f.k3, fall=f.endpoint, k3_star=f.k3_star,
+                                     t_star=f.t_star, exponent=f.exponent, title=f.title, note=f.note,
+                                     groups=study.groups)
     return out
 
 
@@ -352,8 +502,8 @@ def _place(study: Study, f, col: dict, arms: list[str], root: Path) -> list[str]
     if len(done) < len(planned):
         return [f"{f.title}{who} is not complete ({len(done)} of {len(planned)} runs), so it has no fit; nothing is "
                 f"placed.", ""]
-    per = _records(other, out_dir, planned, states)
-    if not _validity(other, per)[0]:
+    per = _records(other, out_dir, planned, states).get("", {})
+    if other.groups or not _validity(other, per)[0]:
         return [f"{f.title}{who} is void (its validity checks), so it has no fit; nothing is placed.", ""]
     ocol = _columns(other, per)
     out = []
@@ -395,14 +545,17 @@ def _decisions(study: Study, cmps: dict, arms: list[str], decisions: dict) -> li
     return out
 
 
-def _records(study: Study, out: Path, planned: list[PlannedRun], states: dict) -> dict[str, list[dict]]:
-    """{arm: each of its runs' ``run_record``} in spec order (every run finished or diverged)."""
-    per: dict[str, list[dict]] = {p.arm: [] for p in planned}
+def _records(study: Study, out: Path, planned: list[PlannedRun], states: dict) -> dict[str, dict[str, list[dict]]]:
+    """{group: {arm: each of its runs' ``run_record``}} in spec order (every run finished or
+    diverged); one group "" in an ungrouped study."""
+    per: dict[str, dict[str, list[dict]]] = {}
+    for p in planned:
+        per.setdefault(p.group, {}).setdefault(p.arm, [])
     for p in planned:
         m = read_metrics(out / p.run_id)
         if m is None:
             raise StudyError(f"{out / p.run_id}: finished but has no metrics.parquet")
-        per[p.arm].append(run_record(study, m, diverged=states[p.run_id][0] == DIVERGED))
+        per[p.group][p.arm].append(run_record(study, m, diverged=states[p.run_id][0] == DIVERGED))
     return per
 
 
@@ -429,27 +582,30 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
     done = {p.name for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
             or states.get(p.run_id, ("", 0)) == (FINISHED, study.steps)}
     if len(done) < len(planned):
-        arm_by = {p.name: p.arm for p in planned}
-        return StudyResult(incomplete_line([p.name for p in planned], done, study.steps, label=arm_by.get), "incomplete",
-                           freeze)
-    per = _records(study, out, planned, states)
-    valid, line = _validity(study, per)
-    if not valid:
-        return StudyResult(line, "void", freeze)
-    col = _columns(study, per)
+        group_by = {p.name: seedless(p.name) if study.groups else p.arm for p in planned}
+        return StudyResult(incomplete_line([p.name for p in planned], done, study.steps, label=group_by.get),
+                           "incomplete", freeze)
+    checks, cols = [], {}
+    for g, per in _records(study, out, planned, states).items():
+        valid, line = _validity(study, per, g)
+        if not valid and not study.groups:
+            return StudyResult(line, "void", freeze)
+        checks.append(line)
+        if valid:  # a void group is left out of every table and fit
+            cols[g] = _columns(study, per)
     verdicts, cmps, decisions = {}, {}, {}
     fams = {f.name: f for f in study.families}
     tables = {t.name: t for t in study.tables if t.name}
     kinds = {"families": lambda: [x for f in study.families if f.name not in study.order
-                                  for x in _family(study, f, col, arms, verdicts, cmps)],
+                                  for x in _family(study, f, cols, verdicts, cmps)],
              "tables": lambda: [x for t in study.tables if t.name not in study.order or not t.name
-                                for x in _table(study, t, col, arms)],
-             "fits": lambda: _fits(study, col, arms, verdicts, root),
+                                for x in _table(study, t, cols)],
+             "fits": lambda: _fits(study, cols, verdicts, root),
              "verdicts": lambda: _decisions(study, cmps, arms, decisions)}
-    lines = [line, *_repeats(study, out, planned, root), ""]
+    lines = [*checks, *_repeats(study, out, planned, root), ""]
     for part in study.order:
-        lines += kinds[part]() if part in kinds else _family(study, fams[part], col, arms, verdicts, cmps) \
-            if part in fams else _table(study, tables[part], col, arms)
+        lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps) \
+            if part in fams else _table(study, tables[part], cols)
     for note in study.notes:
         lines += [note, ""]
     if study.amendments:
@@ -474,6 +630,8 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
 
     from timlab.experiments.stats import bootstrap_diff_ci
 
+    if study.groups:
+        return _group_figure(study, path, out)
     res = analyze(study, out)
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
@@ -502,6 +660,57 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
         ax.set_title(f"{study.label(key)}\n" + (f"{fam.rule} (red: holds)" if fam.rule else "descriptive"), fontsize=9)
         ax.set_ylabel(f"arm minus {fam.against}, 95% bootstrap")
     fig.suptitle(f"{study.name}: each arm against {study.control}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _group_figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
+    """A grouped study's figure, from its first ``length`` fit: each treated (group, arm) cell's
+    excess of the fitted endpoint over its group's control, with its 95% bootstrap interval,
+    against the realized k3 and each dose T^rho * k3 (T: the group control's mean ``length``);
+    under the dose that holds, the groups fall on one curve. Only for a complete, valid study."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
+
+    from timlab.experiments.stats import bootstrap_diff_ci
+    from timlab.experiments.study.fits import dose_name
+
+    fit = next((f for f in study.fits if f.kind == "length"), None)
+    if fit is None:
+        raise StudyError(f"{study.source}: no figure: a grouped study's figure plots its length fit, and it has none "
+                         f"(fits: kind length)")
+    res = analyze(study, out)
+    if res.status != "complete":
+        raise StudyError(f"{study.source}: no figure: {res.text}")
+    d = sweep_dir(study, out)
+    planned = planned_runs(study)
+    states = _states(d) or {}
+    cols = {g: _columns(study, per) for g, per in _records(study, d, planned, states).items()
+            if _validity(study, per, g)[0]}
+    arms = list(dict.fromkeys(a for c in cols.values() for a in c if a != study.control))
+    marks, key, ctrl = "osD^v", fit.endpoint, study.control
+    fig = Figure(figsize=(4.7 * (1 + len(fit.rho)), 4))
+    axes = [fig.add_subplot(1, 1 + len(fit.rho), i + 1) for i in range(1 + len(fit.rho))]
+    for i, (g, col) in enumerate(cols.items()):
+        T = float(col[ctrl][fit.length].mean())
+        for j, a in enumerate(x for x in arms if x in col):
+            ex = float(col[a][key].mean() - col[ctrl][key].mean())
+            lo, hi = bootstrap_diff_ci(col[a][key], col[ctrl][key])
+            k = float(col[a][fit.k3].mean())
+            for ax, x in zip(axes, (k, *(T ** r * k for r in fit.rho))):
+                ax.errorbar([x], [ex], yerr=[[ex - lo], [hi - ex]], fmt=marks[j % 5], color=f"C{i}", ms=5, capsize=2,
+                            label=f"{study.groups} {g} (T {T:.0f})" if j == 0 else None)
+    for ax, xl in zip(axes, ("realized k3", *(dose_name(r) for r in fit.rho))):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap within a decade
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set(xlabel=xl, ylabel=f"{study.label(key)}\nminus the {study.groups}'s {ctrl}")
+    axes[0].legend(fontsize=7, loc="lower left")
+    axes[1].set_title("markers: " + ", ".join(f"{marks[j % 5]} {a}" for j, a in enumerate(arms)), fontsize=8)
+    fig.suptitle(f"{study.name}: cost of each ({study.groups}, arm) cell, mean over seeds with 95% bootstrap interval",
+                 fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

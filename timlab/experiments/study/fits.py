@@ -11,6 +11,15 @@ the 95% interval of its excess minus the law at its own k3, each fit replicate p
 resample of the arm's seeds, so it holds both the fit's uncertainty and the arm's seed noise.
 With fewer than 3 negative arms there is no law; the section then bounds the steps to lose
 ``loss`` from the arm nearest ``k3_ref`` (its excess interval's lower end).
+
+``length`` (a grouped study, e.g. one group per answer-length level): log(-excess) = a + alpha
+log k3 + beta log T over the treated (group, arm) cells with a negative mean excess, T the group
+control's mean response length, by ``stats.least_squares`` (plain-float QR, the same bits on
+every CPU); rho = beta / alpha, with a seed-bootstrap interval, decides which dose T^rho * k3
+the cost follows. ``threshold``: a threshold law k3*(T) tested cell by cell against the falls.
+``predict``: another study's length fit, fitted three ways (free; one power of each dose), predicts
+this study's cells at groups that fit did not see (``prediction_section``), and the predictions
+written before the runs (``predictions_table``).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import math
 
 import numpy as np
 
-from timlab.experiments.stats import N_BOOT, bootstrap_diff_ci, line_fit
+from timlab.experiments.stats import N_BOOT, bootstrap_diff_ci, least_squares, line_fit
 from timlab.experiments.study.text import fmt
 
 
@@ -124,4 +133,272 @@ def power_law_section(col: dict[str, dict[str, np.ndarray]], control: str, arms:
         ok = lo <= 0 <= hi
         out.append(f"- {a}: realized k3 {fmt(kr)}, excess {obs:+.2e} per step, minus the fit at its k3 "
                    f"{d:+.2e} [{lo:+.2e}, {hi:+.2e}]: {'agrees with the fit' if ok else 'off the curve'}.")
+    return out + [""]
+
+
+# ------------------------------------------------------------------------------ length and threshold
+# A grouped study (``groups``: one control per group, e.g. a verbosity level) may fit the cost of
+# each treated (group, arm) cell against its realized k3 and its group's answer length T (the
+# group control's mean response length): ``length_section``; and test a threshold law
+# k3*(T) = k3_star * (T / t_star)^exponent cell by cell (``threshold_section``). ``col`` maps
+# (group, arm) to per-seed arrays of endpoints; ``treated`` lists the (group, arm) cells in order.
+
+
+def fmt_loss(x: float, unbounded: float) -> str:
+    """An extrapolated loss as the tables print it: ``fmt``, or "unbounded" above ``unbounded``
+    (such a bound is set by a few resamples whose exponent runs off; its digits carry no information)."""
+    return "unbounded" if x > unbounded else fmt(x)
+
+
+def dose_name(rho: float) -> str:
+    """The dose T^rho * k3 as the text names it: ``T * k3`` (rho 1), ``T^2 * k3`` (rho 2)."""
+    return "T * k3" if rho == 1 else f"T^{rho:g} * k3"
+
+
+def fit_cells(excess: np.ndarray, group: np.ndarray, *, min_cells: int = 4, min_groups: int = 2) -> np.ndarray | None:
+    """The mask of the cells a length fit uses (negative excess), or None with fewer than
+    ``min_cells`` such cells or fewer than ``min_groups`` groups among them."""
+    keep = excess < 0
+    return None if keep.sum() < min_cells or len(set(group[keep].tolist())) < min_groups else keep
+
+
+def fit_length(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, group: np.ndarray, *, min_cells: int = 4,
+               min_groups: int = 2) -> tuple[float, float, float] | None:
+    """(a, alpha, beta) of log(-excess) = a + alpha log k3 + beta log T by least squares
+    (``stats.least_squares``: the same bits on every machine) over the cells with a negative
+    excess; None with too few such cells or groups (``fit_cells``), or a rank-deficient design
+    (k3 and T not separable)."""
+    keep = fit_cells(excess, group, min_cells=min_cells, min_groups=min_groups)
+    if keep is None:
+        return None
+    X = [[1.0, math.log(k), math.log(t)] for k, t in zip(k3[keep], T[keep])]  # (cells, 3)
+    return least_squares(X, [math.log(-e) for e in excess[keep]])  # None: rank-deficient
+
+
+def fit_shape(k3: np.ndarray, T: np.ndarray, excess: np.ndarray, group: np.ndarray, rho: float, *, min_cells: int = 4,
+              min_groups: int = 2) -> tuple[float, float] | None:
+    """(a, g) of log(-excess) = a + g log(T^rho k3): the cost as a power of one dose, by least
+    squares over the cells with a negative excess; None where ``fit_length`` would have too few."""
+    keep = fit_cells(excess, group, min_cells=min_cells, min_groups=min_groups)
+    if keep is None:
+        return None
+    X = [[1.0, math.log(t ** rho * k)] for k, t in zip(k3[keep], T[keep])]  # (cells, 2)
+    return least_squares(X, [math.log(-e) for e in excess[keep]])
+
+
+def length_cells(col: dict, treated: list, key: str, *, control: str = "control", k3: str = "k3",
+                 length: str = "length", rng: np.random.Generator | None = None):
+    """(k3, T, excess, group) per treated cell: means over seeds (resampled with ``rng``), the
+    excess over the group's control and T its control's mean ``length`` (resampled too)."""
+    pick = (lambda x: x) if rng is None else (lambda x: x[rng.integers(0, x.size, x.size)])
+    ctrl = {}
+    for g in dict.fromkeys(g for g, _ in treated):
+        i = pick(np.arange(col[g, control][key].size))
+        ctrl[g] = (col[g, control][key][i].mean(), col[g, control][length][i].mean())
+    ks, T, ex, group = [], [], [], []
+    for g, a in treated:
+        i = pick(np.arange(col[g, a][key].size))
+        ks.append(col[g, a][k3][i].mean())
+        ex.append(col[g, a][key][i].mean() - ctrl[g][0])
+        T.append(ctrl[g][1])
+        group.append(g)
+    return np.array(ks), np.array(T), np.array(ex), np.array(group)
+
+
+def length_section(col: dict, treated: list, key: str, label: str, *, control: str = "control", k3: str = "k3",
+                   length: str = "length", k3_ref: float = 1e-3, at: tuple = (1000, 2000, 4000, 8000),
+                   rho: tuple = (1.0, 2.0), min_cells: int = 4, min_groups: int = 2, unbounded: float = 10.0,
+                   groups: str = "level", n: int = N_BOOT, seed: int = 0) -> list[str]:
+    """The length fit of ``key`` as lines of markdown: ``fit_length`` over the treated cells,
+    refitted on ``n`` seed resamples for a 95% interval of rho = beta / alpha, which decides
+    between the doses T^rho * k3 of ``rho`` (the one whose rho alone the interval holds; neither;
+    undecided); then the fitted loss at a realized k3 of ``k3_ref`` and each T of ``at``."""
+    k3s, T, ex, group = length_cells(col, treated, key, control=control, k3=k3, length=length)
+    head = f"**Length fit, {label}**: "
+    limits = {"min_cells": min_cells, "min_groups": min_groups}
+    fit = fit_length(k3s, T, ex, group, **limits)
+    neg = int((ex < 0).sum())
+    if fit is None:
+        return [head + f"{neg} cells with a negative mean excess over {len(set(group[ex < 0].tolist()))} {groups}s "
+                f"(needs {min_cells} over {min_groups}, with k3 and T separable): no fit; the result is stated per "
+                f"{groups} in the tables above.", ""]
+    a, alpha, beta = fit
+    rng = np.random.default_rng(seed)
+    reps, failed = [], 0
+    for _ in range(n):
+        f = fit_length(*length_cells(col, treated, key, control=control, k3=k3, length=length, rng=rng), **limits)
+        if f is None:
+            failed += 1
+        else:
+            reps.append(f)
+    R = np.array(reps)  # (fits, 3)
+    ratio = beta / alpha if alpha else math.nan
+    out = [head + f"log(-excess) = a + alpha log k3 + beta log T over {neg} cells with a negative mean excess: "
+           f"alpha = {alpha:.2f}, beta = {beta:.2f}, rho = beta / alpha = {ratio:.2f}"]
+    if len(R) < n / 2:
+        return out + [f"; only {len(R)} of {n} resamples could be fitted ({failed} had too few negative cells or "
+                      f"{groups}s): no interval, no decision.", ""]
+    rhos = R[:, 2] / R[:, 1]
+    lo, hi = (float(np.percentile(rhos, q)) for q in (2.5, 97.5))
+    holds = [dose_name(r) for r in rho if lo <= r <= hi]
+    decision = (f"**{holds[0]}**" if len(holds) == 1 else "**neither**" if not holds else
+                f"**undecided** (the interval holds {'both ' if len(holds) == 2 else ''}"
+                f"{' and '.join(f'{r:g}' for r in rho if lo <= r <= hi)})")
+    alo, ahi = (float(np.percentile(R[:, 1], q)) for q in (2.5, 97.5))
+    blo, bhi = (float(np.percentile(R[:, 2], q)) for q in (2.5, 97.5))
+    out = [out[0] + f" [95% bootstrap {lo:.2f}, {hi:.2f}] (alpha [{alo:.2f}, {ahi:.2f}], beta [{blo:.2f}, {bhi:.2f}]; "
+           f"{len(R)} of {n} resamples fitted, {failed} had too few negative cells or {groups}s): {decision}.", "",
+           f"Extrapolated {label.split(' (')[0]} lost at a realized k3 of {k3_ref:g}, beyond the T measured "
+           f"({T.min():.0f}-{T.max():.0f}; a loss above what there is to lose means the fit predicts a fall; "
+           f"\"unbounded\": above {unbounded:g}):", "",
+           "| T | fitted loss | 95% bootstrap |", "|---:|---:|---:|"]
+    for t in at:
+        pts = np.array([math.exp(r[0] + r[1] * math.log(k3_ref) + r[2] * math.log(t)) for r in R])
+        fit_t = math.exp(a + alpha * math.log(k3_ref) + beta * math.log(t))
+        out.append(f"| {t:,} | {fmt_loss(fit_t, unbounded)} | [{fmt_loss(float(np.percentile(pts, 2.5)), unbounded)}, "
+                   f"{fmt_loss(float(np.percentile(pts, 97.5)), unbounded)}] |")
+    return out + [""]
+
+
+def threshold_k3(T: float, *, k3_star: float = 1e-3, t_star: float = 465.0, exponent: float = -1.85) -> float:
+    """A threshold law k3*(T) = k3_star x (T / t_star)^exponent (the threshold study's fit by default)."""
+    return k3_star * (T / t_star) ** exponent
+
+
+def threshold_section(col: dict, treated: list, tokens: dict, *, k3: str = "k3", fall: str = "fell",
+                      k3_star: float = 1e-3, t_star: float = 465.0, exponent: float = -1.85, title: str = "",
+                      note: str = "", groups: str = "level") -> list[str]:
+    """The threshold law's test as lines of markdown: per treated cell, k3*(T) at its group's T
+    (``tokens[group]``); a cell whose realized k3 lies above it should fall (``fall`` non-zero)
+    in at least half its seeds, one below it in fewer; the count of cells that agree."""
+    out = [f"**{title}**{note}", "", f"| {groups} | T | k3*(T) | arm | realized k3 | above k3* | falls | agrees |",
+           "|---:|---:|---:|---|---:|---|---:|---|"]
+    agree = 0
+    for g, a in treated:
+        star = threshold_k3(tokens[g], k3_star=k3_star, t_star=t_star, exponent=exponent)
+        k = float(col[g, a][k3].mean())
+        falls, n = int((col[g, a][fall] != 0).sum()), col[g, a][fall].size
+        above = k > star
+        ok = (falls >= n / 2) == above
+        agree += ok
+        out.append(f"| {g} | {tokens[g]:g} | {fmt(star)} | {a} | {fmt(k)} | {'yes' if above else 'no'} | "
+                   f"{falls}/{n} | {'yes' if ok else 'no'} |")
+    return out + ["", f"Cells that agree with the threshold fit: {agree} of {len(treated)}.", ""]
+
+
+# ------------------------------------------------------------------------------ out-of-sample prediction
+# ``predict`` (a grouped study that tests another study's length fit at groups it did not see): the
+# other study's treated cells are fitted three ways (the free fit, and one power of each dose
+# T^rho * k3), and each predicts this study's treated cells at their realized k3 and T.
+FREE = "the registered fit (alpha, beta free)"
+"""The free fit's name among the hypotheses (``predictors``)."""
+
+
+def _elementwise(fn, k, t):
+    """``fn(k, t)`` over broadcast arrays with the standard library's ``math`` (the same bits on every
+    CPU, unlike numpy's SIMD exp and log): a float for scalar inputs, else an array of their shape."""
+    kb, tb = np.broadcast_arrays(np.asarray(k, dtype=float), np.asarray(t, dtype=float))
+    out = np.array([fn(a, b) for a, b in zip(kb.ravel().tolist(), tb.ravel().tolist())]).reshape(kb.shape)
+    return float(out) if out.ndim == 0 else out
+
+
+def predictors(k3, T, ex, group, *, rho: tuple = (1.0, 2.0), min_cells: int = 4, min_groups: int = 2) -> dict:
+    """Each hypothesis fitted on the cells (``length_cells``' arrays), as a function (k3, T) ->
+    predicted loss, or None where it has no fit: ``FREE`` (``fit_length``) and each dose of ``rho``
+    (``fit_shape``, named by ``dose_name``)."""
+    limits = {"min_cells": min_cells, "min_groups": min_groups}
+    f = fit_length(k3, T, ex, group, **limits)
+    out = {FREE: None if f is None else (lambda k, t, f=f: _elementwise(
+        lambda kk, tt: math.exp(f[0] + f[1] * math.log(kk) + f[2] * math.log(tt)), k, t))}
+    for r in rho:
+        g = fit_shape(k3, T, ex, group, r, **limits)
+        out[dose_name(r)] = None if g is None else (lambda k, t, g=g, r=r: _elementwise(
+            lambda kk, tt: math.exp(g[0] + g[1] * math.log(tt ** r * kk)), k, t))
+    return out
+
+
+def predictions_table(col: dict, treated: list, key: str, *, T: float, k3_at: tuple, control: str = "control",
+                      k3: str = "k3", length: str = "length", rho: tuple = (1.0, 2.0), min_cells: int = 4,
+                      min_groups: int = 2, unbounded: float = 10.0, n: int = N_BOOT, seed: int = 0) -> list[str]:
+    """The predictions written before a test's runs: each hypothesis (``predictors``) fitted on the
+    treated cells, its loss at ``T`` and each k3 of ``k3_at``, with a 95% interval over ``n`` seed
+    resamples of the cells (as ``prediction_section`` draws them)."""
+    cells = dict(control=control, k3=k3, length=length)
+    limits = {"rho": rho, "min_cells": min_cells, "min_groups": min_groups}
+    full = length_cells(col, treated, key, **cells)
+    pred = predictors(*full, **limits)
+    rng = np.random.default_rng(seed)
+    reps = [predictors(*length_cells(col, treated, key, rng=rng, **cells), **limits) for _ in range(n)]
+    label = {FREE: "the registered fit, log loss = a + alpha log k3 + beta log T"}
+    for r in rho:
+        g = fit_shape(*full, r, min_cells=min_cells, min_groups=min_groups)
+        label[dose_name(r)] = f"one power of {dose_name(r)} (exponent {g[1]:.2f})" if g else \
+            f"one power of {dose_name(r)} (no fit)"
+    out = [f"| hypothesis fitted on the {len(treated)} cells | " + " | ".join(f"k3 {k:.1e}" for k in k3_at) + " |",
+           "|---|" + "---:|" * len(k3_at)]
+    for h, f in pred.items():
+        row = []
+        for k in k3_at:
+            v = np.array([r[h](k, T) for r in reps if r[h] is not None])
+            row.append("no fit" if f is None else
+                       f"{fmt_loss(float(f(k, T)), unbounded)} [{fmt_loss(float(np.percentile(v, 2.5)), unbounded)}, "
+                       f"{fmt_loss(float(np.percentile(v, 97.5)), unbounded)}]")
+        out.append(f"| {label[h]} | " + " | ".join(row) + " |")
+    return out
+
+
+def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, key: str, *, control: str = "control",
+                       k3: str = "k3", length: str = "length", rho: tuple = (1.0, 2.0), min_cells: int = 4,
+                       min_groups: int = 2, groups: str = "level", n: int = N_BOOT, seed: int = 0) -> list[str]:
+    """The out-of-sample test as lines of markdown: per treated test cell and hypothesis, the
+    measured loss of ``key`` minus the predicted one, D, with a 95% bootstrap interval over joint
+    resamples of both studies' seeds (an interval holding 0: consistent), then one verdict line
+    per cell: which dose holds out of sample, and whether the free fit's extrapolation holds."""
+    cells = dict(control=control, k3=k3, length=length)
+    limits = {"rho": rho, "min_cells": min_cells, "min_groups": min_groups}
+    ks, T, ex, _ = length_cells(col, treated, key, **cells)
+    pred = predictors(*length_cells(colf, fit_treated, key, **cells), **limits)
+    rng = np.random.default_rng(seed)
+    D, P = {h: [] for h in pred}, {h: [] for h in pred}
+    failed = dict.fromkeys(pred, 0)
+    for _ in range(n):
+        fr = predictors(*length_cells(colf, fit_treated, key, rng=rng, **cells), **limits)
+        kt, Tt, et, _ = length_cells(col, treated, key, rng=rng, **cells)
+        for h, f in fr.items():
+            if f is None:
+                failed[h] += 1
+            else:
+                P[h].append(f(kt, Tt))
+                D[h].append(-et - P[h][-1])
+    out = ["**The out-of-sample test** (accuracy-level loss over steps 50-150 predicted from the fit's cells at "
+           "each test cell's realized k3 and T; D = measured loss - predicted, 95% bootstrap over joint resamples of "
+           "both studies' seeds; D's interval holding 0 = consistent)", "",
+           f"| {groups} | arm | realized k3 | T | measured loss [95% bootstrap] | hypothesis | predicted loss [95% bootstrap] | "
+           "D [95% bootstrap] | verdict |", "|---:|---|---:|---:|---:|---|---:|---:|---|"]
+    verdicts: dict[tuple, dict[str, str]] = {}
+    for i, (g, a) in enumerate(treated):
+        lo_m, hi_m = (-x for x in reversed(bootstrap_diff_ci(col[g, a][key], col[g, control][key])))
+        for h, f in pred.items():
+            if f is None or len(D[h]) < n / 2:
+                verdicts.setdefault((g, a), {})[h] = "no fit"
+                out.append(f"| {g} | {a} | {fmt(ks[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
+                           f"no fit ({failed[h]} of {n} resamples failed) | - | no fit |")
+                continue
+            d = np.array(D[h])[:, i]
+            dlo, dhi = (float(np.percentile(d, q)) for q in (2.5, 97.5))
+            p_pt = float(f(ks[i], T[i]))
+            plo, phi = (float(np.percentile(np.array(P[h])[:, i], q)) for q in (2.5, 97.5))
+            v = ("consistent" if dlo <= 0 <= dhi else
+                 "under-predicts (the cost is larger)" if dlo > 0 else "over-predicts (the cost is smaller)")
+            verdicts.setdefault((g, a), {})[h] = v
+            out.append(f"| {g} | {a} | {fmt(ks[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
+                       f"{fmt(p_pt)} [{fmt(plo)}, {fmt(phi)}] | {-ex[i] - p_pt:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {v} |")
+    out.append("")
+    for (g, a), v in verdicts.items():
+        held = [dose_name(r) for r in rho if v[dose_name(r)] == "consistent"]
+        shape = (f"**{held[0]}** holds out of sample" if len(held) == 1 else "**neither** shape predicts it" if not held
+                 else f"**does not discriminate** ({'both' if len(held) == 2 else 'all'} consistent)")
+        free = v[FREE]
+        out.append(f"{groups.capitalize()} {g}, {a}: {shape}; the registered fit's extrapolation: "
+                   f"{'**holds**' if free == 'consistent' else f'**{free}**'}.")
     return out + [""]

@@ -3,7 +3,8 @@ freeze that keeps it from changing once its first run exists.
 
 The file holds everything registered before the data: the sweep (a spec file, or the spec inline),
 the endpoints (metric, statistic, step window, or the difference of two), the comparison families
-with their correction and decision rule, verdicts that combine several comparisons of an arm, the
+with their correction and decision rule (per group in a grouped study: one control, validity check
+and correction per group, e.g. per verbosity level), verdicts that combine several comparisons of an arm, the
 validity checks (and runs that must repeat an earlier sweep's), descriptive tables, fits, and the
 FINDINGS block it writes.
 docs/studies.md describes every field; each dataclass below documents its own. Paths in the file
@@ -41,8 +42,10 @@ FREEZE_FILE = "study.json"
 """The freeze record in a study's sweep directory: the registration's hash and mapping at the first run."""
 CORRECTIONS = ("holm", "none")
 TESTS = ("below", "above")
-SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range")
-FITS = ("power_law", "place")
+SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range", "scaled")
+FITS = ("power_law", "place", "length", "threshold", "predict")
+GROUPED_FITS = ("length", "threshold", "predict")
+"""Fits over the (group, arm) cells of a grouped study (``groups``); the others need an ungrouped one."""
 DERIVED = ("difference",)
 """Statistics of an endpoint computed from two earlier endpoints of the same run (``of``)."""
 SECTIONS = ("families", "tables", "fits", "verdicts")
@@ -183,6 +186,11 @@ class Column:
     """``range``: the cell when no range holds the interval."""
     control: str | None = None
     """The cell of the control's row in place of its value (e.g. "-"); none: its value."""
+    by: str = ""
+    """``scaled``: the endpoint whose control mean (the group's control in a grouped study) scales
+    the mean: the cell is mean x (control mean of ``by``)^``power`` (e.g. T * k3)."""
+    power: float = 1.0
+    """``scaled``: the power of the control mean of ``by``."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,8 @@ class Table:
     """Text after the bold title (e.g. " (means over seeds [95% t])")."""
     name: str = ""
     """A name ``order`` may place the table by (default: it goes with the other tables)."""
+    after: str = ""
+    """A paragraph printed under the table (e.g. what T stands for)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +241,32 @@ class Fit:
     """``place``: every slope endpoint placed (``endpoint`` is the first), one paragraph each."""
     names: tuple[str, ...] = ()
     """``place``: how the text names each of ``endpoints`` (default: their labels)."""
+    length: str = "length"
+    """``length``: the endpoint whose group-control mean is the group's T (mean response length)."""
+    at: tuple[int, ...] = (1000, 2000, 4000, 8000)
+    """``length``: the T (tokens) the fitted loss at ``k3_ref`` is extrapolated to."""
+    rho: tuple[float, ...] = (1.0, 2.0)
+    """``length``: the hypotheses for rho = beta / alpha (the dose T^rho * k3); the interval decides."""
+    min_cells: int = 4
+    """``length``: the fit needs at least this many cells with a negative excess..."""
+    min_groups: int = 2
+    """``length``: ... over at least this many groups."""
+    unbounded: float = 10.0
+    """``length``: a fitted loss above this prints as "unbounded" (its digits carry no information)."""
+    tokens: tuple[tuple[str, float], ...] = ()
+    """``threshold``: (group, T) pairs: the answer length at which each group's k3*(T) is taken."""
+    k3_star: float = 1e-3
+    """``threshold``: the law k3*(T) = k3_star x (T / t_star)^exponent."""
+    t_star: float = 465.0
+    """``threshold``: see ``k3_star``."""
+    exponent: float = -1.85
+    """``threshold``: see ``k3_star``."""
+    note: str = ""
+    """``threshold``: text after the bold ``title`` (e.g. the law written out)."""
+    at_T: float = 0.0
+    """``predict``: the T of the predictions table written before the test's runs (0: no table)."""
+    at_k3: tuple[float, ...] = ()
+    """``predict``: the k3 values of that table's columns."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +366,10 @@ class Study:
     """Decision rules, by name."""
     control: str = "control"
     """The zero-mismatch arm."""
+    groups: str = ""
+    """How the text names a group (e.g. "level"): the sweep's conditions fall into groups (the
+    group ``group`` of ``arm_pattern``), each with its own control, validity check (a void group
+    is left out, the rest analysed) and correction families; empty: one group."""
     out: str = ""
     """The sweep directory (relative to the working directory); ``--out`` overrides it."""
     validity: Validity = Validity()
@@ -372,7 +412,7 @@ class Study:
         return e.label or e.name
 
 
-STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "validity", "repeats", "endpoints",
+STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "groups", "validity", "repeats", "endpoints",
               "families", "rules", "verdicts", "tables", "fits", "order", "notes", "findings", "frozen", "amendments")
 UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
@@ -554,6 +594,41 @@ def _order(v: Any, families: list[Family], tables: list[Table], w: str) -> tuple
     return order
 
 
+def _grouped_fit(f: dict, kind: str, names: list[str], where: str) -> dict:
+    """The ``length`` and ``threshold`` keys of a fit (``Fit``), checked."""
+    def count(key: str, default: int) -> int:
+        v = f.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise StudyError(f"{where}: {key} must be an integer >= 1, got {v!r}")
+        return v
+
+    def numbers(key: str, default: tuple) -> tuple:
+        v = f.get(key, list(default))
+        if not isinstance(v, list) or not v:
+            raise StudyError(f"{where}: {key}: expected a non-empty list of numbers, got {v!r}")
+        return tuple(_number(x, f"{where}: {key}") for x in v)
+
+    out = {"length": _names(f.get("length", "length"), names, f"{where}: length")[0] if kind in ("length", "predict")
+           else "length",
+           "at": tuple(int(x) if float(x).is_integer() else x for x in numbers("at", (1000, 2000, 4000, 8000))),
+           "rho": numbers("rho", (1.0, 2.0)), "min_cells": count("min_cells", 4), "min_groups": count("min_groups", 2),
+           "unbounded": _number(f.get("unbounded", 10.0), f"{where}: unbounded"),
+           "k3_star": _number(f.get("k3_star", 1e-3), f"{where}: k3_star"),
+           "t_star": _number(f.get("t_star", 465.0), f"{where}: t_star"),
+           "exponent": _number(f.get("exponent", -1.85), f"{where}: exponent", positive=False),
+           "note": str(f.get("note", ""))}
+    if kind == "predict" and "at_T" in f:
+        out["at_T"] = _number(f["at_T"], f"{where}: at_T")
+        out["at_k3"] = numbers("at_k3", ())
+    if kind == "threshold":
+        t = f.get("tokens")
+        if not isinstance(t, dict) or not t:
+            raise StudyError(f"{where}: kind threshold needs tokens: a mapping of group: T (the answer length where "
+                             f"each group's k3*(T) is taken)")
+        out["tokens"] = tuple((str(g), _number(v, f"{where}: tokens: {g}")) for g, v in t.items())
+    return out
+
+
 def _amendment(d: Any, where: str) -> Amendment:
     d = _keys(d, ("date", "reason", "hash"), ("date", "reason", "hash"), where)
     date = d["date"]
@@ -628,12 +703,12 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     tables = []
     for i, t in enumerate(d.get("tables") or []):
         where = f"{w}: tables[{i}]"
-        t = _keys(t, ("title", "columns", "note", "name"), ("title", "columns"), where)
+        t = _keys(t, ("title", "columns", "note", "name", "after"), ("title", "columns"), where)
         cols = []
         for j, c in enumerate(t["columns"] if isinstance(t["columns"], list) else [None]):
             cw = f"{where}: columns[{j}]"
             c = _keys(c, ("header", "show", "endpoint", "endpoints", "digits", "format", "ranges", "otherwise",
-                          "control"), ("header", "show"), cw)
+                          "control", "by", "power"), ("header", "show"), cw)
             show = _choice(c["show"], SHOWS, f"{cw}: show")
             eps = _names(c.get("endpoints", c.get("endpoint")), names, f"{cw}: endpoint")
             two = show in ("change", "pair")
@@ -648,15 +723,26 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                 format(1.0, spec)
             except ValueError:
                 raise StudyError(f"{cw}: format {spec!r} is not a Python format spec for a number (e.g. .1f)") from None
+            if show == "scaled" and "by" not in c:
+                raise StudyError(f"{cw}: show scaled needs by: the endpoint whose control mean scales the mean")
+            by = _names(c["by"], names, f"{cw}: by")[0] if show == "scaled" else ""
             cols.append(Column(str(c["header"]), show, eps, digits, spec, ranges, str(c.get("otherwise", "")),
-                               None if c.get("control") is None else str(c["control"])))
-        tables.append(Table(str(t["title"]), tuple(cols), str(t.get("note", "")), str(t.get("name", ""))))
+                               None if c.get("control") is None else str(c["control"]), by,
+                               _number(c.get("power", 1), f"{cw}: power", positive=False)))
+        tables.append(Table(str(t["title"]), tuple(cols), str(t.get("note", "")), str(t.get("name", "")),
+                            str(t.get("after", ""))))
     fits = []
     for i, f in enumerate(d.get("fits") or []):
         where = f"{w}: fits[{i}]"
-        f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label", "study", "title"),
-                  ("kind", "endpoint", "arms"), where)
+        f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label", "study", "title",
+                      "length", "at", "rho", "min_cells", "min_groups", "unbounded", "tokens", "k3_star", "t_star",
+                      "exponent", "note", "at_T", "at_k3"), ("kind", "endpoint"), where)
         kind = _choice(f["kind"], FITS, f"{where}: kind")
+        if (kind in GROUPED_FITS) != bool(d.get("groups")):
+            raise StudyError(f"{where}: kind {kind} " + ("needs groups: (a grouped study)" if kind in GROUPED_FITS
+                             else "fits arms of an ungrouped study; with groups: use " + " or ".join(GROUPED_FITS)))
+        if kind not in GROUPED_FITS and "arms" not in f:
+            raise StudyError(f"{where}: missing key 'arms'")
         eps = _names(f["endpoint"], names, f"{where}: endpoint")
         ep = eps[0]
         if len(eps) > 1 and kind != "place":
@@ -667,17 +753,24 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{where}: name: one per endpoint ({len(eps)}), got {len(labels)}")
         k3 = _names(f.get("k3", "k3"), names, f"{where}: k3")[0]
         other = ""
-        if kind == "place":
+        if kind in ("place", "predict"):
             if not f.get("study"):
-                raise StudyError(f"{where}: kind place needs study: the file of the study whose law it places arms against")
+                raise StudyError(f"{where}: kind {kind} needs study: the file of the study whose "
+                                 + ("law it places arms against" if kind == "place" else "length fit it tests"))
             other = str(Path(root) / f["study"])
             o = load_study(other)
+            if bool(o.groups) != (kind == "predict"):
+                raise StudyError(f"{where}: study: {other} is {'an ungrouped' if kind == 'predict' else 'a grouped'} "
+                                 f"study; {kind} needs {'a grouped' if kind == 'predict' else 'an ungrouped'} one")
+            if kind == "predict":
+                _names([f.get("length", "length")], [x.name for x in o.endpoints], f"{where}: length (an endpoint of "
+                                                                                   f"{other} too)")
             for key, e in [("endpoint", e) for e in eps] + [("k3", k3)]:
                 _choice(e, tuple(x.name for x in o.endpoints), f"{where}: {key} (an endpoint of {other} too)")
-        fits.append(Fit(kind, ep, str(f["arms"]), k3, _number(f.get("loss", 0.1), f"{where}: loss"),
+        fits.append(Fit(kind, ep, str(f.get("arms", "")), k3, _number(f.get("loss", 0.1), f"{where}: loss"),
                         str(f.get("what", "")), _number(f.get("k3_ref", 1e-3), f"{where}: k3_ref"),
                         str(labels[0]), str(f.get("dose_label", "head_perturb")), other, str(f.get("title", "")), eps,
-                        tuple(str(x) for x in labels)))
+                        tuple(str(x) for x in labels), **_grouped_fit(f, kind, names, where)))
     v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "start_bar", "title",
                                         "runs"), (), f"{w}: validity")
     bar, start_bar = v.get("min_start_accuracy"), v.get("start_bar")
@@ -698,6 +791,13 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{w}: arm_pattern: not a regular expression ({e})") from None
         if not ok:
             raise StudyError(f"{w}: arm_pattern: needs a group named arm, e.g. v1_(?P<arm>.+)_s\\d+")
+    groups = str(d.get("groups") or "")
+    if bool(groups) != ("group" in (re.compile(arm_pattern).groupindex if arm_pattern else {})):
+        raise StudyError(f"{w}: groups: {'set' if groups else 'unset'}, but arm_pattern "
+                         f"{'has no' if groups else 'has a'} group named group; a grouped study needs both, e.g. "
+                         f"groups: level with arm_pattern: v(?P<group>\\d+)_(?P<arm>.+)_s\\d+")
+    if groups and d.get("verdicts"):
+        raise StudyError(f"{w}: verdicts: not available in a grouped study (groups: {groups}); use the families' rules")
     repeats = None
     if d.get("repeats") is not None:
         r = _keys(d["repeats"], ("sweep", "last_step"), ("sweep", "last_step"), f"{w}: repeats")
@@ -718,7 +818,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     registration["sweep"] = sweep
     return Study(name=str(d["study"]), sweep=sweep, sweep_root=str(sweep_root), sweep_source=sweep_source, steps=steps,
                  endpoints=tuple(endpoints), families=tuple(families),
-                 rules=tuple(rules), control=control, out=str(d.get("out") or ""), validity=validity,
+                 rules=tuple(rules), control=control, groups=groups, out=str(d.get("out") or ""), validity=validity,
                  tables=tuple(tables), fits=tuple(fits), findings=findings, blank_end=blank_end, arm_pattern=arm_pattern,
                  repeats=repeats, verdicts=verdicts, order=order, frozen=str(frozen), amendments=amendments,
                  notes=tuple(notes), source=source, hash=registration_hash(registration), registration=registration)
