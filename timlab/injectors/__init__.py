@@ -104,12 +104,9 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
     check_target(target_k3=s.target_k3, target_k3_end=s.target_k3_end, target_gain=s.target_gain,
                  target_max_change=s.target_max_change, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
                  schedule=s.schedule, kinds=[inj.magnitude_kind for inj in injectors])
-    if s.target_k3 > 0:  # the schedule moves the target, not the magnitude
-        check_schedule(schedule=s.schedule, magnitude=s.target_k3, magnitude_end=s.target_k3_end,
-                       start_step=s.start_step, ramp_steps=s.ramp_steps)
-    else:
-        check_schedule(schedule=s.schedule, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
-                       start_step=s.start_step, ramp_steps=s.ramp_steps)
+    start, end = (s.target_k3, s.target_k3_end) if s.target_k3 > 0 else (s.magnitude, s.magnitude_end)
+    check_schedule(schedule=s.schedule, magnitude=start, magnitude_end=end,  # under target_k3 it moves the target
+                   start_step=s.start_step, ramp_steps=s.ramp_steps)
     if s.schedule != "constant" and not any(inj.magnitude_kind != "none" for inj in injectors):
         raise UsageError(f"mismatch.schedule={s.schedule} moves the magnitude of "
                          f"{', '.join(_names_where('magnitude_kind'))} only; add one of them")
