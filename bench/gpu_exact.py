@@ -29,19 +29,14 @@ from timlab.kernels import check_device  # noqa: E402
 from timlab.model.forward import token_logprobs  # noqa: E402
 from timlab.model.hf_io import load_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_rollout import QWEN3_06B  # noqa: E402
+from gpu_rollout import write_random_qwen3 as write_qwen3  # noqa: E402
+
 
 def write_random_qwen3(path: Path, *, layers: int, vocab: int, seed: int = 0) -> Path:
     """A random Qwen3 folder with Qwen3-0.6B's widths, written by transformers itself."""
-    import transformers
-
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3", vocab_size=vocab, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-        rope_theta=1e6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
+    return write_qwen3(path, {**QWEN3_06B, "num_hidden_layers": layers, "vocab_size": vocab}, seed)
 
 
 def sync(device: str) -> None:
