@@ -41,7 +41,6 @@ from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: 
 from timlab.schedulers.length_decay import SurgeDetector  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import e2_tables  # noqa: E402
 import e3_tables  # noqa: E402
 import erosion_tables  # noqa: E402
 import moe_tables  # noqa: E402
@@ -454,7 +453,6 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "d16-300": d16_300,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
           "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.START),
-          "e2-study": lambda R: e2_tables.study(str(SWEEPS / "e2")),
           "e3-starts": lambda R: e3_tables.starts(str(SWEEPS / "e3_starts")),
           "e3-followup": lambda R: e3_tables.followup(str(SWEEPS / "e3_starts_rl")),
           "e3b-probe": lambda R: erosion_tables.probe(str(SWEEPS / "e3b_probe")),
