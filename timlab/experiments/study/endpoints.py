@@ -8,8 +8,11 @@ A registered endpoint is one statistic of one logged metric over an inclusive wi
   (``stats.line_fit``: the same bits on every machine); NaN with fewer than 2 points;
 - ``first`` / ``last``: the mean of the first / last ``n`` values;
 - ``start`` / ``final``: the first / last value;
+- ``log_slope``: the least-squares slope of the log of the window's positive values, per 100
+  steps (a growth rate: +0.69 doubles every 100 steps); NaN with fewer than 2;
 - ``fall``: 1 when the run falls under a collapse rule (``collapse.judge``, default the plateau
-  rule: a sustained fall from the learned level; a diverged run always falls), else 0.
+  rule: a sustained fall from the learned level; a diverged run always falls), else 0;
+- ``fall_step``: the step of that fall, NaN when the run does not fall.
 
 ``guard(m)`` and ``rows(m)`` are the validity checks' per-run facts: the zero-mismatch guard held
 at every logged training step (k3 exactly 0 and every token bitwise equal), and how many training
@@ -26,7 +29,7 @@ import pandas as pd
 from timlab.experiments.collapse import judge
 from timlab.experiments.stats import line_fit
 
-STATS = ("level", "slope", "first", "last", "start", "final", "fall")
+STATS = ("level", "slope", "log_slope", "first", "last", "start", "final", "fall", "fall_step")
 """The statistics an endpoint may register."""
 K3 = "rollout_corr/k3_kl"
 BITWISE = "mismatch/frac_bitwise_equal"
@@ -35,8 +38,9 @@ BITWISE = "mismatch/frac_bitwise_equal"
 def window_stat(m: pd.DataFrame, metric: str, stat: str, window: tuple[int | None, int | None] = (None, None), *,
                 n: int = 20, rule: str = "plateau", diverged: bool = False) -> float:
     """One endpoint of one run (see the module docstring); ``m``: the run's metrics table."""
-    if stat == "fall":
-        return float(judge(m, rule=rule, diverged=diverged) is not None)
+    if stat in ("fall", "fall_step"):
+        step = judge(m, rule=rule, diverged=diverged)
+        return float(step is not None) if stat == "fall" else math.nan if step is None else float(step)
     lo, hi = window
     m = m.sort_values("step")
     if metric not in m.columns:
@@ -49,6 +53,9 @@ def window_stat(m: pd.DataFrame, metric: str, stat: str, window: tuple[int | Non
         return float(v[metric].mean())
     if stat == "slope":
         return line_fit(v["step"], v[metric])[0] * 100 if len(v) >= 2 else math.nan
+    if stat == "log_slope":
+        v = v[v[metric] > 0]  # log of a positive quantity (e.g. k3: exactly 0 where the weights have not moved)
+        return line_fit(v["step"], [math.log(x) for x in v[metric]])[0] * 100 if len(v) >= 2 else math.nan
     if stat == "first":
         return float(v[metric].iloc[:n].mean())
     if stat == "last":

@@ -112,8 +112,10 @@ def planned_runs(study: Study) -> list[PlannedRun]:
     planned = [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
                           arm_of(study, r.spec_condition), group_of(study, r.spec_condition)) for r in expand(spec)]
     arms = list(dict.fromkeys(p.arm for p in planned))
-    for where, a in [("control", study.control)] + [(f"families: {f.name}", a) for f in study.families
-                                                     for a in (f.against, *f.arms)]:
+    named = [("control", study.control)] + [("validity: controls", a) for a in study.validity.controls]
+    named += [(f"families: {f.name}", a) for f in study.families
+              for a in (f.against, *f.arms, *(x for c in f.comparisons for x in c[:2]))]
+    for where, a in named:
         if a not in arms:
             raise StudyError(f"{study.source}: {where}: {a!r} is not an arm of the sweep; arms: {', '.join(arms)}")
     for g in dict.fromkeys(p.group for p in planned if study.groups):
@@ -143,10 +145,18 @@ def _states(out: Path) -> dict[str, tuple[str, int]] | None:
 
 def run_record(study: Study, m: pd.DataFrame, *, diverged: bool) -> dict:
     """One run's registered endpoints and its validity facts."""
+    from timlab.experiments.study.signals import run_signals
+
     rec = {}
     for e in study.endpoints:  # in order: a difference reads endpoints listed before it
-        rec[e.name] = rec[e.of[0]] - rec[e.of[1]] if e.stat == "difference" else \
-            window_stat(m, e.metric, e.stat, e.window, n=e.n, rule=e.rule, diverged=diverged)
+        if e.stat == "log":
+            with np.errstate(divide="ignore"):
+                rec[e.name] = float(np.log(rec[e.of[0]]))  # a k3 of exactly 0 is -inf: no ratio
+        else:
+            rec[e.name] = rec[e.of[0]] - rec[e.of[1]] if e.stat == "difference" else \
+                window_stat(m, e.metric, e.stat, e.window, n=e.n, rule=e.rule, diverged=diverged)
+    for f in (f for f in study.fits if f.kind == "signals"):
+        rec.update(run_signals(m, f, rec[f.endpoint]))
     ev = m.sort_values("step")
     ev = ev[ev["val/accuracy"].notna()] if "val/accuracy" in ev.columns else ev.iloc[:0]
     gold = "val/gold_logprob" in ev.columns
@@ -160,12 +170,14 @@ def run_record(study: Study, m: pd.DataFrame, *, diverged: bool) -> dict:
 def _validity(study: Study, per: dict[str, list[dict]], group: str = "") -> tuple[bool, str]:
     """The registered checks over one group's runs (``per``: {arm: records}); in a grouped study a
     void group is left out, in an ungrouped one the study is void."""
-    v, ctrl = study.validity, per[study.control]
+    v = study.validity
+    ctrl = [r for a in v.controls or (study.control,) for r in per[a]]
     parts, ok = [], True
     if v.control_exact:
         held = all(r["_valid"]["guard"] for r in ctrl)
         ok &= held and all(r["_valid"]["rows"] == study.steps for r in ctrl)
-        parts.append(f"control guard (k3 exactly 0, every token bitwise equal, every step) {'held' if held else 'BROKEN'}")
+        where = f"at each of the {study.steps} steps of all {len(ctrl)} control runs" if v.controls else "every step"
+        parts.append(f"control guard (k3 exactly 0, every token bitwise equal, {where}) {'held' if held else 'BROKEN'}")
     if v.min_start_accuracy is not None:
         low = min(r["_valid"]["start"][1] for r in ctrl)
         ok &= low >= v.min_start_accuracy
@@ -203,17 +215,20 @@ def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> 
 
 
 def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, required: bool = True,
-             names: dict | None = None) -> tuple[bool | None, str]:
+             names: dict | None = None, bound: float | None = None) -> tuple[bool | None, str]:
     """A rule's verdict on one comparison: (holds, text); None when no p could pass ``alpha``.
     ``required``: the comparison that ``rule.requires`` reads held its rule; ``names``: what
-    ``{arm}`` and ``{against}`` in the texts become."""
+    ``{arm}`` and ``{against}`` in the texts become; ``bound``: the comparison's ratio bar (a
+    ``ratio_bound`` rule)."""
     floor = permutation_floor(*sizes) * (n_family if holm else 1)
     if floor >= rule.alpha:
         return None, f"not testable here (smallest attainable p {min(floor, 1.0):.3f})"
     fill = lambda t: t.replace("{cost}", c.cost_bound()).replace("{arm}", (names or {}).get("arm", "")).replace(  # noqa: E731
-        "{against}", (names or {}).get("against", ""))
+        "{against}", (names or {}).get("against", "")).replace("{bound}", f"{bound:.2f}" if bound is not None else "")
     below = c.below(rule.alpha)
     holds, mirror = (below, c.above(rule.alpha)) if rule.test == "below" else (c.above(rule.alpha), below)
+    if rule.ratio_bound:  # the whole interval of the log ratio beyond the bar, on the ratio scale
+        holds = holds and (math.exp(c.diff_ci[1]) < bound if rule.test == "below" else math.exp(c.diff_ci[0]) > bound)
     if holds and rule.requires and not required:
         return False, fill(rule.unmet or rule.fails)
     if holds:
@@ -222,7 +237,14 @@ def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, require
 
 
 ALIGN = {"endpoint": "---", "comparison": "---", "verdict": "---"}
-"""A family table's column alignment (the others right-aligned)."""
+"""A family table's column alignment (the others right-aligned; ``verdict:RULE`` as ``verdict``)."""
+
+
+def _align(fam, column: str) -> str:
+    """One column's alignment cells: a comparison whose names fill several columns (" | ") has one each."""
+    if column == "comparison":
+        return "---|" * (1 + fam.spans())
+    return f"{ALIGN.get(column.split(':')[0], '---:')}|"
 
 
 def comparisons(fam, arms: list[str]) -> list[tuple[str, str, str, str]]:
@@ -237,9 +259,18 @@ def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, 
     if kind == "endpoint":
         return study.label(key)
     if kind == "comparison":
-        return fam.label.format(arm=a, against=b)
+        return fam.label.format(arm=fam.shown(a), against=fam.shown(b))
     if kind == "show":
-        return "0" if col[a][fam.show].mean() == 0 else fmt(float(col[a][fam.show].mean()))
+        return fam.zero if col[a][fam.show].mean() == 0 else fmt(float(col[a][fam.show].mean()))
+    if kind == "show_t":
+        m, lo, hi = t_ci(col[a][fam.show]) if np.isfinite(col[a][fam.show]).all() else (math.nan,) * 3
+        return f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    if kind == "geo":  # the values are logs: their mean and bootstrap interval back on the ratio scale
+        x = col[a][key]
+        lo, hi = bootstrap_ci(x) if np.isfinite(x).all() else (-math.inf, -math.inf)
+        return f"{fmt(float(np.exp(x.mean())))} [{fmt(math.exp(lo))}, {fmt(math.exp(hi))}]"
+    if kind == "ratio_exp":
+        return f"{math.exp(c.diff):.3f} [{math.exp(c.diff_ci[0]):.3f}, {math.exp(c.diff_ci[1]):.3f}]"
     if kind == "mean":
         return f"{c.mean:+.4f} {ci_text(c.t_ci)} {ci_text(c.boot_ci)}"
     if kind == "diff":
@@ -256,7 +287,7 @@ def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, 
         return f"{c.p:.4f}"
     if kind == "p_holm":
         return f"{c.p_holm:.4f}"
-    return verdict
+    return verdict.get(kind, "") if isinstance(verdict, dict) else verdict
 
 
 def _key(group: str, name: str):
@@ -280,7 +311,7 @@ def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict) -> list[s
                               *([fam.rule or "verdict"] if judged else []))
     grouped = [study.groups] if study.groups else []
     head = ["| " + " | ".join([*grouped, *headers]) + " |",
-            "|" + "---:|" * len(grouped) + "".join(f"{ALIGN.get(c, '---:')}|" for c in columns)]
+            "|" + "---:|" * len(grouped) + "".join(_align(fam, c) for c in columns)]
     out = [f"**{fam.title}**{fam.note}", "", *head] if fam.title else []
     for key in fam.endpoints:
         if not fam.title:
@@ -303,19 +334,31 @@ def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, ru
         cmp = compare_family(vals, refs)
     else:
         cmp = {n: compare_family({n: vals[n]}, {n: refs[n]})[n] for n in vals}
-    if fam.reference_row:
-        cells = {"comparison": fam.reference_label.format(against=ref, arm=ref), "endpoint": study.label(key),
-                 "mean": mean_cells(col[ref][key]),
-                 "show": _cell("show", None, ref, ref, key, study, fam, col, "") if fam.show else "-"}
-        out.append(lead + "| " + " | ".join(cells.get(c, "-") for c in columns) + " |")
+    bounds = {(a, b): x for (a, b, _), x in zip(fam.comparisons, fam.bounds)}
+
+    def reference(ref: str) -> str:
+        cells = {"comparison": fam.reference_label.format(against=fam.shown(ref), arm=fam.shown(ref)),
+                 "endpoint": study.label(key), "mean": mean_cells(col[ref][key]),
+                 "show": _cell("show", None, ref, ref, key, study, fam, col, "") if fam.show else "-",
+                 **{k: _cell(k, None, ref, ref, key, study, fam, col, "") for k in ("geo", "show_t") if k in columns}}
+        return lead + "| " + " | ".join(cells.get(c, "-") for c in columns) + " |"
+
+    shown = set()
+    if fam.reference_row and not fam.each_reference:
+        out.append(reference(ref))
     for n, a, b, r in pairs:
+        if fam.each_reference and b not in shown:  # each reference's row before its first comparison
+            shown.add(b)
+            out.append(reference(b))
         cmps[fam.name, key, _key(g, n)] = c = cmp[n]
-        text = ""
+        text: dict = {}
+        size = (len(pairs), (len(vals[n]), len(refs[n])), fam.correction == "holm")
+        for column in (x for x in columns if x.startswith("verdict:")):
+            text[column] = _verdict(rules[column[8:]], c, *size, bound=bounds.get((a, b)))[1]
         rule = rules.get(fam.rule_for(key, r))
         if rule:
             required = not rule.requires or verdicts.get((fam.name, key, _key(g, b))) is True
-            holds, text = _verdict(rule, c, len(pairs), (len(vals[n]), len(refs[n])), fam.correction == "holm",
-                                   required, {"arm": a, "against": b})
+            holds, text["verdict"] = _verdict(rule, c, *size, required, {"arm": a, "against": b}, bounds.get((a, b)))
             verdicts[fam.name, key, _key(g, n)] = holds
         out.append(lead + "| " + " | ".join(_cell(k, c, a, b, key, study, fam, col, text) for k in columns) + " |")
     return out
@@ -352,6 +395,8 @@ def _column(c, a: str, col: dict, control: str) -> str:
         return f(float(x.mean()))
     if c.show == "scaled":
         return f(float(x.mean()) * float(col[control][c.by].mean()) ** c.power)
+    if c.show == "seeds":
+        return ", ".join(f"s{i}: {format(v, c.format or 'g')}" for i, v in enumerate(x) if math.isfinite(v)) or "-"
     return _ranged(x, c.ranges, c.otherwise)
 
 
@@ -359,22 +404,56 @@ def _table(study: Study, t, cols: dict) -> list[str]:
     """A descriptive table: one row per arm, each group's arms in turn (``cols`` as ``_family``'s)."""
     align = {"count": "---:", "change": "---", "pair": "---", "range": "---"}
     grouped = f"| {study.groups} " if study.groups else ""
-    out = [f"**{t.title}**{t.note}", "", grouped + "| arm | " + " | ".join(c.header for c in t.columns) + " |",
-           "|---:" * bool(study.groups) + "|---|" + "".join(f"{align.get(c.show, '---:')}|" for c in t.columns)]
+    align["seeds"] = "---"
+    out = [f"**{t.title}**{t.note}", ""] if t.title else []
+    out += [grouped + f"| {t.arm_header} | " + " | ".join(c.header for c in t.columns) + " |",
+            "|---:" * bool(study.groups) + "|---|" + "".join(f"{align.get(c.show, '---:')}|" for c in t.columns)]
     out += [(f"| {g} " if g else "") + f"| {a} | " + " | ".join(_column(c, a, col, study.control) for c in t.columns)
             + " |" for g, col in cols.items() for a in col]
     return out + [""] + ([t.after, ""] if t.after else [])
 
 
-def _fits(study: Study, cols: dict, verdicts: dict, root: Path) -> list[str]:
+def _growth(study: Study, f, col: dict, cmps: dict) -> list[str]:
+    """A ``growth`` fit: per comparison of its family (a growing dose against its time-averaged
+    constant dose), "yes" when the growing arm's ``endpoint`` is lower (``Comparison.below``) or it
+    falls in at least ``min_falls`` runs and the constant arm in none; "no" when the difference's
+    interval lies inside +-``margin``; else "undecided". The two arms' mean ``k3`` and their ratio
+    say whether the doses matched (UNMATCHED beyond a factor ``unmatched``)."""
+    fam = next(x for x in study.families if x.name == f.family)
+    out = ["| " + " | ".join(f.headers) + " |", "|---|---:|---|---|---|---|"]
+    for n, a, b, _ in comparisons(fam, list(col)):
+        c = cmps[fam.name, f.endpoint, n]
+        slope = c.below()
+        falls = int((col[a][f.fall] != 0).sum()) >= f.min_falls and int((col[b][f.fall] != 0).sum()) == 0
+        within = -f.margin <= c.diff_ci[0] and c.diff_ci[1] <= f.margin
+        ka, kb = float(col[a][f.k3].mean()), float(col[b][f.k3].mean())
+        ratio = ka / kb
+        matched = 1 / f.unmatched <= ratio <= f.unmatched
+        verdict = "yes" if slope or falls else "no" if within else "undecided"
+        yes = lambda x: "yes" if x else "no"  # noqa: E731
+        out.append(f"| {fam.shown(a)} | {fmt(ka)}, {fmt(kb)} ({ratio:.2f}{'' if matched else ', UNMATCHED'}) | "
+                   f"{yes(slope)} | {yes(falls)} | {yes(within)} | **{verdict}** |")
+    return out + [""]
+
+
+def _fits(study: Study, cols: dict, verdicts: dict, root: Path, cmps: dict, kinds: tuple[str, ...]) -> list[str]:
+    """The fits of the ``kinds`` given, in the file's order."""
     if study.groups:
-        return _group_fits(study, cols, root)
+        return _group_fits(study, cols, root, kinds)
+    from timlab.experiments.study.signals import signals_section
+
     col = cols.get("", {})
     arms = list(col)
     out = []
-    for f in study.fits:
+    for f in (f for f in study.fits if f.kind in kinds):
         if f.kind == "place":
             out += _place(study, f, col, arms, root)
+            continue
+        if f.kind == "growth":
+            out += _growth(study, f, col, cmps)
+            continue
+        if f.kind == "signals":
+            out += signals_section(col, f)
             continue
         on = {a: bool(verdicts.get((fam.name, f.endpoint, a))) for fam in study.families for a in arms
               if (fam.name, f.endpoint, a) in verdicts}
@@ -461,13 +540,13 @@ def predictions(study: Study, root: str | Path | None = None) -> str:
     return "\n".join(out)
 
 
-def _group_fits(study: Study, cols: dict, root: Path) -> list[str]:
+def _group_fits(study: Study, cols: dict, root: Path, kinds: tuple[str, ...]) -> list[str]:
     """The fits of a grouped study over its valid groups' treated (group, arm) cells (``fits``)."""
     from timlab.experiments.study.fits import length_section, threshold_section
 
     col, treated = _cells(study, cols)
     out = []
-    for f in study.fits:
+    for f in (f for f in study.fits if f.kind in kinds):
         if f.kind == "predict":
             out += _predict(study, f, cols, root)
         elif f.kind == "length":
@@ -561,7 +640,7 @@ def _records(study: Study, out: Path, planned: list[PlannedRun], states: dict) -
 
 def _columns(study: Study, per: dict[str, list[dict]]) -> dict[str, dict[str, np.ndarray]]:
     """{arm: {endpoint: its values over the arm's runs}}."""
-    return {a: {e.name: np.array([r[e.name] for r in rs], float) for e in study.endpoints} for a, rs in per.items()}
+    return {a: {k: np.array([r[k] for r in rs], float) for k in rs[0] if k != "_valid"} for a, rs in per.items()}
 
 
 def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | None = None) -> StudyResult:
@@ -600,12 +679,14 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
                                   for x in _family(study, f, cols, verdicts, cmps)],
              "tables": lambda: [x for t in study.tables if t.name not in study.order or not t.name
                                 for x in _table(study, t, cols)],
-             "fits": lambda: _fits(study, cols, verdicts, root),
+             "fits": lambda: _fits(study, cols, verdicts, root, cmps,
+                                   tuple(f.kind for f in study.fits if f.kind not in study.order)),
              "verdicts": lambda: _decisions(study, cmps, arms, decisions)}
     lines = [*checks, *_repeats(study, out, planned, root), ""]
     for part in study.order:
         lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps) \
-            if part in fams else _table(study, tables[part], cols)
+            if part in fams else _table(study, tables[part], cols) if part in tables else \
+            _fits(study, cols, verdicts, root, cmps, (part,))
     for note in study.notes:
         lines += [note, ""]
     if study.amendments:

@@ -42,19 +42,23 @@ FREEZE_FILE = "study.json"
 """The freeze record in a study's sweep directory: the registration's hash and mapping at the first run."""
 CORRECTIONS = ("holm", "none")
 TESTS = ("below", "above")
-SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range", "scaled")
-FITS = ("power_law", "place", "length", "threshold", "predict")
+SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range", "scaled", "seeds")
+FITS = ("power_law", "place", "length", "threshold", "predict", "growth", "signals")
 GROUPED_FITS = ("length", "threshold", "predict")
 """Fits over the (group, arm) cells of a grouped study (``groups``); the others need an ungrouped one."""
-DERIVED = ("difference",)
-"""Statistics of an endpoint computed from two earlier endpoints of the same run (``of``)."""
+DERIVED = {"difference": 2, "log": 1}
+"""Statistics of an endpoint computed from earlier endpoints of the same run (``of``), and how many
+each takes: ``difference`` a - b, ``log`` the natural log of one (a ratio's scale: a family on it
+compares geometric means)."""
 SECTIONS = ("families", "tables", "fits", "verdicts")
 """The parts of the analysis after the validity line, in the default order (``order``)."""
 CASE_TESTS = ("below", "above", "not below", "not above")
 """What a verdict case may require of a comparison (``stats.Comparison.below`` / ``above``)."""
 COMPARISON_FIELDS = ("mean", "t_ci", "boot_ci", "diff", "diff_ci", "p", "p_holm")
-CELLS = ("endpoint", "comparison", "show", "mean", "diff", "diff_fmt", "ratio", "p", "p_holm", "verdict")
-"""The columns a family's table may list (``Family.columns``)."""
+CELLS = ("endpoint", "comparison", "show", "show_t", "mean", "geo", "diff", "diff_fmt", "ratio", "ratio_exp", "p",
+         "p_holm", "verdict")
+"""The columns a family's table may list (``Family.columns``), and ``verdict:RULE`` (another rule's
+verdict on the same comparison)."""
 """The fields of a comparison a verdict line may print, e.g. ``{late.diff:+.4f}``, ``{late.diff_ci[0]:+.4f}``."""
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
@@ -73,7 +77,7 @@ class Endpoint:
     """The logged metric (a metrics.parquet column, e.g. ``val/accuracy``); empty for ``difference``."""
     stat: str
     """``level``, ``slope`` (per 100 steps), ``first``, ``last``, ``start``, ``final``, ``fall``, or
-    ``difference`` (of two earlier endpoints, ``of``)."""
+    ``log_slope``, ``fall_step``, or ``difference`` / ``log`` (of earlier endpoints, ``of``)."""
     window: tuple[int | None, int | None] = (None, None)
     """[first step, last step], both inclusive; null leaves that end open."""
     n: int = 20
@@ -83,7 +87,8 @@ class Endpoint:
     label: str = ""
     """How tables name the endpoint (default: its name)."""
     of: tuple[str, ...] = ()
-    """``difference``: the two earlier endpoints [a, b]; the run's value is a - b (e.g. late minus early)."""
+    """``difference``: the two earlier endpoints [a, b]; the run's value is a - b (e.g. late minus early).
+    ``log``: one earlier endpoint, the run's value its natural log."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,10 @@ class Rule:
     remedy "erodes"; empty: none."""
     unmet: str = ""
     """The verdict when the test holds but ``requires`` does not (e.g. "higher, not claimed")."""
+    ratio_bound: bool = False
+    """The rule holds only where, besides its test, the difference interval (of a ``log`` endpoint:
+    a log ratio) lies beyond the comparison's ``bound`` on the ratio scale: exp(upper end) < bound
+    for ``below``, exp(lower end) > bound for ``above``; ``{bound}`` in the texts prints it (2 decimals)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,8 @@ class Family:
     """Explicit (arm, reference, rule) comparisons in place of ``arms`` against ``against`` (e.g.
     each remedy arm against its own arm without the remedy); one Holm family per endpoint over all
     of them. An empty rule: the family's."""
+    bounds: tuple[float | None, ...] = ()
+    """Each explicit comparison's ``bound`` (a ratio bar for a ``ratio_bound`` rule), or None."""
     endpoint_rules: tuple[tuple[str, str], ...] = ()
     """(endpoint, rule) pairs: a rule per endpoint in place of ``rule``."""
     columns: tuple[str, ...] = ()
@@ -154,6 +165,22 @@ class Family:
     """A comparison's row name, a format string of ``{arm}`` and ``{against}`` (e.g. "{arm} - {against}")."""
     reference_label: str = "{against}"
     """The reference row's name (e.g. "{against} (reference)")."""
+    each_reference: bool = False
+    """``reference_row: each``: every reference's own row, before its first comparison (explicit
+    comparisons against several references, e.g. each LR arm's control)."""
+    zero: str = "0"
+    """How the ``show`` column prints an exact 0 (e.g. "0.000")."""
+    names: tuple[tuple[str, str], ...] = ()
+    """(arm, text) pairs: how ``{arm}`` and ``{against}`` in the labels print an arm (default its
+    name); a text may hold " | " to fill two columns (e.g. "stale_2 | lr 1e-4")."""
+
+    def shown(self, arm: str) -> str:
+        """How the family's labels print ``arm`` (``names``)."""
+        return dict(self.names).get(arm, arm)
+
+    def spans(self) -> int:
+        """How many columns more than one a comparison's name fills (each " | " in it starts one)."""
+        return max(t.count(" | ") for t in (self.label, self.reference_label, *(x for _, x in self.names)))
 
     def rule_for(self, endpoint: str, rule: str = "") -> str:
         """The rule of one comparison on ``endpoint`` (its own ``rule``, else the endpoint's, else the family's)."""
@@ -171,8 +198,10 @@ class Column:
     ``change``: the mean of the first endpoint -> the mean of the second; ``pair``: the two means
     as "a / b"; ``t``: the mean with its 95% t-interval (``digits`` decimals); ``t_boot``: the mean
     with its 95% t- and seed-bootstrap intervals; ``boot``: the mean with its bootstrap interval;
-    ``mean``: the mean; ``range``: where the bootstrap interval lies (``ranges``). ``t_boot``,
-    ``boot``, ``mean`` and ``pair`` print as ``text.fmt``."""
+    ``mean``: the mean; ``range``: where the bootstrap interval lies (``ranges``); ``seeds``: each
+    run with a value (not NaN) as "s<i>: value", i its place among the arm's runs (e.g. the step of
+    each fall, a ``fall_step`` endpoint), "-" for none. ``t_boot``, ``boot``, ``mean`` and ``pair``
+    print as ``text.fmt``."""
     endpoints: tuple[str, ...]
     """The endpoint (two for ``change``)."""
     digits: int = 3
@@ -198,9 +227,11 @@ class Table:
     """A descriptive table, one row per arm (no test, no verdict)."""
 
     title: str
-    """Printed in bold above the table."""
+    """Printed in bold above the table (none if empty)."""
     columns: tuple[Column, ...]
     """The columns after the arm's name."""
+    arm_header: str = "arm"
+    """The header of the arms' column (e.g. "condition")."""
     note: str = ""
     """Text after the bold title (e.g. " (means over seeds [95% t])")."""
     name: str = ""
@@ -267,6 +298,51 @@ class Fit:
     """``predict``: the T of the predictions table written before the test's runs (0: no table)."""
     at_k3: tuple[float, ...] = ()
     """``predict``: the k3 values of that table's columns."""
+    family: str = ""
+    """``growth``: the family whose comparisons (a growing dose against its time-averaged constant
+    dose) it decides."""
+    fall: str = ""
+    """``growth``: the fall endpoint whose counts decide by falls."""
+    min_falls: int = 3
+    """``growth``: the growing arm falls in at least this many runs and the constant arm in none;
+    ``signals``: with fewer late falls they are listed one by one, no rate computed."""
+    margin: float = 0.02
+    """``growth``: "no" needs the difference interval of ``endpoint`` inside [-margin, +margin]."""
+    unmatched: float = 2.0
+    """``growth``: the two arms' mean ``k3`` further apart than this factor are flagged UNMATCHED."""
+    headers: tuple[str, ...] = ()
+    """``growth``: the table's header cells (6)."""
+    signals: tuple[Signal, ...] = ()
+    """``signals``: the signals watched before each fall."""
+    reference: tuple[int, int] = (21, 60)
+    """``signals``: a signal's reference is its median over these steps (inclusive)."""
+    trail: int = 10
+    """``signals``: a rise is judged on the trailing mean of this many steps ..."""
+    rise_after: int = 60
+    """``signals``: ... at the first step after this one."""
+    early: int = 80
+    """``signals``: falls at steps <= this leave no room for a reference and a rise (early falls)."""
+    start: tuple[int, int] = (1, 5)
+    """``signals``: an early fall's signals are read against their mean over these steps."""
+
+
+@dataclass(frozen=True)
+class Signal:
+    """A per-step training metric watched for a rise before a fall (a ``signals`` fit)."""
+
+    name: str
+    """How the tables name it."""
+    metric: str
+    """The logged metric (e.g. ``train/grad_norm``)."""
+    factor: float = 1.5
+    """It rises when its trailing mean exceeds this factor times its reference median."""
+    over: str = ""
+    """A metric it is divided by (to the ``power``), e.g. the scheduled magnitude: the signal is
+    the metric against its schedule; a run where ``over`` is not positive at every step has none."""
+    power: float = 1.0
+    """The power of ``over``."""
+    arms: str = ""
+    """Only arms whose name starts with this have the signal ("n/a" elsewhere); empty: every arm."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +363,10 @@ class Validity:
     runs: str = ""
     """How ``same_start``'s part names the runs: "the same in all <runs>", "DIFFERS between <runs>"
     (default: "all N runs" and "runs"; e.g. "its runs")."""
+    controls: tuple[str, ...] = ()
+    """The arms ``control_exact`` and ``min_start_accuracy`` check (default: the control), e.g. each
+    LR arm's own control; when given, the line counts them: "at each of the S steps of all N control
+    runs"."""
 
 
 @dataclass(frozen=True)
@@ -469,12 +549,13 @@ def _endpoint(d: Any, where: str, earlier: list[str]) -> Endpoint:
     n = d.get("n", 20)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise StudyError(f"{where}: n must be an integer >= 1, got {n!r}")
-    stat = _choice(d["stat"], STATS + DERIVED, f"{where}: stat")
+    stat = _choice(d["stat"], STATS + tuple(DERIVED), f"{where}: stat")
     of: tuple[str, ...] = ()
     if stat in DERIVED:
         of = _names(d.get("of"), earlier, f"{where}: of (endpoints listed before it)")
-        if len(of) != 2:
-            raise StudyError(f"{where}: of: {stat} takes two endpoints [a, b] (a - b), got {list(of)}")
+        if len(of) != DERIVED[stat]:
+            raise StudyError(f"{where}: of: {stat} takes " + ("two endpoints [a, b] (a - b)" if DERIVED[stat] == 2
+                             else "one endpoint") + f", got {list(of)}")
     elif "metric" not in d:
         raise StudyError(f"{where}: missing key 'metric'")
     return Endpoint(d["name"], str(d.get("metric", "")), stat, _window(d.get("window"), f"{where}: window"), n,
@@ -519,8 +600,8 @@ def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
 
 def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: str, rules: dict) -> Family:
     f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show", "note", "headers",
-                  "reference_row", "comparisons", "columns", "title", "label", "reference_label"), ("name", "endpoints"),
-              where)
+                  "reference_row", "comparisons", "columns", "title", "label", "reference_label", "zero", "names"),
+              ("name", "endpoints"), where)
     if "arms" in f and not (isinstance(f["arms"], list) and f["arms"] and all(isinstance(a, str) for a in f["arms"])):
         raise StudyError(f"{where}: arms: expected a non-empty list of arm names, got {f['arms']!r}")
     eps = _names(f["endpoints"], names, f"{where}: endpoints")
@@ -532,25 +613,38 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
     elif rule:
         rule = _choice(rule, rule_names, f"{where}: rule")
     against = str(f.get("against", control))
-    comparisons = []
+    comparisons, bounds = [], []
     for j, c in enumerate(f.get("comparisons") or []):
         cw = f"{where}: comparisons[{j}]"
-        c = _keys(c, ("arm", "against", "rule"), ("arm",), cw)
+        c = _keys(c, ("arm", "against", "rule", "bound"), ("arm",), cw)
         r = _choice(c["rule"], rule_names, f"{cw}: rule") if c.get("rule") else ""
         comparisons.append((str(c["arm"]), str(c.get("against", against)), r))
+        bounds.append(_number(c["bound"], f"{cw}: bound") if "bound" in c else None)
     for j, (a, b, r) in enumerate(comparisons):
         for key in eps:
             need = rules[r or dict(by_endpoint).get(key, rule)].requires if (r or dict(by_endpoint).get(key, rule)) else ""
             if need and not any(x == b and y == against for x, y, _ in comparisons[:j]):
                 raise StudyError(f"{where}: comparisons[{j}]: its rule requires {need!r} of {b} against {against}, "
                                  f"so that comparison must come before it")
-    columns = tuple(_choice(c, CELLS, f"{where}: columns") for c in f.get("columns") or ())
+    columns = tuple(c if isinstance(c, str) and c.startswith("verdict:") and _choice(c[8:], rule_names, f"{where}: "
+                    f"columns: {c}") else _choice(c, CELLS, f"{where}: columns") for c in f.get("columns") or ())
+    bounded = {x for x in (*(c[8:] for c in columns if c.startswith("verdict:")), rule, *dict(by_endpoint).values(),
+                           *(r for *_, r in comparisons)) if x and rules[x].ratio_bound}
+    if bounded and not (comparisons and all(b is not None for b in bounds)):
+        raise StudyError(f"{where}: rule {sorted(bounded)[0]} has ratio_bound: give each comparison a bound")
+    each = f.get("reference_row", True) == "each"
+    if not (each or isinstance(f.get("reference_row", True), bool)):
+        raise StudyError(f"{where}: reference_row: {f['reference_row']!r}; valid choices: true, false, each")
+    shown = f.get("names") or {}
+    if not isinstance(shown, dict):
+        raise StudyError(f"{where}: names: expected a mapping of arm: text")
     fam = Family(str(f["name"]), eps, rule, against, tuple(f["arms"]) if isinstance(f.get("arms"), list) else (),
                  _choice(f.get("correction", "holm"), CORRECTIONS, f"{where}: correction"),
                  _names(f["show"], names, f"{where}: show")[0] if f.get("show") else "", str(f.get("note", "")),
-                 tuple(str(h) for h in f.get("headers") or ()), bool(f.get("reference_row", True)), tuple(comparisons),
-                 by_endpoint, columns, str(f.get("title", "")), str(f.get("label", "{arm}")),
-                 str(f.get("reference_label", "{against}")))
+                 tuple(str(h) for h in f.get("headers") or ()), each or bool(f.get("reference_row", True)),
+                 tuple(comparisons), tuple(bounds), by_endpoint, columns, str(f.get("title", "")),
+                 str(f.get("label", "{arm}")), str(f.get("reference_label", "{against}")), each,
+                 str(f.get("zero", "0")), tuple((str(a), str(t)) for a, t in shown.items()))
     for key, text in (("label", fam.label), ("reference_label", fam.reference_label)):
         try:
             text.format(arm="a", against="b")
@@ -558,7 +652,8 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
             raise StudyError(f"{where}: {key}: {text!r} is not a format string of {{arm}} and {{against}} ({e})") from None
     if columns and not fam.headers:
         raise StudyError(f"{where}: columns: name each with headers (as many)")
-    n_cols = len(columns) or 5 + bool(fam.show) + bool(fam.rule or by_endpoint or any(r for *_, r in comparisons))
+    n_cols = (len(columns) or 5 + bool(fam.show) + bool(fam.rule or by_endpoint or any(r for *_, r in comparisons))) \
+        + fam.spans() * ("comparison" in (columns or ("comparison",)))
     if fam.headers and len(fam.headers) != n_cols:
         raise StudyError(f"{where}: headers: {len(fam.headers)} given, the table has {n_cols} columns")
     return fam
@@ -577,11 +672,12 @@ def _ranges(v: Any, where: str) -> tuple[tuple[str, float | None, float | None],
     return tuple(out)
 
 
-def _order(v: Any, families: list[Family], tables: list[Table], w: str) -> tuple[str, ...]:
+def _order(v: Any, families: list[Family], tables: list[Table], fits: list[Fit], verdicts: tuple, w: str) -> tuple[str, ...]:
     """The parts after the validity line: each kind of ``SECTIONS`` once (it places the items of
-    its kind not named elsewhere), and any family or named table by its name."""
+    its kind not named elsewhere), any family or named table by its name, and the fits of a kind by
+    the kind (e.g. ``growth``). A fit or verdict comes after the families it reads."""
     order = tuple(v or SECTIONS)
-    items = [f.name for f in families] + [t.name for t in tables if t.name]
+    items = [f.name for f in families] + [t.name for t in tables if t.name] + [f.kind for f in fits]
     kinds = [x for x in order if x in SECTIONS]
     if sorted(kinds) != sorted(SECTIONS) or len(set(order)) != len(order):
         raise StudyError(f"{w}: order: expected each of {', '.join(SECTIONS)} once (and any family or named table "
@@ -589,7 +685,10 @@ def _order(v: Any, families: list[Family], tables: list[Table], w: str) -> tuple
     for x in order:
         _choice(x, SECTIONS + tuple(items), f"{w}: order")
     fams = [i for i, x in enumerate(order) if x == "families" or x in {f.name for f in families}]
-    if min(order.index("fits"), order.index("verdicts")) < max(fams):
+    where = lambda name: order.index(name) if name in order else order.index("families")  # noqa: E731
+    placed = [(order.index(f.kind), x) for f in fits if f.kind in order  # a fit kind placed by itself
+              for x in ([f.family] if f.kind == "growth" else [x.name for x in families] if f.kind == "power_law" else [])]
+    if min(order.index("fits"), order.index("verdicts")) < max(fams) or any(at < where(x) for at, x in placed):
         raise StudyError(f"{w}: order: fits and verdicts read the families' comparisons, so families come before them")
     return order
 
@@ -626,6 +725,49 @@ def _grouped_fit(f: dict, kind: str, names: list[str], where: str) -> dict:
             raise StudyError(f"{where}: kind threshold needs tokens: a mapping of group: T (the answer length where "
                              f"each group's k3*(T) is taken)")
         out["tokens"] = tuple((str(g), _number(v, f"{where}: tokens: {g}")) for g, v in t.items())
+    return out
+
+
+def _run_fit(f: dict, kind: str, names: list[str], families: list[Family], where: str) -> dict:
+    """The ``growth`` and ``signals`` keys of a fit (``Fit``), checked."""
+    def count(key: str, default: int) -> int:
+        v = f.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise StudyError(f"{where}: {key} must be an integer >= 0, got {v!r}")
+        return v
+
+    def steps(key: str, default: tuple) -> tuple:
+        v = f.get(key, list(default))
+        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+                and 0 <= v[0] <= v[1]):
+            raise StudyError(f"{where}: {key}: expected [first step, last step], got {v!r}")
+        return tuple(v)
+
+    out: dict = {"min_falls": count("min_falls", 3)}
+    if kind == "growth":
+        for key in ("family", "fall", "headers"):
+            if key not in f:
+                raise StudyError(f"{where}: kind growth needs {key}")
+        fam = _choice(f["family"], tuple(x.name for x in families), f"{where}: family")
+        if not isinstance(f["headers"], list) or len(f["headers"]) != 6:
+            raise StudyError(f"{where}: headers: the growth table has 6 columns, got {f['headers']!r}")
+        out.update(family=fam, fall=_names(f["fall"], names, f"{where}: fall")[0],
+                   margin=_number(f.get("margin", 0.02), f"{where}: margin"),
+                   unmatched=_number(f.get("unmatched", 2.0), f"{where}: unmatched"),
+                   headers=tuple(str(h) for h in f["headers"]))
+    if kind == "signals":
+        sigs = f.get("signals")
+        if not isinstance(sigs, list) or not sigs:
+            raise StudyError(f"{where}: kind signals needs signals: a list of {{name, metric, factor}}")
+        parsed = []
+        for i, x in enumerate(sigs):
+            sw = f"{where}: signals[{i}]"
+            x = _keys(x, ("name", "metric", "factor", "over", "power", "arms"), ("name", "metric"), sw)
+            parsed.append(Signal(str(x["name"]), str(x["metric"]), _number(x.get("factor", 1.5), f"{sw}: factor"),
+                                 str(x.get("over", "")), _number(x.get("power", 1), f"{sw}: power", positive=False),
+                                 str(x.get("arms", ""))))
+        out.update(signals=tuple(parsed), reference=steps("reference", (21, 60)), trail=count("trail", 10) or 1,
+                   rise_after=count("rise_after", 60), early=count("early", 80), start=steps("start", (1, 5)))
     return out
 
 
@@ -684,13 +826,14 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         raise StudyError(f"{w}: rules: expected a list")
     for i, r in enumerate(d.get("rules") or []):
         where = f"{w}: rules[{i}]"
-        r = _keys(r, ("name", "test", "alpha", "holds", "fails", "opposite", "requires", "unmet"), ("name",), where)
+        r = _keys(r, ("name", "test", "alpha", "holds", "fails", "opposite", "requires", "unmet", "ratio_bound"),
+                  ("name",), where)
         alpha = _number(r.get("alpha", 0.05), f"{where}: alpha")
         if alpha >= 1:
             raise StudyError(f"{where}: alpha must be below 1, got {alpha}")
         rules.append(Rule(str(r["name"]), _choice(r.get("test", "below"), TESTS, f"{where}: test"), alpha,
                           str(r.get("holds", "**yes**")), str(r.get("fails", "no")), str(r.get("opposite", "")),
-                          str(r.get("requires", "")), str(r.get("unmet", ""))))
+                          str(r.get("requires", "")), str(r.get("unmet", "")), bool(r.get("ratio_bound", False))))
     rule_names = [r.name for r in rules]
     for i, r in enumerate(rules):
         if r.requires:
@@ -703,7 +846,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     tables = []
     for i, t in enumerate(d.get("tables") or []):
         where = f"{w}: tables[{i}]"
-        t = _keys(t, ("title", "columns", "note", "name", "after"), ("title", "columns"), where)
+        t = _keys(t, ("title", "columns", "note", "name", "after", "arm_header"), ("columns",), where)
         cols = []
         for j, c in enumerate(t["columns"] if isinstance(t["columns"], list) else [None]):
             cw = f"{where}: columns[{j}]"
@@ -729,19 +872,21 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             cols.append(Column(str(c["header"]), show, eps, digits, spec, ranges, str(c.get("otherwise", "")),
                                None if c.get("control") is None else str(c["control"]), by,
                                _number(c.get("power", 1), f"{cw}: power", positive=False)))
-        tables.append(Table(str(t["title"]), tuple(cols), str(t.get("note", "")), str(t.get("name", "")),
-                            str(t.get("after", ""))))
+        tables.append(Table(str(t.get("title", "")), tuple(cols), str(t.get("arm_header", "arm")),
+                            str(t.get("note", "")), str(t.get("name", "")), str(t.get("after", ""))))
     fits = []
     for i, f in enumerate(d.get("fits") or []):
         where = f"{w}: fits[{i}]"
         f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label", "study", "title",
                       "length", "at", "rho", "min_cells", "min_groups", "unbounded", "tokens", "k3_star", "t_star",
-                      "exponent", "note", "at_T", "at_k3"), ("kind", "endpoint"), where)
+                      "exponent", "note", "at_T", "at_k3", "family", "fall", "min_falls", "margin", "unmatched",
+                      "headers", "signals", "reference", "trail", "rise_after", "early", "start"), ("kind", "endpoint"),
+                  where)
         kind = _choice(f["kind"], FITS, f"{where}: kind")
         if (kind in GROUPED_FITS) != bool(d.get("groups")):
             raise StudyError(f"{where}: kind {kind} " + ("needs groups: (a grouped study)" if kind in GROUPED_FITS
                              else "fits arms of an ungrouped study; with groups: use " + " or ".join(GROUPED_FITS)))
-        if kind not in GROUPED_FITS and "arms" not in f:
+        if kind not in (*GROUPED_FITS, "growth", "signals") and "arms" not in f:
             raise StudyError(f"{where}: missing key 'arms'")
         eps = _names(f["endpoint"], names, f"{where}: endpoint")
         ep = eps[0]
@@ -770,15 +915,19 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         fits.append(Fit(kind, ep, str(f.get("arms", "")), k3, _number(f.get("loss", 0.1), f"{where}: loss"),
                         str(f.get("what", "")), _number(f.get("k3_ref", 1e-3), f"{where}: k3_ref"),
                         str(labels[0]), str(f.get("dose_label", "head_perturb")), other, str(f.get("title", "")), eps,
-                        tuple(str(x) for x in labels), **_grouped_fit(f, kind, names, where)))
+                        tuple(str(x) for x in labels), **_grouped_fit(f, kind, names, where),
+                        **_run_fit(f, kind, names, families, where)))
     v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "start_bar", "title",
-                                        "runs"), (), f"{w}: validity")
+                                        "runs", "controls"), (), f"{w}: validity")
+    controls = v.get("controls") or []
+    if not (isinstance(controls, list) and all(isinstance(a, str) for a in controls)):
+        raise StudyError(f"{w}: validity: controls: expected a list of arm names, got {controls!r}")
     bar, start_bar = v.get("min_start_accuracy"), v.get("start_bar")
     validity = Validity(bool(v.get("control_exact", True)),
                         None if bar is None else _number(bar, f"{w}: validity: min_start_accuracy", positive=False),
                         bool(v.get("same_start", False)),
                         None if start_bar is None else _number(start_bar, f"{w}: validity: start_bar", positive=False),
-                        str(v.get("title", "Validity")), str(v.get("runs", "")))
+                        str(v.get("title", "Validity")), str(v.get("runs", "")), tuple(controls))
     findings, blank_end = None, False
     if d.get("findings") is not None:
         fd = _keys(d["findings"], ("file", "block", "blank_end"), ("file", "block"), f"{w}: findings")
@@ -806,7 +955,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{w}: repeats: last_step must be an integer from 0 to steps ({steps}), got {last!r}")
         repeats = Repeats(str(r["sweep"]), last)
     verdicts = tuple(_verdict(x, f"{w}: verdicts[{i}]", families) for i, x in enumerate(d.get("verdicts") or []))
-    order = _order(d.get("order"), families, tables, w)
+    order = _order(d.get("order"), families, tables, fits, verdicts, w)
     notes = d.get("notes") or []
     if not (isinstance(notes, list) and all(isinstance(x, str) for x in notes)):
         raise StudyError(f"{w}: notes: expected a list of paragraphs (text)")
