@@ -26,6 +26,7 @@ engine (what ``timlab pretrain`` reports). Prints one JSON line per evaluation a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -116,7 +117,7 @@ def main() -> None:
         model = load_model(args.init)
         need = task.max_prompt_chars + max_new + 64
         if model.config.max_position_embeddings < need:  # RoPE has no weights: only the bound moves
-            model.config.max_position_embeddings = need
+            model.config = dataclasses.replace(model.config, max_position_embeddings=need)
             model.refresh_rope()
     else:
         torch.manual_seed(cfg.model.pretrain_seed)
