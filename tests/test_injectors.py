@@ -72,7 +72,7 @@ def test_composition_and_scope(model):
     assert 0 < scoped < realized(model, "temperature", 1.0)[0]
 
 
-@pytest.mark.parametrize("injector", ["temperature", "logit_noise"])
+@pytest.mark.parametrize("injector", ["temperature", "logit_noise", "head_perturb"])
 def test_entropy_scope_perturbs_only_the_chosen_tokens(model, injector):
     """entropy_min / entropy_max: a token whose trainer entropy lies outside [min, max) gets the
     trainer's log-prob bit for bit (r exactly 0); inside, the rollout is perturbed. The two scopes
@@ -95,13 +95,48 @@ def test_entropy_scope_perturbs_only_the_chosen_tokens(model, injector):
 
 
 @pytest.mark.parametrize("kw, msg", [
-    ({"injector": "head_perturb", "entropy_min": 1.0}, "mismatch.entropy_min scopes logit_noise and temperature only"),
+    ({"injector": "precision", "entropy_min": 1.0}, "mismatch.entropy_min scopes head_perturb, logit_noise, temperature only"),
+    ({"injector": "stale", "position_max": 4}, "mismatch.position_max scopes head_perturb, logit_noise, temperature only"),
+    ({"injector": "head_perturb+precision", "entropy_min": 1.0},
+     "confines head_perturb only when the rest of the rollout is the trainer's own model, and part precision changes"),
+    ({"injector": "head_perturb+engine", "position_min": 3}, "and part engine changes the rest of the rollout"),
+    ({"injector": "temperature", "position_min": -1}, "mismatch.position_min must be a response token index >= 0"),
+    ({"injector": "temperature", "position_min": 5, "position_max": 5}, "position_min \\(5\\) must be below"),
     ({"injector": "temperature", "entropy_max": -1.0}, "mismatch.entropy_max must be a finite number of nats >= 0"),
     ({"injector": "temperature", "entropy_min": 2.0, "entropy_max": 1.0}, "must be below mismatch.entropy_max"),
 ])
 def test_bad_entropy_scopes(model, kw, msg):
     with pytest.raises(Exception, match=msg):
         realized(model, magnitude=0.5, **kw)
+
+
+@pytest.mark.parametrize("injector", ["temperature", "logit_noise", "head_perturb"])
+def test_position_scope_perturbs_only_the_chosen_positions(model, injector):
+    """position_min / position_max: response tokens at index [4, 12) are perturbed, every other one
+    keeps the trainer's log-prob bit for bit; the two halves of the responses split the mismatch."""
+    every, _ = realized(model, injector, 0.5)
+    k_mid, r = realized(model, injector, 0.5, position_min=4, position_max=12)
+    with torch.enable_grad():
+        lp, _ = token_logprobs(model, r.tokens, r.key_valid)
+    P = max(len(p) for p in PROMPTS)
+    index = torch.arange(r.tokens.shape[1]) - P  # (S,) response token index
+    inside = r.response_mask & ((index >= 4) & (index < 12))[None]
+    outside = r.response_mask & ~inside
+    diff = lp.detach() - r.logprobs
+    assert outside.sum() >= 50 and inside.sum() >= 50
+    assert (diff[outside] == 0).all()  # out of scope: exact
+    assert (diff[inside] != 0).float().mean() > 0.9  # in scope: perturbed
+    k_head = realized(model, injector, 0.5, position_max=12)[0]
+    k_tail = realized(model, injector, 0.5, position_min=12)[0]
+    assert 0 < k_mid < k_head < every and 0 < k_tail < every
+
+
+def test_head_perturb_scoped_everywhere_is_the_unscoped_rollout_bit_for_bit(model):
+    """The kept-logits path (head_perturb under a scope) samples from the same perturbed logits: a
+    scope that holds every token gives the unscoped rollout's tokens and log-probs exactly."""
+    _, plain = realized(model, "head_perturb", 0.5)
+    _, scoped = realized(model, "head_perturb", 0.5, position_max=10_000)
+    assert torch.equal(plain.tokens, scoped.tokens) and torch.equal(plain.logprobs, scoped.logprobs)
 
 
 def test_trainer_weights_untouched(model):

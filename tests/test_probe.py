@@ -288,3 +288,70 @@ def test_cli_options_not_given_are_not_passed_and_help_quotes_the_library_defaul
     defaults = inspect.signature(run_probe).parameters
     assert f"--max-new-tokens MAX_NEW_TOKENS default {defaults['max_new_tokens'].default}" in text
     assert f"(default {defaults['rollout'].default})" in text and "{default}" not in text
+
+
+# ------------------------------------------------------------------------------ injector calibration
+def test_interpolate_magnitude_by_hand():
+    from timlab.experiments.probe import interpolate_magnitude
+
+    # total ~ magnitude^2: halfway in log total between 0.1 and 0.4 is sqrt(2) in magnitude
+    assert interpolate_magnitude([1.0, 2.0], [0.1, 0.4], 0.2) == pytest.approx(2 ** 0.5, rel=1e-12)
+    assert interpolate_magnitude([2.0, 1.0, 4.0], [0.4, 0.1, 1.6], 0.8) == pytest.approx(2 * 2 ** 0.5, rel=1e-12)
+    assert interpolate_magnitude([1.0, 2.0], [0.1, 0.4], 0.4) == pytest.approx(2.0)
+    assert interpolate_magnitude([1.0, 2.0], [0.1, 0.4], 0.5) is None  # not bracketed
+    assert interpolate_magnitude([1.0, 2.0], [0.0, 0.4], 0.2) is None  # log of 0
+
+
+def calibrate(tmp_path, folder, prompts, *args) -> dict:
+    out = tmp_path / "cal.json"
+    argv = ["probe", "--model", str(folder), "--prompts", str(prompts), "--max-new-tokens", "16",
+            "--samples-per-prompt", "4", "--json", str(out), "--injector", "head_perturb", *args]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_calibration_matches_arms_on_total_k3(tmp_path, folder, prompts, capsys):
+    """T * k3 = mean length x per-token k3, growing with the magnitude; an arm confined to the first
+    4 response tokens reaches only those (<= 4 of ~16) and needs a larger magnitude for the same
+    total; the calibrated magnitude, rolled out, realizes the target within the interpolation's error."""
+    every = calibrate(tmp_path, folder, prompts, "--magnitudes", "0.05,0.1,0.2,0.4", "--target-total-k3", "0.5")
+    rows = every["rows"]
+    assert [x["magnitude"] for x in rows] == [0.05, 0.1, 0.2, 0.4]
+    for x in rows:
+        assert x["total_k3"] == pytest.approx(x["k3"] * x["mean_length"], rel=1e-12)
+        assert x["num_tokens"] == pytest.approx(20 * x["mean_length"])  # 5 prompts x 4 samples
+    totals = [x["total_k3"] for x in rows]
+    assert all(a < b for a, b in zip(totals, totals[1:])) and totals[0] < 0.5 < totals[-1]
+    assert rows[-1]["frac_tokens_reached"] > 0.9
+    m_every = every["calibrated_magnitude"]
+    assert 0.05 < m_every < 0.4
+    first4 = calibrate(tmp_path, folder, prompts, "--magnitudes", "0.1,0.2,0.4,0.8,1.6", "--mismatch", "position_max=4",
+                       "--target-total-k3", "0.5")
+    assert first4["mismatch"] == {"position_max": 4}
+    for x in first4["rows"]:
+        assert 0 < x["frac_tokens_reached"] * x["mean_length"] <= 4 + 1e-9
+    assert first4["calibrated_magnitude"] > m_every
+    check = calibrate(tmp_path, folder, prompts, "--magnitudes", str(m_every))
+    assert check["rows"][0]["total_k3"] == pytest.approx(0.5, rel=0.35)
+    out = capsys.readouterr().out
+    assert "calibration: injector=head_perturb (other mismatch settings: position_max=4)" in out
+    assert "target T * k3 0.5: magnitude" in out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--magnitudes", "0.5", "--mismatch", "entropy_min=-1"], "mismatch.entropy_min must be a finite number"),
+    (["--magnitudes", "0,1"], "magnitudes must be one or more finite numbers > 0"),
+    (["--magnitudes", "a,b"], "--magnitudes takes numbers separated by commas"),
+    (["--magnitudes", "0.5", "--rollout", "fast"], "--rollout is for comparing engines"),
+    ([], "--injector needs --magnitudes"),
+])
+def test_calibration_bad_input_is_one_line(tmp_path, folder, prompts, capsys, args, msg):
+    argv = ["probe", "--model", str(folder), "--prompts", str(prompts), "--injector", "head_perturb", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and "\n" not in err
+
+
+def test_calibration_flags_need_an_injector(tmp_path, folder, prompts, capsys):
+    assert main(["probe", "--model", str(folder), "--prompts", str(prompts), "--magnitudes", "1"]) == 2
+    assert "--magnitudes calibrates an injector; give --injector too" in capsys.readouterr().err

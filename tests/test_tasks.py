@@ -339,3 +339,51 @@ def test_scratch_add_verbosity_lengthens_the_answer_at_fixed_difficulty(verbosit
 def test_scratch_add_rejects_bad_options(kwargs):
     with pytest.raises(ValueError, match="scratch_add"):
         get_task("scratch_add", **kwargs)
+
+
+def test_scratch_add_restate_by_hand():
+    from timlab.tasks.scratchpad import countdown_label, restatement, used_scratchpad
+    assert [countdown_label(i) for i in (0, 1, 25, 26, 27, 675)] == ["aa", "ab", "az", "ba", "bb", "zz"]
+    assert restatement(47, 85, 0) == ""
+    assert restatement(47, 85, 3) == "ac47+85=ab47+85=aa47+85="
+    task = get_task("scratch_add", scratch_frac=1.0, restate=3)
+    ex = Example("47+85=", "132")
+    gold = "ac47+85=ab47+85=aa47+85=:7502,4813,>132"
+    assert task.gold_completion(ex) == gold and task.demonstration(ex, random.Random(0)) == gold
+    assert task.reward(ex, gold) == 1.0 and used_scratchpad(gold) and not used_scratchpad(">132")
+    # the terse form does not change; the letters join the alphabet only when restate > 0
+    assert get_task("scratch_add", scratch_frac=0.0, restate=3).demonstration(ex, random.Random(0)) == ">132"
+    assert get_task("scratch_add", restate=3).alphabet == "+,0123456789:=>abcdefghijklmnopqrstuvwxyz"
+    assert get_task("scratch_add", restate=0).alphabet == "+,0123456789:=>"
+
+
+@pytest.mark.parametrize("restate, mean_len", [(0, 21.932), (1, 30.947), (31, 301.397), (109, 1004.567)])
+def test_scratch_add_restate_lengthens_the_answer_with_the_same_decisions(restate, mean_len):
+    """T ~ 30, 300 and 1,000 (tokens: characters + EOS) at 1-4-digit sums; the sums are the same, and
+    after the restated operands every demonstration is level 0's worked answer character for
+    character: the same decision tokens at every length."""
+    from timlab.tasks.scratchpad import countdown_label
+    task = get_task("scratch_add", max_digits=4, scratch_frac=1.0, restate=restate)
+    level0 = get_task("scratch_add", max_digits=4, scratch_frac=1.0)
+    exs = task.sample(random.Random(0), 2000)
+    assert exs == level0.sample(random.Random(0), 2000)
+    demos = [task.demonstration(e, random.Random(0)) for e in exs]
+    assert sum(len(d) + 1 for d in demos) / len(demos) == pytest.approx(mean_len, abs=1e-9)
+    for e, d in zip(exs, demos):
+        entry = 2 + len(e.prompt)  # a label and the prompt's operands
+        worked = level0.gold_completion(e)
+        assert d == "".join(countdown_label(i) + e.prompt for i in range(restate - 1, -1, -1)) + worked
+        assert len(d) == restate * entry + len(worked)
+        assert task.reward(e, d) == 1.0 and len(d) <= task.max_answer_chars and set(d) <= set(task.alphabet)
+    assert max(len(d) for d in demos) == task.max_answer_chars  # the bound is tight
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"restate": -1}, "restate must be an integer from 0 to 676, got -1"),
+    ({"restate": 677}, "restate must be an integer from 0 to 676, got 677"),
+    ({"restate": 1.5}, "restate must be an integer from 0 to 676, got 1.5"),
+    ({"restate": 3, "verbosity": 1}, r"restate \(3\) and verbosity \(1\) both lengthen the worked answer; set one"),
+])
+def test_scratch_add_rejects_bad_restate(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        get_task("scratch_add", **kwargs)

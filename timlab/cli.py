@@ -81,6 +81,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise CLIError("probe needs exactly one of --prompts FILE or --task NAME")
     check_output_file(args.json, "--json")
     check_output_file(args.html, "--html")
+    if args.injector is not None:
+        return _probe_calibration(args)
+    for flag in ("magnitudes", "mismatch", "target_total_k3", "task_kwarg"):
+        if getattr(args, flag):
+            raise CLIError(f"--{flag.replace('_', '-')} calibrates an injector; give --injector too")
     options = ("num_prompts", "samples_per_prompt", "rollout", "score", "dtype", "max_new_tokens", "seed",
                "temperature", "top_p", "top_k", "device", "show")
     result = run_probe(model_dir=args.model, prompts_file=args.prompts, task=args.task, attribute=args.attribute,
@@ -91,6 +96,33 @@ def cmd_probe(args: argparse.Namespace) -> int:
         from timlab.experiments.probe import write_probe_html
 
         print(f"report: {write_probe_html(result, args.html)}")
+    return 0
+
+
+def _probe_calibration(args: argparse.Namespace) -> int:
+    """``timlab probe --injector``: the realized T * k3 of an injector at each magnitude (run_calibration)."""
+    from timlab.experiments.probe import format_calibration, run_calibration
+
+    for flag in ("rollout", "score", "dtype", "attribute", "html", "show"):
+        if getattr(args, flag):
+            raise CLIError(f"--{flag} is for comparing engines; with --injector the rollout is the exact engine "
+                           "with the injector, scored by the trainer")
+    if not args.magnitudes:
+        raise CLIError("--injector needs --magnitudes, e.g. --magnitudes 0.3,0.6,1.2")
+    try:
+        magnitudes = [float(x) for x in args.magnitudes.split(",") if x.strip()]
+    except ValueError:
+        raise CLIError(f"--magnitudes takes numbers separated by commas, got {args.magnitudes!r}") from None
+    from timlab.config import parse_set
+
+    mismatch = parse_set([f"mismatch.{kv}" for kv in args.mismatch or []]).get("mismatch", {})
+    task_kwargs = parse_set([f"task.kwargs.{kv}" for kv in args.task_kwarg or []]).get("task", {}).get("kwargs", {})
+    options = ("num_prompts", "samples_per_prompt", "max_new_tokens", "seed", "temperature", "top_p", "top_k", "device")
+    result = run_calibration(model_dir=args.model, injector=args.injector, magnitudes=magnitudes,
+                             mismatch=mismatch, target_total_k3=args.target_total_k3 or 0.0,
+                             prompts_file=args.prompts, task=args.task, task_kwargs=task_kwargs, **_given(args, options))
+    print(format_calibration(result))
+    _write_json(args.json, result)
     return 0
 
 
@@ -119,6 +151,14 @@ def _add_probe(sub) -> None:
                                                           "largest |r| (default {default})")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--html", help="write a self-contained HTML page with plots here")
+    p.add_argument("--injector", help="calibrate this mismatch.injector instead: roll out as the RL loop does (exact "
+                   "engine + injector, scored by the trainer) and report k3 and T * k3 per magnitude")
+    p.add_argument("--magnitudes", help="--injector: comma-separated magnitudes, e.g. 0.3,0.6,1.2")
+    p.add_argument("--mismatch", action="append", metavar="KEY=VALUE",
+                   help="--injector: another mismatch setting, e.g. entropy_min=0.5 (repeatable)")
+    p.add_argument("--target-total-k3", type=float, help="--injector: the magnitude reaching this T * k3 (interpolated)")
+    p.add_argument("--task-kwarg", action="append", metavar="KEY=VALUE",
+                   help="--injector: an option of --task, e.g. max_digits=4 (repeatable)")
     p.set_defaults(func=cmd_probe)
 
 

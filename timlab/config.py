@@ -230,10 +230,16 @@ class MismatchSection:
     """Scope: inject only on tokens whose trainer probability is below this (1.0 = everywhere)."""
     entropy_min: float = 0.0
     """Scope: inject only at decode steps whose unperturbed next-token entropy (nats) is at least
-    this: the "decision" tokens (0 = no lower bound). logit_noise and temperature only."""
+    this: the "decision" tokens (0 = no lower bound). logit_noise, temperature and head_perturb."""
     entropy_max: float = 0.0
     """Scope: inject only at decode steps whose unperturbed next-token entropy (nats) is below this:
-    the near-deterministic tokens (0 = no upper bound). logit_noise and temperature only."""
+    the near-deterministic tokens (0 = no upper bound). logit_noise, temperature and head_perturb."""
+    position_min: int = 0
+    """Scope: inject only at response tokens whose index (from 0) is at least this (0 = from the
+    first). logit_noise, temperature and head_perturb; the other tokens are the trainer's, bit for bit."""
+    position_max: int = 0
+    """Scope: inject only at response tokens whose index (from 0) is below this (0 = no upper bound).
+    logit_noise, temperature and head_perturb."""
     seed: int = 0
     """Seed of the injector's own randomness (noise draws, the fixed head perturbation)."""
     target_k3: float = 0.0

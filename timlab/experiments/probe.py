@@ -23,12 +23,19 @@ engines ``exact``/``fast``, any score path but ``hf``) and reports the routing m
 often the top-k expert set of a position differs between them, per sparse layer, and mean |r|
 split by whether the position producing the token flipped (``routing_mismatch``).
 
+``run_calibration`` (``timlab probe --injector``) rolls out the way the RL loop does, with a
+configured injector at several magnitudes, and reports the realized k3 per token and in total per
+sequence (T * k3), and the magnitude that reaches a target total: how arms that confine the
+mismatch to different tokens (``mismatch.entropy_*``, ``position_*``) are matched on T * k3.
+
 Not from a paper: a diagnostic in the spirit of VeXact's bitwise check (docs/exactness.md).
 Metric definitions are those of ``timlab.metrics`` (docs/metrics.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -566,3 +573,123 @@ def write_probe_html(result: dict, path: str | Path) -> Path:
     atomic_write_text(path, f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
     return path
+
+
+# ------------------------------------------------------------------------------ injector calibration
+def interpolate_magnitude(magnitudes: list[float], totals: list[float], target: float) -> float | None:
+    """The magnitude whose total reaches ``target``: log-log linear between the two consecutive
+    (magnitude ascending) points that bracket it; None when no pair does (or a total is 0 there).
+    E.g. magnitudes [1, 2], totals [0.1, 0.4], target 0.2 -> 2 ** 0.5 (total ~ magnitude^2)."""
+    pts = sorted(zip(magnitudes, totals))
+    for (m1, t1), (m2, t2) in zip(pts, pts[1:]):
+        if min(t1, t2) <= target <= max(t1, t2) and t1 > 0 and t2 > 0 and m1 > 0 and t1 != t2:
+            frac = (math.log(target) - math.log(t1)) / (math.log(t2) - math.log(t1))
+            return math.exp(math.log(m1) + frac * (math.log(m2) - math.log(m1)))
+        if t1 == t2 == target:
+            return m1
+    return None
+
+
+def run_calibration(
+    *,
+    model_dir: str | Path,
+    injector: str,
+    magnitudes: list[float],
+    mismatch: dict | None = None,
+    target_total_k3: float = 0.0,
+    prompts_file: str | Path | None = None,
+    task: str | None = None,
+    task_kwargs: dict | None = None,
+    num_prompts: int | None = None,
+    samples_per_prompt: int = 1,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    device: str = "cpu",
+) -> dict:
+    """What a configured injector realizes, per token and per sequence, at each magnitude.
+
+    The rollout is the RL loop's: the exact engine with ``injector`` (a ``mismatch.injector`` spec)
+    at each of ``magnitudes``, the other ``mismatch.*`` settings from ``mismatch`` (e.g.
+    ``{"entropy_min": 0.5}`` for an arm confined to the decision tokens), scored by the trainer's
+    forward. The same prompts and the same seed at every magnitude. Per magnitude: ``k3`` (mean
+    over response tokens, as ``rollout_corr/k3_kl``), ``mean_length`` T, ``total_k3`` = T * k3 (the
+    sequence-level sum, the statistic E3b found the cost to follow), and the share of tokens the
+    mismatch reached (r != 0). With ``target_total_k3`` > 0: ``calibrated_magnitude``, the
+    magnitude that reaches it (``interpolate_magnitude``), so that arms with different scopes can
+    be matched on T * k3. Prompts as in ``run_probe`` (``task_kwargs``: the task's options).
+    """
+    from timlab.config import resolve
+    from timlab.injectors import build_injector
+    from timlab.tasks import get_task
+
+    if (prompts_file is None) == (task is None):
+        raise UsageError("calibration needs exactly one of prompts_file or task")
+    if not magnitudes or any(not (math.isfinite(m) and m > 0) for m in magnitudes):
+        raise UsageError(f"magnitudes must be one or more finite numbers > 0, got {magnitudes}")
+    if not (math.isfinite(target_total_k3) and target_total_k3 >= 0):
+        raise UsageError(f"target_total_k3 must be a finite number >= 0 (0 = no target), got {target_total_k3}")
+    for name, value in (("num_prompts", num_prompts), ("samples_per_prompt", samples_per_prompt),
+                        ("max_new_tokens", max_new_tokens)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    section = resolve(overrides={"mismatch": {**(mismatch or {}), "injector": injector}}).mismatch
+    if section.injector == "none":
+        raise UsageError("calibration needs an injector (mismatch.injector), not 'none'")
+    model, tokenizer = load_probe_model(model_dir, device=device)
+    if prompts_file is not None:
+        texts, source = _read_prompts(prompts_file), f"prompts file {str(prompts_file)!r}"
+        texts = texts[:num_prompts] if num_prompts else texts
+    else:
+        try:
+            maker = get_task(task, **(task_kwargs or {}))
+        except TypeError as e:
+            raise UsageError(f"task_kwargs: {e}") from None
+        texts = [ex.prompt for ex in maker.sample(random.Random(seed), num_prompts or TASK_PROMPTS)]
+        source = f"task {task!r}"
+    prompt_ids = _encode(tokenizer, texts, model, max_new_tokens, source)
+    prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    rows = []
+    for m in magnitudes:
+        inj = build_injector(dataclasses.replace(section, magnitude=float(m)), model, default_engine="exact",
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        inj.begin_step(1)
+        r = inj.rollout(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                        generator=torch.Generator(device=model.device).manual_seed(seed))
+        score_logp = score_logprobs("trainer", model, r.tokens, r.key_valid)
+        mask = r.response_mask
+        k3 = offpolicy_metrics(score_logp, r.logprobs, mask.float())["k3_kl"]
+        n_tokens = int(mask.sum())
+        mean_length = n_tokens / len(prompts)
+        reached = int(((score_logp != r.logprobs) & mask).sum())
+        rows.append({"magnitude": float(m), "k3": k3, "mean_length": mean_length, "total_k3": k3 * mean_length,
+                     "frac_tokens_reached": reached / max(n_tokens, 1), "num_tokens": n_tokens})
+    out = {"model_dir": str(model_dir), "injector": section.injector, "seed": seed, "num_sequences": len(prompts),
+           "max_new_tokens": max_new_tokens, "temperature": temperature,
+           "mismatch": {k: v for k, v in dataclasses.asdict(section).items()
+                        if k not in ("injector", "magnitude") and v != getattr(type(section)(), k)},
+           "rows": rows, "target_total_k3": target_total_k3}
+    if target_total_k3 > 0:
+        out["calibrated_magnitude"] = interpolate_magnitude([x["magnitude"] for x in rows],
+                                                            [x["total_k3"] for x in rows], target_total_k3)
+    return out
+
+
+def format_calibration(result: dict) -> str:
+    """A short report of ``run_calibration``'s result: one line per magnitude, then the calibrated one."""
+    scope = ", ".join(f"{k}={v}" for k, v in result["mismatch"].items()) or "none"
+    lines = [f"calibration: injector={result['injector']} (other mismatch settings: {scope}), "
+             f"{result['num_sequences']} sequences, seed {result['seed']}",
+             f"  {'magnitude':>10} {'k3 per token':>13} {'mean T':>8} {'T * k3':>10} {'tokens reached':>15}"]
+    for x in result["rows"]:
+        lines.append(f"  {x['magnitude']:>10.4g} {x['k3']:>13.3e} {x['mean_length']:>8.1f} {x['total_k3']:>10.3e} "
+                     f"{100 * x['frac_tokens_reached']:>14.1f}%")
+    if result["target_total_k3"] > 0:
+        m = result["calibrated_magnitude"]
+        lines.append(f"  target T * k3 {result['target_total_k3']:.3g}: magnitude "
+                     + (f"{m:.4g} (log-log interpolation)" if m is not None else
+                        "not bracketed by these magnitudes; add smaller or larger ones"))
+    return "\n".join(lines)

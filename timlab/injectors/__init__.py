@@ -14,10 +14,16 @@ off exactly, then add a controlled amount back). Three kinds of parts compose wi
 - an engine swap: ``engine`` (``mismatch.engine``: fast or hf kernels instead of exact);
 - logits processors: ``logit_noise`` (fresh N(0, magnitude^2) per logit and token: random TIM),
   ``temperature`` (rollout logits / (1 + magnitude): biased TIM). Only these two honour the
-  scopes: ``mismatch.prob_below`` (perturb only vocabulary entries whose unperturbed probability,
-  i.e. the trainer's, is below the threshold) and ``mismatch.entropy_min`` / ``entropy_max``
-  (perturb only decode steps whose unperturbed next-token entropy lies in [min, max): the
-  high-entropy "decision" tokens, or the near-deterministic rest).
+  vocabulary scope ``mismatch.prob_below`` (perturb only entries whose unperturbed probability,
+  i.e. the trainer's, is below the threshold).
+
+Two per-step scopes confine ``logit_noise``, ``temperature`` and ``head_perturb`` to some decode
+steps; every other step samples from the trainer's logits, bit for bit: ``mismatch.entropy_min`` /
+``entropy_max`` (steps whose unperturbed next-token entropy lies in [min, max): the high-entropy
+"decision" tokens, or the near-deterministic rest) and ``mismatch.position_min`` /
+``position_max`` (response tokens at index [min, max), from 0). ``head_perturb`` keeps the
+trainer's logits of each step for this (its own module says how). ``timlab probe --injector``
+measures what a scoped arm realizes in total, T * k3, and calibrates its magnitude to a target.
 
 Every run measures the realized mismatch (rollout_corr/*, mismatch/*), so a knob's effect is
 measured, not assumed. Injector randomness comes from its own seeded generator (checkpointed).
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import math
 import pkgutil
@@ -91,14 +98,18 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
         raise UsageError(f"mismatch.prob_below must be in (0, 1], got {s.prob_below}")
     if s.prob_below < 1.0 and not any(inj.scoped for inj in injectors):
         raise UsageError(f"mismatch.prob_below scopes {' and '.join(_names_where('scoped'))} only; add one of them")
-    for key in ("entropy_min", "entropy_max"):
+    for key in ("entropy_min", "entropy_max", "position_min", "position_max"):
         v = getattr(s, key)
-        if not (math.isfinite(v) and v >= 0):
+        if key.startswith("entropy") and not (math.isfinite(v) and v >= 0):
             raise UsageError(f"mismatch.{key} must be a finite number of nats >= 0 (0 = no bound), got {v}")
-        if v > 0 and not any(inj.scoped for inj in injectors):
-            raise UsageError(f"mismatch.{key} scopes {' and '.join(_names_where('scoped'))} only; add one of them")
+        if key.startswith("position") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise UsageError(f"mismatch.{key} must be a response token index >= 0 (0 = no bound), got {v!r}")
+        if v > 0 and not any(inj.step_scoped for inj in injectors):
+            raise UsageError(f"mismatch.{key} scopes {', '.join(_names_where('step_scoped'))} only; add one of them")
     if s.entropy_max > 0 and s.entropy_min >= s.entropy_max:
         raise UsageError(f"mismatch.entropy_min ({s.entropy_min}) must be below mismatch.entropy_max ({s.entropy_max})")
+    if s.position_max > 0 and s.position_min >= s.position_max:
+        raise UsageError(f"mismatch.position_min ({s.position_min}) must be below mismatch.position_max ({s.position_max})")
     for inj in injectors:
         inj.check()
     check_target(target_k3=s.target_k3, target_k3_end=s.target_k3_end, target_gain=s.target_gain,
@@ -113,6 +124,14 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
     engine_name = default_engine
     for inj in injectors:
         engine_name = inj.rollout_engine(engine_name)
+    keeps = [inj.name for inj in injectors if inj.step_scoped and not inj.processes_logits]
+    if s.step_scope and keeps:
+        body = [inj.name for inj in injectors if inj.copies_weights or inj.changes_model_code
+                or type(inj).rollout_engine is not Injector.rollout_engine]
+        if body or ENGINES.get(engine_name).copies_weights:
+            why = f"part {body[0]} changes the rest of the rollout" if body else f"the engine {engine_name!r} runs its own copy"
+            raise UsageError(f"a per-step scope (mismatch.entropy_*, position_*) confines {keeps[0]} only when the rest "
+                             f"of the rollout is the trainer's own model, and {why}; drop the scope or that part")
     code = [inj.name for inj in injectors if inj.changes_model_code]
     if code and ENGINES.get(engine_name).copies_weights:
         raise UsageError(f"mismatch.injector part {code[0]} changes timlab's model code, which the rollout engine "
@@ -161,6 +180,8 @@ class RolloutInjector:
         """Sets the magnitude from the realized k3 when mismatch.target_k3 > 0 (else None)."""
         self.rollout_model = self._build_model(model)
         self.engine = build_engine(engine_name, self.rollout_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        if settings.step_scope and any(i.step_scoped and not i.processes_logits for i in self.injectors):
+            self.engine.share_prefill = False  # a kept-logits part needs one row per sequence (same bits: exact prefill is row-invariant)
         self.engine_name = engine_name
         self.base_engine = None
         """The default engine on the trainer's own model, for the steps before start_step."""
@@ -257,8 +278,16 @@ class RolloutInjector:
         self.engine.sync_weights()
 
     # -- logits processors ----------------------------------------------------------------
-    def _process(self, logits: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        clean = logits  # (B, V)
+    @property
+    def processes_logits(self) -> bool:
+        """True when the rollout needs a logits processor: a part changes the logits, or a per-step
+        scope picks between the rollout's and the trainer's logits."""
+        return any(inj.processes_logits or (inj.step_scoped and self.settings.step_scope) for inj in self.injectors)
+
+    def _process(self, logits: torch.Tensor, col: torch.Tensor, prompt_width: int) -> torch.Tensor:
+        clean = logits  # (B, V): the trainer's logits, unless a part changed the model and did not keep them
+        for inj in self.injectors:
+            clean = inj.trainer_logits(clean)
         out = logits
         for inj in self.injectors:
             if inj.processes_logits:
@@ -274,6 +303,12 @@ class RolloutInjector:
             if s.entropy_max > 0:
                 keep &= entropy < s.entropy_max
             out = torch.where(keep[:, None], out, clean)
+        if s.position_min > 0 or s.position_max > 0:
+            position = col - prompt_width  # (B,) response token index, from 0
+            keep = position >= s.position_min
+            if s.position_max > 0:
+                keep &= position < s.position_max
+            out = torch.where(keep[:, None], out, clean)
         return out
 
     def rollout(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingParams,
@@ -284,7 +319,8 @@ class RolloutInjector:
         ``record_routing``: record an MoE model's expert choices (``Rollout.experts``) where the
         engine can."""
         engine = self.engine
-        proc = self._process if any(inj.processes_logits for inj in self.injectors) else None
+        width = max(len(p) for p in prompts) if prompts else 0  # the engines' prompt width P: responses from column P
+        proc = functools.partial(self._process, prompt_width=width) if self.processes_logits else None
         if not self.active:  # before start_step: the trainer's own model, no part acting
             engine = self.base_engine if self.base_engine is not None else self.engine
             proc = None

@@ -10,6 +10,9 @@ each a method with a do-nothing default, so a class overrides only what it chang
 - ``rollout_engine``: the engine the rollout runs on;
 - ``process_logits``: change the logits each decode step samples from (``scoped``: the scope
   ``mismatch.prob_below`` applies to it);
+- ``trainer_logits``: the trainer's logits of the step being decoded, for a part that changed the
+  rollout model but can keep them (``step_scoped``: the per-step scopes ``mismatch.entropy_*`` and
+  ``mismatch.position_*`` apply to it; out of scope the step samples from these logits);
 - across steps: ``begin_step`` (a training step is about to roll out; the lagged ``stale``
   keeps its ring of weight versions here) and ``source_model`` (the model whose weights the
   rollout side maps: the trainer's, or an older copy).
@@ -55,10 +58,17 @@ class Settings:
     scale_granularity: str
     entropy_min: float = 0.0
     entropy_max: float = 0.0
+    position_min: int = 0
+    position_max: int = 0
     target_k3: float = 0.0
     target_k3_end: float = 0.0
     target_gain: float = 0.5
     target_max_change: float = 2.0
+
+    @property
+    def step_scope(self) -> bool:
+        """True when a per-step scope is set (entropy or position): the mismatch acts at some decode steps only."""
+        return bool(self.entropy_min > 0 or self.entropy_max > 0 or self.position_min > 0 or self.position_max > 0)
 
 
 MAGNITUDE_KINDS = ("none", "continuous", "integer")
@@ -81,6 +91,9 @@ class Injector:
     processes_logits: ClassVar[bool] = False
     scoped: ClassVar[bool] = False
     """True when ``mismatch.prob_below`` limits this part's logits change."""
+    step_scoped: ClassVar[bool] = False
+    """True when the per-step scopes (``mismatch.entropy_min/max``, ``position_min/max``) confine
+    this part: it changes the logits (a processor), or it keeps the trainer's (``trainer_logits``)."""
     magnitude_kind: ClassVar[str] = "none"
     """What ``mismatch.magnitude`` is to this part: one of MAGNITUDE_KINDS."""
     changes_model_code: ClassVar[bool] = False
@@ -120,6 +133,11 @@ class Injector:
     def process_logits(self, logits: torch.Tensor, col: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """(B, V) logits of one decode step -> the logits to sample from. ``generator``: the
         injector's own seeded generator, for any noise."""
+        return logits
+
+    def trainer_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The trainer's (B, V) logits of the decode step whose rollout logits are ``logits``: the same
+        tensor, unless this part changed the rollout model and kept the trainer's (``step_scoped``)."""
         return logits
 
     def state_dict(self) -> dict:

@@ -14,6 +14,7 @@ class LogitNoise(Injector):
     magnitude_kind = "continuous"
     processes_logits = True
     scoped = True
+    step_scoped = True
 
     def process_logits(self, logits: torch.Tensor, col: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if self.settings.magnitude <= 0:

@@ -14,6 +14,7 @@ class Temperature(Injector):
     magnitude_kind = "continuous"
     processes_logits = True
     scoped = True
+    step_scoped = True
 
     def process_logits(self, logits: torch.Tensor, col: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return logits / (1.0 + self.settings.magnitude)

@@ -20,6 +20,18 @@ says, so it adds length, not difficulty; only the final answer is rewarded, as a
 is today's form exactly. Mean answer length (tokens, EOS included) at 1-4-digit sums:
 about 22, 61, 149 and 302 at levels 0-3 (bench/RESULTS.md).
 
+``restate`` (0-676) lengthens the worked answer another way, one a small model can learn at
+T ~ 1,000 (level 3's padding, which the 150k-parameter preset model could not): before the
+scratchpad the completion restates the prompt's operands ``restate`` times, each copy under a
+two-letter countdown label (base 26, ``aa`` = 0), from ``restate - 1`` down to ``aa``. For 47+85
+at ``restate=3``: ``ac47+85=ab47+85=aa47+85=:7502,4813,>132``. Every restated token is a copy of
+the entry before it (or of the prompt) except the label, which counts down, so each one follows
+from the last ~10 tokens; the last entry reads like the prompt, and what follows it is level 0's
+worked answer exactly. The decisions (sum digits and carries) are level 0's at every ``restate``:
+length without difficulty and without more decisions. Mean answer length (tokens, EOS included)
+at 1-4-digit sums: 21.9 + 9.0 x ``restate`` (30.9 at 1, 301 at 31, 1,005 at 109; bench/RESULTS.md).
+The letters join the alphabet (so the vocabulary) at any ``restate`` > 0, the same at every length.
+
 The SFT warm start (``demonstration``) writes the scratchpad for a ``scratch_frac`` share of
 examples and the terse form for the rest, so with a small ``scratch_frac`` the starting policy
 mostly answers tersely, and greedy decoding does (the first token ``>`` outweighs ``:``). Only the final answer is
@@ -46,6 +58,10 @@ UNIT_END = ","
 MAX_DIGITS = 20
 OPERANDS_END = "="
 
+COUNTDOWN_LETTERS = string.ascii_lowercase
+"""The restatement labels' digits (base 26, most significant first): two letters count 0-675."""
+MAX_RESTATE = len(COUNTDOWN_LETTERS) ** 2
+
 VERBOSITY_PADDING = (0, 10, 38, 87)
 """Characters each column unit repeats of its own digits, per verbosity level (index). Chosen so
 the mean worked answer at 1-4-digit sums is ~20, 60, 150 and 300 tokens."""
@@ -69,6 +85,18 @@ def scratchpad(a: int, b: int, verbosity: int = 0) -> str:
     return SCRATCH_MARK + copy + "".join(units)
 
 
+def countdown_label(i: int) -> str:
+    """The restatement label of count ``i`` (0 <= i < 676): two letters, base 26. 0 -> ``aa``, 27 -> ``bb``."""
+    return COUNTDOWN_LETTERS[i // len(COUNTDOWN_LETTERS)] + COUNTDOWN_LETTERS[i % len(COUNTDOWN_LETTERS)]
+
+
+def restatement(a: int, b: int, restate: int) -> str:
+    """``restate`` copies of the operands, labelled from ``restate - 1`` down to 0:
+    ``restatement(47, 85, 2) == "ab47+85=aa47+85="`` ("" at 0)."""
+    operands = f"{a}+{b}{OPERANDS_END}"
+    return "".join(countdown_label(i) + operands for i in range(restate - 1, -1, -1))
+
+
 def final_answer(completion: str) -> str | None:
     """The text after the last ``>``, or None when there is none."""
     head, mark, tail = completion.rpartition(ANSWER_MARK)
@@ -76,7 +104,8 @@ def final_answer(completion: str) -> str | None:
 
 
 def used_scratchpad(completion: str) -> bool:
-    return completion.startswith(SCRATCH_MARK)
+    """True when the completion works the sum out (a ``:`` before its first ``>``), restated or not."""
+    return SCRATCH_MARK in completion.partition(ANSWER_MARK)[0]
 
 
 @TASKS.register("scratch_add")
@@ -92,6 +121,9 @@ class ScratchAddTask(Task):
     """Share of SFT demonstrations written with the scratchpad (the rest are terse)."""
     verbosity: int = 0
     """Length of the worked answer at the same difficulty: 0 (today's form) to 3 (VERBOSITY_PADDING)."""
+    restate: int = 0
+    """Copies of the operands, under a two-letter countdown, before the worked answer (0-676; 0 = none):
+    adds ~9 tokens each at fixed difficulty and fixed decisions (the module docstring). Needs verbosity 0."""
 
     name: ClassVar[str] = "scratch_add"
 
@@ -102,10 +134,16 @@ class ScratchAddTask(Task):
         if type(self.verbosity) is not int or self.verbosity not in range(len(VERBOSITY_PADDING)):
             raise UsageError(f"scratch_add: verbosity must be one of {', '.join(map(str, range(len(VERBOSITY_PADDING))))}, "
                              f"got {self.verbosity!r}")
+        if type(self.restate) is not int or not 0 <= self.restate <= MAX_RESTATE:
+            raise UsageError(f"scratch_add: restate must be an integer from 0 to {MAX_RESTATE}, got {self.restate!r}")
+        if self.restate and self.verbosity:
+            raise UsageError(f"scratch_add: restate ({self.restate}) and verbosity ({self.verbosity}) both lengthen "
+                             "the worked answer; set one of them (the other to 0)")
 
     @property
     def alphabet(self) -> str:
-        return unique_chars("+=", ANSWER_MARK, SCRATCH_MARK, UNIT_END, string.digits)
+        letters = COUNTDOWN_LETTERS if self.restate else ""
+        return unique_chars("+=", ANSWER_MARK, SCRATCH_MARK, UNIT_END, string.digits, letters)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -115,7 +153,8 @@ class ScratchAddTask(Task):
     def max_answer_chars(self) -> int:
         copy = 2 * self.max_digits + 2 if self.verbosity else 0
         unit = 5 + VERBOSITY_PADDING[self.verbosity]
-        return 1 + copy + unit * self.max_digits + 1 + (self.max_digits + 1)
+        restated = self.restate * (2 + self.max_prompt_chars)
+        return restated + 1 + copy + unit * self.max_digits + 1 + (self.max_digits + 1)
 
     def sample_one(self, rng: random.Random) -> Example:
         a = _random_number(rng, rng.randint(self.min_digits, self.max_digits))
@@ -130,7 +169,7 @@ class ScratchAddTask(Task):
     def gold_completion(self, example: Example) -> str:
         """The worked form (the one RL learns to write)."""
         a, b = (int(x) for x in example.prompt[:-1].split("+"))
-        return scratchpad(a, b, self.verbosity) + ANSWER_MARK + example.answer
+        return restatement(a, b, self.restate) + scratchpad(a, b, self.verbosity) + ANSWER_MARK + example.answer
 
     def reward(self, example: Example, completion: str, *, dense: bool = False) -> float:
         answer = final_answer(completion)
