@@ -33,7 +33,7 @@ from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import clopper_pearson, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.study import analyze, load_study, predictions  # noqa: E402
-from timlab.experiments.study.text import splice_block  # noqa: E402
+from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
 
@@ -60,16 +60,8 @@ INDICATORS = {"k3": "rollout_corr/k3_kl", "log-ppl abs diff": "rollout_corr/log_
 
 # ------------------------------------------------------------------------------- formatting
 def fmt(x: float, digits: int = 2) -> str:
-    """A number as FINDINGS writes it: fixed decimals, or 2 significant digits below 0.01."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    if x != 0 and abs(x) < 0.01:
-        return f"{x:.1e}"
-    return f"{x:.{digits}f}"
-
-
-def fmt_p(p: float) -> str:
-    return f"{p:.3f}"
+    """A number as FINDINGS writes it: fixed decimals (2 here), or 2 significant digits below 0.01."""
+    return study_fmt(x, digits)
 
 
 def frac_ci(k: int, n: int) -> str:
@@ -80,7 +72,7 @@ def frac_ci(k: int, n: int) -> str:
 def perm(a, b) -> str:
     r = permutation_test(a, b)
     diff = f"{r.diff:+.1f}" if all(float(v).is_integer() for v in [*a, *b]) and abs(r.diff) > 1 else f"{r.diff:+.3f}"
-    return f"{diff}, p = {fmt_p(r.p)}" + (" (the floor)" if r.p <= r.floor + 1e-12 else "")
+    return f"{diff}, p = {r.p:.3f}" + (" (the floor)" if r.p <= r.floor + 1e-12 else "")
 
 
 def sig(x: float) -> str:
