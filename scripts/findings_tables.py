@@ -9,8 +9,7 @@ docs/FINDINGS.md holds each table between ``<!-- findings:NAME -->`` and
 ``<!-- /findings:NAME -->``; ``tests/test_findings.py`` fails when the committed text differs
 from what this script computes. Statistics (``timlab.experiments.stats``): two-sided exact
 permutation tests of a difference in means (every relabeling enumerated: 252 for 5 vs 5, whose
-smallest possible p is 2/252 = 0.008), and 95% Clopper-Pearson intervals for collapse fractions;
-the new-remedies block (``surge-remedies``, sweeps/surge_remedies) also Holm-adjusts its 6 tests.
+smallest possible p is 2/252 = 0.008), and 95% Clopper-Pearson intervals for collapse fractions.
 Collapses follow the sweeps' rule (``timlab.experiments.collapse``) unless a column says
 ``plateau`` (the plateau rule, a sustained fall from the learned level).
 """
@@ -32,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
-from timlab.experiments.stats import clopper_pearson, holm, line_fit, permutation_test  # noqa: E402
+from timlab.experiments.stats import clopper_pearson, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.study import analyze, load_study, predictions  # noqa: E402
-from timlab.experiments.study.text import splice_block  # noqa: E402
+from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
 
@@ -55,26 +54,14 @@ PRE = 20
 """Steps in each window of the before-a-collapse comparison (P3)."""
 DOSE_SWEEPS = ("surge", "threshold", "threshold_d16")
 """The dose sweeps at 150 steps (P3's counts and the before-a-collapse table read only these)."""
-REMEDIES = "surge_remedies"
-"""The new remedies at head_perturb 1 (issue 26): one condition per arm and seed, ``<arm>_s<seed>``."""
-CORRECTION_SHARES = {"truncated": "is/frac_truncated", "rejected": "rs/masked_frac", "clipped": "train/clip_frac"}
-"""Per-run means over steps of the share of tokens each correction touched (NaN: not logged)."""
 INDICATORS = {"k3": "rollout_corr/k3_kl", "log-ppl abs diff": "rollout_corr/log_ppl_abs_diff",
               "sum form": "mismatch/log_ppl_abs_diff_sum", "grad norm": "train/grad_norm"}
 
 
 # ------------------------------------------------------------------------------- formatting
 def fmt(x: float, digits: int = 2) -> str:
-    """A number as FINDINGS writes it: fixed decimals, or 2 significant digits below 0.01."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    if x != 0 and abs(x) < 0.01:
-        return f"{x:.1e}"
-    return f"{x:.{digits}f}"
-
-
-def fmt_p(p: float) -> str:
-    return f"{p:.3f}"
+    """A number as FINDINGS writes it: fixed decimals (2 here), or 2 significant digits below 0.01."""
+    return study_fmt(x, digits)
 
 
 def frac_ci(k: int, n: int) -> str:
@@ -85,7 +72,7 @@ def frac_ci(k: int, n: int) -> str:
 def perm(a, b) -> str:
     r = permutation_test(a, b)
     diff = f"{r.diff:+.1f}" if all(float(v).is_integer() for v in [*a, *b]) and abs(r.diff) > 1 else f"{r.diff:+.3f}"
-    return f"{diff}, p = {fmt_p(r.p)}" + (" (the floor)" if r.p <= r.floor + 1e-12 else "")
+    return f"{diff}, p = {r.p:.3f}" + (" (the floor)" if r.p <= r.floor + 1e-12 else "")
 
 
 def sig(x: float) -> str:
@@ -105,12 +92,9 @@ def load_runs() -> pd.DataFrame:
     """One row per run of the committed sweeps: sweep, condition, seed, the run summary (default
     rule) and the plateau rule's verdict, the post-learning slope and a few curve statistics."""
     rows = []
-    for sweep in (*DOSE_SWEEPS, "threshold_d16_300", REMEDIES):
+    for sweep in (*DOSE_SWEEPS, "threshold_d16_300"):
         for d in sorted(p for p in (SWEEPS / sweep).glob("*__*") if p.is_dir()):
-            if sweep == REMEDIES:  # one condition per (arm, seed): <arm>_s<seed>__<hash>
-                cond, seed = re.fullmatch(r"(.+)_s(\d+)__[0-9a-f]+", d.name).groups()
-            else:  # <condition>__seed<seed>__<hash>
-                cond, seed = re.fullmatch(r"(.+)__seed(\d+)__[0-9a-f]+", d.name).groups()
+            cond, seed = re.fullmatch(r"(.+)__seed(\d+)__[0-9a-f]+", d.name).groups()
             s = run_summary(d)
             df = read_metrics(d)
             div = {"diverged": s["state"] == "diverged"}  # a diverged run's step: status.json, as run_summary
@@ -135,7 +119,6 @@ def load_runs() -> pd.DataFrame:
                          "len0": train["train/response_length_mean"].iloc[:10].mean(),
                          "len1": train["train/response_length_mean"].iloc[-10:].mean(),
                          "grad_norm_ema": train["train/grad_norm_ema"].mean(),
-                         **{k: train[m].mean() if m in train else math.nan for k, m in CORRECTION_SHARES.items()},
                          "seconds": df["train/step_time_s"].sum() + df["time/eval_s"].fillna(0).sum()})
     return pd.DataFrame(rows)
 
@@ -366,69 +349,6 @@ def d16_300(R: pd.DataFrame) -> str:
     return md_table(rows)
 
 
-REMEDY_ARMS = [  # (arm, label) as the pre-registration lists them; the first two are the comparisons
-    ("none", "no remedy"), ("token_tis", "token TIS (C = 2)"), ("bypass_ppo_clip", "bypass_ppo_clip"),
-    ("k3_rs_token_tis", "decoupled_k3_rs_token_tis"), ("token_tis_bn", "token TIS + batch normalize"),
-]
-
-
-def _share(g: pd.DataFrame) -> str:
-    """The shares of tokens truncated / rejected / clipped, run means averaged over seeds."""
-    parts = [f"{k} {fmt(g[k].mean())}" for k in CORRECTION_SHARES if g[k].notna().any() and g[k].mean() > 0]
-    return ", ".join(parts) or "-"
-
-
-def remedies(R: pd.DataFrame) -> str:
-    """The new remedies at head_perturb 1 (pre-registered): per arm, then the 6 primary tests of
-    final accuracy (each new arm vs no remedy and vs token TIS, Holm over the 6), the plateau-rule
-    falls against no remedy, and P6's replication (token TIS vs no remedy, raw p)."""
-    R = R[(R["sweep"] == REMEDIES) & (R["state"] == "finished")]
-    arms = [(a, label) for a, label in REMEDY_ARMS if (R["condition"] == a).any()]
-    g = {a: runs_of(R, REMEDIES, a) for a, _ in arms}
-    rows = []
-    for a, label in arms:
-        x = g[a]
-        n, kp, kd = len(x), int(x["collapsed_plateau"].sum()), int(x["collapsed"].sum())
-        rows.append({
-            "arm": label, "seeds": n, "realized k3": sig(x["k3_kl_mean"].mean()),
-            "final accuracy per seed (mean)": f"{seeds(x['final_accuracy'])} ({fmt(x['final_accuracy'].mean(), 3)})",
-            "peak accuracy": fmt(x["peak_accuracy"].mean(), 3),
-            "fell, plateau rule [95% CI]": frac_ci(kp, n), "collapsed, default rule": f"{kd}/{n}",
-            "post-learning slope per 100 steps": fmt(x["slope"].mean(), 3)
-            + (f" ({x['slope'].notna().sum()} runs reached {LEARNED_AT:g})" if x["slope"].notna().sum() < n else ""),
-            "share of tokens truncated / rejected / clipped": _share(x),
-            "response length first / last 10 steps": f"{x['len0'].mean():.1f} / {x['len1'].mean():.1f}",
-        })
-    out = md_table(rows)
-    tests = []
-    for a, label in arms[2:]:
-        for b, blabel in arms[:2]:
-            r = permutation_test(g[a]["final_accuracy"], g[b]["final_accuracy"])
-            tests.append({"comparison (final accuracy)": f"{label} vs {blabel}", "mean A - mean B": f"{r.diff:+.3f}",
-                          "raw p": fmt_p(r.p), "_p": r.p})
-    for t, adj in zip(tests, holm([t.pop("_p") for t in tests])):
-        diff = float(t["mean A - mean B"])
-        t["Holm p (6 tests)"] = fmt_p(adj)
-        t["verdict"] = ("better" if diff > 0 else "worse") if adj <= 0.05 else "not separable with 5 seeds"
-    if tests:
-        out += "\n\n" + md_table(tests)
-    none, tis = g.get("none"), g.get("token_tis")
-    if none is not None and tis is not None:
-        r = permutation_test(tis["final_accuracy"], none["final_accuracy"])
-        out += (f"\n\nP6 again (this sweep's warm start; token TIS vs no remedy, final accuracy, outside the family): {r.diff:+.3f}, "
-                f"raw p = {fmt_p(r.p)}.")
-        falls = {label: int(g[a]["collapsed_plateau"].sum()) for a, label in arms}
-        if any(falls.values()):
-            parts = [f"{label} vs no remedy: {perm(g[a]['collapsed_plateau'].astype(float), none['collapsed_plateau'].astype(float))}"
-                     for a, label in arms[1:]]
-            out += " Plateau-rule falls (1/0), exact permutation: " + "; ".join(parts) + "."
-        else:
-            out += f" Plateau-rule falls: none in the {sum(len(x) for x in g.values())} runs, so there is no fall to compare."
-    sec = R["seconds"]
-    return out + (f"\n\nA run's logged step and evaluation times sum to {sec.min():.0f}-{sec.max():.0f} s on the shared "
-                  f"machine ({len(R)} finished runs).")
-
-
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
           "d16-300": d16_300,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
@@ -437,7 +357,6 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "e3-followup": lambda R: e3_tables.followup(str(SWEEPS / "e3_starts_rl")),
           "e3b-probe": lambda R: erosion_tables.probe(str(SWEEPS / "e3b_probe")),
           "e3c-predictions": lambda R: predictions(load_study(STUDIES / "e3c.yaml"), root=ROOT),
-          "surge-remedies": remedies,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
           "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib"))}

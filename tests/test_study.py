@@ -237,8 +237,8 @@ def test_hash_ignores_amendments_and_formatting_but_not_the_sweep(tmp_path):
     ({"families": [{"name": "f", "endpoints": ["acc"], "rule": "lowers", "arms": "head"}]},
      "families[0]: arms: expected a non-empty list of arm names, got 'head'"),
     ({"endpoints": [{"name": "a", "metric": "m", "stat": "median"}]},
-     "endpoints[0]: stat: 'median'; valid choices: level, slope, log_slope, first, last, start, final, fall, "
-     "fall_step, difference, log"),
+     "endpoints[0]: stat: 'median'; valid choices: level, slope, log_slope, first, last, start, final, max, min, "
+     "sum, fall, fall_step, difference, plus, log"),
     ({"endpoints": [{"name": "a", "metric": "m", "stat": "level", "window": [50, 10]}]},
      "endpoints[0]: window: first step 50 after last step 10"),
     ({"sweep": "missing.yaml"}, "sweep: spec file not found"),

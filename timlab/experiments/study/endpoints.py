@@ -8,11 +8,17 @@ A registered endpoint is one statistic of one logged metric over an inclusive wi
   (``stats.line_fit``: the same bits on every machine); NaN with fewer than 2 points;
 - ``first`` / ``last``: the mean of the first / last ``n`` values;
 - ``start`` / ``final``: the first / last value;
+- ``max`` / ``min``: the largest / smallest value (e.g. the peak accuracy); ``sum``: their sum
+  (e.g. the seconds a run logged);
 - ``log_slope``: the least-squares slope of the log of the window's positive values, per 100
   steps (a growth rate: +0.69 doubles every 100 steps); NaN with fewer than 2;
 - ``fall``: 1 when the run falls under a collapse rule (``collapse.judge``, default the plateau
   rule: a sustained fall from the learned level; a diverged run always falls), else 0;
 - ``fall_step``: the step of that fall, NaN when the run does not fall.
+
+``reach`` opens the window where the run first reaches a value: at the first logged step whose
+value is at least ``reach``, plus ``lag`` steps (e.g. the slope after a run has learned); NaN when
+it never does. ``min_points``: a slope over fewer values is NaN.
 
 ``guard(m)`` and ``rows(m)`` are the validity checks' per-run facts: the zero-mismatch guard held
 at every logged training step (k3 exactly 0 and every token bitwise equal), and how many training
@@ -29,14 +35,15 @@ import pandas as pd
 from timlab.experiments.collapse import judge
 from timlab.experiments.stats import line_fit
 
-STATS = ("level", "slope", "log_slope", "first", "last", "start", "final", "fall", "fall_step")
+STATS = ("level", "slope", "log_slope", "first", "last", "start", "final", "max", "min", "sum", "fall", "fall_step")
 """The statistics an endpoint may register."""
 K3 = "rollout_corr/k3_kl"
 BITWISE = "mismatch/frac_bitwise_equal"
 
 
 def window_stat(m: pd.DataFrame, metric: str, stat: str, window: tuple[int | None, int | None] = (None, None), *,
-                n: int = 20, rule: str = "plateau", diverged: bool = False) -> float:
+                n: int = 20, rule: str = "plateau", diverged: bool = False, reach: float | None = None, lag: int = 0,
+                min_points: int = 2) -> float:
     """One endpoint of one run (see the module docstring); ``m``: the run's metrics table."""
     if stat in ("fall", "fall_step"):
         step = judge(m, rule=rule, diverged=diverged)
@@ -46,16 +53,22 @@ def window_stat(m: pd.DataFrame, metric: str, stat: str, window: tuple[int | Non
     if metric not in m.columns:
         return math.nan
     v = m[["step", metric]].dropna()
+    if reach is not None:  # the window opens lag steps after the first value that reaches ``reach``
+        hit = v.loc[v[metric] >= reach, "step"]
+        if hit.empty:
+            return math.nan
+        lo = max(lo if lo is not None else -math.inf, float(hit.iloc[0]) + lag)
     v = v[(v["step"] >= (lo if lo is not None else -math.inf)) & (v["step"] <= (hi if hi is not None else math.inf))]
     if v.empty:
         return math.nan
     if stat == "level":
         return float(v[metric].mean())
     if stat == "slope":
-        return line_fit(v["step"], v[metric])[0] * 100 if len(v) >= 2 else math.nan
+        return line_fit(v["step"], v[metric])[0] * 100 if len(v) >= max(2, min_points) else math.nan
     if stat == "log_slope":
         v = v[v[metric] > 0]  # log of a positive quantity (e.g. k3: exactly 0 where the weights have not moved)
-        return line_fit(v["step"], [math.log(x) for x in v[metric]])[0] * 100 if len(v) >= 2 else math.nan
+        return line_fit(v["step"], [math.log(x) for x in v[metric]])[0] * 100 if len(v) >= max(2, min_points) \
+            else math.nan
     if stat == "first":
         return float(v[metric].iloc[:n].mean())
     if stat == "last":
@@ -64,6 +77,8 @@ def window_stat(m: pd.DataFrame, metric: str, stat: str, window: tuple[int | Non
         return float(v[metric].iloc[0])
     if stat == "final":
         return float(v[metric].iloc[-1])
+    if stat in ("max", "min", "sum"):
+        return float(getattr(v[metric], stat)())
     raise ValueError(f"unknown endpoint statistic {stat!r}; valid choices: {', '.join(STATS)}")
 
 

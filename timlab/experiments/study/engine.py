@@ -15,9 +15,9 @@ markdown block FINDINGS holds, with each verdict the registration's rules give.
    difference with its bootstrap interval, exact permutation p, Holm over the family's arms) and
    the rule's verdict; a comparison whose smallest attainable p (the permutation floor, times the
    family size under Holm) is not below the rule's alpha is "not testable here";
-6. the descriptive tables, the fits (``fits``), and the verdicts that combine several
-   comparisons of one arm (a ``Verdict``: its first case whose tests all pass), in the study's
-   ``order``.
+6. the descriptive tables, the fits (``fits``), the verdicts that combine several comparisons of
+   one arm (a ``Verdict``: its first case whose tests all pass), and the paragraphs that print the
+   analysis' numbers in sentences, in the study's ``order``.
 
 A ``repeats`` check (runs that must repeat another sweep's runs of the same name over their first
 steps, bit for bit but for timings) is reported under the validity line; it does not void.
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from timlab.experiments.stats import (bootstrap_ci, bootstrap_ratio_ci, clopper_
                                       permutation_floor, t_ci)
 from timlab.experiments.study.endpoints import guard, rows, window_stat
 from timlab.experiments.study.fits import bootstrap_fit, fit_power, off_fit, power_law_section
-from timlab.experiments.study.registration import Study, StudyError, check_freeze
+from timlab.experiments.study.registration import FORMATTED, Study, StudyError, check_freeze
 from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
 from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
@@ -152,9 +153,13 @@ def run_record(study: Study, m: pd.DataFrame, *, diverged: bool) -> dict:
         if e.stat == "log":
             with np.errstate(divide="ignore"):
                 rec[e.name] = float(np.log(rec[e.of[0]]))  # a k3 of exactly 0 is -inf: no ratio
+        elif e.stat == "difference":
+            rec[e.name] = rec[e.of[0]] - rec[e.of[1]]
+        elif e.stat == "plus":
+            rec[e.name] = rec[e.of[0]] + rec[e.of[1]]
         else:
-            rec[e.name] = rec[e.of[0]] - rec[e.of[1]] if e.stat == "difference" else \
-                window_stat(m, e.metric, e.stat, e.window, n=e.n, rule=e.rule, diverged=diverged)
+            rec[e.name] = window_stat(m, e.metric, e.stat, e.window, n=e.n, rule=e.rule, diverged=diverged,
+                                      reach=e.reach, lag=e.lag, min_points=e.min_points)
     for f in (f for f in study.fits if f.kind == "signals"):
         rec.update(run_signals(m, f, rec[f.endpoint]))
     ev = m.sort_values("step")
@@ -191,9 +196,10 @@ def _validity(study: Study, per: dict[str, list[dict]], group: str = "") -> tupl
         parts.append(f"step-0 evaluation the same in all {v.runs or f'{n} runs'} (accuracy {s0[1]:.3f}, gold log-prob "
                      f"{s0[2]:.3f})" + ("" if learned else f", below the bar {v.start_bar:g}") if len(starts) == 1 else
                      f"step-0 evaluation DIFFERS between {v.runs or 'runs'} ({len(starts)} distinct)")
+    if not parts:
+        return True, ""  # no check registered: no line
     void = "VOID (left out of every table and fit)" if study.groups else "VOID (re-run, do not analyse)"
-    return ok, (f"{v.title.replace('{group}', group)}: {'; '.join(parts) or 'no check registered'}: "
-                f"{'VALID' if ok else void}.")
+    return ok, f"{v.title.replace('{group}', group)}: {'; '.join(parts)}: {'VALID' if ok else void}."
 
 
 def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> list[str]:
@@ -221,12 +227,15 @@ def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, require
     ``{arm}`` and ``{against}`` in the texts become; ``bound``: the comparison's ratio bar (a
     ``ratio_bound`` rule)."""
     floor = permutation_floor(*sizes) * (n_family if holm else 1)
-    if floor >= rule.alpha:
+    if floor > rule.alpha or (floor == rule.alpha and rule.interval):  # p < alpha, or p <= alpha on the p alone
         return None, f"not testable here (smallest attainable p {min(floor, 1.0):.3f})"
     fill = lambda t: t.replace("{cost}", c.cost_bound()).replace("{arm}", (names or {}).get("arm", "")).replace(  # noqa: E731
         "{against}", (names or {}).get("against", "")).replace("{bound}", f"{bound:.2f}" if bound is not None else "")
-    below = c.below(rule.alpha)
-    holds, mirror = (below, c.above(rule.alpha)) if rule.test == "below" else (c.above(rule.alpha), below)
+    if rule.interval:
+        below, above = c.below(rule.alpha), c.above(rule.alpha)
+    else:  # the p alone, at most alpha, by the sign of the difference
+        below, above = (c.p_holm <= rule.alpha and c.diff < 0), (c.p_holm <= rule.alpha and c.diff > 0)
+    holds, mirror = (below, above) if rule.test == "below" else (above, below)
     if rule.ratio_bound:  # the whole interval of the log ratio beyond the bar, on the ratio scale
         holds = holds and (math.exp(c.diff_ci[1]) < bound if rule.test == "below" else math.exp(c.diff_ci[0]) > bound)
     if holds and rule.requires and not required:
@@ -244,7 +253,7 @@ def _align(fam, column: str) -> str:
     """One column's alignment cells: a comparison whose names fill several columns (" | ") has one each."""
     if column == "comparison":
         return "---|" * (1 + fam.spans())
-    return f"{ALIGN.get(column.split(':')[0], '---:')}|"
+    return "---|" if fam.align == "left" else f"{ALIGN.get(column.split(':')[0], '---:')}|"
 
 
 def comparisons(fam, arms: list[str]) -> list[tuple[str, str, str, str]]:
@@ -256,6 +265,9 @@ def comparisons(fam, arms: list[str]) -> list[tuple[str, str, str, str]]:
 
 
 def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, verdict: str) -> str:
+    if ":" in kind and kind.split(":")[0] in FORMATTED:  # one number alone in its own format spec (diff:+.3f)
+        cell, spec = kind.split(":", 1)
+        return format(getattr(c, cell), spec)
     if kind == "endpoint":
         return study.label(key)
     if kind == "comparison":
@@ -312,15 +324,18 @@ def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict) -> list[s
     grouped = [study.groups] if study.groups else []
     head = ["| " + " | ".join([*grouped, *headers]) + " |",
             "|" + "---:|" * len(grouped) + "".join(_align(fam, c) for c in columns)]
-    out = [f"**{fam.title}**{fam.note}", "", *head] if fam.title else []
+    bold = lambda text: [f"**{text}**{fam.note}", ""] if fam.heading else []  # noqa: E731
+    out = [*bold(fam.title), *head] if fam.title else []
     for key in fam.endpoints:
         if not fam.title:
-            out += [f"**{study.label(key)}**{fam.note}", "", *head]
+            out += [*bold(study.label(key)), *head]
         for g, col in cols.items():
             pairs = comparisons(fam, list(col))
             out += _family_rows(study, fam, key, g, col, pairs, rules, columns, verdicts, cmps)
         if not fam.title:
             out.append("")
+    if not fam.table:  # computed for the paragraphs and verdicts only
+        return []
     return out + ([""] if fam.title else [])
 
 
@@ -370,8 +385,9 @@ def _ranged(x, ranges, otherwise: str) -> str:
     return next((t for t, a, b in ranges if (a is None or a <= lo) and (b is None or hi <= b)), otherwise)
 
 
-def _column(c, a: str, col: dict, control: str) -> str:
-    """One cell of a descriptive table (``registration.Column``)."""
+def _column(c, a: str, col: dict, control: str, label=str) -> str:
+    """One cell of a descriptive table (``registration.Column``); ``label(endpoint)`` names an
+    endpoint (``nonzero``)."""
     if c.control is not None and a == control:
         return c.control
     x = col[a][c.endpoints[0]]
@@ -379,7 +395,19 @@ def _column(c, a: str, col: dict, control: str) -> str:
     if c.show == "count":
         k = int((x != 0).sum())
         lo, hi = clopper_pearson(k, x.size)
-        return f"{k}/{x.size} [{lo:.2f}, {hi:.2f}]"
+        return f"{k}/{x.size} [{lo:.2f}, {hi:.2f}]" if c.ci else f"{k}/{x.size}"
+    if c.show == "n":
+        return str(int(np.isfinite(x).sum()))
+    if c.show == "values":
+        return f"{', '.join(fmt(v, c.digits) for v in x)} ({fmt(float(x.mean()))})"
+    if c.show == "nonzero":
+        means = {e: col[a][e][np.isfinite(col[a][e])] for e in c.endpoints}
+        return ", ".join(f"{label(e)} {fmt(float(v.mean()), c.digits)}" for e, v in means.items()
+                         if v.size and v.mean() > 0) or "-"
+    if c.show == "mean" and c.partial:  # the mean over the runs with a value, saying how many have one
+        have = x[np.isfinite(x)]
+        return f(float(have.mean()) if have.size else math.nan) + \
+            (c.partial.format(k=have.size, n=x.size) if have.size < x.size else "")
     if c.show in ("change", "pair"):
         return f"{f(float(x.mean()))} {'->' if c.show == 'change' else '/'} {f(float(col[a][c.endpoints[1]].mean()))}"
     if c.show == "t":
@@ -402,14 +430,17 @@ def _column(c, a: str, col: dict, control: str) -> str:
 
 def _table(study: Study, t, cols: dict) -> list[str]:
     """A descriptive table: one row per arm, each group's arms in turn (``cols`` as ``_family``'s)."""
-    align = {"count": "---:", "change": "---", "pair": "---", "range": "---"}
+    align = {"count": "---:", "change": "---", "pair": "---", "range": "---", "seeds": "---", "values": "---",
+             "nonzero": "---"}
+    cell = (lambda c: "---") if t.align == "left" else (lambda c: align.get(c.show, "---:"))  # noqa: E731
     grouped = f"| {study.groups} " if study.groups else ""
-    align["seeds"] = "---"
+    names = dict(t.names)
     out = [f"**{t.title}**{t.note}", ""] if t.title else []
     out += [grouped + f"| {t.arm_header} | " + " | ".join(c.header for c in t.columns) + " |",
-            "|---:" * bool(study.groups) + "|---|" + "".join(f"{align.get(c.show, '---:')}|" for c in t.columns)]
-    out += [(f"| {g} " if g else "") + f"| {a} | " + " | ".join(_column(c, a, col, study.control) for c in t.columns)
-            + " |" for g, col in cols.items() for a in col]
+            "|---:" * bool(study.groups) + "|---|" + "".join(f"{cell(c)}|" for c in t.columns)]
+    out += [(f"| {g} " if g else "") + f"| {names.get(a, a)} | "
+            + " | ".join(_column(c, a, col, study.control, study.label) for c in t.columns) + " |"
+            for g, col in cols.items() for a in col]
     return out + [""] + ([t.after, ""] if t.after else [])
 
 
@@ -624,6 +655,38 @@ def _decisions(study: Study, cmps: dict, arms: list[str], decisions: dict) -> li
     return out
 
 
+def _paragraphs(study: Study, cmps: dict, cols: dict) -> list[str]:
+    """Each of ``study.paragraphs`` with its numbers: ``{FAMILY[ENDPOINT][COMPARISON].FIELD}`` a
+    comparison's field, ``{runs[ENDPOINT].FIELD}`` the endpoint's min, max, mean or n over every run
+    that has a value (``registration.PARAGRAPH_FIELDS``)."""
+    from types import SimpleNamespace
+
+    from timlab.experiments.study.registration import PARAGRAPH_FIELDS
+
+    if not study.paragraphs:
+        return []
+    fams: dict = {}
+    for (f, key, name), c in cmps.items():
+        fams.setdefault(f, {}).setdefault(key, {})[name] = c
+    col = cols.get("", {})
+    runs = {}
+    for e in study.endpoints:
+        x = np.concatenate([col[a][e.name] for a in col])
+        x = x[np.isfinite(x)]
+        runs[e.name] = SimpleNamespace(min=float(x.min()) if x.size else math.nan, max=float(x.max()) if x.size else
+                                       math.nan, mean=float(x.mean()) if x.size else math.nan, n=int(x.size))
+    out = []
+    for i, text in enumerate(study.paragraphs):
+        for _, f, _, _ in string.Formatter().parse(text):
+            m = PARAGRAPH_FIELDS.fullmatch(f or "")
+            if m and m.group("name") is not None and m.group("name") not in fams[m.group("family")][m.group("endpoint")]:
+                raise StudyError(f"{study.source}: paragraphs[{i}]: {{{f}}}: no comparison {m.group('name')!r} in "
+                                 f"family {m.group('family')}; valid choices: "
+                                 f"{', '.join(fams[m.group('family')][m.group('endpoint')])}")
+        out += [text.format(runs=runs, **fams), ""]
+    return out
+
+
 def _records(study: Study, out: Path, planned: list[PlannedRun], states: dict) -> dict[str, dict[str, list[dict]]]:
     """{group: {arm: each of its runs' ``run_record``}} in spec order (every run finished or
     diverged); one group "" in an ungrouped study."""
@@ -669,7 +732,7 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
         valid, line = _validity(study, per, g)
         if not valid and not study.groups:
             return StudyResult(line, "void", freeze)
-        checks.append(line)
+        checks += [line] if line else []
         if valid:  # a void group is left out of every table and fit
             cols[g] = _columns(study, per)
     verdicts, cmps, decisions = {}, {}, {}
@@ -681,8 +744,10 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
                                 for x in _table(study, t, cols)],
              "fits": lambda: _fits(study, cols, verdicts, root, cmps,
                                    tuple(f.kind for f in study.fits if f.kind not in study.order)),
-             "verdicts": lambda: _decisions(study, cmps, arms, decisions)}
-    lines = [*checks, *_repeats(study, out, planned, root), ""]
+             "verdicts": lambda: _decisions(study, cmps, arms, decisions),
+             "paragraphs": lambda: _paragraphs(study, cmps, cols)}
+    head = [*checks, *_repeats(study, out, planned, root)]
+    lines = [*head, ""] if head else []
     for part in study.order:
         lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps) \
             if part in fams else _table(study, tables[part], cols) if part in tables else \

@@ -5,8 +5,8 @@ The file holds everything registered before the data: the sweep (a spec file, or
 the endpoints (metric, statistic, step window, or the difference of two), the comparison families
 with their correction and decision rule (per group in a grouped study: one control, validity check
 and correction per group, e.g. per verbosity level), verdicts that combine several comparisons of an arm, the
-validity checks (and runs that must repeat an earlier sweep's), descriptive tables, fits, and the
-FINDINGS block it writes.
+validity checks (and runs that must repeat an earlier sweep's), descriptive tables, fits, paragraphs
+with the analysis' numbers, and the FINDINGS block it writes.
 docs/studies.md describes every field; each dataclass below documents its own. Paths in the file
 are relative to the file's folder, except ``out`` (the sweep directory), which is relative to the
 working directory, like every ``--out`` of timlab.
@@ -42,24 +42,37 @@ FREEZE_FILE = "study.json"
 """The freeze record in a study's sweep directory: the registration's hash and mapping at the first run."""
 CORRECTIONS = ("holm", "none")
 TESTS = ("below", "above")
-SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range", "scaled", "seeds")
+SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range", "scaled", "seeds", "n", "values", "nonzero")
 FITS = ("power_law", "place", "length", "threshold", "predict", "growth", "signals")
 GROUPED_FITS = ("length", "threshold", "predict")
 """Fits over the (group, arm) cells of a grouped study (``groups``); the others need an ungrouped one."""
-DERIVED = {"difference": 2, "log": 1}
+DERIVED = {"difference": 2, "plus": 2, "log": 1}
 """Statistics of an endpoint computed from earlier endpoints of the same run (``of``), and how many
-each takes: ``difference`` a - b, ``log`` the natural log of one (a ratio's scale: a family on it
-compares geometric means)."""
+each takes: ``difference`` a - b, ``plus`` a + b, ``log`` the natural log of one (a ratio's scale: a
+family on it compares geometric means)."""
 SECTIONS = ("families", "tables", "fits", "verdicts")
-"""The parts of the analysis after the validity line, in the default order (``order``)."""
+"""The parts of the analysis after the validity line, in the default order (``order``); then
+``paragraphs``, unless ``order`` places it."""
 CASE_TESTS = ("below", "above", "not below", "not above")
 """What a verdict case may require of a comparison (``stats.Comparison.below`` / ``above``)."""
 COMPARISON_FIELDS = ("mean", "t_ci", "boot_ci", "diff", "diff_ci", "p", "p_holm")
 CELLS = ("endpoint", "comparison", "show", "show_t", "mean", "geo", "diff", "diff_fmt", "ratio", "ratio_exp", "p",
          "p_holm", "verdict")
-"""The columns a family's table may list (``Family.columns``), and ``verdict:RULE`` (another rule's
-verdict on the same comparison)."""
+"""The columns a family's table may list (``Family.columns``), ``verdict:RULE`` (another rule's
+verdict on the same comparison), and ``diff:SPEC``, ``p:SPEC``, ``p_holm:SPEC`` (that number
+alone in a Python format spec, e.g. ``diff:+.3f``)."""
+FORMATTED = ("diff", "p", "p_holm")
+"""The cells a family's column may print alone in a format spec of its own (``diff:+.3f``)."""
+ALIGNS = ("auto", "left")
+"""A table's column alignment: ``auto`` (text left, numbers right) or every column ``left``."""
 """The fields of a comparison a verdict line may print, e.g. ``{late.diff:+.4f}``, ``{late.diff_ci[0]:+.4f}``."""
+RUN_FIELDS = ("min", "max", "mean", "n")
+"""What a paragraph may print of an endpoint over every run: ``{runs[seconds].max:.0f}``."""
+PARAGRAPH_FIELDS = re.compile(r"(?P<family>[^.\[\]]+)\[(?P<endpoint>[^\]]+)\](?:\[(?P<name>[^\]]+)\])?\.(?P<field>\w+)"
+                              r"(?:\[[01]\])?")
+"""A paragraph's field: ``{FAMILY[ENDPOINT][COMPARISON].FIELD}`` (a comparison's field, e.g.
+``{p6[final][token_tis].p:.3f}``; COMPARISON as ``StudyResult.verdicts`` names it) or
+``{runs[ENDPOINT].FIELD}`` (``RUN_FIELDS``: the endpoint over every run of the study)."""
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
@@ -76,8 +89,9 @@ class Endpoint:
     metric: str
     """The logged metric (a metrics.parquet column, e.g. ``val/accuracy``); empty for ``difference``."""
     stat: str
-    """``level``, ``slope`` (per 100 steps), ``first``, ``last``, ``start``, ``final``, ``fall``, or
-    ``log_slope``, ``fall_step``, or ``difference`` / ``log`` (of earlier endpoints, ``of``)."""
+    """``level``, ``slope`` (per 100 steps), ``first``, ``last``, ``start``, ``final``, ``max``,
+    ``min``, ``sum``, ``fall``, or ``log_slope``, ``fall_step``, or ``difference`` / ``plus`` /
+    ``log`` (of earlier endpoints, ``of``)."""
     window: tuple[int | None, int | None] = (None, None)
     """[first step, last step], both inclusive; null leaves that end open."""
     n: int = 20
@@ -88,7 +102,14 @@ class Endpoint:
     """How tables name the endpoint (default: its name)."""
     of: tuple[str, ...] = ()
     """``difference``: the two earlier endpoints [a, b]; the run's value is a - b (e.g. late minus early).
-    ``log``: one earlier endpoint, the run's value its natural log."""
+    ``plus``: a + b. ``log``: one earlier endpoint, the run's value its natural log."""
+    reach: float | None = None
+    """The window opens at the first logged step whose value is at least this, plus ``lag`` steps
+    (e.g. the slope after a run learned); the run has no value (NaN) when it never reaches it."""
+    lag: int = 0
+    """With ``reach``: steps after the first step that reaches it."""
+    min_points: int = 2
+    """``slope`` / ``log_slope``: fewer values in the window give no value (NaN)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +141,9 @@ class Rule:
     """The rule holds only where, besides its test, the difference interval (of a ``log`` endpoint:
     a log ratio) lies beyond the comparison's ``bound`` on the ratio scale: exp(upper end) < bound
     for ``below``, exp(lower end) > bound for ``above``; ``{bound}`` in the texts prints it (2 decimals)."""
+    interval: bool = True
+    """The bootstrap interval of the difference must lie beyond 0 as well; false: the (Holm) p at
+    most ``alpha`` decides alone, by the sign of the difference (a rule registered on the p only)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +197,12 @@ class Family:
     names: tuple[tuple[str, str], ...] = ()
     """(arm, text) pairs: how ``{arm}`` and ``{against}`` in the labels print an arm (default its
     name); a text may hold " | " to fill two columns (e.g. "stale_2 | lr 1e-4")."""
+    table: bool = True
+    """false: no table; the comparisons are computed for ``paragraphs`` and ``verdicts`` only."""
+    heading: bool = True
+    """false: no bold line above the table(s)."""
+    align: str = "auto"
+    """``auto``: text columns left-aligned, numbers right; ``left``: every column left."""
 
     def shown(self, arm: str) -> str:
         """How the family's labels print ``arm`` (``names``)."""
@@ -200,12 +230,15 @@ class Column:
     with its 95% t- and seed-bootstrap intervals; ``boot``: the mean with its bootstrap interval;
     ``mean``: the mean; ``range``: where the bootstrap interval lies (``ranges``); ``seeds``: each
     run with a value (not NaN) as "s<i>: value", i its place among the arm's runs (e.g. the step of
-    each fall, a ``fall_step`` endpoint), "-" for none. ``t_boot``, ``boot``, ``mean`` and ``pair``
-    print as ``text.fmt``."""
+    each fall, a ``fall_step`` endpoint), "-" for none; ``n``: how many runs have a value;
+    ``values``: each run's value (``digits`` decimals), then the mean in parentheses; ``nonzero``:
+    each endpoint whose mean over the runs with a value is above 0, as "label mean" (``digits``
+    decimals), joined by commas, "-" for none. ``t_boot``, ``boot``, ``mean`` and ``pair`` print as
+    ``text.fmt``."""
     endpoints: tuple[str, ...]
-    """The endpoint (two for ``change``)."""
+    """The endpoint (two for ``change`` and ``pair``, one or more for ``nonzero``)."""
     digits: int = 3
-    """``t``: the decimals of the mean and its interval."""
+    """``t``: the decimals of the mean and its interval; ``values`` and ``nonzero``: of each value."""
     format: str = ""
     """``change``: a Python format spec for both means (e.g. ``.1f``); default the tables' ``fmt``."""
     ranges: tuple[tuple[str, float | None, float | None], ...] = ()
@@ -220,6 +253,11 @@ class Column:
     the mean: the cell is mean x (control mean of ``by``)^``power`` (e.g. T * k3)."""
     power: float = 1.0
     """``scaled``: the power of the control mean of ``by``."""
+    ci: bool = True
+    """``count``: with its 95% Clopper-Pearson interval; false: "k/n" alone."""
+    partial: str = ""
+    """``mean``: the mean over the runs that have a value, followed by this text when some have none
+    (``{k}``: the runs with a value, ``{n}``: all); empty: the mean of every run (NaN if one has none)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +276,10 @@ class Table:
     """A name ``order`` may place the table by (default: it goes with the other tables)."""
     after: str = ""
     """A paragraph printed under the table (e.g. what T stands for)."""
+    names: tuple[tuple[str, str], ...] = ()
+    """(arm, text) pairs: how the rows name an arm (default its name)."""
+    align: str = "auto"
+    """``auto``: text columns left-aligned, numbers right; ``left``: every column left."""
 
 
 @dataclass(frozen=True)
@@ -477,6 +519,9 @@ class Study:
     """Changes after the first run, oldest first."""
     notes: tuple[str, ...] = ()
     """Paragraphs printed at the end of the block (e.g. where a secondary endpoint lives)."""
+    paragraphs: tuple[str, ...] = ()
+    """Paragraphs with numbers of the analysis, Python format strings (``PARAGRAPH_FIELDS``),
+    placed by ``order`` (default: last)."""
     source: str = "<dict>"
     """The study file (for messages)."""
     hash: str = ""
@@ -493,7 +538,8 @@ class Study:
 
 
 STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "groups", "validity", "repeats", "endpoints",
-              "families", "rules", "verdicts", "tables", "fits", "order", "notes", "findings", "frozen", "amendments")
+              "families", "rules", "verdicts", "tables", "fits", "order", "paragraphs", "notes", "findings", "frozen",
+              "amendments")
 UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
@@ -543,24 +589,30 @@ def _window(v: Any, where: str) -> tuple[int | None, int | None]:
 
 
 def _endpoint(d: Any, where: str, earlier: list[str]) -> Endpoint:
-    d = _keys(d, ("name", "metric", "stat", "window", "n", "rule", "label", "of"), ("name", "stat"), where)
+    d = _keys(d, ("name", "metric", "stat", "window", "n", "rule", "label", "of", "reach", "lag", "min_points"),
+              ("name", "stat"), where)
     if not isinstance(d["name"], str) or not NAME.fullmatch(d["name"]):
         raise StudyError(f"{where}: name must be a letter followed by letters, digits or _ (got {d['name']!r})")
     n = d.get("n", 20)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise StudyError(f"{where}: n must be an integer >= 1, got {n!r}")
+    for key, low in (("lag", 0), ("min_points", 2)):
+        v = d.get(key, low)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise StudyError(f"{where}: {key} must be an integer >= {low}, got {v!r}")
     stat = _choice(d["stat"], STATS + tuple(DERIVED), f"{where}: stat")
     of: tuple[str, ...] = ()
     if stat in DERIVED:
         of = _names(d.get("of"), earlier, f"{where}: of (endpoints listed before it)")
         if len(of) != DERIVED[stat]:
-            raise StudyError(f"{where}: of: {stat} takes " + ("two endpoints [a, b] (a - b)" if DERIVED[stat] == 2
-                             else "one endpoint") + f", got {list(of)}")
+            raise StudyError(f"{where}: of: {stat} takes " + (f"two endpoints [a, b] (a {'-' if stat == 'difference' else '+'} b)"
+                             if DERIVED[stat] == 2 else "one endpoint") + f", got {list(of)}")
     elif "metric" not in d:
         raise StudyError(f"{where}: missing key 'metric'")
+    reach = None if d.get("reach") is None else _number(d["reach"], f"{where}: reach", positive=False)
     return Endpoint(d["name"], str(d.get("metric", "")), stat, _window(d.get("window"), f"{where}: window"), n,
                     _choice(d.get("rule", "plateau"), ("plateau", "peak"), f"{where}: rule"), str(d.get("label", "")),
-                    of)
+                    of, reach, d.get("lag", 0), d.get("min_points", 2))
 
 
 def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
@@ -600,8 +652,10 @@ def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
 
 def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: str, rules: dict) -> Family:
     f = _keys(f, ("name", "endpoints", "rule", "against", "arms", "correction", "show", "note", "headers",
-                  "reference_row", "comparisons", "columns", "title", "label", "reference_label", "zero", "names"),
-              ("name", "endpoints"), where)
+                  "reference_row", "comparisons", "columns", "title", "label", "reference_label", "zero", "names",
+                  "table", "heading", "align"), ("name", "endpoints"), where)
+    if f["name"] == "runs":
+        raise StudyError(f"{where}: name: runs is taken (paragraphs read {{runs[ENDPOINT].max}} as every run's values)")
     if "arms" in f and not (isinstance(f["arms"], list) and f["arms"] and all(isinstance(a, str) for a in f["arms"])):
         raise StudyError(f"{where}: arms: expected a non-empty list of arm names, got {f['arms']!r}")
     eps = _names(f["endpoints"], names, f"{where}: endpoints")
@@ -627,7 +681,8 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
                 raise StudyError(f"{where}: comparisons[{j}]: its rule requires {need!r} of {b} against {against}, "
                                  f"so that comparison must come before it")
     columns = tuple(c if isinstance(c, str) and c.startswith("verdict:") and _choice(c[8:], rule_names, f"{where}: "
-                    f"columns: {c}") else _choice(c, CELLS, f"{where}: columns") for c in f.get("columns") or ())
+                    f"columns: {c}") else _spec(c, f"{where}: columns") if isinstance(c, str) and ":" in c
+                    else _choice(c, CELLS, f"{where}: columns") for c in f.get("columns") or ())
     bounded = {x for x in (*(c[8:] for c in columns if c.startswith("verdict:")), rule, *dict(by_endpoint).values(),
                            *(r for *_, r in comparisons)) if x and rules[x].ratio_bound}
     if bounded and not (comparisons and all(b is not None for b in bounds)):
@@ -644,7 +699,8 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
                  tuple(str(h) for h in f.get("headers") or ()), each or bool(f.get("reference_row", True)),
                  tuple(comparisons), tuple(bounds), by_endpoint, columns, str(f.get("title", "")),
                  str(f.get("label", "{arm}")), str(f.get("reference_label", "{against}")), each,
-                 str(f.get("zero", "0")), tuple((str(a), str(t)) for a, t in shown.items()))
+                 str(f.get("zero", "0")), tuple((str(a), str(t)) for a, t in shown.items()), bool(f.get("table", True)),
+                 bool(f.get("heading", True)), _choice(f.get("align", "auto"), ALIGNS, f"{where}: align"))
     for key, text in (("label", fam.label), ("reference_label", fam.reference_label)):
         try:
             text.format(arm="a", against="b")
@@ -657,6 +713,49 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
     if fam.headers and len(fam.headers) != n_cols:
         raise StudyError(f"{where}: headers: {len(fam.headers)} given, the table has {n_cols} columns")
     return fam
+
+
+def _spec(c: str, where: str) -> str:
+    """A ``CELL:SPEC`` column (``FORMATTED``), checked: the cell and its Python format spec."""
+    cell, spec = c.split(":", 1)
+    _choice(cell, FORMATTED, f"{where}: {c}")
+    try:
+        format(1.0, spec)
+    except ValueError:
+        raise StudyError(f"{where}: {c}: {spec!r} is not a Python format spec for a number (e.g. +.3f)") from None
+    return c
+
+
+def _paragraph(text: Any, where: str, families: list[Family], names: list[str], grouped: bool) -> str:
+    """A paragraph with numbers (``PARAGRAPH_FIELDS``), checked: each field names a family and one
+    of its endpoints (the comparison is checked once the arms are known), or ``runs`` and any
+    endpoint; a comparison field or a run field; its format spec fits a number."""
+    if grouped:
+        raise StudyError(f"{where}: not available in a grouped study; use the families' tables")
+    if not isinstance(text, str):
+        raise StudyError(f"{where}: expected text (a Python format string)")
+    fams = {f.name: f for f in families}
+    try:
+        fields = [(f, spec) for _, f, spec, _ in string.Formatter().parse(text) if f is not None]
+    except ValueError as e:
+        raise StudyError(f"{where}: not a format string ({e})") from None
+    for f, spec in fields:
+        m = PARAGRAPH_FIELDS.fullmatch(f)
+        fam = fams.get(m.group("family")) if m else None
+        ok = m is not None and (
+            m.group("family") == "runs" and m.group("name") is None and m.group("endpoint") in names
+            and m.group("field") in RUN_FIELDS
+            or fam is not None and m.group("name") is not None and m.group("endpoint") in fam.endpoints
+            and m.group("field") in COMPARISON_FIELDS)
+        if not ok:
+            raise StudyError(f"{where}: field {{{f}}}; valid: {{FAMILY[ENDPOINT][COMPARISON].FIELD}} (families: "
+                             f"{', '.join(fams)}; fields: {', '.join(COMPARISON_FIELDS)}) or {{runs[ENDPOINT].FIELD}} "
+                             f"(fields: {', '.join(RUN_FIELDS)})")
+        try:
+            format(1 if m.group("field") == "n" else 1.0, spec or "")
+        except ValueError:
+            raise StudyError(f"{where}: field {{{f}:{spec}}}: {spec!r} is not a format spec for a number") from None
+    return text
 
 
 def _ranges(v: Any, where: str) -> tuple[tuple[str, float | None, float | None], ...]:
@@ -677,7 +776,8 @@ def _order(v: Any, families: list[Family], tables: list[Table], fits: list[Fit],
     its kind not named elsewhere), any family or named table by its name, and the fits of a kind by
     the kind (e.g. ``growth``). A fit or verdict comes after the families it reads."""
     order = tuple(v or SECTIONS)
-    items = [f.name for f in families] + [t.name for t in tables if t.name] + [f.kind for f in fits]
+    order += ("paragraphs",) * ("paragraphs" not in order)
+    items = [f.name for f in families] + [t.name for t in tables if t.name] + [f.kind for f in fits] + ["paragraphs"]
     kinds = [x for x in order if x in SECTIONS]
     if sorted(kinds) != sorted(SECTIONS) or len(set(order)) != len(order):
         raise StudyError(f"{w}: order: expected each of {', '.join(SECTIONS)} once (and any family or named table "
@@ -690,6 +790,8 @@ def _order(v: Any, families: list[Family], tables: list[Table], fits: list[Fit],
               for x in ([f.family] if f.kind == "growth" else [x.name for x in families] if f.kind == "power_law" else [])]
     if min(order.index("fits"), order.index("verdicts")) < max(fams) or any(at < where(x) for at, x in placed):
         raise StudyError(f"{w}: order: fits and verdicts read the families' comparisons, so families come before them")
+    if order.index("paragraphs") < max(fams):
+        raise StudyError(f"{w}: order: paragraphs read the families' comparisons, so families come before them")
     return order
 
 
@@ -826,14 +928,15 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         raise StudyError(f"{w}: rules: expected a list")
     for i, r in enumerate(d.get("rules") or []):
         where = f"{w}: rules[{i}]"
-        r = _keys(r, ("name", "test", "alpha", "holds", "fails", "opposite", "requires", "unmet", "ratio_bound"),
-                  ("name",), where)
+        r = _keys(r, ("name", "test", "alpha", "holds", "fails", "opposite", "requires", "unmet", "ratio_bound",
+                      "interval"), ("name",), where)
         alpha = _number(r.get("alpha", 0.05), f"{where}: alpha")
         if alpha >= 1:
             raise StudyError(f"{where}: alpha must be below 1, got {alpha}")
         rules.append(Rule(str(r["name"]), _choice(r.get("test", "below"), TESTS, f"{where}: test"), alpha,
                           str(r.get("holds", "**yes**")), str(r.get("fails", "no")), str(r.get("opposite", "")),
-                          str(r.get("requires", "")), str(r.get("unmet", "")), bool(r.get("ratio_bound", False))))
+                          str(r.get("requires", "")), str(r.get("unmet", "")), bool(r.get("ratio_bound", False)),
+                          bool(r.get("interval", True))))
     rule_names = [r.name for r in rules]
     for i, r in enumerate(rules):
         if r.requires:
@@ -846,16 +949,18 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     tables = []
     for i, t in enumerate(d.get("tables") or []):
         where = f"{w}: tables[{i}]"
-        t = _keys(t, ("title", "columns", "note", "name", "after", "arm_header"), ("columns",), where)
+        t = _keys(t, ("title", "columns", "note", "name", "after", "arm_header", "names", "align"), ("columns",), where)
+        if not isinstance(t.get("names") or {}, dict):
+            raise StudyError(f"{where}: names: expected a mapping of arm: text")
         cols = []
         for j, c in enumerate(t["columns"] if isinstance(t["columns"], list) else [None]):
             cw = f"{where}: columns[{j}]"
             c = _keys(c, ("header", "show", "endpoint", "endpoints", "digits", "format", "ranges", "otherwise",
-                          "control", "by", "power"), ("header", "show"), cw)
+                          "control", "by", "power", "ci", "partial"), ("header", "show"), cw)
             show = _choice(c["show"], SHOWS, f"{cw}: show")
             eps = _names(c.get("endpoints", c.get("endpoint")), names, f"{cw}: endpoint")
             two = show in ("change", "pair")
-            if len(eps) != (2 if two else 1):
+            if show != "nonzero" and len(eps) != (2 if two else 1):
                 raise StudyError(f"{cw}: show {show} takes {'two endpoints' if two else 'one endpoint'}")
             ranges = _ranges(c.get("ranges"), f"{cw}: ranges") if show == "range" else ()
             digits = c.get("digits", 3)
@@ -869,11 +974,18 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             if show == "scaled" and "by" not in c:
                 raise StudyError(f"{cw}: show scaled needs by: the endpoint whose control mean scales the mean")
             by = _names(c["by"], names, f"{cw}: by")[0] if show == "scaled" else ""
+            try:
+                str(c.get("partial", "")).format(k=1, n=2)
+            except (KeyError, IndexError, ValueError) as e:
+                raise StudyError(f"{cw}: partial: not a format string of {{k}} and {{n}} ({e})") from None
             cols.append(Column(str(c["header"]), show, eps, digits, spec, ranges, str(c.get("otherwise", "")),
                                None if c.get("control") is None else str(c["control"]), by,
-                               _number(c.get("power", 1), f"{cw}: power", positive=False)))
+                               _number(c.get("power", 1), f"{cw}: power", positive=False), bool(c.get("ci", True)),
+                               str(c.get("partial", ""))))
         tables.append(Table(str(t.get("title", "")), tuple(cols), str(t.get("arm_header", "arm")),
-                            str(t.get("note", "")), str(t.get("name", "")), str(t.get("after", ""))))
+                            str(t.get("note", "")), str(t.get("name", "")), str(t.get("after", "")),
+                            tuple((str(a), str(x)) for a, x in (t.get("names") or {}).items()),
+                            _choice(t.get("align", "auto"), ALIGNS, f"{where}: align")))
     fits = []
     for i, f in enumerate(d.get("fits") or []):
         where = f"{w}: fits[{i}]"
@@ -959,6 +1071,8 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     notes = d.get("notes") or []
     if not (isinstance(notes, list) and all(isinstance(x, str) for x in notes)):
         raise StudyError(f"{w}: notes: expected a list of paragraphs (text)")
+    paragraphs = tuple(_paragraph(x, f"{w}: paragraphs[{i}]", families, names, bool(groups))
+                       for i, x in enumerate(d.get("paragraphs") or []))
     amendments = tuple(_amendment(a, f"{w}: amendments[{i}]") for i, a in enumerate(d.get("amendments") or []))
     frozen = d.get("frozen") or ""
     if frozen and not re.fullmatch(r"[0-9a-f]{64}", str(frozen)):
@@ -970,7 +1084,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                  rules=tuple(rules), control=control, groups=groups, out=str(d.get("out") or ""), validity=validity,
                  tables=tuple(tables), fits=tuple(fits), findings=findings, blank_end=blank_end, arm_pattern=arm_pattern,
                  repeats=repeats, verdicts=verdicts, order=order, frozen=str(frozen), amendments=amendments,
-                 notes=tuple(notes), source=source, hash=registration_hash(registration), registration=registration)
+                 notes=tuple(notes), paragraphs=paragraphs, source=source, hash=registration_hash(registration), registration=registration)
 
 
 def load_study(path: str | Path) -> Study:

@@ -2,7 +2,8 @@
 generated FINDINGS blocks share (a change here changes every study's block, and
 tests/test_findings.py says so).
 
-- ``fmt(x)``: 3 decimals, or 2 significant digits in e-notation below 0.01; ``-`` for NaN/None.
+- ``fmt(x)``: 3 decimals (or ``digits``), or 2 significant digits in e-notation below 0.01; ``-``
+  for NaN/None.
 - ``ci_text((lo, hi))``: ``[-0.0123, +0.0045]``.
 - ``mean_cells(x)``: a group's mean with its 95% t- and seed-bootstrap intervals.
 - ``comparison_cells(c)``: a ``stats.Comparison`` as ``mean [t] [bootstrap] | difference
@@ -21,11 +22,11 @@ from timlab.errors import BadFileError
 from timlab.experiments.stats import bootstrap_ci, t_ci
 
 
-def fmt(x: float) -> str:
-    """A number as the study tables print it: 3 decimals, or e-notation below 0.01."""
+def fmt(x: float, digits: int = 3) -> str:
+    """A number as the study tables print it: 3 decimals (or ``digits``), or e-notation below 0.01."""
     if x is None or not math.isfinite(x):
         return "-"
-    return f"{x:.1e}" if x != 0 and abs(x) < 0.01 else f"{x:.3f}"
+    return f"{x:.1e}" if x != 0 and abs(x) < 0.01 else f"{x:.{digits}f}"
 
 
 def ci_text(x: tuple[float, float]) -> str:
