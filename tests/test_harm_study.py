@@ -1,0 +1,240 @@
+"""Predictor studies (Study H): the through-origin fit, leave-one-kind-out error and paired bootstrap on
+planted cells; the analysis's refusal and its recovery of a planted slope; the recompute driver on tiny
+committed smoke runs (repeat check, resume, kill safety, a planted non-repeat)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from timlab.config import resolve
+from timlab.experiments.study import predictor as P
+from timlab.experiments.study.predictor import Cells, StudyError
+from timlab.experiments.study.recompute import recompute
+from timlab.rundir import read_metrics
+from timlab.trainer.run import train
+from study_sweep import write_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fit_origin_and_loko_hand_computed():
+    # b = (1*1*1 + 1*2*3) / (1*1 + 1*4) = 7/5
+    assert P.fit_origin([1, 2], [1, 3], [1, 1]) == pytest.approx(1.4, abs=1e-15)
+    # weights: b = (1*1*1 + 3*2*3) / (1 + 3*4) = 19/13
+    assert P.fit_origin([1, 2], [1, 3], [1, 3]) == pytest.approx(19 / 13, abs=1e-15)
+    # kinds a (S=1, c=1), b (S=2, c=3), c (S=1, c=2): leaving a out, b = (6+2)/(4+1) = 1.6 -> err 1-1.6;
+    # leaving b out, b = 3/2 -> err 3-3; leaving c out, b = 7/5 -> err 2-1.4
+    want = math.sqrt(((1 - 1.6) ** 2 + 0.0 + (2 - 1.4) ** 2) / 3)
+    assert P.loko_rmse([1, 2, 1], [1, 3, 2], [1, 1, 1], ["a", "b", "c"]) == pytest.approx(want, abs=1e-15)
+    pred, lo, hi = P.prediction(2.0, 0.01, 0.03, 0.5)
+    assert pred == 1.0 and hi - pred == pytest.approx(1.96 * math.sqrt(0.25 * 0.01 + 0.0009), abs=1e-15)
+
+
+def planted_cells(noise: float, seed: int = 0) -> Cells:
+    """12 cells of 3 kinds whose cost is 0.5 x S_good; k3 is S_good scaled by a kind factor (1, 6, 0.2),
+    so k3 mispredicts across kinds and 'good' does not."""
+    rng = np.random.default_rng(seed)
+    factor = {"head": 1.0, "stale": 6.0, "num": 0.2}
+    cells = Cells([], [], [], [], [], [], {"k3": False, "good": False, "signed": True})
+    for i, kind in enumerate(["head", "stale", "num"] * 4):
+        s = 0.02 * (1 + i)
+        ctrl = 0.9 + noise * rng.standard_normal(8)
+        arm = 0.9 - 0.5 * s + noise * rng.standard_normal(8)
+        cells.names.append(f"c{i}")
+        cells.kinds.append(kind)
+        cells.control.append(ctrl)
+        cells.control_key.append(f"g{i % 2}")
+        cells.arm.append(arm)
+        g = s * (1 + noise * rng.standard_normal(3))
+        cells.values.append({"k3": g / factor[kind], "good": g, "signed": -g})
+    # controls shared within a key, as in a study
+    for i in range(len(cells.names)):
+        cells.control[i] = cells.control[i % 2]
+    return cells
+
+
+def test_planted_fit_recovers_slope_and_prefers_the_right_candidate():
+    cells = planted_cells(0.0)
+    res = P.fit_all(cells, ["k3", "good", "signed"], "k3", boot=50)
+    assert res["good"]["b"] == pytest.approx(0.5, rel=1e-9)
+    assert res["good"]["loko"] == pytest.approx(0.0, abs=1e-12)
+    assert res["signed"]["loko"] == pytest.approx(0.0, abs=1e-12)  # enters as |mean|
+    assert res["k3"]["loko"] > 0.01
+    noisy = planted_cells(0.002, seed=3)
+    res = P.fit_all(noisy, ["k3", "good"], "k3", boot=300)
+    assert res["good"]["b"] == pytest.approx(0.5, abs=0.05)
+    lo, hi = res["good"]["gain_ci"]
+    assert lo > 0 and res["good"]["gain"] > 0  # paired: k3's error minus good's
+    assert res["k3"]["gain"] == 0.0 and res["k3"]["gain_ci"] == (0.0, 0.0)
+    # the same seed gives the same bits
+    again = P.fit_all(planted_cells(0.002, seed=3), ["k3", "good"], "k3", boot=300)
+    assert again["good"]["loko_ci"] == res["good"]["loko_ci"]
+
+
+def test_a_rescaled_candidate_predicts_exactly_as_well():
+    # the fit is through the origin, so S and 3 S give the same predictions: a paired gain of 0 in every resample
+    cells = planted_cells(0.002, seed=4)
+    for v in cells.values:
+        v["k3"] = 3.0 * v["good"]
+    cells.absolute["k3"] = False
+    res = P.fit_all(cells, ["k3", "good"], "k3", boot=100)
+    assert res["good"]["gain"] == pytest.approx(0.0, abs=1e-12)
+    assert res["good"]["gain_ci"][0] == pytest.approx(0.0, abs=1e-12)
+    assert res["good"]["gain_ci"][1] == pytest.approx(0.0, abs=1e-12)
+    assert res["k3"]["b"] == pytest.approx(res["good"]["b"] / 3, rel=1e-12)
+
+
+def _study_dict(sweep: Path, table: Path, *, frozen: bool = True, seeds=(0,), last: int = 2, isa="native") -> dict:
+    d = {"study": "t", "kind": "predictor", "isa": isa, "rerun": {"last_step": last, "seeds": list(seeds)},
+         "window": [1, last], "cost": {"metric": "val/accuracy", "window": [2, 4]},
+         "candidates": [{"name": "k3", "metric": "rollout_corr/k3_kl"},
+                        {"name": "adv", "metric": "mismatch/adv_diff_mean", "absolute": True}],
+         "reference": "k3", "table": str(table), "boot": 50,
+         "sources": [{"name": "S", "sweep": str(sweep), "pattern": "(?P<arm>.+)_s(?P<seed>\\d+)",
+                      "cells": {"head": "head", "stale": "stale"}}]}
+    if frozen:
+        d["frozen"] = P.predictor_from_dict(d).hash
+    return d
+
+
+def test_registration_errors_name_the_field(tmp_path):
+    d = _study_dict(tmp_path, tmp_path / "t.parquet", frozen=False)
+    with pytest.raises(StudyError, match="reference: 'nope' is not a candidate \\(valid: k3, adv\\)"):
+        P.predictor_from_dict({**d, "reference": "nope"})
+    with pytest.raises(StudyError, match="unknown key 'bogus'"):
+        P.predictor_from_dict({**d, "bogus": 1})
+    with pytest.raises(StudyError, match="window ends at step 9, after rerun.last_step 2"):
+        P.predictor_from_dict({**d, "window": [1, 9]})
+    one = {**d, "sources": [{**d["sources"][0], "cells": {"head": "head"}}]}
+    with pytest.raises(StudyError, match="1 kind"):
+        P.predictor_from_dict(one)
+    st = P.predictor_from_dict({**d, "frozen": "0" * 64})
+    with pytest.raises(StudyError, match="changed after it was frozen"):
+        P.check_frozen(st)
+
+
+def _planted_sweep(tmp_path: Path) -> Path:
+    """Committed runs: per seed 0-3 a control (0.9), head (costs 0.04) and stale (costs 0.10) run."""
+    names = [f"{a}_s{s}" for s in range(4) for a in ("control", "head", "stale")]
+    cost = {"control": 0.0, "head": 0.04, "stale": 0.10}
+
+    def metrics(name):
+        arm, seed = name.rsplit("_s", 1)
+        acc = 0.9 - cost[arm] + 0.001 * int(seed)
+        return pd.DataFrame({"step": range(5), "val/accuracy": [acc] * 5})
+
+    return write_sweep(tmp_path / "sweep", names, metrics, 4)
+
+
+def test_analysis_refuses_then_recovers_planted_slope(tmp_path):
+    sweep = _planted_sweep(tmp_path)
+    table = tmp_path / "harm" / "t.parquet"
+    st = P.predictor_from_dict(_study_dict(sweep, table, seeds=(0, 1)))
+    res = P.analyze_predictor(st)
+    assert res.status == "incomplete" and res.insample.startswith("INCOMPLETE: 0 of 4 re-runs")
+    # the table the driver would write: k3 = cost / 2 for head, cost / 5 for stale; adv = -cost / 4 for both
+    rows = []
+    for r in P.rerun_list(st):
+        c = {"head": 0.04, "stale": 0.10}[r.arm]
+        k3 = c / 2 if r.arm == "head" else c / 5
+        for step in range(3):
+            rows.append({"source": "S", "run": r.run, "step": step, "rollout_corr/k3_kl": k3,
+                         "mismatch/adv_diff_mean": -c / 4, "repeat": "ok"})
+    table.parent.mkdir(parents=True)
+    pd.DataFrame(rows[:-3]).to_parquet(table)
+    assert P.analyze_predictor(st).status == "incomplete"
+    pd.DataFrame(rows).to_parquet(table)
+    res = P.analyze_predictor(st)
+    assert res.status == "complete"
+    assert res.fits["adv"]["b"] == pytest.approx(4.0, rel=1e-9)
+    assert res.fits["adv"]["loko"] == pytest.approx(0.0, abs=1e-12)
+    assert res.fits["k3"]["loko"] > 0.03  # the slope of one kind mispredicts the other
+    assert "| adv (`mismatch/adv_diff_mean`, abs) | 4 [" in res.insample and "**adv** predict(s) better than k3" in res.insample
+    rec = P.calibration_record(st, res.fits, res.cells)
+    assert rec["candidates"]["adv"]["range"] == [pytest.approx(0.01), pytest.approx(0.025)]
+    # a re-run that did not repeat leaves its cell out
+    bad = pd.DataFrame(rows)
+    bad.loc[bad["run"].str.startswith("stale_s1"), "repeat"] = "step 1 x: 1.0 vs 2.0"
+    bad.to_parquet(table)
+    with pytest.raises(StudyError, match="1 kind"):
+        P.analyze_predictor(st)  # one kind left: no leave-one-kind-out fit
+
+
+def _smoke_sweep(root: Path) -> Path:
+    """Three committed smoke runs of 3 steps: control, head perturbation and one step of staleness."""
+    sets = {"control": {"mismatch.injector": "none"},
+            "head": {"mismatch.injector": "head_perturb", "mismatch.magnitude": 0.5},
+            "stale": {"mismatch.injector": "stale", "mismatch.magnitude": 1}}
+    for arm, s in sets.items():
+        cfg = resolve(preset="smoke", overrides=[f"{k}={v}" for k, v in {**s, "run.steps": 3, "run.eval_every": 2,
+                                                                           "run.seed": 0, "mismatch.seed": 0}.items()])
+        train(cfg, root / f"{arm}_s0__abc123")
+    return root
+
+
+def test_recompute_repeats_resumes_and_survives_a_kill(tmp_path):
+    sweep = _smoke_sweep(tmp_path / "sweep")
+    table = tmp_path / "harm" / "t.parquet"
+    st = P.predictor_from_dict(_study_dict(sweep, table))
+    said = []
+    calls = []
+
+    def killed_second(cfg, run_dir):
+        calls.append(Path(run_dir).name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return train(cfg, run_dir)
+
+    with pytest.raises(KeyboardInterrupt):
+        recompute(st, say=said.append, train=killed_second)
+    t = pd.read_parquet(table)
+    assert sorted(set(t["run"])) == ["head_s0__abc123"]  # the first run's rows survive the kill
+    counts = recompute(st, say=said.append)
+    assert counts == {"ran": 1, "repeat": 1, "differ": 0}
+    t = pd.read_parquet(table)
+    assert sorted(set(t["run"])) == ["head_s0__abc123", "stale_s0__abc123"] and set(t["repeat"]) == {"ok"}
+    assert list(t[t["run"] == "head_s0__abc123"]["step"]) == [0, 1, 2]
+    assert (t[(t["step"] >= 1) & (t["run"] == "head_s0__abc123")]["rollout_corr/k3_kl"] > 0).all()
+    # the re-run's candidate values are the committed run's own (the committed smoke runs log them too)
+    old = read_metrics(sweep / "head_s0__abc123")
+    new = t[t["run"] == "head_s0__abc123"].reset_index(drop=True)
+    assert new["mismatch/k3_seq"].to_numpy().tobytes() == old[old["step"] <= 2]["mismatch/k3_seq"].to_numpy().tobytes()
+    runs = [line for line in said if line.startswith("[")]
+    assert len(runs) == 2 and all(re.fullmatch(r"\[\d/2\] S \w+__abc123: repeats bit for bit; \d+\.\d CPU-s", line)
+                                  for line in runs)  # timings and the repeat check only: blind
+    assert recompute(st, say=said.append) == {"ran": 0, "repeat": 0, "differ": 0}
+    assert not (table.parent / ".recompute").exists()
+
+
+def test_recompute_records_a_run_that_does_not_repeat(tmp_path):
+    sweep = _smoke_sweep(tmp_path / "sweep")
+    p = sweep / "stale_s0__abc123" / "metrics.parquet"
+    m = pd.read_parquet(p)
+    m.loc[m["step"] == 1, "train/loss"] += 1.0
+    m.to_parquet(p)
+    table = tmp_path / "t.parquet"
+    counts = recompute(P.predictor_from_dict(_study_dict(sweep, table)), say=lambda s: None)
+    assert counts == {"ran": 2, "repeat": 1, "differ": 1}
+    rep = pd.read_parquet(table).groupby("run")["repeat"].first()
+    assert rep["head_s0__abc123"] == "ok" and rep["stale_s0__abc123"].startswith("step 1 train/loss")
+
+
+def test_recompute_refuses_unfrozen_and_unpinned(tmp_path, monkeypatch):
+    sweep = _smoke_sweep(tmp_path / "sweep")
+    with pytest.raises(StudyError, match="needs a frozen registration"):
+        recompute(P.predictor_from_dict(_study_dict(sweep, tmp_path / "t.parquet", frozen=False)))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    with pytest.raises(StudyError, match="timlab --isa avx2 study recompute"):
+        recompute(P.predictor_from_dict(_study_dict(sweep, tmp_path / "t.parquet", isa="avx2")))
+
+
+def test_harm_study_file_is_valid_and_frozen():
+    st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
+    assert st.frozen == st.hash
+    assert st.last_step == 25 and st.seeds == (0, 1, 2)
