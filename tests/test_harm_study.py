@@ -238,3 +238,58 @@ def test_harm_study_file_is_valid_and_frozen():
     st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
     assert st.frozen == st.hash
     assert st.last_step == 25 and st.seeds == (0, 1, 2)
+
+
+def test_predicted_cost_line_from_a_planted_record(tmp_path):
+    from timlab.experiments.harm_prediction import NO_RECORD, NO_WINNER, predicted_cost_line
+
+    rec = {"regime": "a tiny model", "winner": "adv", "candidates": {
+        "adv": {"metric": "mismatch/adv_diff_mean", "absolute": True, "b": 4.0, "b_var": 0.01, "loko": 0.003,
+                "range": [0.001, 0.05]}}}
+    line = predicted_cost_line({"mismatch/adv_diff_mean": -0.01}, calibration=rec)
+    half = 1.96 * math.sqrt(1e-4 * 0.01 + 0.003 ** 2)
+    assert line == (f"predicted accuracy cost: 0.040 [95% {0.04 - half:.3f}, {0.04 + half:.3f}] from adv 0.01 "
+                    "(calibrated on a tiny model)")
+    assert "outside the calibrated range (adv 0.2 is not in [0.001, 0.05]" in predicted_cost_line(
+        {"mismatch/adv_diff_mean": 0.2}, calibration=rec)
+    assert predicted_cost_line({}, calibration=rec, lacks="no advantages") == (
+        "predicted accuracy cost: none (adv = mismatch/adv_diff_mean is not measured here: no advantages)")
+    assert predicted_cost_line({}, calibration={**rec, "winner": None}) == NO_WINNER
+    assert predicted_cost_line({}, path=tmp_path / "none.json") == NO_RECORD
+
+
+def test_analyze_sample_says_why_no_predicted_cost():
+    from timlab.experiments.analyze import analyze_file, format_analysis
+    from timlab.experiments.harm_prediction import CALIBRATION, NO_RECORD, NO_WINNER
+
+    text = format_analysis(analyze_file(REPO / "timlab/data/sample_logprobs.jsonl"))
+    assert ("  " + (NO_RECORD if not CALIBRATION.exists() else NO_WINNER)) in text.splitlines()
+
+
+def test_missing_start_is_rebuilt_by_its_commands_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    from timlab.experiments.study.recompute import ensure_start
+
+    monkeypatch.chdir(tmp_path)
+    d = _study_dict(tmp_path, tmp_path / "t.parquet", frozen=False)
+    good = hashlib.sha256(b"weights").hexdigest()
+    d["starts"] = [{"path": "runs/s", "sha256": good, "build": ["pretrain x --out runs/s"]}]
+    st = P.predictor_from_dict(d)
+    ran = []
+
+    def run_command(argv):
+        ran.append(argv)
+        Path("runs/s").mkdir(parents=True)
+        Path("runs/s/model.safetensors").write_bytes(b"weights")
+        return 0
+
+    with pytest.raises(StudyError, match="start runs/s not found; rebuild it with: timlab pretrain x --out runs/s"):
+        ensure_start(st, "runs/s")
+    ensure_start(st, "runs/s", run_command=run_command, say=lambda s: None)
+    assert ran == [["pretrain", "x", "--out", "runs/s"]]
+    ensure_start(st, "runs/s", run_command=run_command)  # present: not rebuilt
+    assert len(ran) == 1
+    Path("runs/s/model.safetensors").write_bytes(b"other")
+    with pytest.raises(StudyError, match="is not the registered"):
+        ensure_start(st, "runs/s")

@@ -652,7 +652,7 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
     if args.action == "recompute":
         from timlab.experiments.study.recompute import recompute
 
-        counts = recompute(st)
+        counts = recompute(st, run_command=main)  # a missing start is rebuilt by its registered timlab commands
         return 1 if counts["differ"] else 0
     if args.action != "analyze":
         raise CLIError(f"study {args.action}: not defined for a predictor study (valid: check, recompute, analyze)")

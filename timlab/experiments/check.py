@@ -320,7 +320,18 @@ def format_check(result: dict) -> str:
         state = "FAILED: " + ", ".join(g["failed_cells"]) if g["failed"] else "passed"
         out.append(f"gate {g['metric']} <= {g['fail_above']:g} (worst {_fmt(g['worst'])}): {state}")
     out.append("length scaling: " + format_length_scaling(result["length_scaling"]))
+    out.append(harm_prediction_line(result))
     return "\n".join(out)
+
+
+def harm_prediction_line(result: dict) -> str:
+    """The predicted accuracy cost (Study H's calibrated statistic) at the largest k3 of the matrix, or why none."""
+    from timlab.experiments.harm_prediction import predicted_cost_line
+
+    worst = max(result["cells"], key=lambda c: c["k3_kl"])
+    return predicted_cost_line({"rollout_corr/k3_kl": worst["k3_kl"]},
+                               lacks="check measures k3 only; log advantages and run timlab analyze") + \
+        f" (cell {worst['batch']}/{worst['length']}/{worst['decoding']}, k3 {_fmt(worst['k3_kl'])})"
 
 
 def write_check_html(result: dict, path: str | Path) -> Path:

@@ -60,8 +60,8 @@ def ensure_start(st: PredictorStudy, path: str, *, run_command: Callable[[list[s
         if not start.build:
             raise StudyError(f"start {path} not found and the study registers no command that rebuilds it; "
                              "link or copy it there (SHA-256 of model.safetensors " f"{start.sha256[:8]}...)")
-        if run_command is None:
-            from timlab.cli import main as run_command
+        if run_command is None:  # the CLI passes its own entry point (nothing below the CLI imports it)
+            raise StudyError(f"start {path} not found; rebuild it with: " + "; ".join(f"timlab {x}" for x in start.build))
         for line in start.build:
             say(f"building start {path}: timlab {line}")
             t0 = time.process_time()
