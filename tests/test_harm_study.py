@@ -293,3 +293,147 @@ def test_missing_start_is_rebuilt_by_its_commands_and_checked(tmp_path, monkeypa
     Path("runs/s/model.safetensors").write_bytes(b"other")
     with pytest.raises(StudyError, match="is not the registered"):
         ensure_start(st, "runs/s")
+
+
+# ------------------------------------------------------------------------------ part (b): out of sample
+def test_dose_for_interpolates_log_magnitude_against_log_k3():
+    from timlab.experiments.study.oos import dose_for, round_sig
+
+    # k3 ~ m^2 between 0.1 and 0.3: 1e-3 lies between 9e-4 (0.3) and 1e-2 (1): m = 0.3 * (1e-3/9e-4)^(log(10/3)/log(1e-2/9e-4))
+    want = math.exp(math.log(0.3) + math.log(1e-3 / 9e-4) / math.log(1e-2 / 9e-4) * math.log(1 / 0.3))
+    assert dose_for([1, 0.1, 0.3], [1e-2, 1e-4, 9e-4], 1e-3) == round_sig(want) == 0.32
+    assert dose_for([0.1, 0.3, 1], [1e-4, 9e-4, 1e-2], 5e-3) == 0.71
+    # no pair brackets 1e-3: the line through the two probed points, extrapolated (slope log 4 / log 3)
+    assert dose_for([0.1, 0.3], [1e-4, 4e-4], 1e-3) == round_sig(0.3 * 2.5 ** (math.log(3) / math.log(4))) == 0.62
+    assert round_sig(0.03147) == 0.031 and round_sig(1234.0, 3) == 1230.0
+    with pytest.raises(ValueError, match="k3 > 0"):
+        dose_for([0.1, 0.3], [0.0, 1e-3], 1e-3)
+
+
+def _oos_cells(costs, noise=0.0, seeds=8, seed=0):
+    from timlab.experiments.study.oos import OosCells
+
+    rng = np.random.default_rng(seed)
+    cells = OosCells([f"c{i}" for i in range(len(costs))], ["k"] * len(costs), ["p"] * len(costs),
+                     ["0"] * len(costs))
+    ctrl = 0.9 + noise * rng.standard_normal(seeds)
+    for c in costs:
+        cells.control.append(ctrl)
+        cells.arm.append(0.9 - c + noise * rng.standard_normal(seeds))
+    return cells
+
+
+def test_decide_planted_winner_paired_interval_and_miscalibration():
+    from timlab.experiments.study.oos import decide, min_cover, verdict_line
+
+    assert [min_cover(n) for n in (7, 2, 6)] == [4, 1, 3]
+    costs = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07]
+    cells = _oos_cells(costs)  # no seed noise: every resample gives the same costs
+    preds = {"k3": [(0, c + 0.02, c + 0.01, c + 0.03) for c in costs],       # biased by 0.02, covers none
+             "good": [(0, c + 0.005, c - 0.01, c + 0.02) for c in costs],    # off by 0.005, covers all
+             "wide": [(0, 2 * c, -1.0, 1.0) for c in costs]}                 # off by c, covers all
+    dec = decide(cells, preds, "k3", boot=50)
+    per = dec["per"]
+    assert per["k3"]["rmse"] == pytest.approx(0.02, abs=1e-12) and per["good"]["rmse"] == pytest.approx(0.005, abs=1e-12)
+    assert per["wide"]["rmse"] == pytest.approx(math.sqrt(sum(c * c for c in costs) / 7), abs=1e-12)
+    assert per["good"]["gain"] == pytest.approx(0.015, abs=1e-12)
+    assert per["good"]["gain_ci"] == pytest.approx((0.015, 0.015), abs=1e-12)
+    assert [per[k]["covered"] for k in preds] == [0, 7, 7]
+    assert [per[k]["miscalibrated"] for k in preds] == [True, False, False]
+    assert dec["winner"] == "good" and dec["beats"] == ["good"]  # wide: RMSE sqrt(20) x 0.01 > 0.02
+    line = verdict_line(dec, "a tiny model")
+    assert line.startswith("Verdict: **good predicts better than k3**. Winner (smallest out-of-sample error): **good**, "
+                           "RMSE 0.0050 [0.0050, 0.0050] over 7 cells; miscalibrated (intervals cover fewer than 4 of 7 "
+                           "costs): k3. Regime: a tiny model.")
+    # seed noise large against the differences: the paired interval holds 0, so none beats k3
+    noisy = _oos_cells(costs, noise=0.05, seed=1)
+    close = {"k3": preds["k3"], "near": [(0, c + 0.018, c, c + 0.04) for c in costs]}
+    dec = decide(noisy, close, "k3", boot=400)
+    assert dec["per"]["near"]["gain_ci"][0] < 0 < dec["per"]["near"]["gain_ci"][1]
+    assert dec["beats"] == [] and "**none beats k3**" in verdict_line(dec, "r")
+    again = decide(_oos_cells(costs, noise=0.05, seed=1), close, "k3", boot=400)
+    assert again["per"]["near"]["rmse_ci"] == dec["per"]["near"]["rmse_ci"]  # same seed, same bits
+
+
+def _planted_harm(tmp_path: Path):
+    """A planted predictor study (head costs 0.04, stale 0.10; adv = cost / 4 exactly, k3 the same 0.02
+    for both) whose out-of-sample study has two cells: a costs 0.02 (adv 0.005), b costs 0.05 (adv 0.0125)."""
+    import yaml
+
+    from timlab.experiments.study.registration import load_study
+
+    sweep = _planted_sweep(tmp_path)
+    table = tmp_path / "harm" / "t.parquet"
+    d = _study_dict(sweep, table, seeds=(0, 1), frozen=False)
+    d["findings"] = {"file": "FINDINGS.md", "insample": "h-in", "oos": "h-oos"}
+    d["oos"] = "oos.yaml"
+    (tmp_path / "FINDINGS.md").write_text("x\n<!-- findings:h-in -->\n<!-- /findings:h-in -->\n"
+                                          "<!-- findings:h-oos -->\n<!-- /findings:h-oos -->\n", encoding="utf-8")
+    hashed = P.predictor_from_dict(d, root=tmp_path).hash
+    (tmp_path / "harm.yaml").write_text(yaml.safe_dump({**d, "frozen": hashed}), encoding="utf-8")
+    rows = []
+    for r in P.rerun_list(P.predictor_from_dict(d, root=tmp_path)):
+        c = {"head": 0.04, "stale": 0.10}[r.arm]
+        rows += [{"source": "S", "run": r.run, "step": s, "rollout_corr/k3_kl": 0.02, "mismatch/adv_diff_mean": -c / 4,
+                  "repeat": "ok"} for s in range(3)]
+    table.parent.mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(table)
+    oos = {"study": "oos", "out": str(tmp_path / "oos_sweep"), "steps": 4,
+           "sweep": {"base": {"preset": "smoke"}, "conditions": [
+               {"name": f"{a}_s{s}", "set": {"run.seed": s, "run.steps": 4, **({"mismatch.injector": "logit_noise",
+                "mismatch.magnitude": 0.1} if a != "control" else {})}} for s in range(4) for a in ("control", "a", "b")]},
+           "endpoints": [{"name": "acc", "metric": "val/accuracy", "stat": "level"}],
+           "families": [{"name": "cost", "endpoints": ["acc"]}],
+           "predicted_by": {"study": "harm.yaml", "kinds": {"a": "noise", "b": "noise"}, "probe": str(tmp_path / "probe")}}
+    (tmp_path / "oos.yaml").write_text(yaml.safe_dump(oos), encoding="utf-8")
+    return P.load_predictor(tmp_path / "harm.yaml"), load_study(tmp_path / "oos.yaml")
+
+
+def test_oos_predictions_gate_the_runs_then_decide(tmp_path, capsys):
+    from timlab.experiments.study import freeze, planned_runs
+    from timlab.experiments.study.oos import PREDICTED, check_predicted
+
+    pst, oos = _planted_harm(tmp_path)
+    assert pst.hash == pst.frozen and pst.oos.endswith("oos.yaml")  # oos: is not part of the hash
+    res = P.analyze_predictor(pst)
+    assert res.oos.startswith(f"NOT YET PREDICTED: the in-sample fits exist; the probe {tmp_path / 'probe'} lacks a, b")
+    with pytest.raises(StudyError, match="no out-of-sample run starts before its prediction; the probe .* lacks a, b"):
+        check_predicted(oos)
+    probe = {"a": 0.005, "b": 0.0125}
+    write_sweep(tmp_path / "probe", list(probe), lambda n: pd.DataFrame(
+        {"step": range(3), "rollout_corr/k3_kl": [0.01] * 3, "mismatch/adv_diff_mean": [probe[n]] * 3}), 2)
+    res = P.analyze_predictor(pst)
+    assert res.oos.startswith(PREDICTED)
+    assert "| a | noise | 0.01 | 0.005 |" in res.oos and "| b | noise | 0.01 | 0.0125 |" in res.oos
+    b_k3 = res.fits["k3"]["b"]
+    assert f"| a | {0.01 * b_k3:+.4f} [" in res.oos and "| +0.0200 [" in res.oos and "| +0.0500 [" in res.oos
+    assert "Out-of-sample runs" in res.oos and "INCOMPLETE" in res.oos and res.decision is None
+    with pytest.raises(StudyError, match="block h-oos of .* does not hold the predictions: run `timlab study analyze"):
+        check_predicted(oos)
+    from timlab import cli
+
+    assert cli.main(["study", "run", str(tmp_path / "oos.yaml")]) == 2  # the CLI's gate: one line, nothing run
+    err = capsys.readouterr().err
+    assert err.startswith("timlab: error: study oos: no out-of-sample run starts before its prediction") and \
+        err.count("\n") == 1 and not Path(oos.out).exists()
+    P.analyze_and_write(pst, write=True)
+    assert "predictions of 2 cells are in block h-oos" in check_predicted(oos)
+    # the runs: a costs 0.02 and b 0.05, exactly what adv predicts; k3 predicts 0.01 b_k3 for both
+    freeze(oos, oos.out)
+    cost = {"control": 0.0, "a": 0.02, "b": 0.05}
+    ids = {p.name: p.run_id for p in planned_runs(oos)}
+    write_sweep(Path(oos.out), list(ids), lambda n: pd.DataFrame(
+        {"step": range(5), "val/accuracy": [0.9 - cost[n.rsplit("_s", 1)[0]] + 0.001 * int(n[-1])] * 5,
+         "train/response_length_mean": [(60.0 if n.startswith("b") else 20.0) + int(n[-1])] * 5,
+         "rollout_corr/k3_kl": [0.0] * 5, "mismatch/frac_bitwise_equal": [1.0] * 5}), 4, run_ids=ids)
+    res = P.analyze_and_write(pst, write=True)
+    dec = res.decision
+    assert dec["winner"] == "adv" and dec["per"]["adv"]["rmse"] == pytest.approx(0.0, abs=1e-12)
+    want_k3 = math.sqrt(((0.02 - 0.01 * b_k3) ** 2 + (0.05 - 0.01 * b_k3) ** 2) / 2)
+    assert dec["per"]["k3"]["rmse"] == pytest.approx(want_k3, abs=1e-12)
+    assert dec["beats"] == ["adv"] and dec["per"]["adv"]["covered"] == 2
+    assert "Verdict: **adv predicts better than k3**" in res.oos and "out of sample answers of 22-62 tokens" in res.oos
+    assert not pst.calibration  # the planted study names no record file
+    rec = P.calibration_record(pst, res.fits, res.cells, dec)
+    assert rec["winner"] == "adv" and rec["oos"]["beats_reference"] and not rec["oos"]["miscalibrated"]
+    assert P.calibration_record(pst, res.fits, res.cells)["winner"] is None  # before (b): no winner

@@ -594,12 +594,23 @@ def cmd_study(args: argparse.Namespace) -> int:
             print(f"  verdict {v.name}: per arm of family {v.family}, {len(v.cases)} cases (first that holds), else "
                   f"{v.otherwise!r}")
         print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
+        if st.predicted_by is not None:
+            from timlab.experiments.study.oos import probe_k3
+
+            pb = st.predicted_by
+            print(f"  out-of-sample cells of {pb.study}: " + ", ".join(f"{a} ({k})" for a, k in pb.kinds.items()))
+            print(f"  probe {pb.probe}, realized k3 (mean over steps 1-25): "
+                  + (", ".join(f"{c} {v:.3g}" for c, v in probe_k3(pb.probe).items()) or "no runs yet"))
         return 0
     if args.action == "run":
         from timlab.experiments.sweep import INDEX_FILE, run_sweep, spec_from_dict
 
         spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
         S.planned_runs(st)  # every config resolves before anything is written
+        if st.predicted_by is not None:
+            from timlab.experiments.study.oos import check_predicted
+
+            print(check_predicted(st))  # no out-of-sample run before its prediction
         wrote = S.freeze(st, out)
         print(f"registration {st.hash[:12]} " + (f"frozen in {out / S.registration.FREEZE_FILE}" if wrote
                                                   else "matches its freeze"))
@@ -648,6 +659,7 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
         print(f"  {len(runs)} re-runs of steps 0-{st.last_step} (seeds {', '.join(map(str, st.seeds))}) from "
               + ", ".join(f"{s.name} ({sum(r.source == s.name for r in runs)})" for s in st.sources))
         print(f"  candidates: {', '.join(c.name for c in st.candidates)}; reference {st.reference}")
+        print(f"  out of sample: {st.oos or 'none'}")
         return 0
     if args.action == "recompute":
         from timlab.experiments.study.recompute import recompute

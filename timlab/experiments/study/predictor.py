@@ -23,6 +23,9 @@ re-run seeds resampled, the fits redone), the same resamples for every candidate
 of two candidates' errors is paired. Departures from a textbook WLS: the weights stay those of the
 point estimate in every resample (a resample's own variances would need a nested bootstrap), and a
 cell's variance is floored at ``VAR_FLOOR`` so that one cell of identical seeds cannot take the fit.
+
+The out-of-sample part (the file ``oos`` names: predictions before its runs, the decision after)
+is ``timlab.experiments.study.oos``; its block is part of this analysis's result.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ LOGIT_CLIP = (0.005, 0.995)
 """Accuracies are clipped to this range before log(a / (1 - a)) (the log-odds secondary scale)."""
 
 KINDS_HELP = "a kind name such as head, stale, numerical"
+
+LENGTH_METRIC = "train/response_length_mean"
+"""A cell's answer length: its runs' mean of this metric over ``window`` (the calibrated lengths)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,9 @@ class PredictorStudy:
     """The regime the fit is calibrated in, as the shipped prediction states it."""
     hash: str
     """The registration hash."""
+    oos: str
+    """The out-of-sample study file (a sweep with ``predicted_by``), or "" (not part of the hash: its
+    doses come from a probe run after the freeze, and it freezes itself at its first run)."""
     frozen: str
     """The hash the file says was frozen ("" when not yet frozen)."""
 
@@ -167,7 +176,9 @@ def _kinds(v: Any, where: str) -> dict:
 
 
 TOP = ("study", "kind", "isa", "rerun", "window", "cost", "candidates", "reference", "sources", "starts", "table",
-       "boot", "findings", "calibration", "regime", "frozen", "notes")
+       "boot", "findings", "calibration", "regime", "frozen", "notes", "oos")
+UNHASHED = ("frozen", "notes", "oos")
+"""Left out of the hash: the freeze itself, prose, and the out-of-sample file (``PredictorStudy.oos``)."""
 
 
 def predictor_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -> PredictorStudy:
@@ -226,14 +237,15 @@ def predictor_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>
     boot = d.get("boot", N_BOOT)
     if not isinstance(boot, int) or boot < 10:
         raise StudyError(f"{source}: boot: expected an integer >= 10, got {boot!r}")
-    registration = {k: v for k, v in d.items() if k not in ("frozen", "notes")}
+    registration = {k: v for k, v in d.items() if k not in UNHASHED}
     return PredictorStudy(
         name=str(d["study"]), isa=str(d["isa"]), last_step=int(rr["last_step"]), seeds=tuple(rr["seeds"]),
         window=window, cost_metric=str(cost["metric"]), cost_window=_window(cost["window"], f"{source}: cost.window"),
         candidates=tuple(cands), reference=str(d["reference"]), sources=tuple(sources), starts=tuple(starts),
         table=str(d["table"]), boot=boot, findings=findings,
         calibration=str(d.get("calibration", "")), regime=str(d.get("regime", "")),
-        hash=registration_hash(registration), frozen=str(d.get("frozen", "")))
+        hash=registration_hash(registration), frozen=str(d.get("frozen", "")),
+        oos=str(Path(root) / d["oos"]) if d.get("oos") else "")
 
 
 def is_predictor(d: Any) -> bool:
@@ -344,6 +356,10 @@ class Cells:
     """Per cell: {candidate: per-re-run-seed window means}."""
     absolute: dict
     """Candidate -> whether it enters as an absolute value."""
+    lengths: list = dataclasses.field(default_factory=list)
+    """Per cell: its arm runs' mean answer length (``LENGTH_METRIC``) over the candidates' window."""
+    params: list = dataclasses.field(default_factory=list)
+    """Per cell: its policy's parameter count (from its start's weights; None where the start is absent)."""
 
 
 def cell_point(cells: Cells, cand: str) -> tuple[np.ndarray, np.ndarray]:
@@ -447,6 +463,10 @@ class PredictorResult:
     cells: Cells | None = None
     left_out: list = dataclasses.field(default_factory=list)
     """Cells left out because a re-run did not repeat its committed run."""
+    oos: str = ""
+    """The harm-oos block's text (``timlab.experiments.study.oos.oos_block``)."""
+    decision: dict | None = None
+    """The out-of-sample decision, once its runs are complete (``oos.decide``)."""
 
 
 def incomplete_line(st: PredictorStudy, done: set[str], planned: list[SourceRun]) -> str:
@@ -465,8 +485,9 @@ def read_table(path: str | Path) -> pd.DataFrame | None:
     return pd.read_parquet(p) if p.exists() else None
 
 
-def analyze_predictor(st: PredictorStudy) -> PredictorResult:
-    """The registered in-sample analysis, refused (INCOMPLETE) until every re-run is in the table."""
+def analyze_predictor(st: PredictorStudy, *, oos: bool = True) -> PredictorResult:
+    """The registered in-sample analysis, refused (INCOMPLETE) until every re-run is in the table; then,
+    with ``oos``, the out-of-sample block (``timlab.experiments.study.oos.oos_block``)."""
     from timlab.rundir import read_metrics
 
     check_frozen(st)
@@ -474,14 +495,15 @@ def analyze_predictor(st: PredictorStudy) -> PredictorResult:
     table = read_table(st.table)
     done = set() if table is None else set(table["run"])
     if any(r.run not in done for r in planned):
-        return PredictorResult("incomplete", incomplete_line(st, done, planned))
+        return PredictorResult("incomplete", incomplete_line(st, done, planned), oos=INCOMPLETE_OOS)
     repeat = table.groupby("run")["repeat"].first()
     bad = {r.run for r in planned if repeat[r.run] != "ok"}
     cells = Cells([], [], [], [], [], [], {c.name: c.absolute for c in st.candidates})
     beside, left_out = [], []
     for src in st.sources:
         runs = source_runs(st, src)
-        acc = {r.run: _window_mean(read_metrics(r.path), st.cost_metric, st.cost_window) for r in runs}
+        ms = {r.run: read_metrics(r.path) for r in runs}
+        acc = {r.run: _window_mean(ms[r.run], st.cost_metric, st.cost_window) for r in runs}
         groups = dict.fromkeys(r.group for r in runs)
         for g in groups:
             ctrl = np.array([acc[r.run] for r in runs if r.group == g and r.arm == src.control])
@@ -501,6 +523,8 @@ def analyze_predictor(st: PredictorStudy) -> PredictorResult:
                 entry = (name, kind, ctrl, f"{src.name}/{g}", np.array([acc[r.run] for r in mine]), vals)
                 if arm in src.cells:
                     cells_add(cells, entry)
+                    cells.lengths.append(float(np.mean([_window_mean(ms[r.run], LENGTH_METRIC, st.window) for r in mine])))
+                    cells.params.append(start_params(mine[0].path))
                 else:
                     beside.append(entry)
     if len(set(cells.kinds)) < 2:
@@ -509,7 +533,31 @@ def analyze_predictor(st: PredictorStudy) -> PredictorResult:
     names = [c.name for c in st.candidates]
     fits = fit_all(cells, names, st.reference, boot=st.boot)
     text = insample_text(st, cells, fits, beside, left_out)
-    return PredictorResult("complete", text, fits, cells, left_out)
+    res = PredictorResult("complete", text, fits, cells, left_out)
+    if oos:
+        from timlab.experiments.study.oos import oos_block
+
+        res.oos, res.decision = oos_block(st, res)
+    return res
+
+
+def start_params(run: Path) -> int | None:
+    """The parameter count of the start a committed run names (its config's ``model.path``), read
+    from the safetensors header of its weights; None when the run's config or the start is not on
+    this machine."""
+    import struct
+
+    from timlab.yaml_io import load_yaml
+
+    if not (run / "config.yaml").is_file():
+        return None
+    cfg = load_yaml((run / "config.yaml").read_text(encoding="utf-8"), str(run / "config.yaml"), StudyError)
+    weights = Path(str((cfg.get("model") or {}).get("path") or "")) / "model.safetensors"
+    if not weights.is_file():
+        return None
+    with open(weights, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return int(sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__"))
 
 
 def cells_add(cells: Cells, entry) -> None:
@@ -562,16 +610,29 @@ def _ci_g(ci) -> str:
     return f"[{_g(ci[0])}, {_g(ci[1])}]"
 
 
-def calibration_record(st: PredictorStudy, fits: dict, cells: Cells) -> dict:
+def calibration_record(st: PredictorStudy, fits: dict, cells: Cells, decision: dict | None = None) -> dict:
     """The record ``timlab check`` and ``timlab analyze`` read: each candidate's slope, its variance and
-    its leave-one-kind-out RMSE, the regime, and the range of each candidate's values in the fit."""
+    its leave-one-kind-out RMSE, the regime, the range of each candidate's values, of the answer
+    lengths and of the policies' parameter counts in the fit; the winner only once the out-of-sample
+    ``decision`` exists (``oos.decide``), with its error, whether it beats the reference and whether
+    it is miscalibrated."""
     rec = {"study": st.name, "hash": st.hash, "regime": st.regime, "reference": st.reference, "winner": None,
            "candidates": {}}
+    lengths = [x for x in cells.lengths if math.isfinite(x)]
+    rec["lengths"] = [min(lengths), max(lengths)] if lengths else None
+    known = [p for p in cells.params if p]
+    rec["params"] = [min(known), max(known)] if known else None
     for c in st.candidates:
         S, _ = cell_point(cells, c.name)
         f = fits[c.name]
         rec["candidates"][c.name] = {"metric": c.metric, "absolute": c.absolute, "b": f["b"], "b_var": f["b_var"],
                                      "loko": f["loko"], "range": [float(np.min(S)), float(np.max(S))]}
+    if decision is not None:
+        w = decision["winner"]
+        d = decision["per"][w]
+        rec["winner"] = w
+        rec["oos"] = {"rmse": d["rmse"], "rmse_ci": list(d["rmse_ci"]), "beats_reference": w in decision["beats"],
+                      "miscalibrated": bool(d["miscalibrated"]), "covered": int(d["covered"]), "cells": decision["cells"]}
     return rec
 
 
@@ -596,13 +657,9 @@ def load_predictor(path: str | Path) -> PredictorStudy | None:
     return predictor_from_dict(d, root=p.parent, source=str(p)) if is_predictor(d) else None
 
 
-def oos_text(res: PredictorResult) -> str:
-    """The harm-oos block: the registered refusal until the in-sample fits exist, then the
-    out-of-sample predictions (written before any out-of-sample run)."""
-    if res.status != "complete":
-        return ("INCOMPLETE: the in-sample fits (part a) do not exist yet; no out-of-sample prediction is written "
-                "before them, and no out-of-sample run starts before its prediction.")
-    return "NOT YET PREDICTED: the in-sample fits exist; the out-of-sample probe has not run."
+INCOMPLETE_OOS = ("INCOMPLETE: the in-sample fits (part a) do not exist yet; no out-of-sample prediction is written "
+                  "before them, and no out-of-sample run starts before its prediction.")
+"""The oos block until the in-sample analysis is complete."""
 
 
 def blocks(st: PredictorStudy, res: PredictorResult | None = None) -> dict[str, str]:
@@ -611,7 +668,7 @@ def blocks(st: PredictorStudy, res: PredictorResult | None = None) -> dict[str, 
     if st.findings is None:
         return {}
     _, insample, oos = st.findings
-    return {insample: res.insample, oos: oos_text(res)}
+    return {insample: res.insample, oos: res.oos}
 
 
 def analyze_and_write(st: PredictorStudy, *, write: bool) -> PredictorResult:
@@ -626,5 +683,5 @@ def analyze_and_write(st: PredictorStudy, *, write: bool) -> PredictorResult:
             text = splice_block(text, name, body, where=path)
         Path(path).write_text(text, encoding="utf-8")
     if write and res.status == "complete" and st.calibration:
-        write_calibration(st.calibration, calibration_record(st, res.fits, res.cells))
+        write_calibration(st.calibration, calibration_record(st, res.fits, res.cells, res.decision))
     return res
