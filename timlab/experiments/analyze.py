@@ -665,7 +665,8 @@ def harm_prediction(result: dict) -> str:
     from timlab.experiments.harm_prediction import predicted_cost_line
 
     metrics = {**result["metrics"], **((result.get("harm") or {}).get("metrics") or {})}
-    return predicted_cost_line(metrics, lacks="" if result.get("harm") else "this file has no 'advantage' column")
+    return predicted_cost_line(metrics, length=result["response_length_mean"],
+                               lacks="" if result.get("harm") else "this file has no 'advantage' column")
 
 
 # ------------------------------------------------------------------------------ HTML report

@@ -280,7 +280,8 @@ def run_check(
 
     over = [c for c in cells if fail_above is not None and c[gate_metric] > fail_above]
     return {
-        "model_dir": str(model_dir), "rollout": rollout, "score": score, "dtype": dtype, "device": device,
+        "model_dir": str(model_dir), "num_params": sum(p.numel() for p in model.parameters()),
+        "rollout": rollout, "score": score, "dtype": dtype, "device": device,
         "seed": seed, "batch_sizes": sizes, "lengths": {k: list(v) for k, v in lens.items()}, "decoding": modes,
         "notes": notes, "cells": cells,
         "health_checks": [{"metric": h.metric, "op": h.op, "limit": h.limit, "source": h.source} for h in HEALTH_CHECKS],
@@ -329,7 +330,8 @@ def harm_prediction_line(result: dict) -> str:
     from timlab.experiments.harm_prediction import predicted_cost_line
 
     worst = max(result["cells"], key=lambda c: c["k3_kl"])
-    return predicted_cost_line({"rollout_corr/k3_kl": worst["k3_kl"]},
+    return predicted_cost_line({"rollout_corr/k3_kl": worst["k3_kl"]}, length=worst["answer_tokens"],
+                               params=result.get("num_params"),
                                lacks="check measures k3 only; log advantages and run timlab analyze") + \
         f" (cell {worst['batch']}/{worst['length']}/{worst['decoding']}, k3 {_fmt(worst['k3_kl'])})"
 
