@@ -476,3 +476,34 @@ def test_oos_predictions_gate_the_runs_then_decide(tmp_path, capsys):
     rec = P.calibration_record(pst, res.fits, res.cells, dec)
     assert rec["winner"] == "adv" and rec["oos"]["beats_reference"] and not rec["oos"]["miscalibrated"]
     assert P.calibration_record(pst, res.fits, res.cells)["winner"] is None  # before (b): no winner
+
+
+def test_predicted_by_errors_name_the_field(tmp_path):
+    from timlab.experiments.study.registration import load_study, study_from_dict
+
+    good = study_from_dict({**_oos_dict(tmp_path), "predicted_by": {"study": "harm.yaml", "probe": "p",
+                                                                    "kinds": {"a": "noise"}}}, root=REPO / "docs/examples/studies")
+    assert good.predicted_by.kinds == {"a": "noise"} and good.predicted_by.study.endswith("studies/harm.yaml")
+    bad = [({"study": "harm.yaml", "probe": "p"}, "predicted_by: missing key 'kinds'"),
+           ({"study": "harm.yaml", "probe": "p", "kinds": {"control": "x"}}, "the control 'control' is not a cell"),
+           ({"study": "harm.yaml", "probe": "p", "kinds": []}, "predicted_by.kinds: expected a mapping arm -> kind"),
+           ({"study": "nope.yaml", "probe": "p", "kinds": {"a": "x"}}, "predictor study file not found"),
+           ({"study": "harm.yaml", "probe": "p", "kinds": {"a": "x"}, "bogus": 1}, "unknown key 'bogus'")]
+    for pb, msg in bad:
+        with pytest.raises(StudyError, match=re.escape(msg)):
+            study_from_dict({**_oos_dict(tmp_path), "predicted_by": pb}, root=REPO / "docs/examples/studies")
+    real = load_study(REPO / "docs/examples/studies/harm_oos.yaml")  # the committed file: 7 cells, 3 kinds
+    from timlab.experiments.study.oos import oos_cells
+
+    cells = oos_cells(real)
+    assert cells.probe == ["v0_noise_0.29", "v0_noise_0.58", "v0_temp_0.12", "v0_temp_0.25", "v0_kv_fp8",
+                           "v0_kv_fp8_e5m2", "v1_kv_fp8"] and cells.control_key == ["0"] * 6 + ["1"]
+    assert P.load_predictor(REPO / "docs/examples/studies/harm.yaml").oos == str(
+        REPO / "docs/examples/studies/harm_oos.yaml")
+
+
+def _oos_dict(tmp_path: Path) -> dict:
+    return {"study": "o", "steps": 4, "sweep": {"base": {"preset": "smoke"}, "conditions": [
+        {"name": "control_s0", "set": {"run.seed": 0}}, {"name": "a_s0", "set": {"run.seed": 0}}]},
+        "endpoints": [{"name": "acc", "metric": "val/accuracy", "stat": "level"}],
+        "families": [{"name": "cost", "endpoints": ["acc"]}]}
