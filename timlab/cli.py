@@ -670,7 +670,8 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
         raise CLIError(f"study {args.action}: not defined for a predictor study (valid: check, recompute, analyze)")
     res = P.analyze_and_write(st, write=args.write)
     print(res.insample)
-    print(f"\n{st.name}: {res.status}")
+    print(f"\nOut of sample:\n{res.oos}")
+    print(f"\n{st.name}: {res.status}" + (f"; wrote the blocks of {st.findings[0]}" if args.write and st.findings else ""))
     return 0 if res.status == "complete" else 1
 
 
