@@ -125,3 +125,13 @@ def test_e3_extrapolations_print_unbounded_not_digits():
     assert bound == 10.0 == load_study(studies / "e3c.yaml").fits[0].unbounded  # E3c's predictions print the same way
     assert fmt_loss(40605.674, bound) == "unbounded" and fmt_loss(bound * 1.01, bound) == "unbounded"
     assert fmt_loss(2.064, bound) == "2.064" and fmt_loss(2.6e-3, bound) == "2.6e-03"
+
+
+def test_harm_blocks_match_the_study():
+    # Study H's blocks (a predictor study: docs/examples/studies/harm.yaml) as its analysis renders them now
+    from timlab.experiments.study import predictor as P
+
+    st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
+    text = (REPO / "docs/FINDINGS.md").read_text()
+    for name, body in P.blocks(st).items():
+        assert f"<!-- findings:{name} -->\n{body}\n<!-- /findings:{name} -->" in text, name

@@ -601,7 +601,14 @@ def _add_check(sub) -> None:
 # ---------------------------------------------------------------------------------- study
 def cmd_study(args: argparse.Namespace) -> int:
     from timlab.experiments import study as S
+    from timlab.experiments.study import predictor as P
 
+    pst = P.load_predictor(args.file)
+    if pst is not None:
+        return _predictor_study(args, pst)
+    if args.action == "recompute":
+        raise CLIError(f"study recompute: {args.file} is not a predictor study (kind: predictor); "
+                       "its runs are made by `timlab study run`")
     st = S.load_study(args.file)
     out = S.engine.sweep_dir(st, args.out)
     if args.action == "check":
@@ -627,12 +634,23 @@ def cmd_study(args: argparse.Namespace) -> int:
             print(f"  verdict {v.name}: per arm of family {v.family}, {len(v.cases)} cases (first that holds), else "
                   f"{v.otherwise!r}")
         print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
+        if st.predicted_by is not None:
+            from timlab.experiments.study.oos import probe_k3
+
+            pb = st.predicted_by
+            print(f"  out-of-sample cells of {pb.study}: " + ", ".join(f"{a} ({k})" for a, k in pb.kinds.items()))
+            print(f"  probe {pb.probe}, realized k3 (mean over steps 1-25): "
+                  + (", ".join(f"{c} {v:.3g}" for c, v in probe_k3(pb.probe).items()) or "no runs yet"))
         return 0
     if args.action == "run":
         from timlab.experiments.sweep import INDEX_FILE, run_sweep, spec_from_dict
 
         spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
         S.planned_runs(st)  # every config resolves before anything is written
+        if st.predicted_by is not None:
+            from timlab.experiments.study.oos import check_predicted
+
+            print(check_predicted(st))  # no out-of-sample run before its prediction
         wrote = S.freeze(st, out)
         print(f"registration {st.hash[:12]} " + (f"frozen in {out / S.registration.FREEZE_FILE}" if wrote
                                                   else "matches its freeze"))
@@ -669,14 +687,43 @@ def cmd_study(args: argparse.Namespace) -> int:
     return 0 if res.status == "complete" else 1
 
 
+def _predictor_study(args: argparse.Namespace, st) -> int:
+    """``timlab study check|recompute|analyze`` of a predictor study (docs/studies.md, "Predictor studies")."""
+    from timlab.experiments.study import predictor as P
+
+    if args.action == "check":
+        P.check_frozen(st)
+        runs = P.rerun_list(st)
+        print(f"predictor study {st.name} ({args.file}): valid registration")
+        print(f"  registration hash: {st.hash} ({'frozen' if st.frozen else 'NOT frozen yet'})")
+        print(f"  {len(runs)} re-runs of steps 0-{st.last_step} (seeds {', '.join(map(str, st.seeds))}) from "
+              + ", ".join(f"{s.name} ({sum(r.source == s.name for r in runs)})" for s in st.sources))
+        print(f"  candidates: {', '.join(c.name for c in st.candidates)}; reference {st.reference}")
+        print(f"  out of sample: {st.oos or 'none'}")
+        return 0
+    if args.action == "recompute":
+        from timlab.experiments.study.recompute import recompute
+
+        counts = recompute(st, run_command=main)  # a missing start is rebuilt by its registered timlab commands
+        return 1 if counts["differ"] else 0
+    if args.action != "analyze":
+        raise CLIError(f"study {args.action}: not defined for a predictor study (valid: check, recompute, analyze)")
+    res = P.analyze_and_write(st, write=args.write)
+    print(res.insample)
+    print(f"\nOut of sample:\n{res.oos}")
+    print(f"\n{st.name}: {res.status}" + (f"; wrote the blocks of {st.findings[0]}" if args.write and st.findings else ""))
+    return 0 if res.status == "complete" else 1
+
+
 def _add_study(sub) -> None:
     p = sub.add_parser("study", help="a pre-registered study from one study file: check it, run its sweep, "
                                      "analyse it into verdicts (docs/studies.md)")
-    p.add_argument("action", choices=("check", "run", "analyze", "figure"),
+    p.add_argument("action", choices=("check", "run", "analyze", "figure", "recompute"),
                    help="check: validate the file, print its hash and progress; run: freeze the registration and "
                         "run (or resume) its sweep; analyze: the registered analysis and verdicts, refused while "
                         "runs are missing or the registration changed without an amendment; figure: each arm's "
-                        "difference from its reference, with its interval")
+                        "difference from its reference, with its interval; recompute (predictor studies): re-run "
+                        "the start of the committed runs, bit for bit, into the study's table")
     p.add_argument("file", help="study file (YAML)")
     p.add_argument("--out", help="sweep directory (default: the file's out)")
     p.add_argument("--workers", type=int, help="run: parallel runs (default: the spec's workers, else the cores)")

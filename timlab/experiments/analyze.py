@@ -622,6 +622,7 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
         f"probs diff mean {_fmt(m['mismatch/probs_diff_mean'])}  ESS {_fmt(m['mismatch/ess'])}",
     ]
     lines.append("  " + format_harm(result))
+    lines.append("  " + harm_prediction(result))
     if "length_scaling" in result:
         lines.append("  length scaling: " + format_length_scaling(result["length_scaling"]))
     if result["per_step"]:
@@ -657,6 +658,15 @@ def format_harm(result: dict) -> str:
     h = harm["metrics"]
     return (f"harm: {size}, mean A*r {_fmt(h['mismatch/adv_diff_mean'])}, "
             f"corr(A, sum r) {_fmt(h['mismatch/adv_diff_corr'])} over {harm['num_sequences']} sequences with an advantage")
+
+
+def harm_prediction(result: dict) -> str:
+    """One line: the predicted accuracy cost from Study H's calibrated statistic, or why there is none."""
+    from timlab.experiments.harm_prediction import predicted_cost_line
+
+    metrics = {**result["metrics"], **((result.get("harm") or {}).get("metrics") or {})}
+    return predicted_cost_line(metrics, length=result["response_length_mean"],
+                               lacks="" if result.get("harm") else "this file has no 'advantage' column")
 
 
 # ------------------------------------------------------------------------------ HTML report

@@ -280,7 +280,8 @@ def run_check(
 
     over = [c for c in cells if fail_above is not None and c[gate_metric] > fail_above]
     return {
-        "model_dir": str(model_dir), "rollout": rollout, "score": score, "dtype": dtype, "device": device,
+        "model_dir": str(model_dir), "num_params": sum(p.numel() for p in model.parameters()),
+        "rollout": rollout, "score": score, "dtype": dtype, "device": device,
         "seed": seed, "batch_sizes": sizes, "lengths": {k: list(v) for k, v in lens.items()}, "decoding": modes,
         "notes": notes, "cells": cells,
         "health_checks": [{"metric": h.metric, "op": h.op, "limit": h.limit, "source": h.source} for h in HEALTH_CHECKS],
@@ -320,7 +321,19 @@ def format_check(result: dict) -> str:
         state = "FAILED: " + ", ".join(g["failed_cells"]) if g["failed"] else "passed"
         out.append(f"gate {g['metric']} <= {g['fail_above']:g} (worst {_fmt(g['worst'])}): {state}")
     out.append("length scaling: " + format_length_scaling(result["length_scaling"]))
+    out.append(harm_prediction_line(result))
     return "\n".join(out)
+
+
+def harm_prediction_line(result: dict) -> str:
+    """The predicted accuracy cost (Study H's calibrated statistic) at the largest k3 of the matrix, or why none."""
+    from timlab.experiments.harm_prediction import predicted_cost_line
+
+    worst = max(result["cells"], key=lambda c: c["k3_kl"])
+    return predicted_cost_line({"rollout_corr/k3_kl": worst["k3_kl"]}, length=worst["answer_tokens"],
+                               params=result.get("num_params"),
+                               lacks="check measures k3 only; log advantages and run timlab analyze") + \
+        f" (cell {worst['batch']}/{worst['length']}/{worst['decoding']}, k3 {_fmt(worst['k3_kl'])})"
 
 
 def write_check_html(result: dict, path: str | Path) -> Path:

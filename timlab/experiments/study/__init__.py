@@ -10,7 +10,9 @@ scripts/findings_tables.py for the FINDINGS blocks of the studies written as stu
   families, verdicts, tables, fits) rendered as a FINDINGS block; a figure;
 - ``endpoints``: per-run statistics over step windows; ``fits``: the dose law, the length fit
   and the threshold test;
-- ``sweep_runs``: reading a study's runs from a sweep directory; ``text``: the cell formats.
+- ``sweep_runs``: reading a study's runs from a sweep directory; ``text``: the cell formats;
+- ``predictor``, ``recompute`` and ``oos``: predictor studies (which statistic predicts a mismatch's
+  cost), the bit-for-bit re-runs behind their candidate values, and their out-of-sample part.
 """
 
 from timlab.experiments.study.engine import (PlannedRun, StudyResult, analyze, figure, missing_runs, planned_runs,

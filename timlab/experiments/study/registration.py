@@ -467,6 +467,20 @@ class Amendment:
 
 
 @dataclass(frozen=True)
+class PredictedBy:
+    """The out-of-sample sweep of a predictor study (``predicted_by``): which predictor study
+    predicts its cells, each treated arm's kind, and the probe whose steps the predictions use."""
+
+    study: str
+    """The predictor study file (``kind: predictor``), relative to the working directory."""
+    kinds: dict
+    """Arm -> kind of mismatch, for every treated arm (the out-of-sample cells)."""
+    probe: str
+    """The probe's sweep directory (relative to the working directory): the probe run of a cell is
+    the condition of its seed-0 run without ``_s<seed>`` (``v0_noise_0.3_s0`` -> ``v0_noise_0.3``)."""
+
+
+@dataclass(frozen=True)
 class Study:
     """A whole registration (see the module docstring)."""
 
@@ -528,6 +542,9 @@ class Study:
     """The registration's hash (``registration_hash``)."""
     registration: dict = field(default_factory=dict, compare=False)
     """The hashed mapping."""
+    predicted_by: PredictedBy | None = None
+    """The predictor study whose out-of-sample cells this sweep runs; ``timlab study run`` refuses to
+    start a run before that study's ``oos`` block holds the predictions."""
 
     def endpoint(self, name: str) -> Endpoint:
         return {e.name: e for e in self.endpoints}[name]
@@ -539,7 +556,7 @@ class Study:
 
 STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "groups", "validity", "repeats", "endpoints",
               "families", "rules", "verdicts", "tables", "fits", "order", "paragraphs", "notes", "findings", "frozen",
-              "amendments")
+              "amendments", "predicted_by")
 UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
@@ -1077,6 +1094,18 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     frozen = d.get("frozen") or ""
     if frozen and not re.fullmatch(r"[0-9a-f]{64}", str(frozen)):
         raise StudyError(f"{w}: frozen must be a 64-hex-digit registration hash, got {frozen!r}")
+    predicted_by = None
+    if d.get("predicted_by") is not None:
+        pb = _keys(d["predicted_by"], ("study", "kinds", "probe"), ("study", "kinds", "probe"), f"{w}: predicted_by")
+        kinds = pb["kinds"]
+        if not (isinstance(kinds, dict) and kinds and all(isinstance(x, str) and x for x in kinds.values())):
+            raise StudyError(f"{w}: predicted_by.kinds: expected a mapping arm -> kind of mismatch, got {kinds!r}")
+        if control in kinds:
+            raise StudyError(f"{w}: predicted_by.kinds: the control {control!r} is not a cell")
+        if not (Path(root) / str(pb["study"])).is_file():
+            raise StudyError(f"{w}: predicted_by.study: predictor study file not found: {Path(root) / str(pb['study'])}")
+        predicted_by = PredictedBy(str(Path(root) / str(pb["study"])), {str(k): v for k, v in kinds.items()},
+                                   str(pb["probe"]))
     registration = {k: v for k, v in d.items() if k not in UNHASHED}
     registration["sweep"] = sweep
     return Study(name=str(d["study"]), sweep=sweep, sweep_root=str(sweep_root), sweep_source=sweep_source, steps=steps,
@@ -1084,7 +1113,8 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                  rules=tuple(rules), control=control, groups=groups, out=str(d.get("out") or ""), validity=validity,
                  tables=tuple(tables), fits=tuple(fits), findings=findings, blank_end=blank_end, arm_pattern=arm_pattern,
                  repeats=repeats, verdicts=verdicts, order=order, frozen=str(frozen), amendments=amendments,
-                 notes=tuple(notes), paragraphs=paragraphs, source=source, hash=registration_hash(registration), registration=registration)
+                 notes=tuple(notes), paragraphs=paragraphs, source=source, hash=registration_hash(registration),
+                 registration=registration, predicted_by=predicted_by)
 
 
 def load_study(path: str | Path) -> Study:
