@@ -382,7 +382,8 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv
         if mode == "exact":  # handles grouped-query attention itself, without copying the KV buffer
             out = fixed_length_attention(q, keys, values, step.allowed, self.scale, start=step.start,
-                                         cache=step.extras, workspace=step.workspace)  # the layers share the block masks
+                                         cache=step.extras,  # the layers share the block masks
+                                         workspace=step.workspace)
         else:
             if rep > 1:  # grouped-query attention: (B, H_kv, S, D) -> (B, H, S, D)
                 keys = keys.repeat_interleave(rep, dim=1)
