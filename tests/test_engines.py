@@ -8,12 +8,15 @@ dtype, the architecture (a mixture-of-experts one included) or when each sequenc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from timlab.engines import ENGINES, SamplingParams, build_engine
+from timlab.engines.native import _DecodeState
 from timlab.model.forward import full_step, token_logprobs
 from timlab.model.llama import CausalLM, ModelConfig, random_init_
 
@@ -162,6 +165,35 @@ def test_shared_prefill_changes_no_bit(dtype, monkeypatch):
         assert torch.equal(getattr(shared, f), getattr(alone, f)), f
     m = shared.response_mask
     assert torch.equal(trainer_logprobs(model, shared)[m], shared.logprobs[m])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
+def test_decode_workspace_changes_no_bit(dtype, monkeypatch):
+    """The decode calls reuse the exact attention's padded buffers (``Step.workspace``): the same
+    rollout, bit for bit, as padding per call, and still equal to the trainer, with rows leaving
+    the decode batch on the way (a new batch, a new workspace)."""
+    model = tiny_model("llama", dtype)
+    engine = build_engine("exact", model, eos_token_id=EOS, pad_token_id=PAD)
+    prompts = ragged_prompts(12)
+    step, steps = _DecodeState.step, []
+
+    def recorded(self, col, exact):
+        steps.append(step(self, col, exact))
+        return steps[-1]
+
+    def run():
+        return engine.generate(prompts, max_new_tokens=40, generator=torch.Generator().manual_seed(5))
+
+    monkeypatch.setattr(_DecodeState, "step", recorded)
+    reused = run()
+    assert len(steps) == int(reused.lengths.max()) - 1 and all(s.workspace for s in steps)
+    assert len({id(s.workspace) for s in steps}) > 1  # compaction started a new one
+    monkeypatch.setattr(_DecodeState, "step", lambda self, col, exact: replace(step(self, col, exact), workspace=None))
+    fresh = run()
+    for f in ("tokens", "logprobs", "sampling_logprobs", "response_mask", "lengths"):
+        assert torch.equal(getattr(reused, f), getattr(fresh, f)), f
+    m = reused.response_mask
+    assert torch.equal(trainer_logprobs(model, reused)[m], reused.logprobs[m])
 
 
 def test_seed_reproducibility():

@@ -92,6 +92,39 @@ def test_key_blocks_decode_equals_trainer(threads, dtype, H, H_kv, D, S, L):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H, H_kv, D, S, L", [(4, 2, 16, 96, 90), (8, 2, 32, 64, 60), (4, 4, 16, 256, 200)])
+def test_decode_workspace_keeps_the_bits(dtype, H, H_kv, D, S, L):
+    """A decode loop's workspace (reused zero-padded buffers) gives every decode call the bits of
+    the call without it, hence the trainer's; one buffer per shape serves every later call and its
+    padding rows stay zero."""
+    q, k, v, key_valid = _qkv_mask(3, H, H_kv, S, D, L, dtype, seed=S + L + 1)
+    trainer = fixed_length_attention(q, k, v, attention_mask(key_valid, 0, L, S), D**-0.5, start=0, cache={})
+    workspace: dict = {}
+    for c in range(L // 3, L):
+        allowed = attention_mask(key_valid, c, 1, S)
+        one = fixed_length_attention(q[:, :, c : c + 1], k, v, allowed, D**-0.5, start=c, workspace=workspace)
+        assert torch.equal(one, trainer[:, :, c : c + 1]), c
+    n = H // H_kv  # rows of a decode call's GEMMs: the query heads of one KV head
+    blocks = {attention_keys(c, S) for c in range(L // 3, L)}
+    assert sorted(key[5] for key in workspace if key[0] == "probs") == sorted(blocks)  # one per key count
+    assert [key[5] for key in workspace if key[0] == "query"] == [D]  # one for the queries
+    for key, buf in workspace.items():
+        assert buf.shape == (3, H_kv, ATTN_MIN_ROWS, key[5]) and buf.dtype == dtype
+        assert buf[:, :, n:].abs().sum() == 0
+
+
+def test_workspace_is_left_alone_where_there_is_no_padding():
+    """Blocks of ATTN_MIN_ROWS rows or more (prefill, the trainer) need no padding: nothing is kept."""
+    q, k, v, key_valid = _qkv_mask(2, 8, 1, 48, 16, 40, torch.float32, seed=3)  # 8 query heads per KV head
+    workspace: dict = {}
+    out = fixed_length_attention(q[:, :, 20:21], k, v, attention_mask(key_valid, 20, 1, 48), 0.25, start=20,
+                                 workspace=workspace)
+    assert workspace == {}
+    assert torch.equal(out, fixed_length_attention(q[:, :, 20:21], k, v, attention_mask(key_valid, 20, 1, 48), 0.25,
+                                                   start=20))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H, H_kv, D, S, L", [(4, 2, 16, 48, 33), (8, 2, 12, 96, 90), (4, 4, 64, 512, 300)])
 def test_key_blocks_are_the_same_attention(dtype, H, H_kv, D, S, L):
     """The key-block path computes the all-keys attention (close, not bitwise: a GEMM's bits may

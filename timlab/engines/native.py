@@ -23,14 +23,16 @@ MAX_MASK_ELEMENTS = 1 << 26
 
 
 class _DecodeState:
-    """What the decode steps of one rollout share: the KV cache and, built once per rollout, the
-    positions, RoPE cos/sin and attention mask of every column, which each step slices (views)."""
+    """What the decode steps of one rollout share: the KV cache; built once per rollout, the
+    positions, RoPE cos/sin and attention mask of every column, which each step slices (views);
+    and the exact attention's reusable buffers (``Step.workspace``)."""
 
-    __slots__ = ("cache", "key_valid", "positions", "cos", "sin", "allowed")
+    __slots__ = ("cache", "key_valid", "positions", "cos", "sin", "allowed", "workspace")
 
     def __init__(self, cache: KVCache, key_valid, positions, cos, sin, allowed):
         self.cache, self.key_valid, self.positions = cache, key_valid, positions
         self.cos, self.sin, self.allowed = cos, sin, allowed
+        self.workspace: dict = {}  # buffers sized for this batch; a select() starts a new one
 
     @classmethod
     def build(cls, model, cache: KVCache, key_valid: torch.Tensor) -> "_DecodeState":
@@ -54,7 +56,7 @@ class _DecodeState:
         else:
             allowed = attention_mask(self.key_valid, col, 1, width)
         return Step(positions=self.positions[:, col : col + 1], start=col, allowed=allowed,
-                    cos=self.cos[:, :, col : col + 1], sin=self.sin[:, :, col : col + 1])
+                    cos=self.cos[:, :, col : col + 1], sin=self.sin[:, :, col : col + 1], workspace=self.workspace)
 
 
 class _KVCachedEngine(Engine):

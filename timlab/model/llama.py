@@ -326,6 +326,9 @@ class Step:
     to, on the device (``start`` is then only the CPU attention's key count), and attention runs
     over the whole buffer in both modes. What a step captured as a CUDA graph needs: one recorded
     write serves every column (``timlab.engines.device_loop``)."""
+    workspace: dict | None = None
+    """Calls without autograd that follow one another (a decode loop's): buffers the exact
+    attention reuses across calls (``ops.fixed_length_attention``); None allocates per call."""
 
 
 class Attention(nn.Module):
@@ -379,7 +382,8 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv
         if mode == "exact":  # handles grouped-query attention itself, without copying the KV buffer
             out = fixed_length_attention(q, keys, values, step.allowed, self.scale, start=step.start,
-                                         cache=step.extras)  # the layers share the block masks
+                                         cache=step.extras,  # the layers share the block masks
+                                         workspace=step.workspace)
         else:
             if rep > 1:  # grouped-query attention: (B, H_kv, S, D) -> (B, H, S, D)
                 keys = keys.repeat_interleave(rep, dim=1)

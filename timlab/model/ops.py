@@ -200,7 +200,7 @@ def _attention_bias(allowed: torch.Tensor, rep: int, dtype: torch.dtype) -> torc
 
 def fixed_length_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-    start: int | None = None, cache: dict | None = None,
+    start: int | None = None, cache: dict | None = None, workspace: dict | None = None,
 ) -> torch.Tensor:
     """Masked softmax attention over a fixed-length key buffer.
 
@@ -228,6 +228,12 @@ def fixed_length_attention(
     columns and the softmax over a length not a multiple of 16 differ too.) Without ``start``
     every query sees all S keys. ``cache``: a dict the calls of one forward share (one Step),
     holding the per-block masks. The Triton kernels (CUDA) ignore both and see all S keys.
+
+    ``workspace`` (calls without autograd, e.g. a decode loop's): a dict the calls share across
+    layers and steps. A block with fewer than ATTN_MIN_ROWS rows then writes its query and
+    probability rows into zero-padded buffers kept there (``_padded``) instead of allocating and
+    zero-filling a padded copy per call; the GEMMs see the same values in the same layout, so the
+    same bits.
     """
     kernels = triton_kernels(q)
     if kernels is not None:
@@ -262,13 +268,29 @@ def fixed_length_attention(
                 cache[key] = bias
         qb = qb.reshape(B, H_kv, n, D).contiguous()  # (B, H_kv, rep*m, D): head g*rep + r -> KV group g, row r*m + i
         kb, vb = (k, v) if K == S else (k[:, :, :K], v[:, :, :K])
-        scores = cpu_gemm.matmul(pad_rows(qb, ATTN_MIN_ROWS, dim=2), kb.transpose(-1, -2))  # (B, H_kv, n', K)
+        reuse = workspace is not None and n < ATTN_MIN_ROWS
+        qp = _padded(workspace, "query", qb, ATTN_MIN_ROWS) if reuse else pad_rows(qb, ATTN_MIN_ROWS, dim=2)
+        scores = cpu_gemm.matmul(qp, kb.transpose(-1, -2))  # (B, H_kv, n', K)
         scores = scores[:, :, :n]  # (B, H_kv, n, K): padding rows dropped
         if scores.dtype == torch.float32:  # fma(s, scale, 0) = s * scale; in bf16 alpha is rounded to bf16
             scores = torch.add(bias, scores, alpha=scale)
         else:
             scores = torch.add(bias, scores * scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # (B, H_kv, n, K)
-        out = cpu_gemm.matmul(pad_rows(probs, ATTN_MIN_ROWS, dim=2), vb)  # (B, H_kv, max(n, ATTN_MIN_ROWS), D)
+        pp = _padded(workspace, "probs", probs, ATTN_MIN_ROWS) if reuse else pad_rows(probs, ATTN_MIN_ROWS, dim=2)
+        out = cpu_gemm.matmul(pp, vb)  # (B, H_kv, max(n, ATTN_MIN_ROWS), D)
         outs.append(out[:, :, :n].reshape(B, H, m, D))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _padded(workspace: dict, name: str, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``pad_rows(x, rows, dim=2)`` for x (B, H, n, K) with n < rows, written into the buffer
+    ``name`` of ``workspace``: zeros in rows n.. (never written), x copied into rows ..n. One buffer
+    per name, shape, row count and dtype, reused by every later call with the same ones."""
+    B, H, n, K = x.shape
+    key = (name, B, H, n, rows, K, x.dtype, x.device)
+    buf = workspace.get(key)
+    if buf is None:
+        buf = workspace[key] = x.new_zeros(B, H, rows, K)  # (B, H, rows, K)
+    buf[:, :, :n].copy_(x)
+    return buf
