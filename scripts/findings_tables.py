@@ -17,6 +17,7 @@ Collapses follow the sweeps' rule (``timlab.experiments.collapse``) unless a col
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import sys
@@ -33,6 +34,8 @@ from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import clopper_pearson, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.study import analyze, load_study, predictions  # noqa: E402
+from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
+from timlab.experiments.study.predictor import load_predictor  # noqa: E402
 from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
@@ -368,8 +371,11 @@ def study_blocks() -> dict:
     directories relative to the repository)."""
     out = {}
     for path in sorted(STUDIES.glob("*.yaml")):
-        s = load_study(path)
-        if s.findings:
+        pst = load_predictor(path)
+        if pst is not None and pst.findings:  # a predictor study (Study H): two blocks from one analysis
+            once = functools.cache(lambda pst=pst: predictor_study_blocks(pst))
+            out.update({name: (lambda R, name=name, once=once: once()[name]) for name in pst.findings[1:]})
+        elif pst is None and (s := load_study(path)).findings:
             out[s.findings[1]] = lambda R, s=s: analyze(s, root=ROOT).text
     return out
 

@@ -129,9 +129,10 @@ def test_e3_extrapolations_print_unbounded_not_digits():
 
 def test_harm_blocks_match_the_study():
     # Study H's blocks (a predictor study: docs/examples/studies/harm.yaml) as its analysis renders them now
+    from timlab.experiments.study import oos as O
     from timlab.experiments.study import predictor as P
 
     st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
     text = (REPO / "docs/FINDINGS.md").read_text()
-    for name, body in P.blocks(st).items():
+    for name, body in O.blocks(st).items():
         assert f"<!-- findings:{name} -->\n{body}\n<!-- /findings:{name} -->" in text, name

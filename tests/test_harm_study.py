@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from timlab.config import resolve
+from timlab.experiments.study import oos as O
 from timlab.experiments.study import predictor as P
 from timlab.experiments.study.predictor import Cells, StudyError
 from timlab.experiments.study.recompute import recompute
@@ -434,14 +435,14 @@ def test_oos_predictions_gate_the_runs_then_decide(tmp_path, capsys):
 
     pst, oos = _planted_harm(tmp_path)
     assert pst.hash == pst.frozen and pst.oos.endswith("oos.yaml")  # oos: is not part of the hash
-    res = P.analyze_predictor(pst)
+    res = O.analyze_study(pst)
     assert res.oos.startswith(f"NOT YET PREDICTED: the in-sample fits exist; the probe {tmp_path / 'probe'} lacks a, b")
     with pytest.raises(StudyError, match="no out-of-sample run starts before its prediction; the probe .* lacks a, b"):
         check_predicted(oos)
     probe = {"a": 0.005, "b": 0.0125}
     write_sweep(tmp_path / "probe", list(probe), lambda n: pd.DataFrame(
         {"step": range(3), "rollout_corr/k3_kl": [0.01] * 3, "mismatch/adv_diff_mean": [probe[n]] * 3}), 2)
-    res = P.analyze_predictor(pst)
+    res = O.analyze_study(pst)
     assert res.oos.startswith(PREDICTED)
     assert "| a | noise | 0.01 | 0.005 |" in res.oos and "| b | noise | 0.01 | 0.0125 |" in res.oos
     b_k3 = res.fits["k3"]["b"]
@@ -457,7 +458,7 @@ def test_oos_predictions_gate_the_runs_then_decide(tmp_path, capsys):
         err.count("\n") == 1 and not Path(oos.out).exists()
     assert cli.main(["study", "analyze", str(tmp_path / "harm.yaml")]) == 0
     assert f"\nOut of sample:\n{PREDICTED} (written before any out-of-sample run; 2 cells;" in capsys.readouterr().out
-    P.analyze_and_write(pst, write=True)
+    O.analyze_and_write(pst, write=True)
     assert "predictions of 2 cells are in block h-oos" in check_predicted(oos)
     # the runs: a costs 0.02 and b 0.05, exactly what adv predicts; k3 predicts 0.01 b_k3 for both
     freeze(oos, oos.out)
@@ -467,7 +468,7 @@ def test_oos_predictions_gate_the_runs_then_decide(tmp_path, capsys):
         {"step": range(5), "val/accuracy": [0.9 - cost[n.rsplit("_s", 1)[0]] + 0.001 * int(n[-1])] * 5,
          "train/response_length_mean": [(60.0 if n.startswith("b") else 20.0) + int(n[-1])] * 5,
          "rollout_corr/k3_kl": [0.0] * 5, "mismatch/frac_bitwise_equal": [1.0] * 5}), 4, run_ids=ids)
-    res = P.analyze_and_write(pst, write=True)
+    res = O.analyze_and_write(pst, write=True)
     dec = res.decision
     assert dec["winner"] == "adv" and dec["per"]["adv"]["rmse"] == pytest.approx(0.0, abs=1e-12)
     want_k3 = math.sqrt(((0.02 - 0.01 * b_k3) ** 2 + (0.05 - 0.01 * b_k3) ** 2) / 2)

@@ -708,7 +708,9 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
         return 1 if counts["differ"] else 0
     if args.action != "analyze":
         raise CLIError(f"study {args.action}: not defined for a predictor study (valid: check, recompute, analyze)")
-    res = P.analyze_and_write(st, write=args.write)
+    from timlab.experiments.study.oos import analyze_and_write
+
+    res = analyze_and_write(st, write=args.write)
     print(res.insample)
     print(f"\nOut of sample:\n{res.oos}")
     print(f"\n{st.name}: {res.status}" + (f"; wrote the blocks of {st.findings[0]}" if args.write and st.findings else ""))

@@ -1,8 +1,8 @@
 """The out-of-sample part of a predictor study: the probe's dose rule, the predictions written before
 any out-of-sample run, and the decision rule applied once after them.
 
-Used by ``timlab.experiments.study.predictor`` (the ``oos`` block of ``timlab study analyze FILE
---write``) and ``timlab study run|check`` of the out-of-sample study file that a predictor study
+Home of a predictor study's whole analysis (``analyze_study``: the in-sample fits of
+``timlab.experiments.study.predictor``, then the ``oos`` block; ``timlab study analyze FILE --write``) and ``timlab study run|check`` of the out-of-sample study file that a predictor study
 names in ``oos`` (docs/studies.md, "Predictor studies"; Study H's part (b) in docs/FINDINGS.md).
 """
 
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from timlab.experiments.study.predictor import (PredictorResult, PredictorStudy, analyze_predictor, calibration_record,
+                                                write_calibration)
 from timlab.experiments.study.registration import StudyError
 
 
@@ -320,7 +322,7 @@ def check_predicted(study) -> str:
     """Refuse (one-line ``StudyError``) to start a run of the out-of-sample ``study`` before its
     predictor study's oos block holds the predictions it would write now; returns a line saying
     they are there."""
-    from timlab.experiments.study.predictor import analyze_predictor, load_predictor
+    from timlab.experiments.study.predictor import load_predictor
 
     pb = study.predicted_by
     pst = load_predictor(pb.study)
@@ -330,7 +332,7 @@ def check_predicted(study) -> str:
         raise StudyError(f"{study.source}: predicted_by.study: {pb.study} names {pst.oos or 'no'} out-of-sample file "
                          f"(oos), not this one")
     gate = "no out-of-sample run starts before its prediction"
-    res = analyze_predictor(pst, oos=False)
+    res = analyze_predictor(pst)
     if res.status != "complete":
         raise StudyError(f"study {study.name}: {gate}, and the in-sample fits of {pst.name} do not exist yet "
                          f"({res.insample.split(';')[0]})")
@@ -346,3 +348,37 @@ def check_predicted(study) -> str:
         raise StudyError(f"study {study.name}: {gate}; block {name} of {file} does not hold the predictions: run "
                          f"`timlab study analyze {pb.study} --write` and commit it first")
     return f"the predictions of {len(cells.names)} cells are in block {name} of {file}"
+
+
+def analyze_study(st: PredictorStudy) -> PredictorResult:
+    """The registered analysis of a predictor study: the in-sample fits (INCOMPLETE until every re-run
+    is in), then, once they exist, the out-of-sample block and its decision."""
+    res = analyze_predictor(st)
+    if res.status == "complete":
+        res.oos, res.decision = oos_block(st, res)
+    return res
+
+
+def blocks(st: PredictorStudy, res: PredictorResult | None = None) -> dict[str, str]:
+    """The study's FINDINGS blocks, name -> text."""
+    res = analyze_study(st) if res is None else res
+    if st.findings is None:
+        return {}
+    _, insample, oos = st.findings
+    return {insample: res.insample, oos: res.oos}
+
+
+def analyze_and_write(st: PredictorStudy, *, write: bool) -> PredictorResult:
+    """The analysis; with ``write``, its blocks in FINDINGS and (once complete) the calibration record."""
+    from timlab.experiments.study.text import splice_block
+
+    res = analyze_study(st)
+    if write and st.findings is not None:
+        path = st.findings[0]
+        text = Path(path).read_text(encoding="utf-8")
+        for name, body in blocks(st, res).items():
+            text = splice_block(text, name, body, where=path)
+        Path(path).write_text(text, encoding="utf-8")
+    if write and res.status == "complete" and st.calibration:
+        write_calibration(st.calibration, calibration_record(st, res.fits, res.cells, res.decision))
+    return res

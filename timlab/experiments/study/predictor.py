@@ -25,7 +25,8 @@ point estimate in every resample (a resample's own variances would need a nested
 cell's variance is floored at ``VAR_FLOOR`` so that one cell of identical seeds cannot take the fit.
 
 The out-of-sample part (the file ``oos`` names: predictions before its runs, the decision after)
-is ``timlab.experiments.study.oos``; its block is part of this analysis's result.
+is ``timlab.experiments.study.oos``, which also runs the whole analysis (``oos.analyze_study``) and
+writes the blocks (``oos.analyze_and_write``); this module does not import it.
 """
 
 from __future__ import annotations
@@ -485,9 +486,9 @@ def read_table(path: str | Path) -> pd.DataFrame | None:
     return pd.read_parquet(p) if p.exists() else None
 
 
-def analyze_predictor(st: PredictorStudy, *, oos: bool = True) -> PredictorResult:
-    """The registered in-sample analysis, refused (INCOMPLETE) until every re-run is in the table; then,
-    with ``oos``, the out-of-sample block (``timlab.experiments.study.oos.oos_block``)."""
+def analyze_predictor(st: PredictorStudy) -> PredictorResult:
+    """The registered in-sample analysis, refused (INCOMPLETE) until every re-run is in the table.
+    The out-of-sample block is ``timlab.experiments.study.oos``'s (``analyze_study`` runs both)."""
     from timlab.rundir import read_metrics
 
     check_frozen(st)
@@ -533,12 +534,7 @@ def analyze_predictor(st: PredictorStudy, *, oos: bool = True) -> PredictorResul
     names = [c.name for c in st.candidates]
     fits = fit_all(cells, names, st.reference, boot=st.boot)
     text = insample_text(st, cells, fits, beside, left_out)
-    res = PredictorResult("complete", text, fits, cells, left_out)
-    if oos:
-        from timlab.experiments.study.oos import oos_block
-
-        res.oos, res.decision = oos_block(st, res)
-    return res
+    return PredictorResult("complete", text, fits, cells, left_out)
 
 
 def start_params(run: Path) -> int | None:
@@ -660,28 +656,3 @@ def load_predictor(path: str | Path) -> PredictorStudy | None:
 INCOMPLETE_OOS = ("INCOMPLETE: the in-sample fits (part a) do not exist yet; no out-of-sample prediction is written "
                   "before them, and no out-of-sample run starts before its prediction.")
 """The oos block until the in-sample analysis is complete."""
-
-
-def blocks(st: PredictorStudy, res: PredictorResult | None = None) -> dict[str, str]:
-    """The study's FINDINGS blocks, name -> text."""
-    res = analyze_predictor(st) if res is None else res
-    if st.findings is None:
-        return {}
-    _, insample, oos = st.findings
-    return {insample: res.insample, oos: res.oos}
-
-
-def analyze_and_write(st: PredictorStudy, *, write: bool) -> PredictorResult:
-    """The analysis; with ``write``, its blocks in FINDINGS and (once complete) the calibration record."""
-    from timlab.experiments.study.text import splice_block
-
-    res = analyze_predictor(st)
-    if write and st.findings is not None:
-        path = st.findings[0]
-        text = Path(path).read_text(encoding="utf-8")
-        for name, body in blocks(st, res).items():
-            text = splice_block(text, name, body, where=path)
-        Path(path).write_text(text, encoding="utf-8")
-    if write and res.status == "complete" and st.calibration:
-        write_calibration(st.calibration, calibration_record(st, res.fits, res.cells, res.decision))
-    return res
