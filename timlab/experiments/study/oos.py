@@ -285,6 +285,13 @@ def _oos_study(pst):
     return oos
 
 
+def _shown(path: str | Path) -> str:
+    """``path`` as FINDINGS shows it: relative to the working directory (the repository root, where the
+    documented commands run) when it lies under it, so the block does not depend on how the file was named."""
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd().resolve())) if p.is_relative_to(Path.cwd().resolve()) else str(path)
+
+
 def oos_block(pst, res) -> tuple[str, dict | None]:
     """The oos block of a predictor study whose in-sample analysis ``res`` is complete, and the
     decision once the out-of-sample runs are: the predictions (from the probe) first, then the
@@ -303,7 +310,7 @@ def oos_block(pst, res) -> tuple[str, dict | None]:
     text = predictions_text(pst, cells, preds)
     done = analyze(oos)
     if done.status != "complete":
-        return f"{text}\n\nOut-of-sample runs ({oos.source}): {done.text}", None
+        return f"{text}\n\nOut-of-sample runs ({_shown(oos.source)}): {done.text}", None
     lengths = _observed(pst, oos, cells)
     dec = decide(cells, preds, pst.reference, boot=pst.boot)
     regime = (f"{pst.regime} in sample; out of sample answers of {min(lengths):.0f}-{max(lengths):.0f} tokens "
