@@ -588,6 +588,13 @@ def _names(v: Any, known: list[str], where: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _int_at_least(v: Any, low: int, what: str) -> int:
+    """``v``, an integer (not a bool) >= ``low``; else a one-line StudyError naming ``what``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise StudyError(f"{what} must be an integer >= {low}, got {v!r}")
+    return v
+
+
 def _number(v: Any, where: str, *, positive: bool = True) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
         raise StudyError(f"{where}: expected a {'positive ' if positive else ''}number, got {v!r}")
@@ -610,13 +617,9 @@ def _endpoint(d: Any, where: str, earlier: list[str]) -> Endpoint:
               ("name", "stat"), where)
     if not isinstance(d["name"], str) or not NAME.fullmatch(d["name"]):
         raise StudyError(f"{where}: name must be a letter followed by letters, digits or _ (got {d['name']!r})")
-    n = d.get("n", 20)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise StudyError(f"{where}: n must be an integer >= 1, got {n!r}")
+    n = _int_at_least(d.get("n", 20), 1, f"{where}: n")
     for key, low in (("lag", 0), ("min_points", 2)):
-        v = d.get(key, low)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise StudyError(f"{where}: {key} must be an integer >= {low}, got {v!r}")
+        _int_at_least(d.get(key, low), low, f"{where}: {key}")
     stat = _choice(d["stat"], STATS + tuple(DERIVED), f"{where}: stat")
     of: tuple[str, ...] = ()
     if stat in DERIVED:
@@ -815,10 +818,7 @@ def _order(v: Any, families: list[Family], tables: list[Table], fits: list[Fit],
 def _grouped_fit(f: dict, kind: str, names: list[str], where: str) -> dict:
     """The ``length`` and ``threshold`` keys of a fit (``Fit``), checked."""
     def count(key: str, default: int) -> int:
-        v = f.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise StudyError(f"{where}: {key} must be an integer >= 1, got {v!r}")
-        return v
+        return _int_at_least(f.get(key, default), 1, f"{where}: {key}")
 
     def numbers(key: str, default: tuple) -> tuple:
         v = f.get(key, list(default))
@@ -850,10 +850,7 @@ def _grouped_fit(f: dict, kind: str, names: list[str], where: str) -> dict:
 def _run_fit(f: dict, kind: str, names: list[str], families: list[Family], where: str) -> dict:
     """The ``growth`` and ``signals`` keys of a fit (``Fit``), checked."""
     def count(key: str, default: int) -> int:
-        v = f.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise StudyError(f"{where}: {key} must be an integer >= 0, got {v!r}")
-        return v
+        return _int_at_least(f.get(key, default), 0, f"{where}: {key}")
 
     def steps(key: str, default: tuple) -> tuple:
         v = f.get(key, list(default))
@@ -929,9 +926,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         sweep_root, sweep_source = Path(root), f"{source}: sweep"
     if not isinstance(sweep, dict):
         raise StudyError(f"{w}: sweep: expected a spec file name or an inline spec mapping")
-    steps = d["steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise StudyError(f"{w}: steps must be an integer >= 1, got {steps!r}")
+    steps = _int_at_least(d["steps"], 1, f"{w}: steps")
     if not isinstance(d["endpoints"], list) or not d["endpoints"]:
         raise StudyError(f"{w}: endpoints: expected a non-empty list")
     endpoints: list[Endpoint] = []
