@@ -252,30 +252,40 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def weight_files(path: str | Path) -> list[Path]:
+    """The files that hold a model folder's weights, in the order they are read: ``model.safetensors``;
+    else ``model.safetensors.index.json`` and its shards (sorted); else ``pytorch_model.bin``. A folder
+    with none of them, or with one that is not a regular file, is a one-line error naming it."""
+    path = Path(path)
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
     for f in (single, index, path / "pytorch_model.bin"):
         if f.exists() and not f.is_file():  # a FIFO would block the read forever
             raise ModelLoadError(f"{f}: not a regular file")
     if single.exists():
-        return _load_file(single)
+        return [single]
     if index.exists():
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__})") from None
-        out: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            out.update(_load_file(path / shard))
-        return out
-    binfile = path / "pytorch_model.bin"
-    if binfile.exists():
-        try:
-            return torch.load(binfile, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle, zip and torch errors of a damaged file
-            raise ModelLoadError(f"{binfile}: unreadable ({type(e).__name__})") from None
+        return [index, *(path / shard for shard in shards)]
+    if (path / "pytorch_model.bin").exists():
+        return [path / "pytorch_model.bin"]
     raise ModelLoadError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = weight_files(path)
+    if files[0].name == "pytorch_model.bin":
+        try:
+            return torch.load(files[0], map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle, zip and torch errors of a damaged file
+            raise ModelLoadError(f"{files[0]}: unreadable ({type(e).__name__})") from None
+    out: dict[str, torch.Tensor] = {}
+    for file in files[1:] if files[0].name.endswith(".index.json") else files:
+        out.update(_load_file(file))
+    return out
 
 
 def _split_fused_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
