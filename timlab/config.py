@@ -86,6 +86,13 @@ class ModelSection:
     """SFT learning rate (AdamW)."""
     pretrain_seed: int = 0
     """Seed of the SFT warm start (initial weights and batches)."""
+    pretrain_init: str = ""
+    """A local model folder (``timlab pretrain --out``, ``timlab export`` or transformers'
+    ``save_pretrained``) whose weights the SFT warm start continues from instead of a random init:
+    a curriculum, e.g. short answers first, then long ones. Its architecture and vocabulary must be
+    the warm start's (the fields above and the task's alphabet); steps, batch, LR schedule and the
+    batches' seed are as without it. The warm start's cache key holds the SHA-256 of its weight
+    files, not the path. Empty: random init."""
 
 
 @dataclass(frozen=True)
@@ -823,6 +830,13 @@ def check_warm_start(cfg: Config, task: Task) -> None:
     if not m.path and context > MAX_WARM_START_CONTEXT:
         raise UsageError(f"task {cfg.task.name!r} with task.kwargs={cfg.task.kwargs} needs {context} characters of "
                          f"prompt + answer; the warm start supports up to {MAX_WARM_START_CONTEXT}")
+    if m.pretrain_init:
+        if m.path:
+            raise UsageError(f"model.pretrain_init={m.pretrain_init!r} with model.path={m.path!r}: RL starts from "
+                             "model.path and builds no warm start, so the init would not be used; set one of them")
+        from timlab.trainer.pretrain_init import check_pretrain_init
+
+        check_pretrain_init(cfg, task)
 
 
 def check_gradcheck(cfg: Config) -> None:

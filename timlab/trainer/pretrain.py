@@ -6,7 +6,8 @@ for RL. The result is an ordinary HF folder (config.json, model.safetensors, cha
 cached under ``$TIMLAB_CACHE`` (default ``~/.cache/timlab``) by the hash of the model and task
 settings, so later commands reuse it. ``pretrain(cfg, out_dir)`` fills that cache too and copies
 the cached model to ``out_dir``, so ``timlab pretrain --out DIR`` and a later ``timlab train`` of
-the same settings share one SFT.
+the same settings share one SFT. With ``model.pretrain_init`` the SFT continues from another model
+folder's weights instead of a random init (``timlab.trainer.pretrain_init``: a curriculum).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from timlab.errors import UsageError
 from timlab.files import foreign_entries, release_lock, remove_owned, take_lock
 from timlab.model.forward import teacher_forced_batch, token_logprobs
 from timlab.model.hf_io import TOKENIZER_FILES, save_model
-from timlab.model.llama import CausalLM, ModelConfig
+from timlab.model.llama import CausalLM
 from timlab.tasks import Example, build_task, make_splits
 from timlab.tokenizer import Tokenizer, load_tokenizer, save_char_tokenizer
+from timlab.trainer.architecture import MOE_KEYS, model_config_for
+from timlab.trainer.pretrain_init import init_digest, init_record, load_init
 from timlab.trainer.scoring import greedy_accuracy
 
 
@@ -40,18 +43,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("TIMLAB_CACHE", Path.home() / ".cache" / "timlab"))
 
 
-MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
-"""The model section's mixture-of-experts fields: hashed only for an MoE warm start, so the dense
-warm starts keep the keys (and cache folders) they had before these fields existed."""
-
-
 def warm_start_key(cfg: Config) -> str:
-    """Hash of everything that determines the warm-start model."""
+    """Hash of everything that determines the warm-start model. With ``model.pretrain_init`` it
+    holds the SHA-256 of the init's weight files instead of its path; without one, the key is what it
+    was before that field existed."""
     m = dataclasses.asdict(cfg.model)
-    for k in ("path", "dtype", "lm_head_fp32", *(MOE_KEYS if not cfg.model.num_experts else ())):
+    for k in ("path", "dtype", "lm_head_fp32", "pretrain_init", *(MOE_KEYS if not cfg.model.num_experts else ())):
         m.pop(k)
     t = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k in ("name", "kwargs", "n_train", "n_val", "split_seed")}
-    return short_hash({"model": m, "task": t, "version": 1}, 12)
+    init = {"init": init_digest(cfg.model.pretrain_init)} if cfg.model.pretrain_init else {}
+    return short_hash({"model": m, "task": t, "version": 1, **init}, 12)
 
 
 def warm_start_dir(cfg: Config) -> Path:
@@ -90,27 +91,6 @@ class PretrainResult:
     cached: bool
 
 
-def model_config_for(cfg: Config, vocab_size: int, tok: Tokenizer, max_len: int) -> ModelConfig:
-    m = cfg.model
-    return ModelConfig(
-        model_type=m.model_type,
-        vocab_size=vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=max(m.max_position_embeddings, max_len),
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        **({"num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
-            "moe_intermediate_size": m.moe_intermediate_size, "norm_topk_prob": m.norm_topk_prob}
-           if m.num_experts else {}),
-    )
-
-
 MODEL_FILES = ("pretrain.json", "config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES)
 """Every file pretraining writes in a model folder: the only ones it ever replaces."""
 PARTIAL_MARKER = ".timlab-partial"
@@ -143,6 +123,9 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
     cache = warm_start_dir(cfg)
     out = Path(out_dir) if out_dir else cache
     check_out_dir(out)
+    if cfg.model.pretrain_init and out.exists() and out.resolve() == Path(cfg.model.pretrain_init).resolve():
+        raise UsageError(f"--out {out} is model.pretrain_init: the SFT would replace the model it starts from; "
+                         "choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     # One writer at a time: data-parallel ranks and sweep workers wait here, then reuse the result.
     lock = take_lock(out.with_name(out.name + ".lock"))  # never truncates a file that is not a timlab lock
@@ -216,9 +199,17 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     max_len = task.max_prompt_chars + max_new + 64
     mcfg = model_config_for(cfg, tok.vocab_size, tok, max_len)
 
+    key = warm_start_key(cfg)
     torch.manual_seed(cfg.model.pretrain_seed)
     model = CausalLM(mcfg)
-    _init_weights(model)
+    if cfg.model.pretrain_init:
+        init = init_record(cfg.model.pretrain_init)
+        load_init(model, cfg.model.pretrain_init)
+        if init_digest(cfg.model.pretrain_init) != init["sha256"]:  # the weights read are the ones the key names
+            raise UsageError(f"model.pretrain_init {cfg.model.pretrain_init}: its weight files changed while they "
+                             "were read; pretrain again once nothing writes there")
+    else:
+        _init_weights(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.model.pretrain_lr, weight_decay=0.01, betas=(0.9, 0.98))
     steps = cfg.model.pretrain_steps
@@ -242,9 +233,10 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     seconds = time.time() - start
     save_model(model, tmp, tokenizer_dir=tmp)
     n_params = sum(p.numel() for p in model.parameters())
-    info = {"key": warm_start_key(cfg), "task": cfg.task.name, "val_accuracy": acc, "val_response_length": mean_len,
+    info = {"key": key, "task": cfg.task.name, "val_accuracy": acc, "val_response_length": mean_len,
             "final_loss": loss_val, "steps": steps, "seconds": seconds, "num_params": n_params,
-            "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs}
+            "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs,
+            **({"init": init} if cfg.model.pretrain_init else {})}
     (tmp / "pretrain.json").write_text(json.dumps(info, indent=2))
     _finish_partial(tmp, out)
     return PretrainResult(out, acc, steps, seconds, n_params, False)
