@@ -262,6 +262,7 @@ def _add_config_args(p) -> None:
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from timlab.config import resolve
     from timlab.trainer.pretrain import pretrain, warm_start_dir
+    from timlab.trainer.pretrain_init import init_digest
 
     cfg = resolve(args.config, args.preset, list(args.set or []), task=args.task)
     prog = PhaseBars(not args.quiet)
@@ -269,6 +270,10 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     prog.close()
     print(f"{'reused' if res.cached else 'pretrained'} {res.path}: {res.num_params / 1e6:.2f}M params, "
           f"greedy val accuracy {res.val_accuracy:.3f}, {res.steps} steps in {res.seconds:.1f}s")
+    if cfg.model.pretrain_init:
+        sums = init_digest(cfg.model.pretrain_init)
+        print(f"continued from model.pretrain_init {cfg.model.pretrain_init} "
+              f"({', '.join(f'{name} SHA-256 {h[:16]}...' for name, h in sums.items())})")
     if args.out:
         print(f"cached as {warm_start_dir(cfg)} (TIMLAB_CACHE): train and demo runs of these model and task "
               "settings start from it")
@@ -276,7 +281,14 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _add_pretrain(sub) -> None:
-    p = sub.add_parser("pretrain", help="SFT warm start of a tiny model on a task (cached by config hash)")
+    import textwrap
+
+    p = sub.add_parser("pretrain", help="SFT warm start of a tiny model on a task (cached by config hash)",
+                       description=textwrap.fill(
+                           "SFT warm start of a tiny model on a task (cached by config hash). With --set "
+                           "model.pretrain_init=DIR the SFT continues from that model folder's weights (same "
+                           "architecture and alphabet) instead of a random init: a curriculum. The last two examples "
+                           "are one: ~31-token answers first, then ~300-token answers continued from that model.", 90))
     p.add_argument("config", nargs="?", help="YAML config (model and task sections are used)")
     p.add_argument("--task", help="task: {names:task} (the preset's and YAML's task.kwargs are dropped "
                                   "when they are another task's)")
@@ -933,7 +945,11 @@ EXAMPLES: dict[str, list[str]] = {
     "probe": ["timlab probe --model models/reverse --task reverse --rollout exact --score trainer",
               "timlab probe --model models/reverse --prompts prompts.txt --rollout fast --dtype bfloat16 --attribute"],
     "pretrain": ["timlab pretrain --task reverse --out models/reverse",
-                 "timlab pretrain --preset smoke --task sort --out models/sort"],
+                 "timlab pretrain --preset smoke --task sort --out models/sort",
+                 "timlab pretrain --preset surge --set task.kwargs.restate=1 --set task.kwargs.scratch_frac=1.0 "
+                 "--out models/r1",
+                 "timlab pretrain --preset surge --set task.kwargs.restate=31 --set task.kwargs.scratch_frac=1.0 "
+                 "--set model.pretrain_init=models/r1 --out models/r31"],
     "train": ["timlab train --preset smoke --run-dir runs/smoke",
               "timlab train --preset demo --run-dir runs/r1 --set mismatch.injector=head_perturb "
               "--set mismatch.magnitude=2",
