@@ -5,6 +5,7 @@ write is ignored by git, and the docs name every preset and task."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -50,6 +51,8 @@ class Step:
 SMOKE = (("--preset default", "--preset smoke"), ("--preset demo", "--preset smoke"))
 MODEL = ("--set", "model.path=models/reverse")
 """RL from the model the README's pretrain command made (20 SFT steps here), not a fresh warm start."""
+CURRICULUM = ("--set", "model.pretrain_steps=3", "--set", "task.n_val=4", "--quiet")
+"""The README's two-stage curriculum at 3 SFT steps a stage, validated on 4 prompts."""
 PLAN = (
     Step(r"make (demo|test)", skip="installs a venv; `make test` runs this suite, `make demo` the demo (minutes)"),
     Step(r"timlab (--isa avx2 )?sweep docs/examples/(surge_claims|threshold|threshold_d16|erosion)\.yaml .*",
@@ -64,6 +67,9 @@ PLAN = (
     Step(r".*(/path/to/|--device cuda|run\.device=cuda).*", skip="needs a GPU and a real model"),
     Step(r"timlab pretrain --task reverse --out models/reverse",
          add=("--preset", "smoke", "--set", "model.pretrain_steps=20", "--quiet")),
+    Step(r"timlab pretrain --preset surge --set task\.kwargs\.restate=1 .* --out models/r1", add=CURRICULUM),
+    Step(r"timlab pretrain --preset surge --set task\.kwargs\.restate=31 .* --out models/r31",
+         replace=(("restate=31", "restate=2"),), add=CURRICULUM),  # restate 31's answers: 13x the SFT step
     Step(r"timlab probe --model models/reverse --task .*", add=("--num-prompts", "2", "--max-new-tokens", "6")),
     Step(r"timlab probe --model models/reverse --prompts .*", add=("--max-new-tokens", "6")),
     Step(r"timlab train --preset (default|demo) --run-dir runs/r[01]( .*)?", replace=SMOKE, add=(*MODEL, "--quiet")),
@@ -195,6 +201,8 @@ def test_readme_commands_run_on_a_tiny_budget(workdir, capsys):
     assert ran.count("runs") == 2 and (workdir / "models/learned/config.json").is_file()
     assert (workdir / "dose.html").is_file() and (workdir / "threshold.png").is_file()
     assert (workdir / "runs/r1/checkpoints").is_dir() and (workdir / "bias.png").is_file()
+    stage2 = json.loads((workdir / "models/r31/pretrain.json").read_text())
+    assert stage2["init"]["path"] == "models/r1" and stage2["init"]["pretrain"]["task_kwargs"]["restate"] == 1
 
 
 def test_the_first_screen_is_what_timlab_is_then_the_two_commands_then_what_they_show():
