@@ -90,9 +90,10 @@ class ModelSection:
     """A local model folder (``timlab pretrain --out``, ``timlab export`` or transformers'
     ``save_pretrained``) whose weights the SFT warm start continues from instead of a random init:
     a curriculum, e.g. short answers first, then long ones. Its architecture and vocabulary must be
-    the warm start's (the fields above and the task's alphabet); steps, batch, LR schedule and the
-    batches' seed are as without it. The warm start's cache key holds the SHA-256 of its weight
-    files, not the path. Empty: random init."""
+    the warm start's (this section's architecture fields and the task's alphabet); steps, batch, LR
+    schedule and the batches' seed are as without it. The warm start's cache key holds the SHA-256
+    of its weight files, not the path, so the folder must stay readable while a command looks that
+    warm start up. Empty: random init."""
 
 
 @dataclass(frozen=True)
