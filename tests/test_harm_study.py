@@ -4,6 +4,7 @@ committed smoke runs (repeat check, resume, kill safety, a planted non-repeat)."
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -299,11 +300,17 @@ def test_predicted_cost_line_outside_calibrated_lengths_and_model_size(tmp_path,
 
 
 def test_analyze_sample_says_why_no_predicted_cost():
+    """Study H named k3 (the committed record): the sample's k3 (5e-13, an exact stack) lies below the
+    calibrated range, so analyze says so rather than extrapolating."""
     from timlab.experiments.analyze import analyze_file, format_analysis
-    from timlab.experiments.harm_prediction import CALIBRATION, NO_RECORD, NO_WINNER
+    from timlab.experiments.harm_prediction import CALIBRATION
 
+    rec = json.loads(CALIBRATION.read_text(encoding="utf-8"))
+    assert rec["winner"] == "k3" and rec["oos"]["beats_reference"] is False and rec["oos"]["cells"] == 7
     text = format_analysis(analyze_file(REPO / "timlab/data/sample_logprobs.jsonl"))
-    assert ("  " + (NO_RECORD if not CALIBRATION.exists() else NO_WINNER)) in text.splitlines()
+    lines = [s for s in text.splitlines() if "predicted accuracy cost" in s]
+    assert len(lines) == 1 and lines[0].startswith(
+        "  predicted accuracy cost: outside the calibrated range (k3 5.46e-13 is not in [1.11e-07, 0.179], calibrated on ")
 
 
 def test_missing_start_is_rebuilt_by_its_commands_and_checked(tmp_path, monkeypatch):

@@ -295,7 +295,8 @@ def _shown(path: str | Path) -> str:
 def oos_block(pst, res) -> tuple[str, dict | None]:
     """The oos block of a predictor study whose in-sample analysis ``res`` is complete, and the
     decision once the out-of-sample runs are: the predictions (from the probe) first, then the
-    out-of-sample sweep's INCOMPLETE or VOID line, or its results and verdict."""
+    out-of-sample sweep's INCOMPLETE or VOID line, or its own analysis (the controls' validity, each
+    cell's cost with its permutation p) followed by the results and the verdict."""
     from timlab.experiments.study.engine import analyze
 
     if not pst.oos:
@@ -315,7 +316,8 @@ def oos_block(pst, res) -> tuple[str, dict | None]:
     dec = decide(cells, preds, pst.reference, boot=pst.boot)
     regime = (f"{pst.regime} in sample; out of sample answers of {min(lengths):.0f}-{max(lengths):.0f} tokens "
               f"({len(cells.names)} cells of {len(set(cells.kinds))} kinds)")
-    return f"{text}\n\n{results_text(cells, preds, dec, regime)}", dec
+    runs = f"Out-of-sample runs ({_shown(oos.source)}), their own analysis:\n\n{done.text.strip()}"
+    return f"{text}\n\n{runs}\n\n{results_text(cells, preds, dec, regime)}", dec
 
 
 def block_text(path: str | Path, name: str) -> str:
