@@ -1,8 +1,10 @@
 """The exact CPU attention a few sequences at a time, with its probabilities recomputed in the backward.
 
 Used by ``timlab.model.ops.fixed_length_attention`` for its CPU fp32 calls without a decode
-workspace: the trainer's teacher-forced forward (``timlab.model.forward.token_logprobs``), with
-or without autograd, and the engines' prefill. Run op by op over the whole batch, that attention
+workspace whose scores do not fit one chunk (``CHUNK_ELEMENTS``): the trainer's teacher-forced
+forward (``timlab.model.forward.token_logprobs``) at long answers, with or without autograd.
+(Smaller calls run op by op: they are in cache already, and recomputing would cost ~5-10% of a
+T ~ 30 RL step.) Run op by op over the whole batch, that attention
 materializes per key block the (B, H_kv, n, K) fp32 scores, -inf bias and probabilities, keeps
 the probabilities for the backward, and the backward makes as many gradients of that size:
 about a gigabyte each per block and layer at the RL batch of 1,000-token answers, streamed
