@@ -388,11 +388,26 @@ class Attention(nn.Module):
             if rep > 1:  # grouped-query attention: (B, H_kv, S, D) -> (B, H, S, D)
                 keys = keys.repeat_interleave(rep, dim=1)
                 values = values.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.allowed, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=_sdpa_mask(step, q), scale=self.scale)
         out = out.transpose(1, 2).reshape(B, M, self.n_heads * self.head_dim)  # (B, M, H*D)
         if step.rows is not None:
             out = out.reshape(B * M, -1)[step.rows][None]  # (1, N, H*D)
         return mode_linear(mode, out, self.o_proj)
+
+
+def _sdpa_mask(step: Step, q: torch.Tensor) -> torch.Tensor:
+    """The fast mode's attention mask for ``scaled_dot_product_attention``. On the CPU, the additive
+    (B, 1, M, W) mask SDPA itself makes of a bool one (0 where allowed, -inf elsewhere, q's dtype),
+    built once per Step and shared by the layers (SDPA would rebuild it in every layer); elsewhere
+    ``step.allowed`` as it is (CUDA backends convert a bool mask in their own ways)."""
+    if not q.is_cpu or step.allowed.dtype != torch.bool:
+        return step.allowed
+    key = ("sdpa_mask", q.dtype)
+    mask = step.extras.get(key)
+    if mask is None:
+        mask = torch.zeros(step.allowed.shape, dtype=q.dtype).masked_fill_(~step.allowed, float("-inf"))
+        step.extras[key] = mask
+    return mask
 
 
 class MLP(nn.Module):

@@ -45,7 +45,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from timlab.model import cpu_gemm
+from timlab.model import chunked_attention, cpu_gemm
 
 MIN_ROWS = 16
 """Matmuls in the exact path never run on fewer rows than this (decode rows are zero-padded)."""
@@ -63,6 +63,12 @@ Measured (torch 2.13, 1 thread): on the AVX-512 EPYC batched fp32 matmul rows ar
 M >= 4 (M = 1-3 differ; bf16/fp16 never differ), for head dims 8-128 and 16-2064 keys, a 2x
 margin; on another 2-core VM the q.k GEMM at head_dim 128 differed for M = 1-5, so there the
 margin is 8 / 6. Padding decode queries to MIN_ROWS instead is slower (bench/RESULTS.md)."""
+
+CHUNKED_DTYPES = (torch.float32,)
+"""CPU calls of ``fixed_length_attention`` in these dtypes, without a ``workspace`` and with more
+scores than one chunk holds (``chunked_attention.CHUNK_ELEMENTS``: the trainer's forward and
+backward at long answers) run through ``timlab.model.chunked_attention``: the same bits, computed a
+few sequences at a time and recomputed in the backward. The others run op by op."""
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -234,6 +240,11 @@ def fixed_length_attention(
     probability rows into zero-padded buffers kept there (``_padded``) instead of allocating and
     zero-filling a padded copy per call; the GEMMs see the same values in the same layout, so the
     same bits.
+
+    CPU calls in ``CHUNKED_DTYPES`` without a ``workspace`` whose scores exceed one chunk (the
+    trainer's forward and backward at long answers) compute these blocks a few sequences at a time
+    and recompute the probabilities in the backward (``timlab.model.chunked_attention``): the same
+    bits, in cache instead of through memory.
     """
     kernels = triton_kernels(q)
     if kernels is not None:
@@ -253,6 +264,8 @@ def fixed_length_attention(
             b = min(start + M, (a // Q + 1) * Q)  # this block: columns a..b-1, one key count
             blocks.append((a - start, b - start, attention_keys(b - 1, S)))
             a = b
+    if q.dtype in CHUNKED_DTYPES and workspace is None and chunked_attention.chunk_rows(q, k, blocks) < B:
+        return chunked_attention.attention(q, k, v, allowed, scale, blocks, ATTN_MIN_ROWS)  # the same bits
     # split, not sliced: the backward concatenates the blocks' query gradients (a slice's
     # backward zero-fills a whole q-sized tensor per block)
     q_blocks = q.split([b - a for a, b, _ in blocks], dim=2) if len(blocks) > 1 else (q,)
