@@ -299,3 +299,49 @@ def test_margin_rule_registrations_are_one_line_errors(tmp_path):
     d["rules"][1]["margin_of"] = "wide"
     with pytest.raises(StudyError, match="rules: same cost: margin_of: 'wide' is not an arm of the sweep"):
         planned_runs(study_from_dict(d, root=tmp_path, source="s.yaml"))
+
+
+# ------------------------------------------------------------------------------- Study L1's file
+L1 = REPO / "docs" / "examples" / "studies" / "l1.yaml"
+
+
+def test_study_l1s_file_on_a_planted_t_k3_law(tmp_path):
+    """Study L1's registration (8 seeds) on runs where every arm costs 0.18 x T * k3 (E3b's rate;
+    k3 1e-3, T 31, 301, 1,005), hi and lo alike: on accuracy, rule 1's two parts hold; on the
+    log-odds scale the same runs give b below 1 (the logit bends a cost of 0.18 at 0.9 down)."""
+    d = yaml.safe_load(L1.read_text())
+    assert "frozen" not in d and "amendments" not in d  # a draft: the lead freezes it once the starts exist
+    study = study_from_dict(d, root=L1.parent, source=str(L1))
+    ids = {p.name: p.run_id for p in planned_runs(study)}
+    lengths = {"1": 31.0, "31": 301.0, "109": 1005.0}
+    level = {}
+    for name in ids:
+        g, arm, s = name[1:].split("_")
+        key = {"control": 0, "spread": 1, "hi": 2, "lo": 2}[arm]  # hi and lo share each seed's noise: the same cost
+        rng = np.random.default_rng([int(g), key, int(s[1:])])
+        level[name] = BASE - (0 if arm == "control" else 0.18 * lengths[g] * 1e-3) + NOISE * rng.standard_normal()
+
+    def of(name: str) -> pd.DataFrame:
+        g = name[1:].split("_")[0]
+        m = metrics_of(level)(name)
+        m["train/response_length_mean"] *= lengths[g] / T[g]
+        m.loc[m["step"] == 0, "val/accuracy"] = 0.97
+        return m
+
+    freeze(study, tmp_path / "l1")
+    write_sweep(tmp_path / "l1", list(ids), of, STEPS, run_ids=ids)
+    res = analyze(study, tmp_path / "l1")
+    assert res.status == "complete" and res.text.count(": VALID.") == 3
+    acc, odds = "spread, accuracy level", "spread, log-odds"
+    assert res.tests[acc, "rule 1: b holds 1 and excludes 0"] is True
+    assert res.tests[acc, "rule 2: b excludes 1 from above"] is False
+    assert res.verdicts["same", "acc_level", ("109", "hi")] is True  # hi - lo inside +-0.5 x 0.18
+    assert res.verdicts["where", "acc_level", ("109", "hi")] is False
+    assert res.verdicts["cost", "acc_level", ("109", "lo")] is True
+    assert res.verdicts["lo_share", "acc_level", ("109", "lo")] is False
+    # the log-odds costs are 0.06, 0.49 and 1.25 logits: b = 0.88 [0.83, 0.93], below 1
+    b = float(next(x for x in res.text.splitlines() if x.startswith(f"**Length exponent, {odds}**")).split("b = ")[1][:4])
+    assert b == pytest.approx(math.log((logit(BASE) - logit(BASE - 0.18 * 1.005)) / (logit(BASE) - logit(BASE - 0.18 * 0.031)))
+                              / math.log(1005 / 31), abs=0.03)
+    assert res.tests[odds, "rule 1: b holds 1 and excludes 0"] is False
+    assert res.tests[odds, "rule 2: b excludes 1 from above"] is True
