@@ -241,7 +241,8 @@ def _margin_verdict(rule, c, cost: float | None, fill) -> tuple[bool | None, str
 
 
 def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, required: bool = True,
-             names: dict | None = None, bound: float | None = None, cost: float | None = None) -> tuple[bool | None, str]:
+             names: dict | None = None, bound: float | None = None,
+             cost: float | None = None) -> tuple[bool | None, str]:
     """A rule's verdict on one comparison: (holds, text); None when no p could pass ``alpha`` (or a
     margin rule has no margin). ``required``: the comparison that ``rule.requires`` reads held its
     rule; ``names``: what ``{arm}`` and ``{against}`` in the texts become; ``bound``: the

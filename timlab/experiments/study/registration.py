@@ -1131,10 +1131,11 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                         str(labels[0]), str(f.get("dose_label", "head_perturb")), other, str(f.get("title", "")), eps,
                         tuple(str(x) for x in labels), **_grouped_fit(f, kind, names, where),
                         **_run_fit(f, kind, names, families, where), **_exponent_fit(f, kind, where)))
-    exponent_names = [f.name for f in fits if f.kind == "length_exponent"]
-    if len(set(exponent_names)) != len(exponent_names):
-        raise StudyError(f"{w}: fits: two length_exponent fits named {next(n for n in exponent_names if exponent_names.count(n) > 1)!r}; "
-                         f"each needs its own name (its tests are keyed by it)")
+    named = [f.name for f in fits if f.kind == "length_exponent"]
+    twice = [n for n in named if named.count(n) > 1]
+    if twice:
+        raise StudyError(f"{w}: fits: two length_exponent fits named {twice[0]!r}; each needs its own name (its "
+                         f"tests are keyed by it)")
     v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "start_bar", "title",
                                         "runs", "controls"), (), f"{w}: validity")
     controls = v.get("controls") or []
