@@ -24,6 +24,8 @@ intervals. numpy and the standard library only (no scipy).
 - ``compare_family(groups, references)``: each group against its reference (one endpoint of a
   pre-registered study): mean with t- and bootstrap intervals, difference with its bootstrap
   interval, exact permutation p and the Holm-adjusted p over the family (``Comparison``).
+- ``logit(a)``: the log-odds of a proportion clipped to ``LOGIT_CLIP`` (a run's accuracy level on
+  the log-odds scale), in the standard library's ``math`` (the same bits on every machine).
 """
 
 from __future__ import annotations
@@ -132,6 +134,18 @@ def fisher_greater(k_a: int, n_a: int, k_b: int, n_b: int) -> float:
 
 N_BOOT = 2_000
 """Bootstrap resamples."""
+
+LOGIT_CLIP = (0.005, 0.995)
+"""A proportion is clipped to this range before its log-odds, so a run at accuracy 0 or 1 counts
+as +-5.29 (log(0.995 / 0.005)) instead of an infinity that no mean survives."""
+
+
+def logit(a: float) -> float:
+    """log(a / (1 - a)) of ``a`` clipped to ``LOGIT_CLIP``; NaN stays NaN (a run with no value)."""
+    if math.isnan(a):
+        return math.nan
+    a = min(max(float(a), LOGIT_CLIP[0]), LOGIT_CLIP[1])
+    return math.log(a / (1 - a))
 
 T975 = (math.nan, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
@@ -312,5 +326,5 @@ def compare_family(groups: dict, references: dict) -> dict:
     return out
 
 
-__all__ = ["least_squares", "line_fit", "RANK_TOL", "Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "fisher_greater", "binom_cdf",
+__all__ = ["LOGIT_CLIP", "logit", "least_squares", "line_fit", "RANK_TOL", "Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "fisher_greater", "binom_cdf",
            "MAX_EXACT", "N_MC"]

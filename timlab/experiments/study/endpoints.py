@@ -20,6 +20,10 @@ A registered endpoint is one statistic of one logged metric over an inclusive wi
 value is at least ``reach``, plus ``lag`` steps (e.g. the slope after a run has learned); NaN when
 it never does. ``min_points``: a slope over fewer values is NaN.
 
+``scale`` puts a level-like value (``SCALED_STATS``) on another scale before any arm is compared
+(``SCALES``): ``logit``, the log-odds of a proportion clipped to [0.005, 0.995]
+(``stats.logit``), so a family's "arm minus control" is a difference of log-odds.
+
 ``guard(m)`` and ``rows(m)`` are the validity checks' per-run facts: the zero-mismatch guard held
 at every logged training step (k3 exactly 0 and every token bitwise equal), and how many training
 steps were logged. ``run_endpoints`` is the erosion study's fixed set of endpoints, which the
@@ -33,10 +37,15 @@ import math
 import pandas as pd
 
 from timlab.experiments.collapse import judge
-from timlab.experiments.stats import line_fit
+from timlab.experiments.stats import line_fit, logit
 
 STATS = ("level", "slope", "log_slope", "first", "last", "start", "final", "max", "min", "sum", "fall", "fall_step")
 """The statistics an endpoint may register."""
+SCALES = {"logit": logit}
+"""The scales an endpoint's value may be put on (``scale``), each a function of one run's value."""
+SCALED_STATS = ("level", "first", "last", "start", "final", "max", "min")
+"""The statistics whose value is a level of the metric (a proportion, for ``logit``): the only ones a
+``scale`` applies to (the log-odds of a slope or a sum means nothing)."""
 K3 = "rollout_corr/k3_kl"
 BITWISE = "mismatch/frac_bitwise_equal"
 

@@ -46,9 +46,9 @@ import pandas as pd
 
 from timlab.experiments.stats import (bootstrap_ci, bootstrap_ratio_ci, clopper_pearson, compare_family,
                                       permutation_floor, t_ci)
-from timlab.experiments.study.endpoints import guard, rows, window_stat
-from timlab.experiments.study.fits import bootstrap_fit, fit_power, off_fit, power_law_section
-from timlab.experiments.study.registration import FORMATTED, Study, StudyError, check_freeze
+from timlab.experiments.study.endpoints import SCALES, guard, rows, window_stat
+from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, off_fit, power_law_section
+from timlab.experiments.study.registration import FORMATTED, MARGIN_TESTS, Study, StudyError, check_freeze
 from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
 from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
@@ -85,6 +85,8 @@ class StudyResult:
     """{(family, endpoint, arm): True/False/None (not testable)} of a complete, valid study."""
     decisions: dict = field(default_factory=dict)
     """{(verdict, arm): the verdict's text} of the study's ``verdicts``."""
+    tests: dict = field(default_factory=dict)
+    """{(fit name, test name): True/False/None (no decision)} of the ``length_exponent`` fits' tests."""
 
 
 def arm_of(study: Study, condition: str) -> str:
@@ -116,6 +118,8 @@ def planned_runs(study: Study) -> list[PlannedRun]:
     named = [("control", study.control)] + [("validity: controls", a) for a in study.validity.controls]
     named += [(f"families: {f.name}", a) for f in study.families
               for a in (f.against, *f.arms, *(x for c in f.comparisons for x in c[:2]))]
+    named += [(f"rules: {r.name}: margin_of", r.margin_of) for r in study.rules if r.margin_of]
+    named += [(f"fits: {f.name}: arm", f.arm) for f in study.fits if f.kind == "length_exponent"]
     for where, a in named:
         if a not in arms:
             raise StudyError(f"{study.source}: {where}: {a!r} is not an arm of the sweep; arms: {', '.join(arms)}")
@@ -160,6 +164,8 @@ def run_record(study: Study, m: pd.DataFrame, *, diverged: bool) -> dict:
         else:
             rec[e.name] = window_stat(m, e.metric, e.stat, e.window, n=e.n, rule=e.rule, diverged=diverged,
                                       reach=e.reach, lag=e.lag, min_points=e.min_points)
+            if e.scale:  # e.g. the log-odds of the run's level: arms are then compared on that scale
+                rec[e.name] = SCALES[e.scale](rec[e.name])
     for f in (f for f in study.fits if f.kind == "signals"):
         rec.update(run_signals(m, f, rec[f.endpoint]))
     ev = m.sort_values("step")
@@ -220,17 +226,38 @@ def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> 
             "; differ: " + "; ".join(f"{c} ({d})" for c, d in bad.items()) + ".")]
 
 
+def _margin_verdict(rule, c, cost: float | None, fill) -> tuple[bool | None, str]:
+    """A margin rule's verdict (``within`` / ``under``): the difference's bootstrap interval
+    against M = ``rule.margin`` x ``cost`` (the cost of ``rule.margin_of``); None without a margin
+    (no such arm here, or it costs nothing: a margin <= 0 would hold nothing)."""
+    if cost is None:
+        return None, f"no margin ({rule.margin_of} has no runs here)"
+    if not cost > 0:
+        return None, f"no margin ({rule.margin_of} costs {cost:+.4f}, not above 0)"
+    m = rule.margin * cost
+    lo, hi = c.diff_ci
+    holds = lo <= 0 <= hi and -m <= lo and hi <= m if rule.test == "within" else lo > -m
+    return holds, fill(rule.holds if holds else rule.fails).replace("{margin}", f"{m:.4f}")
+
+
 def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, required: bool = True,
-             names: dict | None = None, bound: float | None = None) -> tuple[bool | None, str]:
-    """A rule's verdict on one comparison: (holds, text); None when no p could pass ``alpha``.
-    ``required``: the comparison that ``rule.requires`` reads held its rule; ``names``: what
-    ``{arm}`` and ``{against}`` in the texts become; ``bound``: the comparison's ratio bar (a
-    ``ratio_bound`` rule)."""
+             names: dict | None = None, bound: float | None = None,
+             cost: float | None = None) -> tuple[bool | None, str]:
+    """A rule's verdict on one comparison: (holds, text); None when no p could pass ``alpha`` (or a
+    margin rule has no margin). ``required``: the comparison that ``rule.requires`` reads held its
+    rule; ``names``: what ``{arm}`` and ``{against}`` in the texts become; ``bound``: the
+    comparison's ratio bar (a ``ratio_bound`` rule); ``cost``: the cost of the margin rule's
+    ``margin_of`` arm in this group (None: it has no runs here)."""
+    fill = lambda t: t.replace("{cost}", c.cost_bound()).replace("{arm}", (names or {}).get("arm", "")).replace(  # noqa: E731
+        "{against}", (names or {}).get("against", "")).replace("{bound}", f"{bound:.2f}" if bound is not None else "")
+    if rule.test in MARGIN_TESTS:  # no p is read: the permutation floor does not apply
+        holds, text = _margin_verdict(rule, c, cost, fill)
+        if holds and rule.requires and not required:
+            return False, fill(rule.unmet or rule.fails)
+        return holds, text
     floor = permutation_floor(*sizes) * (n_family if holm else 1)
     if floor > rule.alpha or (floor == rule.alpha and rule.interval):  # p < alpha, or p <= alpha on the p alone
         return None, f"not testable here (smallest attainable p {min(floor, 1.0):.3f})"
-    fill = lambda t: t.replace("{cost}", c.cost_bound()).replace("{arm}", (names or {}).get("arm", "")).replace(  # noqa: E731
-        "{against}", (names or {}).get("against", "")).replace("{bound}", f"{bound:.2f}" if bound is not None else "")
     if rule.interval:
         below, above = c.below(rule.alpha), c.above(rule.alpha)
     else:  # the p alone, at most alpha, by the sign of the difference
@@ -329,9 +356,9 @@ def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict) -> list[s
     for key in fam.endpoints:
         if not fam.title:
             out += [*bold(study.label(key)), *head]
-        for g, col in cols.items():
-            pairs = comparisons(fam, list(col))
-            out += _family_rows(study, fam, key, g, col, pairs, rules, columns, verdicts, cmps)
+        for g, col in cols.items():  # a comparison of arms this group does not have is not made in it
+            pairs = [p for p in comparisons(fam, list(col)) if p[1] in col and p[2] in col]
+            out += _family_rows(study, fam, key, g, col, pairs, rules, columns, verdicts, cmps) if pairs else []
         if not fam.title:
             out.append("")
     if not fam.table:  # computed for the paragraphs and verdicts only
@@ -351,6 +378,10 @@ def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, ru
         cmp = {n: compare_family({n: vals[n]}, {n: refs[n]})[n] for n in vals}
     bounds = {(a, b): x for (a, b, _), x in zip(fam.comparisons, fam.bounds)}
 
+    def cost(r) -> float | None:
+        """The cost of a margin rule's ``margin_of`` arm in this group (None: it has no runs here)."""
+        return arm_cost(col[study.control][key], col[r.margin_of][key]) if r.margin_of in col else None
+
     def reference(ref: str) -> str:
         cells = {"comparison": fam.reference_label.format(against=fam.shown(ref), arm=fam.shown(ref)),
                  "endpoint": study.label(key), "mean": mean_cells(col[ref][key]),
@@ -369,11 +400,13 @@ def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, ru
         text: dict = {}
         size = (len(pairs), (len(vals[n]), len(refs[n])), fam.correction == "holm")
         for column in (x for x in columns if x.startswith("verdict:")):
-            text[column] = _verdict(rules[column[8:]], c, *size, bound=bounds.get((a, b)))[1]
+            r_col = rules[column[8:]]
+            text[column] = _verdict(r_col, c, *size, bound=bounds.get((a, b)), cost=cost(r_col))[1]
         rule = rules.get(fam.rule_for(key, r))
         if rule:
             required = not rule.requires or verdicts.get((fam.name, key, _key(g, b))) is True
-            holds, text["verdict"] = _verdict(rule, c, *size, required, {"arm": a, "against": b}, bounds.get((a, b)))
+            holds, text["verdict"] = _verdict(rule, c, *size, required, {"arm": a, "against": b}, bounds.get((a, b)),
+                                              cost(rule))
             verdicts[fam.name, key, _key(g, n)] = holds
         out.append(lead + "| " + " | ".join(_cell(k, c, a, b, key, study, fam, col, text) for k in columns) + " |")
     return out
@@ -467,10 +500,11 @@ def _growth(study: Study, f, col: dict, cmps: dict) -> list[str]:
     return out + [""]
 
 
-def _fits(study: Study, cols: dict, verdicts: dict, root: Path, cmps: dict, kinds: tuple[str, ...]) -> list[str]:
-    """The fits of the ``kinds`` given, in the file's order."""
+def _fits(study: Study, cols: dict, verdicts: dict, root: Path, cmps: dict, kinds: tuple[str, ...],
+          tests: dict) -> list[str]:
+    """The fits of the ``kinds`` given, in the file's order; ``tests`` is filled (``StudyResult.tests``)."""
     if study.groups:
-        return _group_fits(study, cols, root, kinds)
+        return _group_fits(study, cols, root, kinds, tests)
     from timlab.experiments.study.signals import signals_section
 
     col = cols.get("", {})
@@ -571,14 +605,21 @@ def predictions(study: Study, root: str | Path | None = None) -> str:
     return "\n".join(out)
 
 
-def _group_fits(study: Study, cols: dict, root: Path, kinds: tuple[str, ...]) -> list[str]:
-    """The fits of a grouped study over its valid groups' treated (group, arm) cells (``fits``)."""
-    from timlab.experiments.study.fits import length_section, threshold_section
+def _group_fits(study: Study, cols: dict, root: Path, kinds: tuple[str, ...], tests: dict) -> list[str]:
+    """The fits of a grouped study over its valid groups' treated (group, arm) cells (``fits``);
+    ``tests`` is filled with each ``length_exponent`` test's decision."""
+    from timlab.experiments.study.fits import exponent_section, length_section, threshold_section
 
     col, treated = _cells(study, cols)
     out = []
     for f in (f for f in study.fits if f.kind in kinds):
-        if f.kind == "predict":
+        if f.kind == "length_exponent":
+            lines, decided = exponent_section(col, list(cols), f.endpoint, f.name, control=study.control, arm=f.arm,
+                                              length=f.length, tests=f.tests, max_undefined=f.max_undefined,
+                                              group_name=study.groups)
+            out += lines
+            tests.update({(f.name, t): v for t, v in decided.items()})
+        elif f.kind == "predict":
             out += _predict(study, f, cols, root)
         elif f.kind == "length":
             out += length_section(col, treated, f.endpoint, f.name or study.label(f.endpoint), control=study.control,
@@ -735,7 +776,7 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
         checks += [line] if line else []
         if valid:  # a void group is left out of every table and fit
             cols[g] = _columns(study, per)
-    verdicts, cmps, decisions = {}, {}, {}
+    verdicts, cmps, decisions, tests = {}, {}, {}, {}
     fams = {f.name: f for f in study.families}
     tables = {t.name: t for t in study.tables if t.name}
     kinds = {"families": lambda: [x for f in study.families if f.name not in study.order
@@ -743,7 +784,7 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
              "tables": lambda: [x for t in study.tables if t.name not in study.order or not t.name
                                 for x in _table(study, t, cols)],
              "fits": lambda: _fits(study, cols, verdicts, root, cmps,
-                                   tuple(f.kind for f in study.fits if f.kind not in study.order)),
+                                   tuple(f.kind for f in study.fits if f.kind not in study.order), tests),
              "verdicts": lambda: _decisions(study, cmps, arms, decisions),
              "paragraphs": lambda: _paragraphs(study, cmps, cols)}
     head = [*checks, *_repeats(study, out, planned, root)]
@@ -751,13 +792,13 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
     for part in study.order:
         lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps) \
             if part in fams else _table(study, tables[part], cols) if part in tables else \
-            _fits(study, cols, verdicts, root, cmps, (part,))
+            _fits(study, cols, verdicts, root, cmps, (part,), tests)
     for note in study.notes:
         lines += [note, ""]
     if study.amendments:
         lines += ["", "Amendments after the first run: " + "; ".join(f"{a.date}: {a.reason}" for a in study.amendments)]
     text = "\n".join(lines).rstrip("\n")
-    return StudyResult(text + ("\n" if study.blank_end else ""), "complete", freeze, verdicts, decisions)
+    return StudyResult(text + ("\n" if study.blank_end else ""), "complete", freeze, verdicts, decisions, tests)
 
 
 def missing_runs(study: Study, out: str | Path | None = None) -> str:

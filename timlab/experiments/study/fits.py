@@ -20,6 +20,14 @@ the cost follows. ``threshold``: a threshold law k3*(T) tested cell by cell agai
 ``predict``: another study's length fit, fitted three ways (free; one power of each dose), predicts
 this study's cells at groups that fit did not see (``prediction_section``), and the predictions
 written before the runs (``predictions_table``).
+
+``length_exponent`` (a grouped study whose arm holds k3 fixed while T changes from group to group,
+so ``length`` cannot separate k3 from T): cost = a * T^b through the groups, the cost of one arm
+(``arm_cost``: its group's control minus it) against its group's T, by least squares of log cost
+on log T (``stats.line_fit``); the 95% interval of b from seed resamples within each group, and the
+registered tests that read it (``exponent_section``). A resample in which some group's cost is not
+above 0 has no exponent (no log): it is counted, its share printed, and left out of the interval;
+above the registered share (``max_undefined``) no test is decided.
 """
 
 from __future__ import annotations
@@ -30,6 +38,12 @@ import numpy as np
 
 from timlab.experiments.stats import N_BOOT, bootstrap_diff_ci, least_squares, line_fit
 from timlab.experiments.study.text import fmt
+
+
+def arm_cost(control, arm) -> float:
+    """An arm's cost on an endpoint: the mean over its group's control runs minus the mean over its
+    own runs (positive where the arm is lower: an accuracy or a log-odds lost)."""
+    return float(np.mean(control) - np.mean(arm))
 
 
 def fit_power(k3: np.ndarray, excess: np.ndarray) -> tuple[float, float] | None:
@@ -402,3 +416,82 @@ def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, 
         out.append(f"{groups.capitalize()} {g}, {a}: {shape}; the registered fit's extrapolation: "
                    f"{'**holds**' if free == 'consistent' else f'**{free}**'}.")
     return out + [""]
+
+
+# ------------------------------------------------------------------------------ length exponent
+# ``length_exponent`` (a grouped study, one arm at a fixed k3 in every group): how the arm's cost
+# grows with its group's answer length T. ``col`` maps (group, arm) to per-seed arrays of endpoints.
+def fit_exponent(T: list[float], cost: list[float]) -> tuple[float, float] | None:
+    """(a, b) of cost = a * T^b by least squares of log cost on log T (``stats.line_fit``: the same
+    bits on every machine); None when a cost is not above 0 (it has no log) or the T are not at
+    least two distinct values."""
+    if len(T) < 2 or not all(c > 0 for c in cost):
+        return None
+    b, log_a = line_fit([math.log(t) for t in T], [math.log(c) for c in cost])
+    return None if math.isnan(b) else (math.exp(log_a), b)
+
+
+def exponent_points(col: dict, groups: list, key: str, *, control: str, arm: str, length: str,
+                    rng: np.random.Generator | None = None) -> tuple[list[float], list[float]]:
+    """(T, cost) per group: T its control's mean ``length``, cost ``arm_cost`` of ``arm`` on ``key``;
+    with ``rng``, each group's control seeds (T with them) and arm seeds resampled on their own."""
+    pick = (lambda x: x) if rng is None else (lambda x: x[rng.integers(0, x.size, x.size)])
+    T, cost = [], []
+    for g in groups:
+        i = pick(np.arange(col[g, control][key].size))
+        T.append(float(col[g, control][length][i].mean()))
+        cost.append(arm_cost(col[g, control][key][i], pick(col[g, arm][key])))
+    return T, cost
+
+
+def interval_passes(test: str, x: float, lo: float, hi: float) -> bool:
+    """One condition of an exponent test on the interval [lo, hi] (``registration.INTERVAL_TESTS``)."""
+    return {"holds": lo <= x <= hi, "excludes": not lo <= x <= hi, "below": hi < x, "above": lo > x}[test]
+
+
+def exponent_section(col: dict, groups: list, key: str, label: str, *, control: str, arm: str, length: str,
+                     tests: tuple = (), max_undefined: float = 0.5, group_name: str = "group", n: int = N_BOOT,
+                     seed: int = 0) -> tuple[list[str], dict]:
+    """The length exponent of ``arm``'s cost on ``key`` as lines of markdown, and each test's
+    decision ({test name: True, False, or None for no decision}): ``fit_exponent`` through the
+    ``groups`` that have the arm, refitted on ``n`` resamples (``exponent_points``) for the 95%
+    percentile interval of b over the resamples that have one; a test is decided only where the
+    point estimate exists and at most ``max_undefined`` of the resamples have no exponent."""
+    groups = [g for g in groups if (g, arm) in col and (g, control) in col]
+    head = f"**Length exponent, {label}**: "
+    if len({float(col[g, control][length].mean()) for g in groups}) < 2:
+        return [head + f"{arm} is in fewer than 2 valid {group_name}s of distinct T: no exponent, no test decided.",
+                ""], {t.name: None for t in tests}
+    T, cost = exponent_points(col, groups, key, control=control, arm=arm, length=length)
+    point = fit_exponent(T, cost)
+    rng = np.random.default_rng(seed)
+    bs, undefined = [], 0
+    for _ in range(n):
+        f = fit_exponent(*exponent_points(col, groups, key, control=control, arm=arm, length=length, rng=rng))
+        if f is None:
+            undefined += 1
+        else:
+            bs.append(f[1])
+    share = undefined / n
+    per = "; ".join(f"{g}: T {t:.1f}, cost {fmt(c)} [{fmt(lo)}, {fmt(hi)}]" for g, t, c, (lo, hi) in
+                    zip(groups, T, cost, (bootstrap_diff_ci(col[g, control][key], col[g, arm][key]) for g in groups)))
+    lo, hi = pct(bs) if bs else (math.nan, math.nan)
+    what = (f"{arm}'s cost ({control} minus {arm}) = a * T^b over {len(groups)} {group_name}s (T: the {group_name}'s "
+            f"{control} mean {length}; least squares of log cost on log T), 95% bootstrap over {n:,} resamples of each "
+            f"{group_name}'s {arm} and {control} seeds, {undefined} ({100 * share:.1f}%) without an exponent (a cost "
+            f"<= 0 in some {group_name}; left out of the interval)")
+    if point is None:
+        out = [head + f"b undefined: a cost is not above 0 ({per}); {what}: [{lo:.2f}, {hi:.2f}]."]
+        why = "no decision (b undefined at the point estimate)"
+    else:
+        out = [head + f"b = {point[1]:.2f} [{lo:.2f}, {hi:.2f}] (a = {point[0]:.3g}; {what}). Per {group_name}: {per}."]
+        why = (f"no decision (b undefined in {100 * share:.1f}% of resamples, above the registered "
+               f"{100 * max_undefined:g}%)" if share > max_undefined else "")
+    decided = {}
+    out.append("")
+    for t in tests:
+        conds = ", ".join(f"{c} {x:g}" for c, x in t.conditions)
+        ok = None if point is None or why else all(interval_passes(c, x, lo, hi) for c, x in t.conditions)
+        decided[t.name] = ok
+        out.append(f"- {t.name} (b's interval {conds}): {why or (t.then if ok else t.otherwise)}.")
+    return out + [""] * bool(tests), decided

@@ -51,9 +51,6 @@ VAR_FLOOR = 1e-8
 N_BOOT = 2000
 """Resamples for every interval unless the study file says otherwise."""
 
-LOGIT_CLIP = (0.005, 0.995)
-"""Accuracies are clipped to this range before log(a / (1 - a)) (the log-odds secondary scale)."""
-
 KINDS_HELP = "a kind name such as head, stale, numerical"
 
 LENGTH_METRIC = "train/response_length_mean"
@@ -335,11 +332,6 @@ def prediction(b: float, b_var: float, rmse: float, S: float) -> tuple[float, fl
     return b * S, b * S - half, b * S + half
 
 
-def logit(a: np.ndarray) -> np.ndarray:
-    a = np.clip(np.asarray(a, dtype=float), *LOGIT_CLIP)
-    return np.log(a / (1 - a))
-
-
 @dataclass
 class Cells:
     """The fit's input: per cell its kind, per-seed costs and per-seed candidate values."""
@@ -571,7 +563,7 @@ def _g(x: float) -> str:
 
 
 def insample_text(st: PredictorStudy, cells: Cells, fits: dict, beside: list, left_out: list) -> str:
-    """The harm-insample block: one row per candidate, then the cells' log-odds and power fits."""
+    """The harm-insample block: one row per candidate (its fits, errors and descriptive power-fit exponent)."""
     kinds = list(dict.fromkeys(cells.kinds))
     lines = [f"**In sample** ({len(cells.names)} cells of {len(kinds)} kinds: "
              + ", ".join(f"{k} {cells.kinds.count(k)}" for k in kinds)

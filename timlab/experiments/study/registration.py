@@ -34,17 +34,25 @@ from pathlib import Path
 from typing import Any
 
 from timlab.errors import TimlabError
-from timlab.experiments.study.endpoints import STATS
+from timlab.experiments.study.endpoints import SCALED_STATS, SCALES, STATS
 from timlab.files import read_text
 from timlab.yaml_io import load_yaml
 
 FREEZE_FILE = "study.json"
 """The freeze record in a study's sweep directory: the registration's hash and mapping at the first run."""
 CORRECTIONS = ("holm", "none")
-TESTS = ("below", "above")
+TESTS = ("below", "above", "within", "under")
+"""A rule's test of a comparison: ``below`` / ``above`` (an effect: p and interval beyond 0), and the
+two margin tests, which read the difference's interval against M = ``margin`` x the cost of the
+arm ``margin_of`` (its group's control minus it, ``fits.arm_cost``): ``within`` (the interval
+holds 0 and lies inside [-M, +M]: the two arms cost the same, to within M) and ``under`` (the
+interval lies above -M: the arm is lower than the arm it is compared with by less than M; against
+the control, its cost is under M)."""
+MARGIN_TESTS = ("within", "under")
+"""The tests that need ``margin`` and ``margin_of`` (no p is read, so no permutation floor applies)."""
 SHOWS = ("count", "change", "pair", "t", "t_boot", "boot", "mean", "range", "scaled", "seeds", "n", "values", "nonzero")
-FITS = ("power_law", "place", "length", "threshold", "predict", "growth", "signals")
-GROUPED_FITS = ("length", "threshold", "predict")
+FITS = ("power_law", "place", "length", "threshold", "predict", "growth", "signals", "length_exponent")
+GROUPED_FITS = ("length", "threshold", "predict", "length_exponent")
 """Fits over the (group, arm) cells of a grouped study (``groups``); the others need an ungrouped one."""
 DERIVED = {"difference": 2, "plus": 2, "log": 1}
 """Statistics of an endpoint computed from earlier endpoints of the same run (``of``), and how many
@@ -74,6 +82,10 @@ PARAGRAPH_FIELDS = re.compile(r"(?P<family>[^.\[\]]+)\[(?P<endpoint>[^\]]+)\](?:
 ``{p6[final][token_tis].p:.3f}``; COMPARISON as ``StudyResult.verdicts`` names it) or
 ``{runs[ENDPOINT].FIELD}`` (``RUN_FIELDS``: the endpoint over every run of the study)."""
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+INTERVAL_TESTS = ("holds", "excludes", "below", "above")
+"""What a ``length_exponent`` fit's test may require of the 95% interval [lo, hi] of the exponent b,
+each against one number x: ``holds`` (lo <= x <= hi), ``excludes`` (not holds), ``below`` (hi < x),
+``above`` (lo > x)."""
 
 
 class StudyError(TimlabError, ValueError):
@@ -110,6 +122,9 @@ class Endpoint:
     """With ``reach``: steps after the first step that reaches it."""
     min_points: int = 2
     """``slope`` / ``log_slope``: fewer values in the window give no value (NaN)."""
+    scale: str = ""
+    """The scale each run's value is put on before arms are compared (``endpoints.SCALES``; e.g.
+    ``logit``: the log-odds of the level, clipped to [0.005, 0.995]); empty: as measured."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,11 @@ class Rule:
     interval: bool = True
     """The bootstrap interval of the difference must lie beyond 0 as well; false: the (Holm) p at
     most ``alpha`` decides alone, by the sign of the difference (a rule registered on the p only)."""
+    margin: float = 0.0
+    """``within`` / ``under``: M = this x the cost of ``margin_of`` (e.g. 0.5)."""
+    margin_of: str = ""
+    """``within`` / ``under``: the arm whose cost (its group's control minus it, on the same
+    endpoint) sets the margin, e.g. the spread arm at the same length."""
 
 
 @dataclass(frozen=True)
@@ -366,6 +386,28 @@ class Fit:
     """``signals``: falls at steps <= this leave no room for a reference and a rise (early falls)."""
     start: tuple[int, int] = (1, 5)
     """``signals``: an early fall's signals are read against their mean over these steps."""
+    arm: str = ""
+    """``length_exponent``: the arm whose cost (its group's control minus it) is fitted against T."""
+    tests: tuple[ExponentTest, ...] = ()
+    """``length_exponent``: the decision rules that read the exponent's interval."""
+    max_undefined: float = 0.5
+    """``length_exponent``: above this share of resamples without an exponent (a group's cost <= 0
+    in the resample), no test is decided."""
+
+
+@dataclass(frozen=True)
+class ExponentTest:
+    """A decision rule of a ``length_exponent`` fit: it holds when the 95% interval of the exponent
+    b passes every one of its conditions (``INTERVAL_TESTS``)."""
+
+    name: str
+    """How the text names it, e.g. "follows T * k3"."""
+    conditions: tuple[tuple[str, float], ...]
+    """(test, x) pairs, e.g. (("holds", 1.0), ("excludes", 0.0))."""
+    then: str = "**yes**"
+    """The verdict when every condition passes."""
+    otherwise: str = "no"
+    """The verdict when one does not."""
 
 
 @dataclass(frozen=True)
@@ -613,8 +655,8 @@ def _window(v: Any, where: str) -> tuple[int | None, int | None]:
 
 
 def _endpoint(d: Any, where: str, earlier: list[str]) -> Endpoint:
-    d = _keys(d, ("name", "metric", "stat", "window", "n", "rule", "label", "of", "reach", "lag", "min_points"),
-              ("name", "stat"), where)
+    d = _keys(d, ("name", "metric", "stat", "window", "n", "rule", "label", "of", "reach", "lag", "min_points",
+                  "scale"), ("name", "stat"), where)
     if not isinstance(d["name"], str) or not NAME.fullmatch(d["name"]):
         raise StudyError(f"{where}: name must be a letter followed by letters, digits or _ (got {d['name']!r})")
     n = _int_at_least(d.get("n", 20), 1, f"{where}: n")
@@ -630,9 +672,13 @@ def _endpoint(d: Any, where: str, earlier: list[str]) -> Endpoint:
     elif "metric" not in d:
         raise StudyError(f"{where}: missing key 'metric'")
     reach = None if d.get("reach") is None else _number(d["reach"], f"{where}: reach", positive=False)
+    scale = _choice(d["scale"], tuple(SCALES), f"{where}: scale") if "scale" in d else ""
+    if scale and stat not in SCALED_STATS:
+        raise StudyError(f"{where}: scale: {scale} applies to a level of the metric ({', '.join(SCALED_STATS)}), "
+                         f"not to stat {stat}")
     return Endpoint(d["name"], str(d.get("metric", "")), stat, _window(d.get("window"), f"{where}: window"), n,
                     _choice(d.get("rule", "plateau"), ("plateau", "peak"), f"{where}: rule"), str(d.get("label", "")),
-                    of, reach, d.get("lag", 0), d.get("min_points", 2))
+                    of, reach, d.get("lag", 0), d.get("min_points", 2), scale)
 
 
 def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
@@ -826,8 +872,8 @@ def _grouped_fit(f: dict, kind: str, names: list[str], where: str) -> dict:
             raise StudyError(f"{where}: {key}: expected a non-empty list of numbers, got {v!r}")
         return tuple(_number(x, f"{where}: {key}") for x in v)
 
-    out = {"length": _names(f.get("length", "length"), names, f"{where}: length")[0] if kind in ("length", "predict")
-           else "length",
+    takes_length = kind in ("length", "predict", "length_exponent")
+    out = {"length": _names(f.get("length", "length"), names, f"{where}: length")[0] if takes_length else "length",
            "at": tuple(int(x) if float(x).is_integer() else x for x in numbers("at", (1000, 2000, 4000, 8000))),
            "rho": numbers("rho", (1.0, 2.0)), "min_cells": count("min_cells", 4), "min_groups": count("min_groups", 2),
            "unbounded": _number(f.get("unbounded", 10.0), f"{where}: unbounded"),
@@ -887,6 +933,35 @@ def _run_fit(f: dict, kind: str, names: list[str], families: list[Family], where
     return out
 
 
+def _exponent_fit(f: dict, kind: str, where: str) -> dict:
+    """The ``length_exponent`` keys of a fit (``Fit``), checked."""
+    if kind != "length_exponent":
+        return {}
+    for key in ("arm", "name"):
+        if not isinstance(f.get(key), str) or not f[key]:
+            raise StudyError(f"{where}: kind length_exponent needs {key}: " + (
+                "the arm whose cost is fitted against T (e.g. spread)" if key == "arm" else
+                "how the text names the fit (its tests are keyed by it)"))
+    share = _number(f.get("max_undefined", 0.5), f"{where}: max_undefined", positive=False)
+    if not 0 <= share < 1:
+        raise StudyError(f"{where}: max_undefined: expected a share from 0 to below 1, got {share!r}")
+    tests = []
+    for i, t in enumerate(f.get("tests") or []):
+        tw = f"{where}: tests[{i}]"
+        t = _keys(t, ("name", "then", "otherwise", *INTERVAL_TESTS), ("name",), tw)
+        conditions = []
+        for key in INTERVAL_TESTS:
+            v = t.get(key, [])
+            for x in v if isinstance(v, list) else [v]:
+                conditions.append((key, _number(x, f"{tw}: {key}", positive=False)))
+        if not conditions:
+            raise StudyError(f"{tw}: no condition; give one or more of {', '.join(INTERVAL_TESTS)} (e.g. holds: 1, "
+                             f"excludes: 0)")
+        tests.append(ExponentTest(str(t["name"]), tuple(conditions), str(t.get("then", "**yes**")),
+                                  str(t.get("otherwise", "no"))))
+    return {"arm": f["arm"], "tests": tuple(tests), "max_undefined": share}
+
+
 def _amendment(d: Any, where: str) -> Amendment:
     d = _keys(d, ("date", "reason", "hash"), ("date", "reason", "hash"), where)
     date = d["date"]
@@ -941,14 +1016,29 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     for i, r in enumerate(d.get("rules") or []):
         where = f"{w}: rules[{i}]"
         r = _keys(r, ("name", "test", "alpha", "holds", "fails", "opposite", "requires", "unmet", "ratio_bound",
-                      "interval"), ("name",), where)
+                      "interval", "margin", "margin_of"), ("name",), where)
         alpha = _number(r.get("alpha", 0.05), f"{where}: alpha")
         if alpha >= 1:
             raise StudyError(f"{where}: alpha must be below 1, got {alpha}")
-        rules.append(Rule(str(r["name"]), _choice(r.get("test", "below"), TESTS, f"{where}: test"), alpha,
+        test = _choice(r.get("test", "below"), TESTS, f"{where}: test")
+        if test in MARGIN_TESTS:
+            for key in ("margin", "margin_of"):
+                if key not in r:
+                    raise StudyError(f"{where}: test {test} needs {key} (the margin is margin x the cost of the arm "
+                                     f"margin_of, e.g. margin: 0.5, margin_of: spread)")
+            if not isinstance(r["margin_of"], str) or not r["margin_of"]:
+                raise StudyError(f"{where}: margin_of: expected an arm's name, got {r['margin_of']!r}")
+        else:
+            for key in ("margin", "margin_of"):
+                if key in r:
+                    raise StudyError(f"{where}: {key}: only the margin tests ({', '.join(MARGIN_TESTS)}) take it, "
+                                     f"not test {test}")
+        rules.append(Rule(str(r["name"]), test, alpha,
                           str(r.get("holds", "**yes**")), str(r.get("fails", "no")), str(r.get("opposite", "")),
                           str(r.get("requires", "")), str(r.get("unmet", "")), bool(r.get("ratio_bound", False)),
-                          bool(r.get("interval", True))))
+                          bool(r.get("interval", True)),
+                          _number(r["margin"], f"{where}: margin") if test in MARGIN_TESTS else 0.0,
+                          str(r.get("margin_of", ""))))
     rule_names = [r.name for r in rules]
     for i, r in enumerate(rules):
         if r.requires:
@@ -1004,8 +1094,8 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         f = _keys(f, ("kind", "endpoint", "arms", "k3", "loss", "what", "k3_ref", "name", "dose_label", "study", "title",
                       "length", "at", "rho", "min_cells", "min_groups", "unbounded", "tokens", "k3_star", "t_star",
                       "exponent", "note", "at_T", "at_k3", "family", "fall", "min_falls", "margin", "unmatched",
-                      "headers", "signals", "reference", "trail", "rise_after", "early", "start"), ("kind", "endpoint"),
-                  where)
+                      "headers", "signals", "reference", "trail", "rise_after", "early", "start", "arm", "tests",
+                      "max_undefined"), ("kind", "endpoint"), where)
         kind = _choice(f["kind"], FITS, f"{where}: kind")
         if (kind in GROUPED_FITS) != bool(d.get("groups")):
             raise StudyError(f"{where}: kind {kind} " + ("needs groups: (a grouped study)" if kind in GROUPED_FITS
@@ -1040,7 +1130,12 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                         str(f.get("what", "")), _number(f.get("k3_ref", 1e-3), f"{where}: k3_ref"),
                         str(labels[0]), str(f.get("dose_label", "head_perturb")), other, str(f.get("title", "")), eps,
                         tuple(str(x) for x in labels), **_grouped_fit(f, kind, names, where),
-                        **_run_fit(f, kind, names, families, where)))
+                        **_run_fit(f, kind, names, families, where), **_exponent_fit(f, kind, where)))
+    named = [f.name for f in fits if f.kind == "length_exponent"]
+    twice = [n for n in named if named.count(n) > 1]
+    if twice:
+        raise StudyError(f"{w}: fits: two length_exponent fits named {twice[0]!r}; each needs its own name (its "
+                         f"tests are keyed by it)")
     v = _keys(d.get("validity") or {}, ("control_exact", "min_start_accuracy", "same_start", "start_bar", "title",
                                         "runs", "controls"), (), f"{w}: validity")
     controls = v.get("controls") or []
