@@ -11,6 +11,11 @@ against the response position, the restated operands shaded, and in the title th
 "uncertain" tokens (entropy > 0.1 nats) per answer, in the restated part and in the worked part.
 If the construction works, the restated part stays near 0 nats at any length and the uncertain
 tokens sit in the worked part, about as many at T ~ 1,000 as at T ~ 30. Prints the numbers too.
+
+``--top Q`` (default 0.02): also prints where an entropy cut at the top-Q quantile of all answer
+tokens lands (the cut Study L1's hi/lo arms would use): the cut in nats and the share of the tokens
+above it that are in the worked part, against the worked part's share of all tokens (a cut that
+singles out the decisions puts far more than that share there).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--show", type=int, default=4)
+    ap.add_argument("--top", type=float, default=0.02)
     args = ap.parse_args()
     torch.set_num_threads(1)
     import matplotlib
@@ -63,6 +69,12 @@ def main() -> None:
         print(f"restate {restate}: mean T {mean_T:.1f}; uncertain tokens per answer {unc_rest:.2f} restated + "
               f"{unc_work:.2f} worked; mean entropy restated {s.get('restated_entropy', 0):.4f}, worked "
               f"{s['worked_entropy']:.4f} nats; teacher-forced exact {s['tf_exact']:.3f} ({args.n} prompts)")
+        flat = sorted((h, j >= k) for e, k in zip(ent, n_rest) for j, h in enumerate(e))  # (entropy, in worked part)
+        top = flat[len(flat) - max(1, round(args.top * len(flat))):]
+        worked_share = sum(w for _, w in flat) / len(flat)
+        print(f"restate {restate}: top {args.top:.0%} of {len(flat)} answer tokens by entropy: cut {top[0][0]:.2e} nats, "
+              f"{sum(w for _, w in top) / len(top):.2f} of them in the worked part (the worked part is "
+              f"{worked_share:.3f} of all tokens)")
         for i in range(min(args.show, len(ent))):
             line, = ax.semilogy(range(len(ent[i])), [max(h, 1e-5) for h in ent[i]], lw=0.8)
             if n_rest[i]:
