@@ -7,6 +7,7 @@ import torch
 
 from timlab.config import MismatchSection
 from timlab.engines import SamplingParams
+from timlab.errors import UsageError
 from timlab.injectors import build_injector, parse_parts, round_weight
 from timlab.metrics import offpolicy_metrics
 from timlab.model.forward import token_logprobs
@@ -137,6 +138,81 @@ def test_head_perturb_scoped_everywhere_is_the_unscoped_rollout_bit_for_bit(mode
     _, plain = realized(model, "head_perturb", 0.5)
     _, scoped = realized(model, "head_perturb", 0.5, position_max=10_000)
     assert torch.equal(plain.tokens, scoped.tokens) and torch.equal(plain.logprobs, scoped.logprobs)
+
+
+class Vocab:
+    """A stand-in tokenizer for the marker scopes: 'x' is token 4 (sampled in most of the random
+    model's responses, at varying places), 'y' token 23; 'end' is the EOS, 'big' lies outside the
+    model's vocabulary of 32; every other text is two tokens."""
+
+    eos_token_id, pad_token_id = 2, 0
+
+    def encode(self, text):
+        return {"x": [4], "y": [23], "end": [2], "big": [40]}.get(text, [1, 1])
+
+
+def realized_marked(model, injector, magnitude, **kw):
+    """``realized`` with the stand-in tokenizer, and the per-token log-ratios and whether each
+    response token comes after the first 'x' (token 4) of its row (its own step excluded)."""
+    sec = MismatchSection(injector=injector, magnitude=magnitude, **kw)
+    inj = build_injector(sec, model, eos_token_id=2, pad_token_id=0, tokenizer=Vocab())
+    r = inj.rollout(PROMPTS, max_new_tokens=24, sampling=SamplingParams(), generator=torch.Generator().manual_seed(0))
+    with torch.enable_grad():
+        lp, _ = token_logprobs(model, r.tokens, r.key_valid)
+    mask = r.response_mask
+    k3 = offpolicy_metrics(lp.detach(), r.logprobs, mask.float())["k3_kl"]
+    is_mark = (r.tokens == 4) & mask  # (B, S)
+    after = (is_mark.long().cumsum(-1) - is_mark.long()) > 0  # a marker strictly before the column
+    return k3, lp.detach() - r.logprobs, mask & after, mask & ~after
+
+
+@pytest.mark.parametrize("injector", ["temperature", "logit_noise", "head_perturb"])
+def test_marker_scopes_perturb_only_after_or_before_the_marker(model, injector):
+    """after_text: steps whose response so far holds the marker are perturbed, every step up to and
+    including the marker's own keeps the trainer's log-prob bit for bit (r exactly 0); before_text
+    is the reverse. The two split the unscoped mismatch."""
+    every = realized(model, injector, 0.5)[0]
+    k_after, diff, after, before = realized_marked(model, injector, 0.5, after_text="x")
+    assert after.sum() >= 40 and before.sum() >= 40  # the marker occurs mid-response in many rows
+    assert (diff[before] == 0).all()  # out of scope: exact
+    assert (diff[after] != 0).float().mean() > 0.9  # in scope: perturbed
+    k_before, diff, after, before = realized_marked(model, injector, 0.5, before_text="x")
+    assert after.sum() >= 40 and before.sum() >= 40
+    assert (diff[after] == 0).all()
+    assert (diff[before] != 0).float().mean() > 0.9
+    assert 0 < k_after < every and 0 < k_before < every
+
+
+def test_marker_scope_combines_with_a_position_scope_by_and(model):
+    """after_text with position_max=12: only tokens after the marker AND at response index < 12."""
+    _, diff, after, before = realized_marked(model, "temperature", 0.5, after_text="x", position_max=12)
+    P = max(len(p) for p in PROMPTS)
+    early = (torch.arange(diff.shape[1]) - P < 12)[None]  # (1, S)
+    inside = after & early
+    outside = (after | before) & ~inside  # response tokens out of scope
+    assert inside.sum() >= 20 and (after & ~early).sum() >= 20
+    assert (diff[outside] == 0).all()
+    assert (diff[inside] != 0).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"injector": "temperature", "after_text": "ab"}, "mismatch.after_text 'ab' is 2 tokens of the model's tokenizer, not one"),
+    ({"injector": "temperature", "before_text": "end"}, "mismatch.before_text 'end' is token 2, not an ordinary token"),
+    ({"injector": "temperature", "after_text": "big"}, "'big' is token 40, not an ordinary token of the model's vocabulary of 32"),
+    ({"injector": "temperature", "after_text": 3}, "mismatch.after_text must be a text of one token"),
+    ({"injector": "precision", "after_text": "x"}, "mismatch.after_text scopes head_perturb, logit_noise, temperature only"),
+    ({"injector": "temperature", "after_text": "x", "before_text": "x"}, "are both 'x': no decode step is in scope"),
+    ({"injector": "head_perturb+precision", "before_text": "x"}, "a per-step scope .* confines head_perturb only"),
+])
+def test_bad_marker_scopes(model, kw, msg):
+    with pytest.raises(UsageError, match=msg):
+        realized_marked(model, magnitude=0.5, **kw)
+
+
+def test_marker_scope_needs_the_tokenizer(model):
+    with pytest.raises(UsageError, match="mismatch.after_text needs the model's tokenizer"):
+        build_injector(MismatchSection(injector="temperature", magnitude=0.5, after_text="x"), model,
+                       eos_token_id=2, pad_token_id=0)
 
 
 def test_trainer_weights_untouched(model):

@@ -248,6 +248,13 @@ class MismatchSection:
     position_max: int = 0
     """Scope: inject only at response tokens whose index (from 0) is below this (0 = no upper bound).
     logit_noise, temperature and head_perturb."""
+    after_text: str = ""
+    """Scope: inject only at decode steps whose response so far contains this text, one token of the
+    model's vocabulary ('' = off): for scratch_add, ':' confines the mismatch to the worked answer
+    after the restated operands. logit_noise, temperature and head_perturb."""
+    before_text: str = ""
+    """Scope: inject only at decode steps whose response so far does not yet contain this text (one
+    token; '' = off): the complement of after_text, the marker's own step included."""
     seed: int = 0
     """Seed of the injector's own randomness (noise draws, the fixed head perturbation)."""
     target_k3: float = 0.0
