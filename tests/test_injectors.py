@@ -143,12 +143,17 @@ def test_head_perturb_scoped_everywhere_is_the_unscoped_rollout_bit_for_bit(mode
 class Vocab:
     """A stand-in tokenizer for the marker scopes: 'x' is token 4 (sampled in most of the random
     model's responses, at varying places), 'y' token 23; 'end' is the EOS, 'big' lies outside the
-    model's vocabulary of 32; every other text is two tokens."""
+    model's vocabulary of 32, '?' is the unknown token 3; every other text is two tokens."""
 
     eos_token_id, pad_token_id = 2, 0
 
+    ids = {"x": 4, "y": 23, "end": 2, "big": 40, "?": 3}
+
     def encode(self, text):
-        return {"x": [4], "y": [23], "end": [2], "big": [40]}.get(text, [1, 1])
+        return [self.ids[text]] if text in self.ids else [1, 1]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "" if ids == [3] else "".join(t for t, i in self.ids.items() if [i] == ids)  # 3: <unk>
 
 
 def realized_marked(model, injector, magnitude, **kw):
@@ -199,6 +204,7 @@ def test_marker_scope_combines_with_a_position_scope_by_and(model):
     ({"injector": "temperature", "after_text": "ab"}, "mismatch.after_text 'ab' is 2 tokens of the model's tokenizer, not one"),
     ({"injector": "temperature", "before_text": "end"}, "mismatch.before_text 'end' is token 2, not an ordinary token"),
     ({"injector": "temperature", "after_text": "big"}, "'big' is token 40, not an ordinary token of the model's vocabulary of 32"),
+    ({"injector": "temperature", "after_text": "?"}, "'\\?' is token 3, not an ordinary token .* decodes back to it"),
     ({"injector": "temperature", "after_text": 3}, "mismatch.after_text must be a text of one token"),
     ({"injector": "precision", "after_text": "x"}, "mismatch.after_text scopes head_perturb, logit_noise, temperature only"),
     ({"injector": "temperature", "after_text": "x", "before_text": "x"}, "are both 'x': no decode step is in scope"),

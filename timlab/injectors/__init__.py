@@ -157,18 +157,20 @@ MARKER_KEYS = ("after_text", "before_text")
 
 
 def marker_token(key: str, text: str, tokenizer, *, vocab_size: int) -> int:
-    """The token id of ``mismatch.<key>``'s ``text`` (``tokenizer``: ``encode(text) -> ids``, with
+    """The token id of ``mismatch.<key>``'s ``text`` (``tokenizer``: ``encode`` / ``decode``, with
     ``eos_token_id`` / ``pad_token_id``); a one-line UsageError unless it is exactly one ordinary
-    token of the model's vocabulary."""
+    token of the model's vocabulary: in range, not EOS or pad, and decoding back to ``text`` (an
+    unknown character encodes to the special <unk>, which decodes to '')."""
     ids = tokenizer.encode(text)
     if len(ids) != 1:
         raise UsageError(f"mismatch.{key} {text!r} is {len(ids)} tokens of the model's tokenizer, not one; "
                          "use a single token (for a character tokenizer, one character)")
-    special = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    if not 0 <= ids[0] < vocab_size or ids[0] in special:
-        raise UsageError(f"mismatch.{key} {text!r} is token {ids[0]}, not an ordinary token of the model's "
-                         f"vocabulary of {vocab_size} (EOS and pad excluded)")
-    return ids[0]
+    (i,) = ids
+    if (not 0 <= i < vocab_size or i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
+            or tokenizer.decode([i], skip_special_tokens=True) != text):
+        raise UsageError(f"mismatch.{key} {text!r} is token {i}, not an ordinary token of the model's "
+                         f"vocabulary of {vocab_size} that decodes back to it (EOS, pad, unknown excluded)")
+    return i
 
 
 def _names_where(attr: str) -> list[str]:
