@@ -322,3 +322,16 @@ def test_part_order_not_spec_order():
     orders = {name: INJECTORS.get(name).order for name in INJECTORS.names() if name != "none"}
     assert orders["weight_rounding"] < orders["head_perturb"] < orders["precision"]  # round, new head, cast
     assert orders["temperature"] < orders["logit_noise"]  # noise on the tempered logits
+
+
+@pytest.mark.parametrize("raw, text", [(":", ":"), ('":"', ":"), ("' '", " "), (">", ">"), ("#", "#"), ("1", "1")])
+def test_a_marker_on_the_command_line_is_the_text_as_written(raw, text):
+    """``--set mismatch.after_text=:`` is the text ':' (YAML would refuse it, read '>' as '' and '#'
+    as null): a text field takes the text after '=', less one pair of enclosing quotes; the other
+    fields are still read as YAML."""
+    from timlab.config import parse_set, resolve
+
+    cfg = resolve(overrides=parse_set(["mismatch.injector=head_perturb", f"mismatch.after_text={raw}",
+                                       "mismatch.magnitude=0.5", "run.seed=3"]))
+    assert cfg.mismatch.after_text == text and cfg.mismatch.injector == "head_perturb"
+    assert cfg.mismatch.magnitude == 0.5 and cfg.run.seed == 3
