@@ -335,3 +335,23 @@ def test_a_marker_on_the_command_line_is_the_text_as_written(raw, text):
                                        "mismatch.magnitude=0.5", "run.seed=3"]))
     assert cfg.mismatch.after_text == text and cfg.mismatch.injector == "head_perturb"
     assert cfg.mismatch.magnitude == 0.5 and cfg.run.seed == 3
+
+
+def test_training_with_a_marker_scope(tmp_path, capsys):
+    """The trainer hands its tokenizer to the injector: a smoke run on scratch_add (restate 1) with
+    head_perturb after ':' trains and realizes some k3; a marker outside the vocabulary is refused
+    in one line before training."""
+    import pandas as pd
+
+    from timlab import cli
+
+    base = ["train", "--preset", "smoke", "--set", "task.name=scratch_add", "--set", "task.kwargs={restate: 1, max_digits: 2}",
+            "--set", "model.pretrain_steps=30", "--set", "mismatch.injector=head_perturb", "--set", "mismatch.magnitude=0.5",
+            "--set", "rollout.max_new_tokens=24", "--quiet"]
+    assert cli.main([*base, "--set", "mismatch.after_text=:", "--run-dir", str(tmp_path / "r")]) == 0
+    k3 = pd.read_parquet(tmp_path / "r" / "metrics.parquet")["rollout_corr/k3_kl"].dropna()
+    assert len(k3) == 4 and (k3 > 0).any()
+    capsys.readouterr()
+    assert cli.main([*base, "--set", "mismatch.after_text=?", "--run-dir", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mismatch.after_text '?' is token 3, not an ordinary token" in err and "\n" not in err
