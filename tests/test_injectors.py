@@ -201,12 +201,12 @@ def test_marker_scope_combines_with_a_position_scope_by_and(model):
 
 
 @pytest.mark.parametrize("kw, msg", [
-    ({"injector": "temperature", "after_text": "ab"}, "mismatch.after_text 'ab' is 2 tokens of the model's tokenizer, not one"),
+    ({"injector": "temperature", "after_text": "ab"}, "mismatch.after_text 'ab' is 2 tokens of the model's tokenizer"),
     ({"injector": "temperature", "before_text": "end"}, "mismatch.before_text 'end' is token 2, not an ordinary token"),
-    ({"injector": "temperature", "after_text": "big"}, "'big' is token 40, not an ordinary token of the model's vocabulary of 32"),
+    ({"injector": "temperature", "after_text": "big"}, "'big' is token 40, not an ordinary token .* vocabulary of 32"),
     ({"injector": "temperature", "after_text": "?"}, "'\\?' is token 3, not an ordinary token .* decodes back to it"),
     ({"injector": "temperature", "after_text": 3}, "mismatch.after_text must be a text of one token"),
-    ({"injector": "precision", "after_text": "x"}, "mismatch.after_text scopes head_perturb, logit_noise, temperature only"),
+    ({"injector": "precision", "after_text": "x"}, "mismatch.after_text scopes head_perturb, logit_noise, temperature"),
     ({"injector": "temperature", "after_text": "x", "before_text": "x"}, "are both 'x': no decode step is in scope"),
     ({"injector": "head_perturb+precision", "before_text": "x"}, "a per-step scope .* confines head_perturb only"),
 ])
@@ -345,9 +345,9 @@ def test_training_with_a_marker_scope(tmp_path, capsys):
 
     from timlab import cli
 
-    base = ["train", "--preset", "smoke", "--set", "task.name=scratch_add", "--set", "task.kwargs={restate: 1, max_digits: 2}",
-            "--set", "model.pretrain_steps=30", "--set", "mismatch.injector=head_perturb", "--set", "mismatch.magnitude=0.5",
-            "--set", "rollout.max_new_tokens=24", "--quiet"]
+    sets = ["task.name=scratch_add", "task.kwargs={restate: 1, max_digits: 2}", "model.pretrain_steps=30",
+            "mismatch.injector=head_perturb", "mismatch.magnitude=0.5", "rollout.max_new_tokens=24"]
+    base = ["train", "--preset", "smoke", *[a for kv in sets for a in ("--set", kv)], "--quiet"]
     assert cli.main([*base, "--set", "mismatch.after_text=:", "--run-dir", str(tmp_path / "r")]) == 0
     k3 = pd.read_parquet(tmp_path / "r" / "metrics.parquet")["rollout_corr/k3_kl"].dropna()
     assert len(k3) == 4 and (k3 > 0).any()

@@ -143,8 +143,9 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
                 or type(inj).rollout_engine is not Injector.rollout_engine]
         if body or ENGINES.get(engine_name).copies_weights:
             why = f"part {body[0]} changes the rest of the rollout" if body else f"the engine {engine_name!r} runs its own copy"
-            raise UsageError(f"a per-step scope (mismatch.entropy_*, position_*, after_text, before_text) confines {keeps[0]} only when the rest "
-                             f"of the rollout is the trainer's own model, and {why}; drop the scope or that part")
+            raise UsageError(f"a per-step scope (mismatch.entropy_*, position_*, after_text, before_text) confines "
+                             f"{keeps[0]} only when the rest of the rollout is the trainer's own model, and {why}; "
+                             "drop the scope or that part")
     code = [inj.name for inj in injectors if inj.changes_model_code]
     if code and ENGINES.get(engine_name).copies_weights:
         raise UsageError(f"mismatch.injector part {code[0]} changes timlab's model code, which the rollout engine "
