@@ -215,6 +215,22 @@ def test_bad_marker_scopes(model, kw, msg):
         realized_marked(model, magnitude=0.5, **kw)
 
 
+def test_marker_scope_with_an_observer_is_the_same_rollout(model):
+    """gradcheck's ``observe`` wraps the processor: the wrapper still gets the tokens so far, so the
+    rollout is the same bit for bit, and the observer sees every decode step's processed logits."""
+    inj = build_injector(MismatchSection(injector="head_perturb", magnitude=0.5, after_text="x"), model,
+                         eos_token_id=2, pad_token_id=0, tokenizer=Vocab())
+    seen = []
+
+    def run(observe=None):
+        return inj.rollout(PROMPTS, max_new_tokens=24, sampling=SamplingParams(),
+                           generator=torch.Generator().manual_seed(0), observe=observe)
+
+    plain, watched = run(), run(lambda logits, col: seen.append(logits.shape))
+    assert torch.equal(plain.tokens, watched.tokens) and torch.equal(plain.logprobs, watched.logprobs)
+    assert len(seen) == int(watched.lengths.max()) and seen[0] == (len(PROMPTS), 32)
+
+
 def test_marker_scope_needs_the_tokenizer(model):
     with pytest.raises(UsageError, match="mismatch.after_text needs the model's tokenizer"):
         build_injector(MismatchSection(injector="temperature", magnitude=0.5, after_text="x"), model,
