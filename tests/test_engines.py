@@ -354,3 +354,40 @@ def test_trainer_skipping_unneeded_positions_is_still_bitwise(arch, dtype, monke
         assert torch.equal(lp.detach()[mk], r.logprobs[mk])
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-3 if dtype == torch.float32 else 5e-2, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ processors reading the tokens
+def no_repeat(seen: list[int]):
+    """A processor that reads the tokens so far (``reads_tokens``) and bans each row's last token;
+    ``seen`` gets the row count of each call."""
+
+    def proc(logits, col, tokens):
+        assert tokens.shape == (logits.shape[0], int(col[0]))  # (n, col): the held rows, up to the column
+        seen.append(tokens.shape[0])
+        return logits.scatter(-1, tokens[:, -1:], float("-inf"))
+
+    proc.reads_tokens = True
+    return proc
+
+
+def repeats(r) -> int:
+    """Response tokens equal to the token before them (the previous column)."""
+    m = r.response_mask[:, 1:]
+    return int(((r.tokens[:, 1:] == r.tokens[:, :-1]) & m).sum())
+
+
+@pytest.mark.parametrize("name, compact", [("exact", 0.0), ("exact", 0.9), ("fast", 0.9)])
+def test_processor_reading_tokens_sees_each_rows_own_tokens(name, compact):
+    """A ``reads_tokens`` processor gets the (n, col) tokens of exactly the rows it processes, also
+    after finished rows were dropped from the decode batch (row i of the tokens is row i of the
+    logits): banning each row's previous token leaves no repeat, where the plain rollout has many."""
+    model = tiny_model(eos_prob=0.04)
+    engine = build_engine(name, model, eos_token_id=EOS, pad_token_id=PAD)
+    engine.compact_below = compact
+    prompts = ragged_prompts(16)
+    plain = engine.generate(prompts, max_new_tokens=40, generator=torch.Generator().manual_seed(0))
+    seen: list[int] = []
+    r = engine.generate(prompts, max_new_tokens=40, generator=torch.Generator().manual_seed(0),
+                        logits_processor=no_repeat(seen))
+    assert repeats(plain) >= 10 and repeats(r) == 0
+    assert seen[0] == 16 and (min(seen) < 16) == (compact > 0)  # compaction happened where it is on

@@ -430,3 +430,25 @@ def test_hf_engine_without_transformers(monkeypatch):
         build_engine("hf", model, eos_token_id=EOS)
     assert str(e.value) == MISSING_TRANSFORMERS == "the hf engine needs transformers: pip install timlab[hf]"
     assert isinstance(e.value, ValueError)  # so the CLI prints it as one line
+
+
+def test_hf_engine_processor_reading_tokens(tmp_path):
+    """A ``reads_tokens`` processor gets HF's input_ids, the (B, col) tokens so far: one that
+    allows only each row's previous token makes every response token a copy of its prompt's last."""
+    model = timlab_model(tmp_path)
+    calls = []
+
+    def copy_last(logits, col, tokens):
+        calls.append(tuple(tokens.shape))
+        assert tokens.shape == (logits.shape[0], int(col[0]))
+        keep = torch.full_like(logits, float("-inf")).scatter(-1, tokens[:, -1:], 0.0)
+        return logits + keep
+
+    copy_last.reads_tokens = True
+    engine = build_engine("hf", model, eos_token_id=EOS, pad_token_id=PAD)
+    r = engine.generate(prompts(), max_new_tokens=12, generator=torch.Generator().manual_seed(0),
+                        logits_processor=copy_last)
+    P = r.prompt_width
+    assert (r.lengths == 12).all()  # no row ended: EOS was never allowed
+    assert torch.equal(r.tokens[:, P : P + 12], r.tokens[:, P - 1 : P].expand(-1, 12))
+    assert calls == [(len(prompts()), P + i) for i in range(12)]

@@ -7,6 +7,7 @@ import torch
 
 from timlab.config import MismatchSection
 from timlab.engines import SamplingParams
+from timlab.errors import UsageError
 from timlab.injectors import build_injector, parse_parts, round_weight
 from timlab.metrics import offpolicy_metrics
 from timlab.model.forward import token_logprobs
@@ -139,6 +140,103 @@ def test_head_perturb_scoped_everywhere_is_the_unscoped_rollout_bit_for_bit(mode
     assert torch.equal(plain.tokens, scoped.tokens) and torch.equal(plain.logprobs, scoped.logprobs)
 
 
+class Vocab:
+    """A stand-in tokenizer for the marker scopes: 'x' is token 4 (sampled in most of the random
+    model's responses, at varying places), 'y' token 23; 'end' is the EOS, 'big' lies outside the
+    model's vocabulary of 32, '?' is the unknown token 3; every other text is two tokens."""
+
+    eos_token_id, pad_token_id = 2, 0
+
+    ids = {"x": 4, "y": 23, "end": 2, "big": 40, "?": 3}
+
+    def encode(self, text):
+        return [self.ids[text]] if text in self.ids else [1, 1]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "" if ids == [3] else "".join(t for t, i in self.ids.items() if [i] == ids)  # 3: <unk>
+
+
+def realized_marked(model, injector, magnitude, **kw):
+    """``realized`` with the stand-in tokenizer, and the per-token log-ratios and whether each
+    response token comes after the first 'x' (token 4) of its row (its own step excluded)."""
+    sec = MismatchSection(injector=injector, magnitude=magnitude, **kw)
+    inj = build_injector(sec, model, eos_token_id=2, pad_token_id=0, tokenizer=Vocab())
+    r = inj.rollout(PROMPTS, max_new_tokens=24, sampling=SamplingParams(), generator=torch.Generator().manual_seed(0))
+    with torch.enable_grad():
+        lp, _ = token_logprobs(model, r.tokens, r.key_valid)
+    mask = r.response_mask
+    k3 = offpolicy_metrics(lp.detach(), r.logprobs, mask.float())["k3_kl"]
+    is_mark = (r.tokens == 4) & mask  # (B, S)
+    after = (is_mark.long().cumsum(-1) - is_mark.long()) > 0  # a marker strictly before the column
+    return k3, lp.detach() - r.logprobs, mask & after, mask & ~after
+
+
+@pytest.mark.parametrize("injector", ["temperature", "logit_noise", "head_perturb"])
+def test_marker_scopes_perturb_only_after_or_before_the_marker(model, injector):
+    """after_text: steps whose response so far holds the marker are perturbed, every step up to and
+    including the marker's own keeps the trainer's log-prob bit for bit (r exactly 0); before_text
+    is the reverse. The two split the unscoped mismatch."""
+    every = realized(model, injector, 0.5)[0]
+    k_after, diff, after, before = realized_marked(model, injector, 0.5, after_text="x")
+    assert after.sum() >= 40 and before.sum() >= 40  # the marker occurs mid-response in many rows
+    assert (diff[before] == 0).all()  # out of scope: exact
+    assert (diff[after] != 0).float().mean() > 0.9  # in scope: perturbed
+    k_before, diff, after, before = realized_marked(model, injector, 0.5, before_text="x")
+    assert after.sum() >= 40 and before.sum() >= 40
+    assert (diff[after] == 0).all()
+    assert (diff[before] != 0).float().mean() > 0.9
+    assert 0 < k_after < every and 0 < k_before < every
+
+
+def test_marker_scope_combines_with_a_position_scope_by_and(model):
+    """after_text with position_max=12: only tokens after the marker AND at response index < 12."""
+    _, diff, after, before = realized_marked(model, "temperature", 0.5, after_text="x", position_max=12)
+    P = max(len(p) for p in PROMPTS)
+    early = (torch.arange(diff.shape[1]) - P < 12)[None]  # (1, S)
+    inside = after & early
+    outside = (after | before) & ~inside  # response tokens out of scope
+    assert inside.sum() >= 20 and (after & ~early).sum() >= 20
+    assert (diff[outside] == 0).all()
+    assert (diff[inside] != 0).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"injector": "temperature", "after_text": "ab"}, "mismatch.after_text 'ab' is 2 tokens of the model's tokenizer"),
+    ({"injector": "temperature", "before_text": "end"}, "mismatch.before_text 'end' is token 2, not an ordinary token"),
+    ({"injector": "temperature", "after_text": "big"}, "'big' is token 40, not an ordinary token .* vocabulary of 32"),
+    ({"injector": "temperature", "after_text": "?"}, "'\\?' is token 3, not an ordinary token .* decodes back to it"),
+    ({"injector": "temperature", "after_text": 3}, "mismatch.after_text must be a text of one token"),
+    ({"injector": "precision", "after_text": "x"}, "mismatch.after_text scopes head_perturb, logit_noise, temperature"),
+    ({"injector": "temperature", "after_text": "x", "before_text": "x"}, "are both 'x': no decode step is in scope"),
+    ({"injector": "head_perturb+precision", "before_text": "x"}, "a per-step scope .* confines head_perturb only"),
+])
+def test_bad_marker_scopes(model, kw, msg):
+    with pytest.raises(UsageError, match=msg):
+        realized_marked(model, magnitude=0.5, **kw)
+
+
+def test_marker_scope_with_an_observer_is_the_same_rollout(model):
+    """gradcheck's ``observe`` wraps the processor: the wrapper still gets the tokens so far, so the
+    rollout is the same bit for bit, and the observer sees every decode step's processed logits."""
+    inj = build_injector(MismatchSection(injector="head_perturb", magnitude=0.5, after_text="x"), model,
+                         eos_token_id=2, pad_token_id=0, tokenizer=Vocab())
+    seen = []
+
+    def run(observe=None):
+        return inj.rollout(PROMPTS, max_new_tokens=24, sampling=SamplingParams(),
+                           generator=torch.Generator().manual_seed(0), observe=observe)
+
+    plain, watched = run(), run(lambda logits, col: seen.append(logits.shape))
+    assert torch.equal(plain.tokens, watched.tokens) and torch.equal(plain.logprobs, watched.logprobs)
+    assert len(seen) == int(watched.lengths.max()) and seen[0] == (len(PROMPTS), 32)
+
+
+def test_marker_scope_needs_the_tokenizer(model):
+    with pytest.raises(UsageError, match="mismatch.after_text needs the model's tokenizer"):
+        build_injector(MismatchSection(injector="temperature", magnitude=0.5, after_text="x"), model,
+                       eos_token_id=2, pad_token_id=0)
+
+
 def test_trainer_weights_untouched(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     realized(model, "head_perturb+weight_rounding", 1.0, dtype="int8")
@@ -240,3 +338,36 @@ def test_part_order_not_spec_order():
     orders = {name: INJECTORS.get(name).order for name in INJECTORS.names() if name != "none"}
     assert orders["weight_rounding"] < orders["head_perturb"] < orders["precision"]  # round, new head, cast
     assert orders["temperature"] < orders["logit_noise"]  # noise on the tempered logits
+
+
+@pytest.mark.parametrize("raw, text", [(":", ":"), ('":"', ":"), ("' '", " "), (">", ">"), ("#", "#"), ("1", "1")])
+def test_a_marker_on_the_command_line_is_the_text_as_written(raw, text):
+    """``--set mismatch.after_text=:`` is the text ':' (YAML would refuse it, read '>' as '' and '#'
+    as null): a text field takes the text after '=', less one pair of enclosing quotes; the other
+    fields are still read as YAML."""
+    from timlab.config import parse_set, resolve
+
+    cfg = resolve(overrides=parse_set(["mismatch.injector=head_perturb", f"mismatch.after_text={raw}",
+                                       "mismatch.magnitude=0.5", "run.seed=3"]))
+    assert cfg.mismatch.after_text == text and cfg.mismatch.injector == "head_perturb"
+    assert cfg.mismatch.magnitude == 0.5 and cfg.run.seed == 3
+
+
+def test_training_with_a_marker_scope(tmp_path, capsys):
+    """The trainer hands its tokenizer to the injector: a smoke run on scratch_add (restate 1) with
+    head_perturb after ':' trains and realizes some k3; a marker outside the vocabulary is refused
+    in one line before training."""
+    import pandas as pd
+
+    from timlab import cli
+
+    sets = ["task.name=scratch_add", "task.kwargs={restate: 1, max_digits: 2}", "model.pretrain_steps=30",
+            "mismatch.injector=head_perturb", "mismatch.magnitude=0.5", "rollout.max_new_tokens=24"]
+    base = ["train", "--preset", "smoke", *[a for kv in sets for a in ("--set", kv)], "--quiet"]
+    assert cli.main([*base, "--set", "mismatch.after_text=:", "--run-dir", str(tmp_path / "r")]) == 0
+    k3 = pd.read_parquet(tmp_path / "r" / "metrics.parquet")["rollout_corr/k3_kl"].dropna()
+    assert len(k3) == 4 and (k3 > 0).any()
+    capsys.readouterr()
+    assert cli.main([*base, "--set", "mismatch.after_text=?", "--run-dir", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mismatch.after_text '?' is token 3, not an ordinary token" in err and "\n" not in err

@@ -355,3 +355,37 @@ def test_calibration_bad_input_is_one_line(tmp_path, folder, prompts, capsys, ar
 def test_calibration_flags_need_an_injector(tmp_path, folder, prompts, capsys):
     assert main(["probe", "--model", str(folder), "--prompts", str(prompts), "--magnitudes", "1"]) == 2
     assert "--magnitudes calibrates an injector; give --injector too" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def scratch_folder(tmp_path_factory) -> Path:
+    """A random model over scratch_add's characters (restated operands, ':' opening the worked answer)."""
+    from timlab.tasks import get_task
+
+    chars = get_task("scratch_add", restate=2).alphabet
+    path = tmp_path_factory.mktemp("scratch_model")
+    save_char_tokenizer(chars, path)
+    save_model(_model(vocab_size=4 + len(chars), context=96), path)
+    return path
+
+
+def test_calibration_of_a_marker_scope(tmp_path, scratch_folder, capsys):
+    """``--mismatch after_text=:`` (the CLI keeps ':' as text) confines head_perturb to the tokens
+    after a row's first ':', ``before_text=:`` to the rest: each arm reaches part of the tokens,
+    the unscoped one nearly all."""
+    def arm(*scope):
+        out = tmp_path / "cal.json"
+        assert main(["probe", "--model", str(scratch_folder), "--task", "scratch_add", "--task-kwarg", "restate=2",
+                     "--num-prompts", "8", "--samples-per-prompt", "4", "--max-new-tokens", "32", "--json", str(out),
+                     "--injector", "head_perturb", "--magnitudes", "0.5", *scope]) == 0
+        return json.loads(out.read_text())
+
+    every, after, before = arm(), arm("--mismatch", "after_text=:"), arm("--mismatch", "before_text=:")
+    assert after["mismatch"] == {"after_text": ":"} and before["mismatch"] == {"before_text": ":"}
+    reached = [r["rows"][0]["frac_tokens_reached"] for r in (every, after, before)]
+    assert reached[0] > 0.9 and 0.05 < reached[1] < 0.8 and 0.2 < reached[2] < 0.95, reached
+    assert "other mismatch settings: after_text=:" in capsys.readouterr().out
+    assert main(["probe", "--model", str(scratch_folder), "--task", "scratch_add", "--injector", "head_perturb",
+                 "--magnitudes", "0.5", "--mismatch", "after_text=:>"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mismatch.after_text ':>' is 2 tokens of the model's tokenizer, not one" in err and "\n" not in err

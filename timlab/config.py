@@ -248,6 +248,14 @@ class MismatchSection:
     position_max: int = 0
     """Scope: inject only at response tokens whose index (from 0) is below this (0 = no upper bound).
     logit_noise, temperature and head_perturb."""
+    after_text: str = ""
+    """Scope: inject only at decode steps whose response so far contains this text, one token of the
+    model's vocabulary ('' = off): for scratch_add, ':' confines the mismatch to the worked answer
+    after the restated operands. logit_noise, temperature and head_perturb."""
+    before_text: str = ""
+    """Scope: inject only at decode steps whose response so far does not yet contain this text (one
+    token; '' = off): the complement of after_text, the marker's own step included. logit_noise,
+    temperature and head_perturb."""
     seed: int = 0
     """Seed of the injector's own randomness (noise draws, the fixed head perturbation)."""
     target_k3: float = 0.0
@@ -622,7 +630,9 @@ def _merge(base: dict, over: dict, where: str) -> dict:
 
 
 def parse_set(items: list[str]) -> dict:
-    """``["optim.lr=1e-4", "task.kwargs.max_len=30"]`` -> nested override dict (values YAML-parsed)."""
+    """``["optim.lr=1e-4", "task.kwargs.max_len=30"]`` -> nested override dict (values YAML-parsed,
+    but a text field's value is the text as written, less one pair of enclosing quotes, so that
+    ``mismatch.after_text=:`` is the text ':' and not a YAML error)."""
     over: dict = {}
     for item in items:
         if "=" not in item:
@@ -631,7 +641,11 @@ def parse_set(items: list[str]) -> dict:
         parts = key.strip().split(".")
         if len(parts) < 2:
             raise ConfigError(f"--set {item!r}: expected section.key=value (e.g. optim.lr=1e-4)")
-        value = load_yaml(raw, f"--set {key.strip()}", ConfigError) if raw.strip() else ""
+        text_field = len(parts) == 2 and parts[0] in SECTIONS and _field_types(SECTIONS[parts[0]]).get(parts[1]) is str
+        if text_field:
+            value = _unquote(raw)
+        else:
+            value = load_yaml(raw, f"--set {key.strip()}", ConfigError) if raw.strip() else ""
         if isinstance(value, (int, float)) and not isinstance(value, bool) and "_" in raw:
             value = raw.strip()  # YAML 1.1 reads "0.5_2.0" as the number 0.52; keep verl's "lo_hi" text
         node = over
@@ -639,6 +653,13 @@ def parse_set(items: list[str]) -> dict:
             node = node.setdefault(p, {})
         node[parts[-1]] = value
     return over
+
+
+def _unquote(raw: str) -> str:
+    """``'":"'`` -> ``':'``: a text with one pair of enclosing quotes (single or double) removed."""
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    return raw
 
 
 def from_dict(d: dict) -> Config:

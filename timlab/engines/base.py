@@ -27,9 +27,27 @@ from timlab.registry import Registry
 
 ENGINES: Registry[type["Engine"]] = Registry("engine")
 
-LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LogitsProcessor = Callable[..., torch.Tensor]
 """``processor(logits (B, V) fp32, column_index (B,) long) -> logits``: a rollout-side change
-of the model's distribution (an injected mismatch). It defines the engine's log mu."""
+of the model's distribution (an injected mismatch). It defines the engine's log mu. A processor
+whose attribute ``reads_tokens`` is true is called with a third argument, the (B, col) tokens of
+its rows before the column being sampled (the P-wide left-padded prompt, then the response so
+far; pad after a row's EOS): ``call_processor`` is the one place that decides."""
+
+
+def reads_tokens(processor: LogitsProcessor | None) -> bool:
+    """True when ``processor`` takes the tokens so far as a third argument."""
+    return bool(getattr(processor, "reads_tokens", False))
+
+
+def call_processor(processor: LogitsProcessor, logits: torch.Tensor, col: int,
+                   tokens: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Apply ``processor`` to the (B, V) ``logits`` of column ``col``; ``tokens()`` gives the (B, col)
+    tokens so far, and is called only for a processor that ``reads_tokens`` (no work otherwise)."""
+    cols = torch.full((logits.shape[0],), col, dtype=torch.long, device=logits.device)  # (B,)
+    if reads_tokens(processor):
+        return processor(logits, cols, tokens())
+    return processor(logits, cols)
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
@@ -350,7 +368,8 @@ class Engine:
         for i in range(max_new_tokens):
             col = P + i
             if logits_processor is not None:
-                logits = logits_processor(logits, torch.full((logits.shape[0],), col, device=dev))
+                logits = call_processor(logits_processor, logits, col,
+                                        lambda: (tokens if rows is None else tokens[rows])[:, :col])  # (n, col)
             tok, lp, lps = sample_next(logits, sampling, generator, check_finite=False)  # (n,) each
             tok = torch.where(live, tok, self.pad_token_id)
             ended = live & (tok == self.eos_token_id)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from timlab.engines.base import ENGINES, Engine, LogitsProcessor, SamplingParams, import_backend
+from timlab.engines.base import ENGINES, Engine, LogitsProcessor, SamplingParams, call_processor, import_backend
 from timlab.errors import TimlabError, UsageError
 from timlab.model.forward import gather_logprobs, positions_from_valid
 from timlab.model.hf_io import config_to_hf, fuse_experts
@@ -78,8 +78,9 @@ class _TimlabProcessor:
     """Adapts a timlab ``LogitsProcessor`` to HF's ``(input_ids, scores) -> scores`` interface.
 
     The column of the token being sampled is ``input_ids.shape[1]`` (HF's input_ids hold the
-    P-wide left-padded prompt plus the tokens generated so far, exactly timlab's grid). The
-    processed logits are recorded: they define log mu.
+    P-wide left-padded prompt plus the tokens generated so far, exactly timlab's grid, so they are
+    the tokens a ``reads_tokens`` processor is given). The processed logits are recorded: they
+    define log mu.
     """
 
     def __init__(self, fn: LogitsProcessor):
@@ -87,8 +88,7 @@ class _TimlabProcessor:
         self.outputs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        B, col = input_ids.shape
-        out = self.fn(scores, torch.full((B,), col, dtype=torch.long, device=scores.device))
+        out = call_processor(self.fn, scores, input_ids.shape[1], lambda: input_ids)  # input_ids: (B, col)
         self.outputs.append(out.detach().float().clone())
         return out
 

@@ -655,7 +655,8 @@ def run_calibration(
     rows = []
     for m in magnitudes:
         inj = build_injector(dataclasses.replace(section, magnitude=float(m)), model, default_engine="exact",
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             tokenizer=tokenizer)
         inj.begin_step(1)
         r = inj.rollout(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                         generator=torch.Generator(device=model.device).manual_seed(seed))

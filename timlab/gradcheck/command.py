@@ -170,7 +170,7 @@ def run_gradcheck(cfg, *, model_dir: str | Path | None = None, group_size: int |
     tok, precision = load_policy(model_dir, cfg, device=cfg.run.device)
     model = precision.compute
     injector = build_injector(cfg.mismatch, model, default_engine=cfg.rollout.engine, eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id)
+                              pad_token_id=tok.pad_token_id, tokenizer=tok)
     res = gradcheck(
         model, tok, task, pool, injector, group_size=group_size or cfg.rollout.samples_per_prompt,
         max_new_tokens=cfg.rollout.max_new_tokens, sampling=rollout_sampling(cfg),

@@ -17,12 +17,15 @@ off exactly, then add a controlled amount back). Three kinds of parts compose wi
   vocabulary scope ``mismatch.prob_below`` (perturb only entries whose unperturbed probability,
   i.e. the trainer's, is below the threshold).
 
-Two per-step scopes confine ``logit_noise``, ``temperature`` and ``head_perturb`` to some decode
-steps; every other step samples from the trainer's logits, bit for bit: ``mismatch.entropy_min`` /
-``entropy_max`` (steps whose unperturbed next-token entropy lies in [min, max): the high-entropy
-"decision" tokens, or the near-deterministic rest) and ``mismatch.position_min`` /
-``position_max`` (response tokens at index [min, max), from 0). ``head_perturb`` keeps the
-trainer's logits of each step for this (its own module says how). ``timlab probe --injector``
+Three per-step scopes confine ``logit_noise``, ``temperature`` and ``head_perturb`` to some decode
+steps (combined by AND); every other step samples from the trainer's logits, bit for bit:
+``mismatch.entropy_min`` / ``entropy_max`` (steps whose unperturbed next-token entropy lies in
+[min, max): the high-entropy "decision" tokens, or the near-deterministic rest),
+``mismatch.position_min`` / ``position_max`` (response tokens at index [min, max), from 0) and
+``mismatch.after_text`` / ``before_text`` (steps whose response so far does / does not yet contain
+a marker token, e.g. scratch_add's ':' that opens the worked answer; the engines hand the
+processor the tokens so far for it, ``timlab.engines.base.call_processor``). ``head_perturb``
+keeps the trainer's logits of each step for this (its own module says how). ``timlab probe --injector``
 measures what a scoped arm realizes in total, T * k3, and calibrates its magnitude to a target.
 
 Every run measures the realized mismatch (rollout_corr/*, mismatch/*), so a knob's effect is
@@ -53,6 +56,7 @@ from typing import Callable
 import torch
 
 from timlab.engines import ENGINES, Rollout, SamplingParams, build_engine
+from timlab.engines.base import reads_tokens
 from timlab.errors import UsageError
 from timlab.injectors.base import INJECTORS, Injector, Settings, register
 from timlab.injectors.controller import K3Controller, check_target
@@ -110,6 +114,15 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
         raise UsageError(f"mismatch.entropy_min ({s.entropy_min}) must be below mismatch.entropy_max ({s.entropy_max})")
     if s.position_max > 0 and s.position_min >= s.position_max:
         raise UsageError(f"mismatch.position_min ({s.position_min}) must be below mismatch.position_max ({s.position_max})")
+    for key in MARKER_KEYS:
+        v = getattr(s, key)
+        if not isinstance(v, str):
+            raise UsageError(f"mismatch.{key} must be a text of one token ('' = off), got {v!r}")
+        if v and not any(inj.step_scoped for inj in injectors):
+            raise UsageError(f"mismatch.{key} scopes {', '.join(_names_where('step_scoped'))} only; add one of them")
+    if s.after_text and s.after_text == s.before_text:
+        raise UsageError(f"mismatch.after_text and mismatch.before_text are both {s.after_text!r}: no decode step "
+                         "is in scope; keep one of them")
     for inj in injectors:
         inj.check()
     check_target(target_k3=s.target_k3, target_k3_end=s.target_k3_end, target_gain=s.target_gain,
@@ -130,13 +143,35 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
                 or type(inj).rollout_engine is not Injector.rollout_engine]
         if body or ENGINES.get(engine_name).copies_weights:
             why = f"part {body[0]} changes the rest of the rollout" if body else f"the engine {engine_name!r} runs its own copy"
-            raise UsageError(f"a per-step scope (mismatch.entropy_*, position_*) confines {keeps[0]} only when the rest "
-                             f"of the rollout is the trainer's own model, and {why}; drop the scope or that part")
+            raise UsageError(f"a per-step scope (mismatch.entropy_*, position_*, after_text, before_text) confines "
+                             f"{keeps[0]} only when the rest of the rollout is the trainer's own model, and {why}; "
+                             "drop the scope or that part")
     code = [inj.name for inj in injectors if inj.changes_model_code]
     if code and ENGINES.get(engine_name).copies_weights:
         raise UsageError(f"mismatch.injector part {code[0]} changes timlab's model code, which the rollout engine "
                          f"{engine_name!r} does not run; use the exact or fast engine")
     return engine_name
+
+
+MARKER_KEYS = ("after_text", "before_text")
+"""The per-step scopes by a marker token in the response so far."""
+
+
+def marker_token(key: str, text: str, tokenizer, *, vocab_size: int) -> int:
+    """The token id of ``mismatch.<key>``'s ``text`` (``tokenizer``: ``encode`` / ``decode``, with
+    ``eos_token_id`` / ``pad_token_id``); a one-line UsageError unless it is exactly one ordinary
+    token of the model's vocabulary: in range, not EOS or pad, and decoding back to ``text`` (an
+    unknown character encodes to the special <unk>, which decodes to '')."""
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise UsageError(f"mismatch.{key} {text!r} is {len(ids)} tokens of the model's tokenizer, not one; "
+                         "use a single token (for a character tokenizer, one character)")
+    (i,) = ids
+    if (not 0 <= i < vocab_size or i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
+            or tokenizer.decode([i], skip_special_tokens=True) != text):
+        raise UsageError(f"mismatch.{key} {text!r} is token {i}, not an ordinary token of the model's "
+                         f"vocabulary of {vocab_size} that decodes back to it (EOS, pad, unknown excluded)")
+    return i
 
 
 def _names_where(attr: str) -> list[str]:
@@ -162,12 +197,21 @@ class RolloutInjector:
     (``parts``, in spec order), each an ``Injector``, acting in their ``order``."""
 
     def __init__(self, parts: list[str], model: CausalLM, settings: Settings, *, default_engine: str,
-                 eos_token_id: int, pad_token_id: int):
+                 eos_token_id: int, pad_token_id: int, tokenizer=None):
         self.parts = parts
         self.settings = settings
         self.model = model
         self.injectors: list[Injector] = sorted((INJECTORS.get(p)(settings) for p in parts), key=lambda i: i.order)
         engine_name = check_parts(self.injectors, settings, default_engine=default_engine)
+        self.markers: dict[str, int] = {}
+        """The token ids of the set marker scopes (``after_text``, ``before_text``); empty when none is."""
+        for key in MARKER_KEYS:
+            if getattr(settings, key) and parts:
+                if tokenizer is None:
+                    raise UsageError(f"mismatch.{key} needs the model's tokenizer to find its token; "
+                                     "pass tokenizer= to build_injector")
+                self.markers[key] = marker_token(key, getattr(settings, key), tokenizer,
+                                                 vocab_size=model.config.vocab_size)
         self.generator = torch.Generator().manual_seed(1_000_003 * settings.seed + 7)
         self.magnitude = settings.magnitude
         """The magnitude of the current step's rollout (the schedule's value)."""
@@ -284,7 +328,10 @@ class RolloutInjector:
         scope picks between the rollout's and the trainer's logits."""
         return any(inj.processes_logits or (inj.step_scoped and self.settings.step_scope) for inj in self.injectors)
 
-    def _process(self, logits: torch.Tensor, col: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, col: torch.Tensor, tokens: torch.Tensor | None = None, *,
+                 prompt_width: int) -> torch.Tensor:
+        """The logits to sample from at column ``col`` (B,); ``tokens`` (B, col): the rows' tokens so
+        far, given (``reads_tokens``) when a marker scope is set."""
         clean = logits  # (B, V): the trainer's logits, unless a part changed the model and did not keep them
         for inj in self.injectors:
             clean = inj.trainer_logits(clean)
@@ -309,6 +356,12 @@ class RolloutInjector:
             if s.position_max > 0:
                 keep &= position < s.position_max
             out = torch.where(keep[:, None], out, clean)
+        if self.markers:
+            response = tokens[:, prompt_width:]  # (B, col - P): the response so far
+            if "after_text" in self.markers:
+                out = torch.where((response == self.markers["after_text"]).any(-1)[:, None], out, clean)
+            if "before_text" in self.markers:
+                out = torch.where((response == self.markers["before_text"]).any(-1)[:, None], clean, out)
         return out
 
     def rollout(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingParams,
@@ -321,16 +374,20 @@ class RolloutInjector:
         engine = self.engine
         width = max(len(p) for p in prompts) if prompts else 0  # the engines' prompt width P: responses from column P
         proc = functools.partial(self._process, prompt_width=width) if self.processes_logits else None
+        if proc is not None and self.markers:
+            proc.reads_tokens = True  # the engine passes the tokens so far (timlab.engines.base.call_processor)
         if not self.active:  # before start_step: the trainer's own model, no part acting
             engine = self.base_engine if self.base_engine is not None else self.engine
             proc = None
         if observe is not None:
             inner = proc
 
-            def proc(logits: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-                out = inner(logits, col) if inner is not None else logits
+            def proc(logits: torch.Tensor, col: torch.Tensor, *tokens: torch.Tensor) -> torch.Tensor:
+                out = inner(logits, col, *tokens) if inner is not None else logits
                 observe(out, col)
                 return out
+
+            proc.reads_tokens = reads_tokens(inner)
 
         return engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
                                logits_processor=proc, record_routing=record_routing and engine.records_routing)
@@ -355,9 +412,10 @@ class RolloutInjector:
 
 
 def build_injector(section, model: CausalLM, *, default_engine: str = "exact", eos_token_id: int,
-                   pad_token_id: int) -> RolloutInjector:
-    """From a config ``mismatch`` section (or anything with the same attributes)."""
+                   pad_token_id: int, tokenizer=None) -> RolloutInjector:
+    """From a config ``mismatch`` section (or anything with the same attributes). ``tokenizer``
+    (the model's; needed by ``mismatch.after_text`` / ``before_text``) finds a marker's token."""
     parts = parse_parts(section.injector)
     settings = settings_from(section)
     return RolloutInjector(parts, model, settings, default_engine=default_engine,
-                           eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                           eos_token_id=eos_token_id, pad_token_id=pad_token_id, tokenizer=tokenizer)

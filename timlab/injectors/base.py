@@ -11,8 +11,9 @@ each a method with a do-nothing default, so a class overrides only what it chang
 - ``process_logits``: change the logits each decode step samples from (``scoped``: the scope
   ``mismatch.prob_below`` applies to it);
 - ``trainer_logits``: the trainer's logits of the step being decoded, for a part that changed the
-  rollout model but can keep them (``step_scoped``: the per-step scopes ``mismatch.entropy_*`` and
-  ``mismatch.position_*`` apply to it; out of scope the step samples from these logits);
+  rollout model but can keep them (``step_scoped``: the per-step scopes ``mismatch.entropy_*``,
+  ``mismatch.position_*`` and ``mismatch.after_text`` / ``before_text`` apply to it; out of scope
+  the step samples from these logits);
 - across steps: ``begin_step`` (a training step is about to roll out; the lagged ``stale``
   keeps its ring of weight versions here) and ``source_model`` (the model whose weights the
   rollout side maps: the trainer's, or an older copy).
@@ -60,6 +61,8 @@ class Settings:
     entropy_max: float = 0.0
     position_min: int = 0
     position_max: int = 0
+    after_text: str = ""
+    before_text: str = ""
     target_k3: float = 0.0
     target_k3_end: float = 0.0
     target_gain: float = 0.5
@@ -67,8 +70,10 @@ class Settings:
 
     @property
     def step_scope(self) -> bool:
-        """True when a per-step scope is set (entropy or position): the mismatch acts at some decode steps only."""
-        return bool(self.entropy_min > 0 or self.entropy_max > 0 or self.position_min > 0 or self.position_max > 0)
+        """True when a per-step scope is set (entropy, position or marker text): the mismatch acts at
+        some decode steps only."""
+        return bool(self.entropy_min > 0 or self.entropy_max > 0 or self.position_min > 0 or self.position_max > 0
+                    or self.after_text or self.before_text)
 
 
 MAGNITUDE_KINDS = ("none", "continuous", "integer")
@@ -92,8 +97,9 @@ class Injector:
     scoped: ClassVar[bool] = False
     """True when ``mismatch.prob_below`` limits this part's logits change."""
     step_scoped: ClassVar[bool] = False
-    """True when the per-step scopes (``mismatch.entropy_min/max``, ``position_min/max``) confine
-    this part: it changes the logits (a processor), or it keeps the trainer's (``trainer_logits``)."""
+    """True when the per-step scopes (``mismatch.entropy_min/max``, ``position_min/max``, ``after_text``,
+    ``before_text``) confine this part: it changes the logits (a processor), or it keeps the
+    trainer's (``trainer_logits``)."""
     magnitude_kind: ClassVar[str] = "none"
     """What ``mismatch.magnitude`` is to this part: one of MAGNITUDE_KINDS."""
     changes_model_code: ClassVar[bool] = False

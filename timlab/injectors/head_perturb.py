@@ -1,9 +1,10 @@
 """``head_perturb``: the rollout's output head is W + magnitude * |W|/|R| * R, with R a fixed
 Gaussian drawn once from ``mismatch.seed``: a persistent, biased mismatch of known size.
 
-Under a per-step scope (``mismatch.entropy_min/max``, ``position_min/max``) the rollout model also
-computes the trainer's head on the same hidden state at every decode step and keeps those logits
-(``trainer_logits``), so out of scope the step samples from the trainer's logits bit for bit. The
+Under a per-step scope (``mismatch.entropy_min/max``, ``position_min/max``, ``after_text``,
+``before_text``) the rollout model also computes the trainer's head on the same hidden state at
+every decode step and keeps those logits (``trainer_logits``), so out of scope the step samples
+from the trainer's logits bit for bit. The
 body is the trainer's own (shared), so only alone or with logits processors; the rollout engine
 must run timlab's model code (exact, fast)."""
 

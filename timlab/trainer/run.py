@@ -235,7 +235,8 @@ class RLRun:
                                weight_decay=c.weight_decay)
         self.scheduler = scheduler_from_config(self.optimizer, cfg.scheduler, total_steps=cfg.run.steps)
         self.injector = build_injector(cfg.mismatch, self.model, default_engine=cfg.rollout.engine,
-                                       eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+                                       eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                                       tokenizer=self.tok)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         self.sampling = rollout_sampling(cfg)
         mcfg = self.model.config
