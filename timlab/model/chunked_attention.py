@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from timlab.model import cpu_gemm
+from timlab.model.attention_mask import additive_mask
 
 CHUNK_ELEMENTS = 1 << 20
 """A chunk holds as many sequences as keep its largest block's scores (all KV heads) under this
@@ -82,7 +83,7 @@ def _probs(qp: torch.Tensor, kb: torch.Tensor, allowed: torch.Tensor, n: int, sc
     """softmax(bias + scale * (qp @ kb^T)) (c, H_kv, n, K) for the block's ``allowed`` (c, 1, m, K)."""
     c, H_kv, K, m = qp.shape[0], qp.shape[1], kb.shape[2], allowed.shape[2]
     scores = cpu_gemm.matmul(qp, kb.transpose(-1, -2))[:, :, :n]  # (c, H_kv, n, K): padding rows dropped
-    bias = torch.zeros(allowed.shape, dtype=scores.dtype).masked_fill_(~allowed, float("-inf"))  # (c, 1, m, K)
+    bias = additive_mask(allowed, scores.dtype)  # (c, 1, m, K)
     scores = torch.add(bias.unsqueeze(2), scores.reshape(c, H_kv, n // m, m, K), alpha=scale)  # (c, H_kv, rep, m, K)
     return torch.softmax(scores.view(c, H_kv, n, K), dim=-1, dtype=torch.float32)
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timlab.errors import UsageError
+from timlab.model.attention_mask import additive_mask
 from timlab.model.linear import MappedInputLinear, mode_linear  # noqa: F401 (MappedInputLinear: re-exported)
 from timlab.model.moe import Routing, SparseMoeBlock, swiglu
 from timlab.model.ops import fixed_length_attention, invariant_linear, triton_kernels
@@ -405,7 +406,7 @@ def _sdpa_mask(step: Step, q: torch.Tensor) -> torch.Tensor:
     key = ("sdpa_mask", q.dtype)
     mask = step.extras.get(key)
     if mask is None:
-        mask = torch.zeros(step.allowed.shape, dtype=q.dtype).masked_fill_(~step.allowed, float("-inf"))
+        mask = additive_mask(step.allowed, q.dtype)
         step.extras[key] = mask
     return mask
 

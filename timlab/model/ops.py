@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from timlab.model import chunked_attention, cpu_gemm
+from timlab.model.attention_mask import additive_mask
 
 MIN_ROWS = 16
 """Matmuls in the exact path never run on fewer rows than this (decode rows are zero-padded)."""
@@ -201,7 +202,7 @@ def _attention_bias(allowed: torch.Tensor, rep: int, dtype: torch.dtype) -> torc
     """(B, 1, M, K) bool -> (B, 1, rep*M, K) additive mask in ``dtype``: 0 where allowed, else -inf."""
     B, _, M, K = allowed.shape
     allowed = allowed.unsqueeze(2).expand(B, 1, rep, M, K).reshape(B, 1, rep * M, K)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return additive_mask(allowed, dtype)
 
 
 def fixed_length_attention(
