@@ -258,6 +258,89 @@ def test_exponent_fit_registrations_are_one_line_errors(tmp_path):
         study_from_dict(ungrouped, root=tmp_path, source="s.yaml")
 
 
+def exponent_fit(**over) -> dict:
+    return {"kind": "length_exponent", "name": "two", "endpoint": "acc", "arm": "spread",
+            "tests": [{"name": "follows T * k3", "holds": 1, "excludes": 0}], **over}
+
+
+def test_a_two_group_exponent_is_the_slope_between_the_two_points(tmp_path):
+    # spread costs 0.02, 0.03 and 0.08 at T 30, 300 and 1,000: b through 31 and 109 alone is
+    # log(c109 / c31) / log(1000 / 300), about 0.81; through all three it is not
+    costs = {("1", "spread"): 0.02, ("31", "spread"): 0.03, ("109", "spread"): 0.08, ("109", "hi"): 0.1,
+             ("109", "lo"): 0.1}
+    res, level = run(tmp_path, costs, fits=[exponent_fit(groups=[31, "109"]), exponent_fit(name="all")])
+    c = {g: mean_of(level, g, "control") - mean_of(level, g, "spread") for g in T}
+    two = next(x for x in res.text.splitlines() if x.startswith("**Length exponent, two**"))
+    b = float(two.split("b = ")[1].split()[0])
+    want = math.log(c["109"] / c["31"]) / math.log(1000 / 300)
+    assert want == pytest.approx(math.log(8 / 3) / math.log(10 / 3), abs=0.03)  # 0.815, but for the noise
+    assert b == float(f"{want:.2f}")
+    assert "a * T^b over 2 restates, 31 and 109 (T: the restate's control mean length" in two
+    assert "Per restate: 31: T 300.0, cost " in two and "1: T 30.0" not in two
+    every = next(x for x in res.text.splitlines() if x.startswith("**Length exponent, all**"))
+    assert "over 3 restates, 1, 31 and 109 (" in every and float(every.split("b = ")[1].split()[0]) != b
+    # the fit itself, unrounded: least squares through two points is the slope between them
+    from timlab.experiments.study.fits import exponent_points, fit_exponent
+
+    col = {(g, a): {"acc": np.array([level[f"r{g}_{a}_s{s}"] for s in range(SEEDS)]),
+                    "length": np.full(SEEDS, T[g])} for g in T for a in ("control", "spread")}
+    Ts, cost = exponent_points(col, ["31", "109"], "acc", control="control", arm="spread", length="length")
+    assert (Ts, cost) == ([300.0, 1000.0], pytest.approx([c["31"], c["109"]], rel=1e-12))
+    assert fit_exponent(Ts, cost)[1] == pytest.approx(want, rel=1e-12)
+    assert fit_exponent(Ts, cost)[0] == pytest.approx(c["31"] / 300 ** want, rel=1e-9)
+
+
+def test_a_two_group_exponents_interval_is_the_slope_of_each_resample():
+    """Seeds without noise: every resample has the same two costs, so b's interval is one point,
+    log(c2 / c1) / log(T2 / T1); with noise in one group only, each resample's b is that slope of
+    its own two resampled costs."""
+    from timlab.experiments.stats import N_BOOT
+    from timlab.experiments.study.fits import exponent_section
+
+    def col(noise: float) -> dict:
+        out = {}
+        for g, t, cost in (("31", 300.0, 0.03), ("109", 1000.0, 0.08)):
+            out[g, "control"] = {"acc": np.full(8, 0.9), "len": np.full(8, t)}
+            out[g, "spread"] = {"acc": 0.9 - cost + noise * (g == "109") * np.linspace(-1, 1, 8), "len": np.full(8, t)}
+        return out
+
+    lines, decided = exponent_section(col(0.0), ["31", "109"], "acc", "x", control="control", arm="spread",
+                                      length="len", tests=(), group_name="restate")
+    b = math.log(0.08 / 0.03) / math.log(1000 / 300)
+    assert f"b = {b:.2f} [{b:.2f}, {b:.2f}]" in lines[0] and "over 2 restates, 31 and 109" in lines[0]
+    # one noisy group: the interval's ends are the slope through the 2.5% and 97.5% resampled costs
+    lines, _ = exponent_section(col(0.01), ["31", "109"], "acc", "x", control="control", arm="spread", length="len",
+                                group_name="restate")
+    rng = np.random.default_rng(0)
+    bs = []
+    for _ in range(N_BOOT):  # exponent_points' draws: each group's control seeds, then its arm's
+        c = []
+        for g, cost in (("31", 0.03), ("109", 0.08)):
+            rng.integers(0, 8, 8)
+            arm = col(0.01)[g, "spread"]["acc"][rng.integers(0, 8, 8)]
+            c.append(0.9 - arm.mean())
+        bs.append(math.log(c[1] / c[0]) / math.log(1000 / 300))
+    lo, hi = np.percentile(bs, [2.5, 97.5])
+    assert f"[{lo:.2f}, {hi:.2f}]" in lines[0] and hi - lo > 0.01
+
+
+def test_exponent_groups_are_checked_against_the_studys_groups(tmp_path):
+    for change, message in (
+            ({"groups": [109]}, "fits[0]: groups: an exponent needs at least 2 groups, got ['109']"),
+            ({"groups": [31, 31]}, "fits[0]: groups: 31 listed twice"),
+            ({"groups": "31, 109"}, "fits[0]: groups: expected a list of group values (e.g. [31, 109]), got '31, 109'")):
+        with pytest.raises(StudyError) as e:
+            study_from_dict(registration(fits=[exponent_fit(**change)]), root=tmp_path, source="s.yaml")
+        assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(StudyError) as e:
+        planned_runs(study_from_dict(registration(fits=[exponent_fit(groups=[31, 300])]), root=tmp_path,
+                                     source="s.yaml"))
+    assert str(e.value) == "s.yaml: fits: two: groups: '300' is not a restate of the study; restates: 1, 31, 109"
+    length = {"kind": "length", "endpoint": "acc", "groups": [31, 109]}
+    with pytest.raises(StudyError, match="fits\\[0\\]: groups: only kind length_exponent takes it, not kind length"):
+        study_from_dict(registration(fits=[length]), root=tmp_path, source="s.yaml")
+
+
 # ------------------------------------------------------------------------------- the margin rules
 @pytest.mark.parametrize("hi, verdict, holds", [
     (0.10, "**the same cost** (within +-{m})", True),  # hi - lo ~ 0 +- 0.002, inside +-0.5 x spread's 0.1

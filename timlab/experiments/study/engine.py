@@ -123,10 +123,15 @@ def planned_runs(study: Study) -> list[PlannedRun]:
     for where, a in named:
         if a not in arms:
             raise StudyError(f"{study.source}: {where}: {a!r} is not an arm of the sweep; arms: {', '.join(arms)}")
-    for g in dict.fromkeys(p.group for p in planned if study.groups):
+    groups = list(dict.fromkeys(p.group for p in planned if study.groups))
+    for g in groups:
         if not any(p.group == g and p.arm == study.control for p in planned):
             raise StudyError(f"{study.source}: control: {study.groups} {g} has no {study.control!r} runs (each group "
                              f"needs its own control)")
+    for f in (f for f in study.fits if f.kind == "length_exponent"):
+        for g in (g for g in f.groups if g not in groups):
+            raise StudyError(f"{study.source}: fits: {f.name}: groups: {g!r} is not a {study.groups} of the study; "
+                             f"{study.groups}s: {', '.join(groups)}")
     return planned
 
 
@@ -614,7 +619,7 @@ def _group_fits(study: Study, cols: dict, root: Path, kinds: tuple[str, ...], te
     out = []
     for f in (f for f in study.fits if f.kind in kinds):
         if f.kind == "length_exponent":
-            lines, decided = exponent_section(col, list(cols), f.endpoint, f.name, control=study.control, arm=f.arm,
+            lines, decided = exponent_section(col, [g for g in cols if g in (f.groups or cols)], f.endpoint, f.name, control=study.control, arm=f.arm,
                                               length=f.length, tests=f.tests, max_undefined=f.max_undefined,
                                               group_name=study.groups)
             out += lines

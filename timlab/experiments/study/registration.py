@@ -393,6 +393,9 @@ class Fit:
     max_undefined: float = 0.5
     """``length_exponent``: above this share of resamples without an exponent (a group's cost <= 0
     in the resample), no test is decided."""
+    groups: tuple[str, ...] = ()
+    """``length_exponent``: the groups whose cells b is fitted through (at least 2, e.g. the two
+    longest lengths); empty: every valid group. A listed group that is void is left out."""
 
 
 @dataclass(frozen=True)
@@ -934,8 +937,11 @@ def _run_fit(f: dict, kind: str, names: list[str], families: list[Family], where
 
 
 def _exponent_fit(f: dict, kind: str, where: str) -> dict:
-    """The ``length_exponent`` keys of a fit (``Fit``), checked."""
+    """The ``length_exponent`` keys of a fit (``Fit``), checked (its ``groups`` are checked against
+    the sweep's groups by ``engine.planned_runs``)."""
     if kind != "length_exponent":
+        if "groups" in f:
+            raise StudyError(f"{where}: groups: only kind length_exponent takes it, not kind {kind}")
         return {}
     for key in ("arm", "name"):
         if not isinstance(f.get(key), str) or not f[key]:
@@ -959,7 +965,15 @@ def _exponent_fit(f: dict, kind: str, where: str) -> dict:
                              f"excludes: 0)")
         tests.append(ExponentTest(str(t["name"]), tuple(conditions), str(t.get("then", "**yes**")),
                                   str(t.get("otherwise", "no"))))
-    return {"arm": f["arm"], "tests": tuple(tests), "max_undefined": share}
+    groups = f.get("groups", [])
+    if not (isinstance(groups, list) and all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in groups)):
+        raise StudyError(f"{where}: groups: expected a list of group values (e.g. [31, 109]), got {groups!r}")
+    groups = [str(g) for g in groups]
+    if "groups" in f and len(groups) < 2:
+        raise StudyError(f"{where}: groups: an exponent needs at least 2 groups, got {groups}")
+    if len(set(groups)) < len(groups):
+        raise StudyError(f"{where}: groups: {next(g for g in groups if groups.count(g) > 1)} listed twice")
+    return {"arm": f["arm"], "tests": tuple(tests), "max_undefined": share, "groups": tuple(groups)}
 
 
 def _amendment(d: Any, where: str) -> Amendment:
@@ -1095,7 +1109,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                       "length", "at", "rho", "min_cells", "min_groups", "unbounded", "tokens", "k3_star", "t_star",
                       "exponent", "note", "at_T", "at_k3", "family", "fall", "min_falls", "margin", "unmatched",
                       "headers", "signals", "reference", "trail", "rise_after", "early", "start", "arm", "tests",
-                      "max_undefined"), ("kind", "endpoint"), where)
+                      "max_undefined", "groups"), ("kind", "endpoint"), where)
         kind = _choice(f["kind"], FITS, f"{where}: kind")
         if (kind in GROUPED_FITS) != bool(d.get("groups")):
             raise StudyError(f"{where}: kind {kind} " + ("needs groups: (a grouped study)" if kind in GROUPED_FITS
