@@ -372,11 +372,12 @@ def _key(group: str, name: str):
     return (group, name) if group else name
 
 
-def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict, states: dict) -> list[str]:
+def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict, states: dict | None = None) -> list[str]:
     """One family's table(s), each group's rows in turn (``cols``: {group: {arm: {endpoint: values}}},
     one group "" in an ungrouped study); ``verdicts``, ``states`` (``StudyResult``'s) and ``cmps``
     ({(family, endpoint, name): Comparison}, the name ``_key``) are filled. Holm runs within each group."""
     rules = {r.name: r for r in study.rules}
+    states = {} if states is None else states
     pairs = comparisons(fam, list(next(iter(cols.values()), {})))
     judged = bool(fam.rule or fam.endpoint_rules or any(r for *_, r in pairs))
     columns = fam.columns or ("comparison", *(["show"] if fam.show else []), "mean", "diff", "p", "p_holm",
