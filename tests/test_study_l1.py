@@ -413,6 +413,21 @@ def test_outcome_groups_arms_scales_and_order_are_checked(tmp_path):
                         root=tmp_path, source="s.yaml")
 
 
+def test_an_outcome_reads_a_comparison_not_made_as_not_testable():
+    """A comparison of a void group is not made and a fit's test may decide nothing: the outcome
+    reads "not testable" and "undecided", which hold only where a condition asks for them."""
+    from timlab.experiments.study.engine import _outcomes
+
+    study = study_from_dict(registration(outcomes=[outcome(SAME, FIT), outcome(
+        {**SAME, "is": "not testable"}, {**FIT, "is": "undecided"}, name="p")]), source="s.yaml")
+    found: dict = {}
+    lines = _outcomes(study, {}, {("spread, accuracy", "follows T * k3"): None}, found)
+    assert found == {("o", "accuracy"): "no", ("o", "log-odds"): "no", ("o", ""): "no", ("p", "accuracy"): "yes",
+                     ("p", "log-odds"): "yes", ("p", ""): "yes"}
+    assert "- accuracy: **no** (same acc hi (restate 109): not testable; spread, accuracy: follows T * k3: undecided)" \
+        in lines and "Verdict o: **no** (accuracy: no; log-odds: no)." in lines
+
+
 # ------------------------------------------------------------------------------- the margin rules
 @pytest.mark.parametrize("hi, verdict, holds", [
     (0.10, "**the same cost** (within +-{m})", True),  # hi - lo ~ 0 +- 0.002, inside +-0.5 x spread's 0.1
