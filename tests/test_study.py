@@ -328,6 +328,36 @@ def test_a_difference_endpoint_a_descriptive_family_and_a_combined_verdict(tmp_p
     assert ("desc", "change", "head") not in res.verdicts  # a family without a rule decides nothing
 
 
+def test_an_outcome_in_an_ungrouped_study_per_scale_and_combined(tmp_path):
+    """head lowers the accuracy level from step 10 on and then holds it, so its level costs and its
+    slope over steps 20-100 does not; tiny costs nothing. An outcome read on the two endpoints as
+    two scales disagrees between them."""
+    when = [{"family": "cost", "endpoint": "{e}", "arm": "head", "is": "holds"},
+            {"family": "cost", "endpoint": "{e}", "arm": "tiny", "is": ["fails", "not testable"],
+             "label": "tiny ({e})"}]
+    over = {"outcomes": [
+        {"name": "E", "scales": {"level": {"e": "acc"}, "slope": {"e": "slope"}}, "otherwise": "no cost shown",
+         "cases": [{"when": when, "then": "head alone costs"}]},
+        {"name": "F", "otherwise": "x", "cases": [{"when": [{"any": [
+            {"family": "cost", "endpoint": "slope", "arm": "head", "is": "holds"},
+            {"family": "cost", "endpoint": "acc", "arm": "tiny", "is": "opposite"}]}], "then": "y"}]}]}
+    study, out = make(tmp_path, over=over)
+    res = analyze(study, out)
+    assert res.states["cost", "acc", "head"] == "holds" and res.states["cost", "slope", "head"] == "fails"
+    assert res.states["cost", "acc", "tiny"] == res.states["cost", "slope", "tiny"] == "fails"
+    assert res.outcomes == {("E", "level"): "head alone costs", ("E", "slope"): "no cost shown",
+                            ("E", ""): "scale-dependent: head alone costs on level, no cost shown on slope",
+                            ("F", ""): "x"}
+    lines = res.text.splitlines()
+    i = lines.index("Verdict E, on each scale (the parts it read, each with its value):")
+    assert lines[i + 1:i + 6] == [
+        "", "- level: **head alone costs** (cost acc head: holds; tiny (acc): fails)",
+        "- slope: **no cost shown** (cost slope head: fails; tiny (slope): fails)", "",
+        "Verdict E: **scale-dependent: head alone costs on level, no cost shown on slope** (level: head alone costs; "
+        "slope: no cost shown)."]
+    assert "Verdict F: **x** (cost slope head: fails; cost acc tiny: fails)." in lines
+
+
 def test_repeats_name_the_runs_that_differ(tmp_path):
     study, out = make(tmp_path, over={"repeats": {"sweep": "earlier", "last_step": 30}})
     ids = {p.name: p.run_id for p in planned_runs(study)}

@@ -132,8 +132,8 @@ def test_a_rule_on_the_p_alone_differs_from_one_that_needs_the_interval():
     # Holm p exactly 0.05 and a bootstrap interval that crosses 0: only the p-alone rule calls it
     c = Comparison(mean=0.5, t_ci=(0.4, 0.6), boot_ci=(0.4, 0.6), diff=-0.1, diff_ci=(-0.2, 0.01), p=0.05, p_holm=0.05)
     kw = dict(test="above", holds="better", opposite="worse", fails="not separable")
-    assert _verdict(Rule("r", interval=False, **kw), c, 1, (8, 8), True) == (False, "worse")
-    assert _verdict(Rule("r", **kw), c, 1, (8, 8), True) == (False, "not separable")
+    assert _verdict(Rule("r", interval=False, **kw), c, 1, (8, 8), True) == (False, "worse", "opposite")
+    assert _verdict(Rule("r", **kw), c, 1, (8, 8), True) == (False, "not separable", "fails")
     # the smallest attainable p equal to alpha: testable on the p alone (<=), not under p < alpha
     floor = 2 / 252 * 6
     assert _verdict(Rule("r", alpha=floor, interval=False, **kw), c, 6, (5, 5), True)[1] == "not separable"

@@ -645,6 +645,13 @@ def cmd_study(args: argparse.Namespace) -> int:
         for v in st.verdicts:
             print(f"  verdict {v.name}: per arm of family {v.family}, {len(v.cases)} cases (first that holds), else "
                   f"{v.otherwise!r}")
+        for o in st.outcomes:
+            print(f"  outcome {o.name}: {len(o.cases)} cases (first that holds), else {o.otherwise!r}"
+                  + (f"; on each scale ({', '.join(s for s, _ in o.scales)}), combined" if o.scales else ""))
+        for f in (f for f in st.fits if f.kind == "length_exponent"):
+            print(f"  exponent {f.name!r}: {f.arm}'s cost through "
+                  + (f"{st.groups}s {', '.join(f.groups)}" if f.groups else f"every valid {st.groups}") + "; "
+                  + (f"tests: {', '.join(t.name for t in f.tests)}" if f.tests else "no test (descriptive)"))
         print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
         if st.predicted_by is not None:
             from timlab.experiments.study.oos import probe_k3

@@ -16,7 +16,9 @@ markdown block FINDINGS holds, with each verdict the registration's rules give.
    the rule's verdict; a comparison whose smallest attainable p (the permutation floor, times the
    family size under Holm) is not below the rule's alpha is "not testable here";
 6. the descriptive tables, the fits (``fits``), the verdicts that combine several comparisons of
-   one arm (a ``Verdict``: its first case whose tests all pass), and the paragraphs that print the
+   one arm (a ``Verdict``: its first case whose tests all pass) and the outcomes that combine rule
+   verdicts and fit tests of the whole study, per scale and then across scales (an ``Outcome``:
+   per scale its first case whose conditions all hold), and the paragraphs that print the
    analysis' numbers in sentences, in the study's ``order``.
 
 A ``repeats`` check (runs that must repeat another sweep's runs of the same name over their first
@@ -48,7 +50,8 @@ from timlab.experiments.stats import (bootstrap_ci, bootstrap_ratio_ci, clopper_
                                       permutation_floor, t_ci)
 from timlab.experiments.study.endpoints import SCALES, guard, rows, window_stat
 from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, off_fit, power_law_section
-from timlab.experiments.study.registration import FORMATTED, MARGIN_TESTS, Study, StudyError, check_freeze
+from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError, check_freeze,
+                                                   first_case)
 from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
 from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
@@ -87,6 +90,10 @@ class StudyResult:
     """{(verdict, arm): the verdict's text} of the study's ``verdicts``."""
     tests: dict = field(default_factory=dict)
     """{(fit name, test name): True/False/None (no decision)} of the ``length_exponent`` fits' tests."""
+    states: dict = field(default_factory=dict)
+    """{(family, endpoint, arm): the rule's verdict as ``registration.RULE_STATES`` names it}, keyed as ``verdicts``."""
+    outcomes: dict = field(default_factory=dict)
+    """{(outcome, scale): its text} of the study's ``outcomes``; scale "" the combined outcome."""
 
 
 def arm_of(study: Study, condition: str) -> str:
@@ -123,11 +130,39 @@ def planned_runs(study: Study) -> list[PlannedRun]:
     for where, a in named:
         if a not in arms:
             raise StudyError(f"{study.source}: {where}: {a!r} is not an arm of the sweep; arms: {', '.join(arms)}")
-    for g in dict.fromkeys(p.group for p in planned if study.groups):
+    groups = list(dict.fromkeys(p.group for p in planned if study.groups))
+    for g in groups:
         if not any(p.group == g and p.arm == study.control for p in planned):
             raise StudyError(f"{study.source}: control: {study.groups} {g} has no {study.control!r} runs (each group "
                              f"needs its own control)")
+    for f in (f for f in study.fits if f.kind == "length_exponent"):
+        for g in (g for g in f.groups if g not in groups):
+            raise StudyError(f"{study.source}: fits: {f.name}: groups: {g!r} is not a {study.groups} of the study; "
+                             f"{study.groups}s: {', '.join(groups)}")
+    _check_outcomes(study, planned)
     return planned
+
+
+def _check_outcomes(study: Study, planned: list[PlannedRun]) -> None:
+    """Each outcome's family conditions name a group of the sweep and a comparison its family makes
+    there (``comparisons``, in the groups that hold both of its arms), on every scale."""
+    arms = {}
+    for p in planned:
+        arms.setdefault(p.group, {}).setdefault(p.arm)
+    fams = {f.name: f for f in study.families}
+    for o in study.outcomes:
+        for scale, values in o.scales or (("", ()),):
+            where = f"{study.source}: outcomes: {o.name}" + (f" (scale {scale})" if scale else "")
+            for c in (c for case in o.resolved(values) for x in case.when for c in x.parts() if c.family):
+                if c.group not in arms:
+                    raise StudyError(f"{where}: group: {c.group!r} is not a {study.groups} of the study; "
+                                     f"{study.groups}s: {', '.join(arms)}")
+                there = arms[c.group]
+                names = [n for n, a, b, _ in comparisons(fams[c.family], list(there)) if a in there and b in there]
+                if c.arm not in names:
+                    raise StudyError(f"{where}: arm: family {c.family} makes no comparison {c.arm!r}"
+                                     + (f" in {study.groups} {c.group}" if c.group else "")
+                                     + f"; valid choices: {', '.join(names) or 'none'}")
 
 
 def sweep_dir(study: Study, out: str | Path | None = None) -> Path:
@@ -242,22 +277,24 @@ def _margin_verdict(rule, c, cost: float | None, fill) -> tuple[bool | None, str
 
 def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, required: bool = True,
              names: dict | None = None, bound: float | None = None,
-             cost: float | None = None) -> tuple[bool | None, str]:
-    """A rule's verdict on one comparison: (holds, text); None when no p could pass ``alpha`` (or a
-    margin rule has no margin). ``required``: the comparison that ``rule.requires`` reads held its
-    rule; ``names``: what ``{arm}`` and ``{against}`` in the texts become; ``bound``: the
-    comparison's ratio bar (a ``ratio_bound`` rule); ``cost``: the cost of the margin rule's
-    ``margin_of`` arm in this group (None: it has no runs here)."""
+             cost: float | None = None) -> tuple[bool | None, str, str]:
+    """A rule's verdict on one comparison: (holds, text, state); holds None when no p could pass
+    ``alpha`` (or a margin rule has no margin); state one of ``registration.RULE_STATES`` (what an
+    outcome reads: "opposite" where the mirror effect gave ``rule.opposite``). ``required``: the
+    comparison that ``rule.requires`` reads held its rule; ``names``: what ``{arm}`` and
+    ``{against}`` in the texts become; ``bound``: the comparison's ratio bar (a ``ratio_bound``
+    rule); ``cost``: the cost of the margin rule's ``margin_of`` arm in this group (None: it has no
+    runs here)."""
     fill = lambda t: t.replace("{cost}", c.cost_bound()).replace("{arm}", (names or {}).get("arm", "")).replace(  # noqa: E731
         "{against}", (names or {}).get("against", "")).replace("{bound}", f"{bound:.2f}" if bound is not None else "")
     if rule.test in MARGIN_TESTS:  # no p is read: the permutation floor does not apply
         holds, text = _margin_verdict(rule, c, cost, fill)
         if holds and rule.requires and not required:
-            return False, fill(rule.unmet or rule.fails)
-        return holds, text
+            return False, fill(rule.unmet or rule.fails), "fails"
+        return holds, text, "not testable" if holds is None else "holds" if holds else "fails"
     floor = permutation_floor(*sizes) * (n_family if holm else 1)
     if floor > rule.alpha or (floor == rule.alpha and rule.interval):  # p < alpha, or p <= alpha on the p alone
-        return None, f"not testable here (smallest attainable p {min(floor, 1.0):.3f})"
+        return None, f"not testable here (smallest attainable p {min(floor, 1.0):.3f})", "not testable"
     if rule.interval:
         below, above = c.below(rule.alpha), c.above(rule.alpha)
     else:  # the p alone, at most alpha, by the sign of the difference
@@ -266,10 +303,11 @@ def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, require
     if rule.ratio_bound:  # the whole interval of the log ratio beyond the bar, on the ratio scale
         holds = holds and (math.exp(c.diff_ci[1]) < bound if rule.test == "below" else math.exp(c.diff_ci[0]) > bound)
     if holds and rule.requires and not required:
-        return False, fill(rule.unmet or rule.fails)
+        return False, fill(rule.unmet or rule.fails), "fails"
     if holds:
-        return True, fill(rule.holds)
-    return False, fill(rule.opposite if rule.opposite and mirror else rule.fails)
+        return True, fill(rule.holds), "holds"
+    opposite = bool(rule.opposite and mirror)
+    return False, fill(rule.opposite if opposite else rule.fails), "opposite" if opposite else "fails"
 
 
 ALIGN = {"endpoint": "---", "comparison": "---", "verdict": "---"}
@@ -334,11 +372,12 @@ def _key(group: str, name: str):
     return (group, name) if group else name
 
 
-def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict) -> list[str]:
+def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict, states: dict | None = None) -> list[str]:
     """One family's table(s), each group's rows in turn (``cols``: {group: {arm: {endpoint: values}}},
-    one group "" in an ungrouped study); ``verdicts`` and ``cmps`` ({(family, endpoint, name):
-    Comparison}, the name ``_key``) are filled. Holm runs within each group."""
+    one group "" in an ungrouped study); ``verdicts``, ``states`` (``StudyResult``'s) and ``cmps``
+    ({(family, endpoint, name): Comparison}, the name ``_key``) are filled. Holm runs within each group."""
     rules = {r.name: r for r in study.rules}
+    states = {} if states is None else states
     pairs = comparisons(fam, list(next(iter(cols.values()), {})))
     judged = bool(fam.rule or fam.endpoint_rules or any(r for *_, r in pairs))
     columns = fam.columns or ("comparison", *(["show"] if fam.show else []), "mean", "diff", "p", "p_holm",
@@ -358,7 +397,7 @@ def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict) -> list[s
             out += [*bold(study.label(key)), *head]
         for g, col in cols.items():  # a comparison of arms this group does not have is not made in it
             pairs = [p for p in comparisons(fam, list(col)) if p[1] in col and p[2] in col]
-            out += _family_rows(study, fam, key, g, col, pairs, rules, columns, verdicts, cmps) if pairs else []
+            out += _family_rows(study, fam, key, g, col, pairs, rules, columns, verdicts, cmps, states) if pairs else []
         if not fam.title:
             out.append("")
     if not fam.table:  # computed for the paragraphs and verdicts only
@@ -367,7 +406,7 @@ def _family(study: Study, fam, cols: dict, verdicts: dict, cmps: dict) -> list[s
 
 
 def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, rules: dict, columns: tuple,
-                 verdicts: dict, cmps: dict) -> list[str]:
+                 verdicts: dict, cmps: dict, states: dict) -> list[str]:
     """One endpoint's rows of one group: the reference row, then each comparison with its verdict."""
     ref, lead, out = fam.against, f"| {g} " if g else "", []
     vals = {n: col[a][key] for n, a, _, _ in pairs}
@@ -405,9 +444,10 @@ def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, ru
         rule = rules.get(fam.rule_for(key, r))
         if rule:
             required = not rule.requires or verdicts.get((fam.name, key, _key(g, b))) is True
-            holds, text["verdict"] = _verdict(rule, c, *size, required, {"arm": a, "against": b}, bounds.get((a, b)),
-                                              cost(rule))
+            holds, text["verdict"], state = _verdict(rule, c, *size, required, {"arm": a, "against": b},
+                                                     bounds.get((a, b)), cost(rule))
             verdicts[fam.name, key, _key(g, n)] = holds
+            states[fam.name, key, _key(g, n)] = state
         out.append(lead + "| " + " | ".join(_cell(k, c, a, b, key, study, fam, col, text) for k in columns) + " |")
     return out
 
@@ -614,7 +654,7 @@ def _group_fits(study: Study, cols: dict, root: Path, kinds: tuple[str, ...], te
     out = []
     for f in (f for f in study.fits if f.kind in kinds):
         if f.kind == "length_exponent":
-            lines, decided = exponent_section(col, list(cols), f.endpoint, f.name, control=study.control, arm=f.arm,
+            lines, decided = exponent_section(col, [g for g in cols if g in (f.groups or cols)], f.endpoint, f.name, control=study.control, arm=f.arm,
                                               length=f.length, tests=f.tests, max_undefined=f.max_undefined,
                                               group_name=study.groups)
             out += lines
@@ -688,11 +728,44 @@ def _decisions(study: Study, cmps: dict, arms: list[str], decisions: dict) -> li
         fam = next(f for f in study.families if f.name == v.family)
         for a, *_ in comparisons(fam, arms):
             c = {key: cmps[fam.name, key, a] for key in fam.endpoints}
-            text = next((case.then for case in v.cases
-                         if all(tests[t](c[key], v.alpha) for key, ts in case.when for t in ts)), v.otherwise)
+            text = first_case(v.cases, lambda when: all(tests[t](c[when[0]], v.alpha) for t in when[1]), v.otherwise)
             decisions[v.name, a] = text
             out.append(v.line.format(arm=a, verdict=text, **c))
         out.append("")
+    return out
+
+
+def _outcomes(study: Study, states: dict, tests: dict, outcomes: dict) -> list[str]:
+    """Each ``Outcome``: per scale, the first case whose conditions all hold (a family's rule
+    verdict read from ``states``, "not testable" where the comparison was not made, e.g. in a void
+    group; a fit's test from ``tests``: yes, no, undecided), with every part the cases read and its
+    value; then the scales' outcomes combined. ``outcomes`` is filled (``StudyResult.outcomes``)."""
+    def value(c) -> str:
+        if c.fit:
+            return {True: "yes", False: "no"}.get(tests.get((c.fit, c.test)), "undecided")
+        return states.get((c.family, c.endpoint, _key(c.group, c.arm)), "not testable")
+
+    out = []
+    for o in study.outcomes:
+        per, lines = {}, []
+        for scale, values in o.scales or (("", ()),):
+            cases = o.resolved(values)
+            per[scale] = first_case(cases, lambda cond: any(value(c) in c.states for c in cond.parts()), o.otherwise)
+            read = {c.named(study.groups or "group"): value(c) for case in cases for x in case.when for c in x.parts()}
+            parts = "; ".join(f"{name}: {v}" for name, v in read.items())
+            lines.append(f"- {scale}: **{per[scale]}** ({parts})" if scale else
+                         f"Verdict {o.name}: **{per[scale]}** ({parts}).")
+            outcomes[o.name, scale] = per[scale]
+        if not o.scales:
+            out += lines + [""]
+            continue
+        found = list(per.values())
+        combined = found[0] if len(set(found)) == 1 else o.mixed.replace("{each}", ", ".join(
+            f"{x} on {scale}" for scale, x in per.items()))
+        outcomes[o.name, ""] = combined
+        each = "; ".join(f"{scale}: {x}" for scale, x in per.items())
+        out += [f"Verdict {o.name}, on each scale (the parts it read, each with its value):", "", *lines, "",
+                f"Verdict {o.name}: **{combined}** ({each}).", ""]
     return out
 
 
@@ -776,21 +849,21 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
         checks += [line] if line else []
         if valid:  # a void group is left out of every table and fit
             cols[g] = _columns(study, per)
-    verdicts, cmps, decisions, tests = {}, {}, {}, {}
+    verdicts, cmps, decisions, tests, states, outcomes = {}, {}, {}, {}, {}, {}
     fams = {f.name: f for f in study.families}
     tables = {t.name: t for t in study.tables if t.name}
     kinds = {"families": lambda: [x for f in study.families if f.name not in study.order
-                                  for x in _family(study, f, cols, verdicts, cmps)],
+                                  for x in _family(study, f, cols, verdicts, cmps, states)],
              "tables": lambda: [x for t in study.tables if t.name not in study.order or not t.name
                                 for x in _table(study, t, cols)],
              "fits": lambda: _fits(study, cols, verdicts, root, cmps,
                                    tuple(f.kind for f in study.fits if f.kind not in study.order), tests),
-             "verdicts": lambda: _decisions(study, cmps, arms, decisions),
+             "verdicts": lambda: _decisions(study, cmps, arms, decisions) + _outcomes(study, states, tests, outcomes),
              "paragraphs": lambda: _paragraphs(study, cmps, cols)}
     head = [*checks, *_repeats(study, out, planned, root)]
     lines = [*head, ""] if head else []
     for part in study.order:
-        lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps) \
+        lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps, states) \
             if part in fams else _table(study, tables[part], cols) if part in tables else \
             _fits(study, cols, verdicts, root, cmps, (part,), tests)
     for note in study.notes:
@@ -798,7 +871,8 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
     if study.amendments:
         lines += ["", "Amendments after the first run: " + "; ".join(f"{a.date}: {a.reason}" for a in study.amendments)]
     text = "\n".join(lines).rstrip("\n")
-    return StudyResult(text + ("\n" if study.blank_end else ""), "complete", freeze, verdicts, decisions, tests)
+    return StudyResult(text + ("\n" if study.blank_end else ""), "complete", freeze, verdicts, decisions, tests, states,
+                       outcomes)
 
 
 def missing_runs(study: Study, out: str | Path | None = None) -> str:

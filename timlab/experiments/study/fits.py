@@ -454,13 +454,14 @@ def exponent_section(col: dict, groups: list, key: str, label: str, *, control: 
                      seed: int = 0) -> tuple[list[str], dict]:
     """The length exponent of ``arm``'s cost on ``key`` as lines of markdown, and each test's
     decision ({test name: True, False, or None for no decision}): ``fit_exponent`` through the
-    ``groups`` that have the arm, refitted on ``n`` resamples (``exponent_points``) for the 95%
+    ``groups`` that have the arm (the text names them; through two, b = log(c2 / c1) / log(T2 / T1)), refitted on ``n`` resamples (``exponent_points``) for the 95%
     percentile interval of b over the resamples that have one; a test is decided only where the
     point estimate exists and at most ``max_undefined`` of the resamples have no exponent."""
     groups = [g for g in groups if (g, arm) in col and (g, control) in col]
     head = f"**Length exponent, {label}**: "
     if len({float(col[g, control][length].mean()) for g in groups}) < 2:
-        return [head + f"{arm} is in fewer than 2 valid {group_name}s of distinct T: no exponent, no test decided.",
+        return [head + f"{arm} is in fewer than 2 valid {group_name}s of distinct T (" + (", ".join(groups) or "none")
+                + "): no exponent, no test decided.",
                 ""], {t.name: None for t in tests}
     T, cost = exponent_points(col, groups, key, control=control, arm=arm, length=length)
     point = fit_exponent(T, cost)
@@ -476,7 +477,8 @@ def exponent_section(col: dict, groups: list, key: str, label: str, *, control: 
     per = "; ".join(f"{g}: T {t:.1f}, cost {fmt(c)} [{fmt(lo)}, {fmt(hi)}]" for g, t, c, (lo, hi) in
                     zip(groups, T, cost, (bootstrap_diff_ci(col[g, control][key], col[g, arm][key]) for g in groups)))
     lo, hi = pct(bs) if bs else (math.nan, math.nan)
-    what = (f"{arm}'s cost ({control} minus {arm}) = a * T^b over {len(groups)} {group_name}s (T: the {group_name}'s "
+    what = (f"{arm}'s cost ({control} minus {arm}) = a * T^b over {len(groups)} {group_name}s, "
+            f"{', '.join(groups[:-1])} and {groups[-1]} (T: the {group_name}'s "
             f"{control} mean {length}; least squares of log cost on log T), 95% bootstrap over {n:,} resamples of each "
             f"{group_name}'s {arm} and {control} seeds, {undefined} ({100 * share:.1f}%) without an exponent (a cost "
             f"<= 0 in some {group_name}; left out of the interval)")

@@ -4,9 +4,10 @@ freeze that keeps it from changing once its first run exists.
 The file holds everything registered before the data: the sweep (a spec file, or the spec inline),
 the endpoints (metric, statistic, step window, or the difference of two), the comparison families
 with their correction and decision rule (per group in a grouped study: one control, validity check
-and correction per group, e.g. per verbosity level), verdicts that combine several comparisons of an arm, the
-validity checks (and runs that must repeat an earlier sweep's), descriptive tables, fits, paragraphs
-with the analysis' numbers, and the FINDINGS block it writes.
+and correction per group, e.g. per verbosity level), verdicts that combine several comparisons of an arm,
+outcomes that combine rule verdicts and fit tests of the whole study (per scale, then across
+scales), the validity checks (and runs that must repeat an earlier sweep's), descriptive tables,
+fits, paragraphs with the analysis' numbers, and the FINDINGS block it writes.
 docs/studies.md describes every field; each dataclass below documents its own. Paths in the file
 are relative to the file's folder, except ``out`` (the sweep directory), which is relative to the
 working directory, like every ``--out`` of timlab.
@@ -82,6 +83,16 @@ PARAGRAPH_FIELDS = re.compile(r"(?P<family>[^.\[\]]+)\[(?P<endpoint>[^\]]+)\](?:
 ``{p6[final][token_tis].p:.3f}``; COMPARISON as ``StudyResult.verdicts`` names it) or
 ``{runs[ENDPOINT].FIELD}`` (``RUN_FIELDS``: the endpoint over every run of the study)."""
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+RULE_STATES = ("holds", "fails", "opposite", "not testable")
+"""What an outcome's condition may require of a family's rule verdict on one comparison: the rule
+held, failed, gave its ``opposite`` text (the mirror effect; a rule without one says ``fails``), or
+decided nothing (not testable under the permutation floor, a margin rule without a margin, or a
+comparison not made because its group is void)."""
+TEST_STATES = ("yes", "no", "undecided")
+"""What an outcome's condition may require of a ``length_exponent`` fit's test: it passed, it
+failed, or it decided nothing ("no decision")."""
+PLACEHOLDER = re.compile(r"\{([A-Za-z][A-Za-z0-9_]*)\}")
+"""A scale's placeholder in an outcome's condition, e.g. ``{endpoint}``."""
 INTERVAL_TESTS = ("holds", "excludes", "below", "above")
 """What a ``length_exponent`` fit's test may require of the 95% interval [lo, hi] of the exponent b,
 each against one number x: ``holds`` (lo <= x <= hi), ``excludes`` (not holds), ``below`` (hi < x),
@@ -393,6 +404,9 @@ class Fit:
     max_undefined: float = 0.5
     """``length_exponent``: above this share of resamples without an exponent (a group's cost <= 0
     in the resample), no test is decided."""
+    groups: tuple[str, ...] = ()
+    """``length_exponent``: the groups whose cells b is fitted through (at least 2, e.g. the two
+    longest lengths); empty: every valid group. A listed group that is void is left out."""
 
 
 @dataclass(frozen=True)
@@ -467,12 +481,92 @@ class Repeats:
 
 @dataclass(frozen=True)
 class Case:
-    """One case of a ``Verdict``: it applies when every named comparison passes its test(s)."""
+    """One case of a ``Verdict`` or an ``Outcome``: it applies when every one of its conditions
+    passes (``first_case``)."""
 
-    when: tuple[tuple[str, tuple[str, ...]], ...]
-    """(endpoint, tests) pairs; tests from ``below``, ``above``, ``not below``, ``not above``."""
+    when: tuple
+    """A ``Verdict``'s: (endpoint, tests) pairs, tests from ``below``, ``above``, ``not below``,
+    ``not above``; an ``Outcome``'s: ``Condition``s."""
     then: str
     """The verdict's text."""
+
+
+def first_case(cases: tuple[Case, ...], passes, otherwise: str) -> str:
+    """The ``then`` of the first case whose conditions all pass (``passes(condition)``), else ``otherwise``."""
+    return next((c.then for c in cases if all(passes(x) for x in c.when)), otherwise)
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One condition of an ``Outcome``'s case: a family's rule verdict on one comparison (``family``,
+    ``endpoint``, ``group``, ``arm``) or a ``length_exponent`` fit's test (``fit``, ``test``) is in
+    one of ``states``; or, with ``any``, at least one of those conditions holds."""
+
+    family: str = ""
+    """The family whose rule verdict is read."""
+    endpoint: str = ""
+    """The family's endpoint."""
+    group: str = ""
+    """The comparison's group (a grouped study; empty in an ungrouped one)."""
+    arm: str = ""
+    """The comparison's name: its arm, or "arm - reference" (``StudyResult.verdicts``' names)."""
+    fit: str = ""
+    """The ``length_exponent`` fit whose test is read (its name)."""
+    test: str = ""
+    """The fit's test (its name)."""
+    states: tuple[str, ...] = ()
+    """The condition holds when the verdict is one of these (``RULE_STATES`` of a family's rule,
+    ``TEST_STATES`` of a fit's test)."""
+    label: str = ""
+    """How the outcome's line names what it read (default: family, endpoint, arm and group, or
+    fit and test)."""
+    any: tuple[Condition, ...] = ()
+    """A disjunction: the condition holds when at least one of these does (then nothing else is set)."""
+
+    def parts(self) -> tuple[Condition, ...]:
+        """The plain conditions it reads: its ``any``, or itself."""
+        return self.any or (self,)
+
+    def named(self, groups: str = "group") -> str:
+        """How the outcome's line names what a plain condition reads."""
+        if self.label:
+            return self.label
+        if self.fit:
+            return f"{self.fit}: {self.test}"
+        return f"{self.family} {self.endpoint} {self.arm}" + (f" ({groups} {self.group})" if self.group else "")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A verdict over rule verdicts and fit tests from anywhere in the study (any family, group,
+    arm, fit), as data: once per scale, the first case whose conditions all hold gives the scale's
+    outcome (else ``otherwise``); the same outcome on every scale is the outcome, else ``mixed``.
+    One line per scale names each part it read with its value, then one combined line."""
+
+    name: str
+    """The outcome's name (``StudyResult.outcomes`` keys; "Verdict NAME" opens its lines)."""
+    cases: tuple[Case, ...]
+    """Tried in order; their ``when`` holds ``Condition``s (with the scales' placeholders)."""
+    otherwise: str
+    """The outcome when no case applies."""
+    scales: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    """(scale, ((placeholder, value), ...)) pairs: the cases are evaluated once per scale with each
+    ``{placeholder}`` in a condition replaced by the scale's value; empty: once, no placeholders."""
+    mixed: str = "scale-dependent: {each}"
+    """The outcome when the scales disagree; ``{each}`` lists them ("X on accuracy, Y on log-odds")."""
+
+    def resolved(self, values: tuple[tuple[str, str], ...] = ()) -> tuple[Case, ...]:
+        """The cases with one scale's placeholders replaced by its values."""
+        def fill(text: str) -> str:
+            for k, v in values:
+                text = text.replace("{" + k + "}", v)
+            return text
+
+        def sub(c: Condition) -> Condition:
+            return Condition(fill(c.family), fill(c.endpoint), fill(c.group), fill(c.arm), fill(c.fit), fill(c.test),
+                             c.states, fill(c.label), tuple(sub(x) for x in c.any))
+
+        return tuple(Case(tuple(sub(c) for c in case.when), case.then) for case in self.cases)
 
 
 @dataclass(frozen=True)
@@ -567,6 +661,9 @@ class Study:
     """Runs that must repeat another sweep's runs of the same name over their first steps."""
     verdicts: tuple[Verdict, ...] = ()
     """Decision rules over several comparisons of an arm, one line per arm."""
+    outcomes: tuple[Outcome, ...] = ()
+    """Verdicts over rule verdicts and fit tests of the whole study, per scale and combined
+    (printed in the ``verdicts`` part, after the ``verdicts``)."""
     order: tuple[str, ...] = SECTIONS
     """The order of the parts after the validity line (the default order by default)."""
     frozen: str = ""
@@ -597,8 +694,8 @@ class Study:
 
 
 STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "groups", "validity", "repeats", "endpoints",
-              "families", "rules", "verdicts", "tables", "fits", "order", "paragraphs", "notes", "findings", "frozen",
-              "amendments", "predicted_by")
+              "families", "rules", "verdicts", "outcomes", "tables", "fits", "order", "paragraphs", "notes", "findings",
+              "frozen", "amendments", "predicted_by")
 UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
@@ -714,6 +811,84 @@ def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
         raise StudyError(f"{where}: line: {e}") from None
     alpha = _number(d.get("alpha", 0.05), f"{where}: alpha")
     return Verdict(str(d["name"]), fam.name, tuple(cases), str(d["otherwise"]), line, alpha)
+
+
+def _condition(c: Any, where: str, *, inner: bool = False) -> Condition:
+    """One condition of an outcome's case as written (placeholders left in; ``_check_outcome``
+    checks what it names)."""
+    if isinstance(c, dict) and "any" in c and not inner:
+        c = _keys(c, ("any",), ("any",), where)
+        if not isinstance(c["any"], list) or len(c["any"]) < 2:
+            raise StudyError(f"{where}: any: expected a list of at least 2 conditions, got {c['any']!r}")
+        return Condition(any=tuple(_condition(x, f"{where}: any[{i}]", inner=True) for i, x in enumerate(c["any"])))
+    fit = isinstance(c, dict) and "fit" in c
+    keys = ("fit", "test", "is", "label") if fit else ("family", "endpoint", "group", "arm", "is", "label")
+    c = _keys(c, keys, keys[:2] + ("is",) if fit else ("family", "endpoint", "arm", "is"), where)
+    states = c["is"] if isinstance(c["is"], list) and c["is"] else [c["is"]]
+    if fit:  # YAML reads a bare yes / no as a boolean
+        states = ["yes" if x is True else "no" if x is False else x for x in states]
+    choices = TEST_STATES if fit else RULE_STATES
+    states = tuple(_choice(x, choices, f"{where}: is") for x in states)
+    text = {k: c[k] for k in keys if k in c and k != "is"}
+    for k, v in text.items():
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise StudyError(f"{where}: {k}: expected a name, got {v!r}")
+    return Condition(**{k: str(v) for k, v in text.items()}, states=states)
+
+
+def _outcome(d: Any, where: str, families: list[Family], fits: list[Fit], grouped: bool) -> Outcome:
+    """An outcome (``Outcome``), checked: every reference of every case, on every scale, names a
+    family with a rule on that endpoint or a ``length_exponent`` fit and one of its tests (the
+    groups and arms are checked against the sweep by ``engine.planned_runs``)."""
+    d = _keys(d, ("name", "scales", "cases", "otherwise", "mixed"), ("name", "cases", "otherwise"), where)
+    raw = d.get("scales") or {}
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) and v and all(
+            isinstance(k, str) and NAME.fullmatch(k) and isinstance(x, str) for k, x in v.items())
+            for v in raw.values()):
+        raise StudyError(f"{where}: scales: expected a mapping of scale: {{placeholder: text}} (e.g. accuracy: "
+                         f"{{endpoint: acc_level}}), got {raw!r}")
+    scales = [(str(scale), tuple(values.items())) for scale, values in raw.items()]
+    if len({tuple(k for k, _ in v) for _, v in scales}) > 1:
+        raise StudyError(f"{where}: scales: every scale must give the same placeholders, got "
+                         + "; ".join(f"{s}: {', '.join(k for k, _ in v)}" for s, v in scales))
+    if not isinstance(d["cases"], list) or not d["cases"]:
+        raise StudyError(f"{where}: cases: expected a non-empty list of {{when, then}}")
+    cases = []
+    for i, c in enumerate(d["cases"]):
+        cw = f"{where}: cases[{i}]"
+        c = _keys(c, ("when", "then"), ("when", "then"), cw)
+        if not isinstance(c["when"], list) or not c["when"]:
+            raise StudyError(f"{cw}: when: expected a non-empty list of conditions")
+        cases.append(Case(tuple(_condition(x, f"{cw}: when[{j}]") for j, x in enumerate(c["when"])), str(c["then"])))
+    out = Outcome(str(d["name"]), tuple(cases), str(d["otherwise"]), tuple(scales),
+                  str(d.get("mixed", "scale-dependent: {each}")))
+    fams = {f.name: f for f in families}
+    tests = {f.name: [t.name for t in f.tests] for f in fits if f.kind == "length_exponent"}
+    given = [k for k, _ in scales[0][1]] if scales else []
+    for scale, values in scales or [("", ())]:
+        sw = f"{where}" + (f" (scale {scale})" if scale else "")
+        for i, case in enumerate(out.resolved(values)):
+            for j, cond in enumerate(case.when):
+                for k, c in enumerate(cond.parts()):
+                    cw = f"{sw}: cases[{i}]: when[{j}]" + (f": any[{k}]" if cond.any else "")
+                    for text in (c.family, c.endpoint, c.group, c.arm, c.fit, c.test, c.label):
+                        for m in PLACEHOLDER.finditer(text):
+                            raise StudyError(f"{cw}: {{{m.group(1)}}} is not a placeholder of the scales; "
+                                             + (f"valid choices: {', '.join('{' + x + '}' for x in given)}" if given
+                                                else "give scales: to use placeholders"))
+                    if c.fit:
+                        _choice(c.fit, tuple(tests), f"{cw}: fit (a length_exponent fit's name)")
+                        _choice(c.test, tuple(tests[c.fit]), f"{cw}: test of fit {c.fit}")
+                        continue
+                    fam = fams[_choice(c.family, tuple(fams), f"{cw}: family")]
+                    _choice(c.endpoint, fam.endpoints, f"{cw}: endpoint of family {fam.name}")
+                    if not any(fam.rule_for(c.endpoint, r) for r in [x[2] for x in fam.comparisons] or [""]):
+                        raise StudyError(f"{cw}: family {fam.name} decides no rule on {c.endpoint} (descriptive); an "
+                                         f"outcome reads rule verdicts")
+                    if bool(c.group) != grouped:
+                        raise StudyError(f"{cw}: group: " + ("needed in a grouped study (the comparison's group)"
+                                                             if grouped else "only a grouped study has groups"))
+    return out
 
 
 def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: str, rules: dict) -> Family:
@@ -837,10 +1012,12 @@ def _ranges(v: Any, where: str) -> tuple[tuple[str, float | None, float | None],
     return tuple(out)
 
 
-def _order(v: Any, families: list[Family], tables: list[Table], fits: list[Fit], verdicts: tuple, w: str) -> tuple[str, ...]:
+def _order(v: Any, families: list[Family], tables: list[Table], fits: list[Fit], verdicts: tuple, w: str,
+           outcomes: tuple = ()) -> tuple[str, ...]:
     """The parts after the validity line: each kind of ``SECTIONS`` once (it places the items of
     its kind not named elsewhere), any family or named table by its name, and the fits of a kind by
-    the kind (e.g. ``growth``). A fit or verdict comes after the families it reads."""
+    the kind (e.g. ``growth``). A fit or verdict comes after the families it reads; outcomes
+    (printed with the verdicts) come after the fits whose tests they read."""
     order = tuple(v or SECTIONS)
     order += ("paragraphs",) * ("paragraphs" not in order)
     items = [f.name for f in families] + [t.name for t in tables if t.name] + [f.kind for f in fits] + ["paragraphs"]
@@ -856,6 +1033,10 @@ def _order(v: Any, families: list[Family], tables: list[Table], fits: list[Fit],
               for x in ([f.family] if f.kind == "growth" else [x.name for x in families] if f.kind == "power_law" else [])]
     if min(order.index("fits"), order.index("verdicts")) < max(fams) or any(at < where(x) for at, x in placed):
         raise StudyError(f"{w}: order: fits and verdicts read the families' comparisons, so families come before them")
+    read = any(c.fit for o in outcomes for case in o.cases for x in case.when for c in x.parts())
+    if read and order.index("verdicts") < max(order.index(x) for x in ("fits", "length_exponent") if x in order):
+        raise StudyError(f"{w}: order: outcomes (printed with the verdicts) read the fits' tests, so fits come before "
+                         f"verdicts")
     if order.index("paragraphs") < max(fams):
         raise StudyError(f"{w}: order: paragraphs read the families' comparisons, so families come before them")
     return order
@@ -934,8 +1115,11 @@ def _run_fit(f: dict, kind: str, names: list[str], families: list[Family], where
 
 
 def _exponent_fit(f: dict, kind: str, where: str) -> dict:
-    """The ``length_exponent`` keys of a fit (``Fit``), checked."""
+    """The ``length_exponent`` keys of a fit (``Fit``), checked (its ``groups`` are checked against
+    the sweep's groups by ``engine.planned_runs``)."""
     if kind != "length_exponent":
+        if "groups" in f:
+            raise StudyError(f"{where}: groups: only kind length_exponent takes it, not kind {kind}")
         return {}
     for key in ("arm", "name"):
         if not isinstance(f.get(key), str) or not f[key]:
@@ -959,7 +1143,15 @@ def _exponent_fit(f: dict, kind: str, where: str) -> dict:
                              f"excludes: 0)")
         tests.append(ExponentTest(str(t["name"]), tuple(conditions), str(t.get("then", "**yes**")),
                                   str(t.get("otherwise", "no"))))
-    return {"arm": f["arm"], "tests": tuple(tests), "max_undefined": share}
+    groups = f.get("groups", [])
+    if not (isinstance(groups, list) and all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in groups)):
+        raise StudyError(f"{where}: groups: expected a list of group values (e.g. [31, 109]), got {groups!r}")
+    groups = [str(g) for g in groups]
+    if "groups" in f and len(groups) < 2:
+        raise StudyError(f"{where}: groups: an exponent needs at least 2 groups, got {groups}")
+    if len(set(groups)) < len(groups):
+        raise StudyError(f"{where}: groups: {next(g for g in groups if groups.count(g) > 1)} listed twice")
+    return {"arm": f["arm"], "tests": tuple(tests), "max_undefined": share, "groups": tuple(groups)}
 
 
 def _amendment(d: Any, where: str) -> Amendment:
@@ -1095,7 +1287,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                       "length", "at", "rho", "min_cells", "min_groups", "unbounded", "tokens", "k3_star", "t_star",
                       "exponent", "note", "at_T", "at_k3", "family", "fall", "min_falls", "margin", "unmatched",
                       "headers", "signals", "reference", "trail", "rise_after", "early", "start", "arm", "tests",
-                      "max_undefined"), ("kind", "endpoint"), where)
+                      "max_undefined", "groups"), ("kind", "endpoint"), where)
         kind = _choice(f["kind"], FITS, f"{where}: kind")
         if (kind in GROUPED_FITS) != bool(d.get("groups")):
             raise StudyError(f"{where}: kind {kind} " + ("needs groups: (a grouped study)" if kind in GROUPED_FITS
@@ -1174,7 +1366,14 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{w}: repeats: last_step must be an integer from 0 to steps ({steps}), got {last!r}")
         repeats = Repeats(str(r["sweep"]), last)
     verdicts = tuple(_verdict(x, f"{w}: verdicts[{i}]", families) for i, x in enumerate(d.get("verdicts") or []))
-    order = _order(d.get("order"), families, tables, fits, verdicts, w)
+    if not isinstance(d.get("outcomes") or [], list):
+        raise StudyError(f"{w}: outcomes: expected a list")
+    outcomes = tuple(_outcome(x, f"{w}: outcomes[{i}]", families, fits, bool(groups))
+                     for i, x in enumerate(d.get("outcomes") or []))
+    twice = [o.name for o in outcomes if [x.name for x in outcomes].count(o.name) > 1]
+    if twice:
+        raise StudyError(f"{w}: outcomes: two named {twice[0]!r}; each needs its own name")
+    order = _order(d.get("order"), families, tables, fits, verdicts, w, outcomes)
     notes = d.get("notes") or []
     if not (isinstance(notes, list) and all(isinstance(x, str) for x in notes)):
         raise StudyError(f"{w}: notes: expected a list of paragraphs (text)")
@@ -1202,7 +1401,8 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                  endpoints=tuple(endpoints), families=tuple(families),
                  rules=tuple(rules), control=control, groups=groups, out=str(d.get("out") or ""), validity=validity,
                  tables=tuple(tables), fits=tuple(fits), findings=findings, blank_end=blank_end, arm_pattern=arm_pattern,
-                 repeats=repeats, verdicts=verdicts, order=order, frozen=str(frozen), amendments=amendments,
+                 repeats=repeats, verdicts=verdicts, outcomes=outcomes, order=order, frozen=str(frozen),
+                 amendments=amendments,
                  notes=tuple(notes), paragraphs=paragraphs, source=source, hash=registration_hash(registration),
                  registration=registration, predicted_by=predicted_by)
 
