@@ -489,7 +489,7 @@ def l1(tmp_path, cost, *, noise: float = NOISE, same_noise: bool = True):
     ``cost(group, arm)`` (0 for the controls) plus ``noise`` x a standard normal draw of its own;
     ``same_noise``: hi and lo share each seed's draw (then their difference is exactly the planted one)."""
     d = yaml.safe_load(L1.read_text())
-    assert "frozen" not in d and "amendments" not in d  # a draft: the lead freezes it once the starts exist
+    assert "frozen" not in d and "amendments" not in d  # frozen by sweeps/l1/study.json at its first run, not by a frozen: key
     study = study_from_dict(d, root=L1.parent, source=str(L1))
     ids = {p.name: p.run_id for p in planned_runs(study)}
     level = {}
@@ -548,7 +548,7 @@ def test_study_l1s_file_on_a_planted_t_k3_law(tmp_path):
                                  "(accuracy: follows T * k3; log-odds: neither).")
     assert ("- log-odds: **neither** (rule 1, b through T ~ 300 and 1,000 holds 1 and excludes 0: no; rule 1, hi and "
             "lo cost the same (restate 109): holds; rule 2, hi costs more than lo (restate 109): fails; rule 2, lo's "
-            "cost detectable (restate 109, cost family): holds; rule 2, lo's cost under a quarter of hi's (restate "
+            "cost detectable (restate 109, cost family; rule 2 needs it not to hold): holds; rule 2, lo's cost under a quarter of hi's (restate "
             "109): fails; rule 2, b through T ~ 300 and 1,000 excludes 1 from above: yes)") in res.text
 
 
