@@ -119,6 +119,14 @@ def test_an_incomplete_sweep_has_no_figure(tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "no.png").exists()
 
 
+def test_a_study_whose_every_group_is_void_has_no_figure(tmp_path):
+    # every run starts at 0.95, below the bar: each restate is void and left out, nothing to plot
+    study, out = planted(tmp_path, levels(COSTS), validity={"same_start": True, "start_bar": 0.99})
+    with pytest.raises(StudyError) as e:
+        figure(study, tmp_path / "no.png", out)
+    assert str(e.value) == "l1_planted.yaml: no figure: every restate is void (its validity line), so no cost is plotted"
+
+
 def test_study_l1s_file_gets_the_exponent_figure(tmp_path):
     """L1's own registration: two length_exponent fits (accuracy level and log-odds) and a length
     fit; the figure is the exponent one, a row per fit."""

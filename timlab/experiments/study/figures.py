@@ -33,7 +33,7 @@ import numpy as np
 
 from timlab.experiments.stats import bootstrap_diff_ci
 from timlab.experiments.study.fits import arm_cost, exponent_points, fit_exponent
-from timlab.experiments.study.registration import Study
+from timlab.experiments.study.registration import Study, StudyError
 
 FLOOR_SHARE = 0.5
 """The log panel's floor: this share of the smallest positive cost or interval end plotted."""
@@ -114,6 +114,9 @@ def exponent_panels(study: Study, cols: dict[str, dict[str, dict[str, np.ndarray
     """What the figure plots, one entry per ``length_exponent`` fit of ``study``. ``cols``: {group:
     {arm: {endpoint: per-run values}}} of the valid groups (``engine.valid_columns``)."""
     ctrl = study.control
+    if not cols:
+        raise StudyError(f"{study.source}: no figure: every {study.groups} is void (its validity line), so no cost is "
+                         f"plotted")
     col = {(g, a): v for g, c in cols.items() for a, v in c.items()}  # (group, arm) -> endpoints
     out = []
     for f in (f for f in study.fits if f.kind == "length_exponent"):
@@ -148,6 +151,9 @@ def _cost_label(study: Study, endpoint: str, arm: str) -> str:
 
 def _left(ax, study: Study, p: ExponentPanels) -> None:
     """The cost of ``p.arm`` against T, log-log, with the fitted line and the slope-1 reference."""
+    if not p.points:
+        ax.text(0.5, 0.5, f"{p.arm} is in no valid {study.groups}", ha="center", transform=ax.transAxes)
+        return
     floor = _floor(p.points)
     labelled = set()
     for q in p.points:
