@@ -7,7 +7,8 @@ scripts/findings_tables.py for the FINDINGS blocks of the studies written as stu
 - ``registration``: the study file as frozen dataclasses, one-line ``StudyError`` for bad input,
   the registration hash, the freeze at the first run and its amendments;
 - ``engine``: the analysis (refusal of an incomplete sweep, validity, endpoints, comparison
-  families, verdicts, tables, fits) rendered as a FINDINGS block; a figure;
+  families, verdicts, tables, fits) rendered as a FINDINGS block; a figure (``figures``: a
+  grouped study's cost against the answer length, where it has a ``length_exponent`` fit);
 - ``endpoints``: per-run statistics over step windows; ``fits``: the dose law, the length fit
   and the threshold test;
 - ``sweep_runs``: reading a study's runs from a sweep directory; ``text``: the cell formats;

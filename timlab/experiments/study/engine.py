@@ -886,11 +886,17 @@ def missing_runs(study: Study, out: str | Path | None = None) -> str:
 
 def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
     """Each family endpoint's arm-minus-reference difference with its 95% bootstrap interval, one
-    panel per endpoint; only for a complete, valid study (its refusal otherwise)."""
+    panel per endpoint; only for a complete, valid study (its refusal otherwise). A grouped study
+    with a ``length_exponent`` fit gets ``figures.exponent_figure``, any other grouped study its
+    length fit's figure (``_group_figure``)."""
     from matplotlib.figure import Figure
 
     from timlab.experiments.stats import bootstrap_diff_ci
 
+    if study.groups and any(f.kind == "length_exponent" for f in study.fits):
+        from timlab.experiments.study.figures import exponent_figure
+
+        return exponent_figure(study, valid_columns(study, out), path)
     if study.groups:
         return _group_figure(study, path, out)
     res = analyze(study, out)
@@ -927,6 +933,18 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
     return path
 
 
+def valid_columns(study: Study, out: str | Path | None = None) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+    """{group: {arm: {endpoint: per-run values}}} of a complete study's valid groups (one group ""
+    in an ungrouped study), for its figures; a study that is not complete and valid is refused with
+    the analysis' line."""
+    res = analyze(study, out)
+    if res.status != "complete":
+        raise StudyError(f"{study.source}: no figure: {res.text}")
+    d = sweep_dir(study, out)
+    per = _records(study, d, planned_runs(study), _states(d) or {})
+    return {g: _columns(study, rs) for g, rs in per.items() if _validity(study, rs, g)[0]}
+
+
 def _group_figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
     """A grouped study's figure, from its first ``length`` fit: each treated (group, arm) cell's
     excess of the fitted endpoint over its group's control, with its 95% bootstrap interval,
@@ -942,14 +960,7 @@ def _group_figure(study: Study, path: str | Path, out: str | Path | None = None)
     if fit is None:
         raise StudyError(f"{study.source}: no figure: a grouped study's figure plots its length fit, and it has none "
                          f"(fits: kind length)")
-    res = analyze(study, out)
-    if res.status != "complete":
-        raise StudyError(f"{study.source}: no figure: {res.text}")
-    d = sweep_dir(study, out)
-    planned = planned_runs(study)
-    states = _states(d) or {}
-    cols = {g: _columns(study, per) for g, per in _records(study, d, planned, states).items()
-            if _validity(study, per, g)[0]}
+    cols = valid_columns(study, out)
     arms = list(dict.fromkeys(a for c in cols.values() for a in c if a != study.control))
     marks, key, ctrl = "osD^v", fit.endpoint, study.control
     fig = Figure(figsize=(4.7 * (1 + len(fit.rho)), 4))
