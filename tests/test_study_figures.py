@@ -128,12 +128,14 @@ def test_a_study_whose_every_group_is_void_has_no_figure(tmp_path):
 
 
 def test_study_l1s_file_gets_the_exponent_figure(tmp_path):
-    """L1's own registration: two length_exponent fits (accuracy level and log-odds) and a length
-    fit; the figure is the exponent one, a row per fit."""
+    """L1's own registration: four length_exponent fits (two tested, two descriptive) and a length
+    fit; the figure is the exponent one, a row per tested fit (accuracy level and log-odds)."""
     d = yaml.safe_load(L1.read_text())
     study = study_from_dict(d, root=L1.parent, source=str(L1))
     fits = [f.name for f in study.fits if f.kind == "length_exponent"]
-    assert fits == ["spread, accuracy level", "spread, log-odds"]
+    assert fits == ["spread, accuracy level, T ~ 300 and 1,000", "spread, log-odds, T ~ 300 and 1,000",
+                    "spread, accuracy level, three lengths (descriptive)", "spread, log-odds, three lengths (descriptive)"]
+    fits = fits[:2]  # the figure draws the tested fits only: the three-length ones are descriptive
     assert any(f.kind == "length" for f in study.fits)
     ids = {p.name: p.run_id for p in planned_runs(study)}
     lengths = {"1": 31.0, "31": 301.0, "109": 1005.0}
@@ -150,6 +152,7 @@ def test_study_l1s_file_gets_the_exponent_figure(tmp_path):
     cols = valid_columns(study, tmp_path / "l1")
     rows = exponent_panels(study, cols)
     assert [r.fit for r in rows] == fits and [p.T for p in rows[0].points] == pytest.approx([31.0, 301.0, 1005.0])
+    assert [p.fitted for p in rows[0].points] == [False, True, True]  # b through T ~ 300 and 1,000
     assert [c.arm for c in rows[0].arms] == ["spread", "hi", "lo"]
     assert [c.cost for c in rows[0].arms] == pytest.approx([0.18 * 1.005] * 3, abs=1e-9)
     assert rows[0].line[1] == pytest.approx(1.0, abs=1e-6)  # no noise: exactly T * k3

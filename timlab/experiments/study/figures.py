@@ -3,7 +3,8 @@ grows with the answer length T, and, at the longest answers, how the treated arm
 
 Used by ``engine.figure`` (``timlab study figure``), which hands it the valid groups' columns of a
 complete study (``engine.valid_columns``); any other grouped study keeps the length-fit figure.
-One row of two panels per ``length_exponent`` fit, in the study's order:
+One row of two panels per ``length_exponent`` fit with tests (the registered decision inputs; where no
+such fit has tests, per ``length_exponent`` fit), in the study's order:
 
 - left: per group, the cost of the fit's arm (its group's control mean minus its mean of the fit's
   endpoint: ``fits.arm_cost`` via ``fits.exponent_points``, with the 95% seed-bootstrap interval of
@@ -111,7 +112,8 @@ def _fit_groups(fit, groups: list[str]) -> list[str]:
 
 
 def exponent_panels(study: Study, cols: dict[str, dict[str, dict[str, np.ndarray]]]) -> list[ExponentPanels]:
-    """What the figure plots, one entry per ``length_exponent`` fit of ``study``. ``cols``: {group:
+    """What the figure plots, one entry per ``length_exponent`` fit of ``study`` that has tests (every
+    one where none has). ``cols``: {group:
     {arm: {endpoint: per-run values}}} of the valid groups (``engine.valid_columns``)."""
     ctrl = study.control
     if not cols:
@@ -119,7 +121,8 @@ def exponent_panels(study: Study, cols: dict[str, dict[str, dict[str, np.ndarray
                          f"plotted")
     col = {(g, a): v for g, c in cols.items() for a, v in c.items()}  # (group, arm) -> endpoints
     out = []
-    for f in (f for f in study.fits if f.kind == "length_exponent"):
+    exponent = [f for f in study.fits if f.kind == "length_exponent"]
+    for f in [f for f in exponent if f.tests] or exponent:  # descriptive fits only where none is tested
         groups = [g for g in cols if (g, f.arm) in col and (g, ctrl) in col]
         T, cost = exponent_points(col, groups, f.endpoint, control=ctrl, arm=f.arm, length=f.length)
         used = _fit_groups(f, groups)
