@@ -15,10 +15,10 @@ small logit perturbation, so with ``gain`` 0.5 the log error halves each step an
 sign. A response k3 ~ m^p settles by a factor (1 - gain * p / 2) per step: monotone for p < 2 /
 gain, oscillating but converging for p < 4 / gain, and diverging beyond, until the clamp holds
 it. A sharp policy is such a plant: its k3 is a few near-deterministic tokens tipping over, and
-on Study L1's learned starts k3 grows about as m^13 (a magnitude of 0.8 realizes k3 < 1e-5, 1.6
-realizes 0.07-0.33). There the fixed law goes bang-bang: the magnitude alternates between two
-values a factor ``max_change`` apart, one far below the target and one far above, so the median
-k3 can sit on the target while its mean is 100x it.
+on Study L1's shortest learned start k3 grows about as m^13 between magnitudes 0.8 and 1.6.
+There the fixed law goes bang-bang: the magnitude alternates between two values a factor
+``max_change`` apart, one far below the target and one far above, so the median k3 can sit on
+the target while its mean is 100x it (README, "Hold k3 where real runs have it").
 
 Two laws, chosen by ``mismatch.target_adapt``:
 
@@ -33,6 +33,13 @@ Two laws, chosen by ``mismatch.target_adapt``:
   brackets the target, the bracket shrinks geometrically, and the steady state is a dither of
   +-``ADAPT_FLOOR`` in log m (a factor 1.02^p in k3: 1.3 at p = 13). A sustained drift keeps the
   sign, and L grows back 1.2x a step (from the floor to log 2 in 19 steps).
+
+What neither law can do: hold each step's k3 near the target when a batch's k3 at a fixed
+magnitude is itself spread over decades. On that L1 start it is: at one magnitude a batch
+realizes ~1e-5 when no token tips and ~1e-2 when one does, and which happens depends on the
+batch. The adaptive law then holds the magnitude steady (no bang-bang) where about half the
+batches land above the target, which caps the spikes, but the per-step k3 stays bimodal, and its
+median and mean over steps bracket the target rather than meet it.
 
 A batch with k3 exactly 0 counts as far below the target (the clamp applies), under both laws.
 
