@@ -269,6 +269,11 @@ class MismatchSection:
     """target_k3: the controller's gain in (0, 1]; 0.5 halves the log error each step when k3 ~ magnitude^2."""
     target_max_change: float = 2.0
     """target_k3: the largest factor the magnitude may change by in one step (> 1)."""
+    target_adapt: bool = False
+    """target_k3: adapt the controller's step (Rprop): the largest step halves each time the log error
+    changes sign and grows back 1.2x while it keeps it, between 2% and target_max_change. For sharp
+    policies, whose k3 jumps by orders of magnitude within a factor 2 of magnitude and makes the fixed
+    step oscillate; off keeps the law of earlier runs (timlab.injectors.controller)."""
 
 
 @dataclass(frozen=True)
@@ -392,11 +397,22 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def hash(self, *sections: str) -> str:
-        """Short stable hash of the given sections (all when none given)."""
+        """Short stable hash of the given sections (all when none given). A field of
+        ``UNHASHED_AT_DEFAULT`` left at its default is not hashed, so such a config keeps the hash it
+        had before the field existed."""
         d = self.to_dict()
+        for key, default in UNHASHED_AT_DEFAULT.items():
+            section, name = key.split(".")
+            if d[section][name] == default:
+                del d[section][name]
         if sections:
             d = {s: d[s] for s in sections}
         return short_hash(d, 12)
+
+
+UNHASHED_AT_DEFAULT: dict[str, Any] = {"mismatch.target_adapt": False}
+"""Fields added after runs were committed, with the default that keeps the earlier behaviour:
+``Config.hash`` leaves them out at that default."""
 
 
 def short_hash(obj: Any, length: int) -> str:

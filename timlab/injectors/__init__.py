@@ -127,7 +127,7 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
         inj.check()
     check_target(target_k3=s.target_k3, target_k3_end=s.target_k3_end, target_gain=s.target_gain,
                  target_max_change=s.target_max_change, magnitude=s.magnitude, magnitude_end=s.magnitude_end,
-                 schedule=s.schedule, kinds=[inj.magnitude_kind for inj in injectors])
+                 schedule=s.schedule, kinds=[inj.magnitude_kind for inj in injectors], target_adapt=s.target_adapt)
     start, end = (s.target_k3, s.target_k3_end) if s.target_k3 > 0 else (s.magnitude, s.magnitude_end)
     check_schedule(schedule=s.schedule, magnitude=start, magnitude_end=end,  # under target_k3 it moves the target
                    start_step=s.start_step, ramp_steps=s.ramp_steps)
@@ -220,7 +220,7 @@ class RolloutInjector:
         self.controller = None if settings.target_k3 <= 0 or not parts else K3Controller(
             target_k3=settings.target_k3, target_k3_end=settings.target_k3_end, schedule=settings.schedule,
             start_step=settings.start_step, ramp_steps=settings.ramp_steps, magnitude=settings.magnitude,
-            gain=settings.target_gain, max_change=settings.target_max_change)
+            gain=settings.target_gain, max_change=settings.target_max_change, adapt=settings.target_adapt)
         """Sets the magnitude from the realized k3 when mismatch.target_k3 > 0 (else None)."""
         self.rollout_model = self._build_model(model)
         self.engine = build_engine(engine_name, self.rollout_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -67,6 +67,7 @@ class Settings:
     target_k3_end: float = 0.0
     target_gain: float = 0.5
     target_max_change: float = 2.0
+    target_adapt: bool = False
 
     @property
     def step_scope(self) -> bool:

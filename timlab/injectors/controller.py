@@ -9,12 +9,39 @@ the magnitude of the NEXT step's rollout towards the target:
 
     log m_{t+1} = log m_t + gain * (log target_{t+1} - log k3_t) / 2,
 
-the step in log m clamped to +-log(``max_change``). The 2 is the exponent of k3 in the
-magnitude for the continuous parts (head_perturb, logit_noise, temperature): k3 ~ m^2 for a small
-logit perturbation, so with ``gain`` 0.5 the log error halves each step and never changes sign
-(no oscillation) while that holds; a part whose k3 grows as m^p settles by a factor
-(1 - gain * p / 2) per step, monotone for p < 4. A batch with k3 exactly 0 counts as far below
-the target (the clamp applies).
+the step in log m clamped to +-L. The 2 is the exponent of k3 in the magnitude for the
+continuous parts (head_perturb, logit_noise, temperature) on a smooth policy: k3 ~ m^2 for a
+small logit perturbation, so with ``gain`` 0.5 the log error halves each step and never changes
+sign. A response k3 ~ m^p settles by a factor (1 - gain * p / 2) per step: monotone for p < 2 /
+gain, oscillating but converging for p < 4 / gain, and diverging beyond, until the clamp holds
+it. A sharp policy is such a plant: its k3 is a few near-deterministic tokens tipping over, and
+on Study L1's shortest learned start k3 grows about as m^13 between magnitudes 0.8 and 1.6.
+There the fixed law goes bang-bang: the magnitude alternates between two values a factor
+``max_change`` apart, one far below the target and one far above, so the median k3 can sit on
+the target while its mean is 100x it (README, "Hold k3 where real runs have it").
+
+Two laws, chosen by ``mismatch.target_adapt``:
+
+- fixed step (the default, and the law of every committed run): L = log(``max_change``);
+- adaptive step (``target_adapt``): Rprop's rule on the step limit. L starts at
+  log(``max_change``); when the log error changes sign after a move that L cut short (that move
+  overshot because L was too long), L is multiplied by ``ADAPT_SHRINK`` (down to ``ADAPT_FLOOR``);
+  when the error keeps its sign, by ``ADAPT_GROW`` (up to log(``max_change``)). A sign change after
+  an uncut move is the proportional law's own answer to noise or to p > 2 / gain and leaves L as
+  it is, so on a smooth policy (p = 2), whose moves L rarely cuts, the law stays the fixed one
+  (exactly so on a noiseless approach). On a steep plant every move is cut: the magnitude
+  brackets the target, the bracket shrinks geometrically, and the steady state is a dither of
+  +-``ADAPT_FLOOR`` in log m (a factor 1.02^p in k3: 1.3 at p = 13). A sustained drift keeps the
+  sign, and L grows back 1.2x a step (from the floor to log 2 in 19 steps).
+
+What neither law can do: hold each step's k3 near the target when a batch's k3 at a fixed
+magnitude is itself spread over decades. On that L1 start it is: at one magnitude a batch
+realizes ~1e-5 when no token tips and ~1e-2 when one does, and which happens depends on the
+batch. The adaptive law then holds the magnitude steady (no bang-bang) where about half the
+batches land above the target, which caps the spikes, but the per-step k3 stays bimodal, and its
+median and mean over steps bracket the target rather than meet it.
+
+A batch with k3 exactly 0 counts as far below the target (the clamp applies), under both laws.
 
 The target follows the mismatch schedule (``mismatch.schedule``, ``start_step``,
 ``ramp_steps``: constant, linear or geometric from ``target_k3`` to ``target_k3_end``), so a
@@ -25,7 +52,8 @@ off is reached in about 7 steps).
 
 Used by ``RolloutInjector`` (timlab.injectors): ``magnitude()`` in ``begin_step``,
 ``observe(k3)`` after the step's metrics (the trainer calls ``RolloutInjector.observe``). Its
-state is checkpointed with the injector, so a resumed run continues bit for bit.
+state (the adaptive law's L and last sign included) is checkpointed with the injector, so a
+resumed run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -39,10 +67,17 @@ K3_EXPONENT = 2.0
 """The exponent of k3 in the magnitude the control law assumes (a small logit perturbation)."""
 START_MAGNITUDE = 0.1
 """The first step's magnitude when mismatch.magnitude is 0 (a multiplicative law cannot leave 0)."""
+ADAPT_SHRINK = 0.5
+"""target_adapt: the factor on the step limit L when the log error changes sign (Rprop's eta-)."""
+ADAPT_GROW = 1.2
+"""target_adapt: the factor on L when the log error keeps its sign (Rprop's eta+)."""
+ADAPT_FLOOR = math.log(1.02)
+"""target_adapt: the smallest L, in log m (a 2% move; it bounds how fast a drift is caught up)."""
 
 
 def check_target(*, target_k3: float, target_k3_end: float, target_gain: float, target_max_change: float,
-                 magnitude: float, magnitude_end: float, schedule: str, kinds: list[str]) -> None:
+                 magnitude: float, magnitude_end: float, schedule: str, kinds: list[str],
+                 target_adapt: bool) -> None:
     """One-line UsageError for controller settings no run can use (``kinds``: the parts'
     ``magnitude_kind``)."""
     if not (math.isfinite(target_k3) and target_k3 >= 0):
@@ -50,6 +85,9 @@ def check_target(*, target_k3: float, target_k3_end: float, target_gain: float, 
     if target_k3 == 0:
         if target_k3_end:
             raise UsageError("mismatch.target_k3_end is set but mismatch.target_k3 is 0 (off); set mismatch.target_k3 > 0")
+        if target_adapt:
+            raise UsageError("mismatch.target_adapt=true adapts the k3 controller's step, but mismatch.target_k3 is 0 "
+                             "(off); set mismatch.target_k3 > 0 or mismatch.target_adapt=false")
         return
     if "continuous" not in kinds:
         raise UsageError("mismatch.target_k3 controls a continuous magnitude: add one of head_perturb, logit_noise, "
@@ -75,14 +113,20 @@ class K3Controller:
     """The magnitude of each step's rollout, from the k3 the previous steps realized (module doc)."""
 
     def __init__(self, *, target_k3: float, target_k3_end: float, schedule: str, start_step: int, ramp_steps: int,
-                 magnitude: float, gain: float, max_change: float):
+                 magnitude: float, gain: float, max_change: float, adapt: bool):
         self.target_k3, self.target_k3_end = target_k3, target_k3_end
         self.schedule, self.start_step, self.ramp_steps = schedule, start_step, ramp_steps
-        self.gain, self.max_change = gain, max_change
+        self.gain, self.max_change, self.adapt = gain, max_change, adapt
         self.current = float(magnitude) if magnitude > 0 else START_MAGNITUDE
         """The magnitude the next active step rolls out with."""
         self.step = 0
         """The step the last ``magnitude`` call was for."""
+        self.limit = math.log(max_change)
+        """L: the largest move of log m in one step (the adaptive law moves it)."""
+        self.last_sign = 0
+        """Adaptive law: the sign of the last nonzero log error (0 before the first)."""
+        self.clipped = False
+        """Adaptive law: whether the last move was cut to L."""
 
     def target(self, step: int) -> float | None:
         """The target k3 of training step ``step`` (from 1); None before start_step."""
@@ -100,21 +144,51 @@ class K3Controller:
         nxt = self.target(self.step + 1)
         if nxt is None or self.target(self.step) is None:
             return
-        limit = math.log(self.max_change)
-        err = math.log(nxt) - math.log(k3) if k3 > 0 else limit * K3_EXPONENT / self.gain
-        move = max(-limit, min(limit, self.gain * err / K3_EXPONENT))
-        self.current = self.current * math.exp(move)
+        cap = math.log(self.max_change)
+        err = math.log(nxt) - math.log(k3) if k3 > 0 else cap * K3_EXPONENT / self.gain
+        if self.adapt:
+            self._adapt_limit(err)
+        limit = self.limit if self.adapt else cap
+        want = self.gain * err / K3_EXPONENT
+        self.clipped = abs(want) >= limit
+        self.current = self.current * math.exp(max(-limit, min(limit, want)))
+
+    def _adapt_limit(self, err: float) -> None:
+        """Rprop's rule on L, from the sign of this step's log error against the last one's."""
+        sign = (err > 0) - (err < 0)
+        if sign * self.last_sign < 0 and self.clipped:  # a move cut to L overshot: L is too long
+            self.limit = max(min(ADAPT_FLOOR, math.log(self.max_change)), self.limit * ADAPT_SHRINK)
+        elif sign * self.last_sign > 0:  # still on the same side: let L grow back
+            self.limit = min(math.log(self.max_change), self.limit * ADAPT_GROW)
+        if sign:
+            self.last_sign = sign
 
     def metrics(self) -> dict:
-        """The target of the current step (0 before start_step)."""
+        """The target of the current step (0 before start_step) and, under the adaptive law, the L
+        that applied to the move made from this step's k3 (``observe`` runs first)."""
         t = self.target(self.step) if self.step else None
-        return {"mismatch/target_k3": 0.0 if t is None else float(t)}
+        out = {"mismatch/target_k3": 0.0 if t is None else float(t)}
+        if self.adapt:
+            out["mismatch/target_step_limit"] = float(self.limit)
+        return out
 
     def state_dict(self) -> dict:
-        return {"current": self.current, "step": self.step}
+        state = {"current": self.current, "step": self.step}
+        if self.adapt:  # the fixed law's checkpoints keep the layout they had before target_adapt
+            state["adapt"] = {"limit": self.limit, "last_sign": self.last_sign, "clipped": self.clipped}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.adapt != ("adapt" in state):
+            now, then = ("adaptive", "fixed-step") if self.adapt else ("fixed-step", "adaptive")
+            raise UsageError(f"--resume: the checkpoint's k3 controller ran the {then} law but "
+                             f"mismatch.target_adapt={str(self.adapt).lower()} asks for the {now} one; "
+                             "the law cannot change within a run, start a new run")
         self.current, self.step = float(state["current"]), int(state["step"])
+        if self.adapt:
+            a = state["adapt"]
+            self.limit, self.last_sign, self.clipped = float(a["limit"]), int(a["last_sign"]), bool(a["clipped"])
 
 
-__all__ = ["K3Controller", "K3_EXPONENT", "START_MAGNITUDE", "check_target"]
+__all__ = ["ADAPT_FLOOR", "ADAPT_GROW", "ADAPT_SHRINK", "K3Controller", "K3_EXPONENT", "START_MAGNITUDE",
+           "check_target"]
