@@ -654,7 +654,8 @@ def _group_fits(study: Study, cols: dict, root: Path, kinds: tuple[str, ...], te
     out = []
     for f in (f for f in study.fits if f.kind in kinds):
         if f.kind == "length_exponent":
-            lines, decided = exponent_section(col, [g for g in cols if g in (f.groups or cols)], f.endpoint, f.name, control=study.control, arm=f.arm,
+            used = [g for g in cols if g in (f.groups or cols)]  # the fit's groups, else every valid one
+            lines, decided = exponent_section(col, used, f.endpoint, f.name, control=study.control, arm=f.arm,
                                               length=f.length, tests=f.tests, max_undefined=f.max_undefined,
                                               group_name=study.groups)
             out += lines

@@ -454,9 +454,10 @@ def exponent_section(col: dict, groups: list, key: str, label: str, *, control: 
                      seed: int = 0) -> tuple[list[str], dict]:
     """The length exponent of ``arm``'s cost on ``key`` as lines of markdown, and each test's
     decision ({test name: True, False, or None for no decision}): ``fit_exponent`` through the
-    ``groups`` that have the arm (the text names them; through two, b = log(c2 / c1) / log(T2 / T1)), refitted on ``n`` resamples (``exponent_points``) for the 95%
-    percentile interval of b over the resamples that have one; a test is decided only where the
-    point estimate exists and at most ``max_undefined`` of the resamples have no exponent."""
+    ``groups`` that have the arm (the text names them; through two, b = log(c2 / c1) / log(T2 /
+    T1)), refitted on ``n`` resamples (``exponent_points``) for the 95% percentile interval of b
+    over the resamples that have one; a test is decided only where the point estimate exists and at
+    most ``max_undefined`` of the resamples have no exponent."""
     groups = [g for g in groups if (g, arm) in col and (g, control) in col]
     head = f"**Length exponent, {label}**: "
     if len({float(col[g, control][length].mean()) for g in groups}) < 2:
