@@ -1,26 +1,30 @@
 """The early-warning benchmark (timlab.experiments.early_warning) and the alarm rule it measures
 (timlab.metrics.alarm): hand-computed statistics, planted runs whose falls, lead times and false
-alarms are known, the registered split and threshold, and the FINDINGS block recomputed from
-sweeps/."""
+alarms are known, the registered split and threshold, the FINDINGS block recomputed from
+sweeps/, and Study H1 as a second test set (planted H1 sweeps: with falls, without, incomplete)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from study_sweep import write_sweep
 from timlab.cli import main
 from timlab.config import ConfigError, RunSection, resolve, validate
 from timlab.errors import TimlabError, UsageError
 from timlab.experiments import early_warning as ew
 from timlab.experiments.collapse import DEFAULT_LEARNED_AT
-from timlab.experiments.stats import fisher_greater
+from timlab.experiments.stats import clopper_pearson, fisher_greater
+from timlab.experiments.study import load_study, planned_runs
 from timlab.metrics.alarm import ALARMS, EPS, AlarmWatch, alarm_statistic, first_alarm, statistic_series
 from timlab.trainer.run import train
 
@@ -243,6 +247,8 @@ def test_findings_block_matches_the_committed_sweeps(committed):
 def test_registered_thresholds_are_the_measured_ones(committed):
     for name in ALARMS:
         assert ALARMS.get(name).threshold == committed.choosing[name].threshold, name
+    # what a later test set takes from the benchmark: its Holm family and the rule it shipped
+    assert tuple(committed.holm) == ew.TESTED_RULES and committed.shipped() == (ew.SHIPPED, True)
 
 
 # ------------------------------------------------------------------------------- the trainer's alarm
@@ -338,3 +344,175 @@ def test_a_sweep_committed_after_registration_is_not_read(tmp_path):
     later = {r.name.split("/")[0] for r in all_runs} - set(ew.REGISTERED_SWEEPS)
     assert later <= {"h1", "harm", "harm_oos", "harm_oos_probe"}
     assert len(all_runs) > len(registered)  # the later sweeps are there, and left out
+
+
+# ------------------------------------------------------------------------------- Study H1, a second test set
+H1_STUDY = REPO / "docs" / "examples" / "studies" / "h1.yaml"
+H1_BLOCK = f"{ew.FINDINGS_BLOCK}-h1"
+
+
+@functools.cache
+def h1_ids() -> dict[str, str]:
+    """H1's 56 planned runs: condition -> run directory (the study engine's expansion of its sweep)."""
+    return {p.name: p.run_id for p in planned_runs(load_study(H1_STUDY))}
+
+
+def h1_run(name: str, *, fall_at: int | None = None, dip_at: int | None = None,
+           grad: dict[int, float] | None = None) -> pd.DataFrame:
+    """A 2,000-step H1 run: accuracy 0.95 every 25 steps (learned at step 0), from ``fall_at`` on
+    0.2 (a fall at that evaluation), at ``dip_at`` alone 0.3 (a dip); train/grad_norm 1.0, then the
+    values of ``grad`` from their steps on; the other indicators (and mismatch/k3_seq) constant,
+    train/loss one value per run (so no two runs repeat)."""
+    steps = np.arange(2001)
+    acc = np.where(steps % 25 == 0, 0.95, np.nan)
+    if fall_at is not None:
+        acc[(steps >= fall_at) & (steps % 25 == 0)] = 0.2
+    if dip_at is not None:
+        acc[dip_at] = 0.3
+    g = np.ones(steps.size)
+    for s, v in sorted((grad or {}).items()):
+        g[s:] = v
+    t = steps >= 1
+    nan = np.full(steps.size, np.nan)
+    col = lambda v: np.where(t, v, nan)  # noqa: E731  (step 0 logs the evaluation only)
+    return pd.DataFrame({"step": steps, "val/accuracy": acc, "train/loss": col(zlib.crc32(name.encode()) / 2**32),
+                         "rollout_corr/k3_kl": col(1e-3), "rollout_corr/log_ppl_abs_diff": col(0.01),
+                         "train/response_length_mean": col(30.0), "train/entropy": col(0.3), "train/grad_norm": col(g),
+                         "train/reward_std": col(0.4), "mismatch/k3_seq": col(0.05)})
+
+
+def h1_sweep(tmp_path: Path, plant: dict[str, dict], names: list[str] | None = None,
+             states: dict | None = None) -> Path:
+    """``tmp_path/sweeps`` holding a planted H1 sweep (``plant``: condition -> ``h1_run`` keywords)
+    of the runs ``names`` (default all 56, finished at step 2000)."""
+    ids = h1_ids()
+    write_sweep(tmp_path / "sweeps" / "h1", names or list(ids), lambda n: h1_run(n, **plant.get(n, {})), 2000,
+                run_ids=ids, states=states)
+    return tmp_path / "sweeps"
+
+
+def test_h1_with_falls_confirms_the_shipped_rule(tmp_path):
+    # the 8 hold_1e-2 runs fall at step 1000 (F_prev 975); 6 of them see the grad norm drop tenfold at
+    # step 940 (first alarm at 944: the 5 steps 940-944 against the 10 before, 10x > 3.98x), 2 do not;
+    # of the 48 others, 3 see it jump fivefold at step 1500 (false alarms at 1503), one of them dipped
+    fall = [f"hold_1e-2_s{s}" for s in range(8)]
+    plant = {n: {"fall_at": 1000, "grad": {940: 0.1} if i < 6 else {}} for i, n in enumerate(fall)}
+    plant |= {"control_s0": {"grad": {1500: 5.0}}, "control_s1": {"grad": {1500: 5.0}},
+              "hold_3e-3_s2": {"grad": {1500: 5.0}, "dip_at": 500}}
+    t = ew.second_test(h1_sweep(tmp_path, plant), "h1", study_file=H1_STUDY)
+    assert t.incomplete is None and (len(t.runs), t.falls) == (56, 8)
+    g = t.results["grad_norm_change"]
+    assert g.threshold == ALARMS.get("grad_norm_change").threshold
+    assert (g.falls, g.detected, g.early, g.leads) == (8, 6, 6, (56,) * 6)
+    assert (g.healthy, g.false_alarms, g.clean, g.clean_alarms) == (48, 3, 47, 2)
+    # scores: 6 falls at 10x, 2 at 1x; 45 non-falls at 1x (ties: half), 3 at 5x -> (6 * 48 + 2 * 45 / 2) / (8 * 48)
+    assert g.auc == pytest.approx(333 / 384)
+    p = fisher_greater(6, 8, 3, 48)
+    assert g.p == pytest.approx(p) and t.holm["grad_norm_change"] == pytest.approx(9 * p)  # the smallest of 9
+    assert set(t.holm) == set(ew.TESTED_RULES) and len(t.holm) == 9  # k3_seq's two rules: logged, not in the family
+    assert t.results["k3_seq_level"].falls == 8 and t.results["k3_seq_level"].p == 1.0
+    assert t.readout("k3_seq_level") == "descriptive (not one of the 9 tested rules)"
+    assert all(t.holm[n] == 1.0 and t.results[n].detected == 0 for n in ew.TESTED_RULES if n != "grad_norm_change")
+    assert t.readout("grad_norm_change") == "confirmed on H1" and t.readout("k3_level") == "not confirmed"
+    text = ew.format_test_set(t)
+    rows = {x.split(" | ")[0]: x for x in text.splitlines() if x.startswith("| ")}
+    assert rows["| grad_norm_change"].endswith(
+        f"| 6/8 [0.35, 0.97] | 6/8 | 3/48 [0.01, 0.17] | 2/47 [0.01, 0.15] | 56 (56-56) | 0.87 | {p:.2g} | "
+        f"{9 * p:.2g} | confirmed on H1 |")
+    ids = h1_ids()
+    assert f"| h1/{ids['hold_1e-2_s0']} | 0 | 975 | 1000 | - | 944 | - |" in text
+    assert f"| h1/{ids['hold_1e-2_s7']} | 0 | 975 | 1000 | - | - | - |" in text
+    assert text.splitlines()[-1] == (f"The shipped rule **grad_norm_change** is **confirmed on H1** (Holm p = "
+                                     f"{9 * p:.2g}; detected 6/8, early 6/8, false alarms 3/48, lead 56 (56-56) steps).")
+
+
+def test_h1_without_falls_and_many_jumps_cries_wolf(tmp_path):
+    jumpy = [f"{a}_s{s}" for a in ("hold_1e-2", "hold_1e-2_tis") for s in range(8)] + [f"grow_s{s}" for s in range(4)]
+    t = ew.second_test(h1_sweep(tmp_path, {n: {"grad": {1500: 5.0}} for n in jumpy}), "h1", study_file=H1_STUDY)
+    g = t.results["grad_norm_change"]
+    assert (t.falls, g.falls, g.healthy, g.false_alarms, t.holm) == (0, 0, 56, 20, {})
+    lo, hi = clopper_pearson(20, 56)
+    assert lo > 0.05 and t.readout("grad_norm_change") == "cries wolf on long runs"
+    assert t.readout("k3_level") == "holds its false-alarm rate on long runs"  # 0/56: upper end 0.064
+    text = ew.format_test_set(t)
+    assert "| - | - | 20/56 [0.23, 0.50] | 20/56 [0.23, 0.50] | - | - | - | - | cries wolf on long runs |" in text
+    assert "falls: F, F_prev" not in text  # no falls table
+    assert text.splitlines()[-1].endswith("The shipped rule **grad_norm_change**: **cries wolf on long runs**, false "
+                                          "alarms 20/56 [0.23, 0.50] (runs that never dipped: 20/56 [0.23, 0.50]).")
+
+
+def test_h1_quiet_holds_and_the_registered_thresholds_are_used(tmp_path, monkeypatch):
+    # 3 runs jump fivefold (alarm at 3.98x), 10 jump 3.5x (no alarm): H1's own 5% threshold would be
+    # the third largest score, 5x, where nothing alarms; the registered one lets 3 alarm
+    big = ["control_s0", "grow_s3", "hold_3e-3_tis_s7"]
+    small = [f"grow_tis_s{s}" for s in range(8)] + ["control_s5", "control_s6"]
+    plant = {n: {"grad": {1500: 5.0}} for n in big} | {n: {"grad": {1500: 3.5}} for n in small}
+
+    def chosen_again(*a, **k):
+        raise AssertionError("a threshold was re-chosen on the test set")
+    monkeypatch.setattr(ew, "choose_threshold", chosen_again)
+    t = ew.second_test(h1_sweep(tmp_path, plant), "h1", study_file=H1_STUDY)
+    monkeypatch.undo()
+    assert all(t.results[n].threshold == ALARMS.get(n).threshold for n in ALARMS)
+    g = t.results["grad_norm_change"]
+    assert (g.healthy, g.false_alarms) == (56, 3)
+    scores = [ew.score(x) for x in ew.traces_of(t.runs, "grad_norm_change").values()]
+    own = ew.choose_threshold(scores)
+    assert own == pytest.approx(5.0) and ew.evaluate(t.runs, "grad_norm_change", own).false_alarms == 0
+    lo, hi = clopper_pearson(3, 56)
+    assert hi <= 0.20 and t.readout("grad_norm_change") == "holds its false-alarm rate on long runs"
+    assert ew.format_test_set(t).splitlines()[-1].endswith(
+        f"**holds its false-alarm rate on long runs**, false alarms 3/56 [{lo:.2f}, {hi:.2f}] (runs that never dipped: "
+        f"3/56 [{lo:.2f}, {hi:.2f}]).")
+
+
+def test_h1_undecided_between_the_two_bounds():
+    t = ew.SecondTest(sweep="h1", steps=2000, incomplete=None, runs=[],
+                      results={"grad_norm_change": ew.RuleResult("grad_norm_change", 3.98, 0, 0, 0, 56, 6, 56, 6, (),
+                                                                 math.nan, math.nan)})
+    lo, hi = clopper_pearson(6, 56)
+    assert lo <= 0.05 < 0.20 < hi and t.readout("grad_norm_change") == "undecided"
+
+
+def test_h1_incomplete_prints_one_line_and_reads_no_metrics(tmp_path, monkeypatch):
+    names = list(h1_ids())
+    root = h1_sweep(tmp_path, {}, names=names[:14],
+                    states={"grow_tis_s1": ("running", 700), "grow_s1": ("diverged", 800)})
+
+    def peek(*a, **k):
+        raise AssertionError("an H1 run's metrics were read before H1 is complete")
+    monkeypatch.setattr(ew, "load_runs", peek)
+    monkeypatch.setattr(ew.RunDir, "read_metrics", peek)
+    t = ew.second_test(root, "h1", study_file=H1_STUDY)
+    assert (t.runs, t.results, t.holm) == ([], {}, {})
+    assert ew.format_test_set(t) == (
+        "INCOMPLETE: 13 of 56 runs finished at step 2000 (missing: grow_tis seeds 1-7, control seeds 2-7, "
+        "hold_3e-3 seeds 2-7, hold_3e-3_tis seeds 2-7, hold_1e-2 seeds 2-7, hold_1e-2_tis seeds 2-7, grow seeds 2-7); "
+        "no endpoint is computed before the study is complete (no interim analysis).")
+
+
+@pytest.mark.parametrize("sweep, words", [
+    ("e2", ["'e2' is one of the 21 sweeps", "valid choices: h1"]),
+    ("harm", ["'harm' has no study file", "valid choices: h1"]),
+    ("nope", ["'nope' is not a sweep under", "valid choices: h1"]),
+])
+def test_test_set_bad_sweep_is_one_line(tmp_path, capsys, sweep, words):
+    (tmp_path / "sweeps" / "e2").mkdir(parents=True)
+    (tmp_path / "sweeps" / "harm").mkdir()
+    assert ew.main([str(tmp_path / "sweeps"), "--test-set", sweep]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert all(w in captured.err for w in words), captured.err
+    with pytest.raises(UsageError):
+        ew.second_test(tmp_path / "sweeps", sweep)
+
+
+def test_findings_h1_block_matches_the_committed_sweeps(capsys):
+    text = FINDINGS.read_text()
+    m = re.search(rf"<!-- findings:{H1_BLOCK} -->\n(.*?)\n<!-- /findings:{H1_BLOCK} -->", text, re.S)
+    assert m, f"no <!-- findings:{H1_BLOCK} --> block in {FINDINGS}"
+    assert m.group(1) == ew.format_test_set(ew.second_test(REPO / "sweeps", "h1")), (
+        "the early-warning-h1 block differs from sweeps/: run python -m timlab.experiments.early_warning sweeps "
+        "--test-set h1")
+    assert ew.main([str(REPO / "sweeps"), "--test-set", "h1"]) == 0
+    assert capsys.readouterr().out == m.group(1) + "\n"

@@ -3,9 +3,11 @@ on the runs committed under sweeps/ (docs/FINDINGS.md, "Early warning of a fall"
 before this module was written; issue 40, item 3).
 
     python -m timlab.experiments.early_warning sweeps [--figure docs/img/early_warning.png]
+    python -m timlab.experiments.early_warning sweeps --test-set h1
 
-prints the FINDINGS block ``<!-- findings:early-warning -->`` (tests/test_early_warning.py
-recomputes it from sweeps/ and compares it with the committed text).
+print the FINDINGS blocks ``<!-- findings:early-warning -->`` and ``<!-- findings:early-warning-h1 -->``
+(tests/test_early_warning.py recomputes each from sweeps/ and compares it with the committed text;
+a block is updated by pasting what the command prints).
 
 The registered design, as code:
 
@@ -37,6 +39,15 @@ failed. The one departure from the registration's wording: a change rule's log f
 thresholded as the fold change itself (the same decisions; no ``log`` whose last bit depends on the
 C library).
 
+**A later test set** (``second_test``; registered in FINDINGS, "Study H1 as a second test set of the
+alarm rules"): every rule at its registered threshold (``ALARMS``, never re-chosen) on all the
+included runs of one later sweep (``TEST_SETS``: Study H1's), the same per-rule numbers as the test
+half, Holm over the 9 rules the benchmark tested. Nothing is computed, and no run's metrics read,
+until every run of the sweep's study has finished at its last step or diverged (the study engine's
+``incomplete``: its INCOMPLETE line). The read-out: with falls, the shipped rule is confirmed if its
+Holm p < 0.05; without, its false-alarm rate over the long runs holds (upper end of the 95%
+interval <= ``HOLDS_AT_MOST``), cries wolf (lower end > ``FALSE_ALARM_TARGET``) or is undecided.
+
 ``check_run`` / ``check_analysis`` run one rule over one series, as the trainer's alarm would: they
 are ``timlab analyze --alarm`` (a run directory, or a log-prob file's per-step metrics).
 """
@@ -53,7 +64,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from timlab.errors import UsageError
+from timlab.errors import TimlabError, UsageError, one_line
 from timlab.experiments.collapse import DEFAULT_FRAC, DEFAULT_LEARNED_AT, DEFAULT_LEVEL_WINDOW, judge, plateau_levels
 from timlab.experiments.stats import clopper_pearson, fisher_greater, holm
 from timlab.metrics.alarm import ALARMS, BASELINE, WINDOW, AlarmRule, first_alarm, statistic_series
@@ -378,26 +389,49 @@ def _lead(leads: tuple[int, ...]) -> str:
     return f"{float(np.median(leads)):g} ({min(leads)}-{max(leads)})"
 
 
+def _table_head(last: str) -> list[str]:
+    """The header of the per-rule table (the test half's, or a test set's), ``last`` its last column."""
+    return ["| alarm | indicator | rule | threshold | detected (alarm <= F) [95% CP] | early (alarm <= F_prev) | "
+            "false alarms [95% CP] | false alarms, runs that never dipped | lead F - a, steps: median (range) | "
+            f"ROC area | Fisher p | Holm p | {last} |",
+            "|---|---|---|---:|---|---|---|---|---|---:|---:|---:|---|"]
+
+
+def _table_row(t: RuleResult, holm_p: float, last: str) -> str:
+    """One rule's row of ``_table_head``'s table."""
+    a = ALARMS.get(t.name)
+    thr = f"{t.threshold:.3g}" + ("x" if a.rule == "change" else "")
+    early = f"{t.early}/{t.falls}" if t.falls else "-"
+    auc = "-" if not math.isfinite(t.auc) else f"{t.auc:.2f}"
+    return (f"| {t.name} | `{a.indicator}` | {a.rule}, {a.direction} | {thr} | {_rate(t.detected, t.falls)} | "
+            f"{early} | {_rate(t.false_alarms, t.healthy)} | {_rate(t.clean_alarms, t.clean)} | {_lead(t.leads)} | "
+            f"{auc} | {_p(t.p)} | {_p(holm_p)} | {last} |")
+
+
+def _falls_table(runs: list[RunSeries], results: dict[str, RuleResult], names: list[str]) -> list[str]:
+    """The falls among ``runs`` one by one: L, F_prev, F and the first alarm (by F) of each rule of ``names``."""
+    out = ["| run | L | F_prev | F | " + " | ".join(names) + " |", "|---|---:|---:|---:|" + "---:|" * len(names)]
+    for r in (r for r in runs if r.fell):
+        cells = [str(a) if (a := results[n].alarms.get(r.name)) is not None else "-" for n in names]
+        out.append(f"| {r.name} | {r.learned_step} | {r.before_fall if r.before_fall is not None else '-'} | "
+                   f"{r.fall_step} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _numbers(t: RuleResult) -> str:
+    """A rule's detections, early detections, false alarms and lead, as the closing lines give them."""
+    return (f"detected {t.detected}/{t.falls}, early {t.early}/{t.falls}, false alarms {t.false_alarms}/{t.healthy}, "
+            f"lead {_lead(t.leads)} steps")
+
+
 def format_study(s: Study) -> str:
     """The FINDINGS block: the test half's table, the choosing half's, and the falls one by one."""
     n_falls = lambda runs: sum(r.fell for r in runs)  # noqa: E731
     out = [f"{s.runs} runs included, {s.falls} of which fall; choosing half {len(s.choosing_runs)} runs "
            f"({n_falls(s.choosing_runs)} falls), test half {len(s.test_runs)} ({n_falls(s.test_runs)} falls). "
            f"Thresholds set on the choosing half at <= {FALSE_ALARM_TARGET:.0%} false alarms; everything below is the "
-           f"test half unless marked.", "",
-           "| alarm | indicator | rule | threshold | detected (alarm <= F) [95% CP] | early (alarm <= F_prev) | "
-           "false alarms [95% CP] | false alarms, runs that never dipped | lead F - a, steps: median (range) | "
-           "ROC area | Fisher p | Holm p | verdict |",
-           "|---|---|---|---:|---|---|---|---|---|---:|---:|---:|---|"]
-    for name in ALARMS:
-        a, t = ALARMS.get(name), s.test[name]
-        rule = f"{a.rule}, {a.direction}"
-        thr = f"{t.threshold:.3g}" + ("x" if a.rule == "change" else "")
-        early = f"{t.early}/{t.falls}" if t.falls else "-"
-        auc = "-" if not math.isfinite(t.auc) else f"{t.auc:.2f}"
-        out.append(f"| {name} | `{a.indicator}` | {rule} | {thr} | {_rate(t.detected, t.falls)} | {early} | "
-                   f"{_rate(t.false_alarms, t.healthy)} | {_rate(t.clean_alarms, t.clean)} | {_lead(t.leads)} | {auc} | "
-                   f"{_p(t.p)} | {_p(s.holm.get(name, math.nan))} | {s.verdict(name)} |")
+           f"test half unless marked.", "", *_table_head("verdict")]
+    out += [_table_row(s.test[name], s.holm.get(name, math.nan), s.verdict(name)) for name in ALARMS]
     out += ["", "Choosing half, at the same thresholds (descriptive):", "",
             "| alarm | detected [95% CP] | early | false alarms [95% CP] | lead: median (range) |",
             "|---|---|---|---|---|"]
@@ -406,23 +440,14 @@ def format_study(s: Study) -> str:
         early = f"{c.early}/{c.falls}" if c.falls else "-"
         out.append(f"| {name} | {_rate(c.detected, c.falls)} | {early} | {_rate(c.false_alarms, c.healthy)} | "
                    f"{_lead(c.leads)} |")
-    falls = [r for r in s.test_runs if r.fell]
-    tested = [n for n in ALARMS if n in s.holm]
     out += ["", "The test half's falls: F, F_prev and each rule's first alarm (- : none by F):", "",
-            "| run | L | F_prev | F | " + " | ".join(tested) + " |",
-            "|---|---:|---:|---:|" + "---:|" * len(tested)]
-    for r in falls:
-        cells = [str(s.test[n].alarms.get(r.name)) if s.test[n].alarms.get(r.name) is not None else "-" for n in tested]
-        out.append(f"| {r.name} | {r.learned_step} | {r.before_fall if r.before_fall is not None else '-'} | "
-                   f"{r.fall_step} | " + " | ".join(cells) + " |")
+            *_falls_table(s.test_runs, s.test, [n for n in ALARMS if n in s.holm])]
     name, ok = s.shipped()
     t = s.test[name]
-    out += ["", (f"Shipped as the trainer's alarm: **{name}** (passed: Holm p = {_p(s.holm[name])}; detected "
-                 f"{t.detected}/{t.falls}, early {t.early}/{t.falls}, false alarms {t.false_alarms}/{t.healthy}, "
-                 f"lead {_lead(t.leads)} steps)." if ok else
+    out += ["", (f"Shipped as the trainer's alarm: **{name}** (passed: Holm p = {_p(s.holm[name])}; {_numbers(t)})."
+                 if ok else
                  f"No rule passed its test. The trainer's alarm defaults to the rule of the smallest p, **{name}** "
-                 f"(Holm p = {_p(s.holm[name])}; detected {t.detected}/{t.falls}, early {t.early}/{t.falls}, false "
-                 f"alarms {t.false_alarms}/{t.healthy}, lead {_lead(t.leads)} steps), which failed it.")]
+                 f"(Holm p = {_p(s.holm[name])}; {_numbers(t)}), which failed it.")]
     return "\n".join(out)
 
 
@@ -453,6 +478,127 @@ def plot_roc(s: Study, out_png: str | Path) -> Path:
     out = Path(out_png)
     fig.savefig(out, dpi=100, bbox_inches="tight")
     return out
+
+
+# ------------------------------------------------------------------------------- a later test set
+TEST_SETS = {"h1": "docs/examples/studies/h1.yaml"}
+"""Sweeps committed after the benchmark and registered as further test sets of its rules (docs/FINDINGS.md,
+"Study H1 as a second test set of the alarm rules"), each with its study file: a path from the folder
+that holds the sweeps folder, as the study file's own ``out`` is."""
+TESTED_RULES = tuple(n for n in ALARMS if ALARMS.get(n).indicator in INDICATORS)
+"""The 9 rules the benchmark tested, its Holm family: those on the six indicators every included run
+logs (the two on ``mismatch/k3_seq`` had no fall to detect)."""
+SHIPPED = "grad_norm_change"
+"""The rule the benchmark shipped as the trainer's alarm (``Study.shipped``; a test recomputes it)."""
+HOLDS_AT_MOST = 0.20
+"""A test set without a fall: a rule holds its false-alarm rate on long runs when the upper end of
+its 95% interval is at most this; it cries wolf when the lower end is above ``FALSE_ALARM_TARGET``."""
+
+
+@dataclass(frozen=True)
+class SecondTest:
+    """The rules at their registered thresholds (``ALARMS``) on the runs of one later sweep."""
+
+    sweep: str
+    steps: int
+    """The study's last step: how long its runs are."""
+    incomplete: str | None
+    """The study engine's INCOMPLETE line while a run of the study has not finished (then nothing
+    below is computed, no run's metrics read); None once every run has."""
+    runs: list[RunSeries] = field(default_factory=list, repr=False)
+    """The included runs (the benchmark's inclusion rule, repeats counted once), all of them tested."""
+    results: dict[str, RuleResult] = field(default_factory=dict)
+    """Per rule of ``ALARMS``, at its registered threshold."""
+    holm: dict[str, float] = field(default_factory=dict)
+    """Holm-adjusted p over ``TESTED_RULES`` (those with falls and non-falling runs to compare)."""
+
+    @property
+    def label(self) -> str:
+        return self.sweep.upper()
+
+    @property
+    def falls(self) -> int:
+        return sum(r.fell for r in self.runs)
+
+    def readout(self, name: str) -> str:
+        """The registered read-out of rule ``name``: with falls, confirmed or not (Holm p < ``LEVEL``);
+        without, whether its false-alarm rate over these long runs holds, cries wolf or is undecided."""
+        t = self.results[name]
+        if self.falls:
+            if name not in TESTED_RULES:
+                return "descriptive (not one of the 9 tested rules)"
+            return f"confirmed on {self.label}" if self.holm.get(name, 1.0) < LEVEL else "not confirmed"
+        if not t.healthy:
+            return "-"
+        lo, hi = clopper_pearson(t.false_alarms, t.healthy)
+        if hi <= HOLDS_AT_MOST:
+            return "holds its false-alarm rate on long runs"
+        return "cries wolf on long runs" if lo > FALSE_ALARM_TARGET else "undecided"
+
+
+def _test_set_study(root: Path, sweep: str, study_file: str | Path | None):
+    """The study whose sweep ``root/sweep`` is (``TEST_SETS``, unless ``study_file`` names it); a
+    one-line error for a sweep the benchmark was set on, or one no study file registers."""
+    from timlab.experiments.study import load_study
+
+    choices = ", ".join(TEST_SETS)
+    if sweep in REGISTERED_SWEEPS:
+        raise UsageError(f"test set {sweep!r} is one of the {len(REGISTERED_SWEEPS)} sweeps the thresholds were set "
+                         f"and tested on, not a new test set; valid choices: {choices}")
+    if study_file is None:
+        if sweep not in TEST_SETS:
+            why = ("has no study file registered as a test set of the alarm rules" if (root / sweep).is_dir()
+                   else f"is not a sweep under {root}")
+            raise UsageError(f"test set {sweep!r} {why}; valid choices: {choices}")
+        study_file = root.resolve().parent / TEST_SETS[sweep]
+    s = load_study(study_file)
+    if s.out and Path(s.out).name != sweep:
+        raise UsageError(f"test set {sweep!r}: the study file {study_file} registers sweep {s.out}, not {sweep}")
+    return s
+
+
+def second_test(root: str | Path, sweep: str = "h1", study_file: str | Path | None = None) -> SecondTest:
+    """Every rule at its registered threshold on the runs of ``root/sweep``, a later sweep registered
+    as a further test set (``TEST_SETS``; ``study_file``: its study file, by default the registered
+    one): all of its included runs are test runs, nothing is re-chosen. Until every run of the study
+    has finished at its last step or diverged (the study engine's rule), only the INCOMPLETE line,
+    and no run's metrics are read."""
+    root = Path(root)
+    from timlab.experiments.study import incomplete
+
+    s = _test_set_study(root, sweep, study_file)
+    line = incomplete(s, root / sweep)
+    if line is not None:
+        return SecondTest(sweep=sweep, steps=s.steps, incomplete=line)
+    runs = load_runs(root, (sweep,))
+    results = {name: evaluate(runs, name, ALARMS.get(name).threshold) for name in ALARMS}
+    names = [n for n in TESTED_RULES if results[n].falls and results[n].healthy]
+    return SecondTest(sweep=sweep, steps=s.steps, incomplete=None, runs=runs, results=results,
+                   holm=dict(zip(names, holm([results[n].p for n in names]))))
+
+
+def format_test_set(t: SecondTest) -> str:
+    """The FINDINGS block ``early-warning-<sweep>``: the INCOMPLETE line alone, or the per-rule table,
+    the falls one by one and the shipped rule's read-out."""
+    if t.incomplete is not None:
+        return t.incomplete
+    out = [f"{t.label}: {len(t.runs)} runs included, {t.falls} of which fall; all of them test runs, at the thresholds "
+           f"set on the benchmark's choosing half (<= {FALSE_ALARM_TARGET:.0%} false alarms there), none re-chosen; "
+           f"Holm over the {len(TESTED_RULES)} rules the benchmark tested.", "", *_table_head("read-out")]
+    out += [_table_row(t.results[name], t.holm.get(name, math.nan), t.readout(name)) for name in ALARMS]
+    ship = t.results[SHIPPED]
+    if t.falls:
+        out += ["", f"{t.label}'s falls: F, F_prev and each rule's first alarm (- : none by F):", "",
+                *_falls_table(t.runs, t.results, [n for n in TESTED_RULES if n in t.holm]), "",
+                f"The shipped rule **{SHIPPED}** is **{t.readout(SHIPPED)}** (Holm p = "
+                f"{_p(t.holm.get(SHIPPED, math.nan))}; {_numbers(ship)})."]
+    else:
+        out += ["", f"{t.label} has no fall: detection is untested, and only the false-alarm rates over its "
+                    f"{t.steps}-step runs are read (holds: the upper end of the 95% interval <= {HOLDS_AT_MOST:.2f}; "
+                    f"cries wolf: its lower end > {FALSE_ALARM_TARGET:.2f}). The shipped rule **{SHIPPED}**: "
+                    f"**{t.readout(SHIPPED)}**, false alarms {_rate(ship.false_alarms, ship.healthy)} (runs that "
+                    f"never dipped: {_rate(ship.clean_alarms, ship.clean)})."]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------- one rule, one series
@@ -555,8 +701,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figure", help="also write the ROC figure (PNG) here")
     ap.add_argument("--all-sweeps", action="store_true",
                     help="read every sweep under the root, not only the 21 the benchmark registered (REGISTERED_SWEEPS)")
+    ap.add_argument("--test-set", metavar="SWEEP",
+                    help=f"instead, every rule at its registered threshold on a later sweep registered as a further "
+                         f"test set ({', '.join(TEST_SETS)}): the FINDINGS block early-warning-SWEEP, one INCOMPLETE "
+                         f"line until every run of its study has finished")
     args = ap.parse_args(argv)
-    s = study(args.root, None if args.all_sweeps else REGISTERED_SWEEPS)
+    try:
+        if args.test_set is not None:
+            if args.figure or args.all_sweeps:
+                raise UsageError("--test-set prints its block only; --figure and --all-sweeps are options of the "
+                                 "benchmark itself (without --test-set)")
+            print(format_test_set(second_test(args.root, args.test_set)))
+            return 0
+        s = study(args.root, None if args.all_sweeps else REGISTERED_SWEEPS)
+    except TimlabError as e:
+        print(f"{ap.prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
     print(format_study(s))
     if args.figure:
         plot_roc(s, args.figure)
@@ -566,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = ["REGISTERED_SWEEPS", "RunSeries", "RuleResult", "Study", "run_series", "alarm_trace", "score", "first_alarm_step", "load_runs",
            "distinct", "split", "choose_threshold", "traces_of", "evaluate", "roc_points", "study", "format_study", "plot_roc",
            "AlarmCheck", "check_series", "check_run", "check_file_rule", "check_analysis", "format_check",
-           "MIN_STEPS", "REPEAT_STEPS", "REPEAT_COLUMNS", "INDICATORS", "FALSE_ALARM_TARGET", "LEVEL", "FINDINGS_BLOCK"]
+           "MIN_STEPS", "REPEAT_STEPS", "REPEAT_COLUMNS", "INDICATORS", "FALSE_ALARM_TARGET", "LEVEL", "FINDINGS_BLOCK",
+           "TEST_SETS", "TESTED_RULES", "SHIPPED", "HOLDS_AT_MOST", "SecondTest", "second_test", "format_test_set"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -836,12 +836,9 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
     if tripped:
         return StudyResult(f"VOID: the zero-mismatch guard stopped {', '.join(tripped)} (every control step keeps k3 "
                            f"exactly 0 and every token bitwise equal); the study is re-run, not analysed.", "void", freeze)
-    done = {p.name for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
-            or states.get(p.run_id, ("", 0)) == (FINISHED, study.steps)}
+    done = _done(study, planned, states)
     if len(done) < len(planned):
-        group_by = {p.name: seedless(p.name) if study.groups else p.arm for p in planned}
-        return StudyResult(incomplete_line([p.name for p in planned], done, study.steps, label=group_by.get),
-                           "incomplete", freeze)
+        return StudyResult(_incomplete_line(study, planned, done), "incomplete", freeze)
     checks, cols = [], {}
     for g, per in _records(study, out, planned, states).items():
         valid, line = _validity(study, per, g)
@@ -876,12 +873,33 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
                        outcomes)
 
 
+def _done(study: Study, planned: list[PlannedRun], states: dict[str, tuple[str, int]]) -> set[str]:
+    """The names of the planned runs that count: finished at the study's last step, or diverged."""
+    return {p.name for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
+            or states.get(p.run_id, ("", 0)) == (FINISHED, study.steps)}
+
+
+def _incomplete_line(study: Study, planned: list[PlannedRun], done: set[str]) -> str:
+    group_by = {p.name: seedless(p.name) if study.groups else p.arm for p in planned}
+    return incomplete_line([p.name for p in planned], done, study.steps, label=group_by.get)
+
+
+def incomplete(study: Study, out: str | Path | None = None, *, root: str | Path | None = None) -> str | None:
+    """The INCOMPLETE line ``analyze`` prints while a run of the study's sweep has neither finished
+    at ``steps`` nor diverged (step 3 of the module docstring), or None once every run has. Reads
+    the runs' states only, never their metrics; ``out`` and ``root`` as in ``analyze``. For an
+    analysis of the study's runs that must wait for the whole study (``early_warning.second_test``)."""
+    root = Path(root) if root is not None else Path(".")
+    planned = planned_runs(study)
+    done = _done(study, planned, _states(root / sweep_dir(study, out)) or {})
+    return None if len(done) == len(planned) else _incomplete_line(study, planned, done)
+
+
 def missing_runs(study: Study, out: str | Path | None = None) -> str:
     """The runs not yet finished, grouped (for ``timlab study check``)."""
     planned = planned_runs(study)
-    states = _states(sweep_dir(study, out)) or {}
-    left = [p.name for p in planned if states.get(p.run_id, ("", 0)) != (FINISHED, study.steps)
-            and states.get(p.run_id, ("",))[0] != DIVERGED]
+    done = _done(study, planned, _states(sweep_dir(study, out)) or {})
+    left = [p.name for p in planned if p.name not in done]
     return grouped_seeds(left) if left else "none"
 
 
