@@ -574,7 +574,7 @@ def second_test(root: str | Path, sweep: str = "h1", study_file: str | Path | No
     results = {name: evaluate(runs, name, ALARMS.get(name).threshold) for name in ALARMS}
     names = [n for n in TESTED_RULES if results[n].falls and results[n].healthy]
     return SecondTest(sweep=sweep, steps=s.steps, incomplete=None, runs=runs, results=results,
-                   holm=dict(zip(names, holm([results[n].p for n in names]))))
+                      holm=dict(zip(names, holm([results[n].p for n in names]))))
 
 
 def format_test_set(t: SecondTest) -> str:
