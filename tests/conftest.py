@@ -45,7 +45,8 @@ def pytest_configure_node(node):
 
 
 def pytest_configure(config):
-    """An xdist worker uses the controller's cache (its own import made a folder: removed)."""
+    """An xdist worker uses the controller's cache, whose path it usually inherits; a folder its
+    own import made (an environment that was not inherited) is removed."""
     global _OWN_CACHE
     if not _is_worker(config):
         return
