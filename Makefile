@@ -15,12 +15,13 @@ quick:
 	bash scripts/setup_venv.sh test
 	OMP_NUM_THREADS=1 .venv/bin/timlab demo --quick --out demo_out_quick
 
-# The second pytest run recomputes FINDINGS under other BLAS and numpy SIMD kernels than the
+# The suite runs on two pytest-xdist workers (-n 2; a plain `pytest` runs it serially). The second
+# pytest run recomputes FINDINGS under other BLAS and numpy SIMD kernels than the
 # machine's own (OpenBLAS's Sandybridge kernels, numpy without its AVX2/AVX-512 loops): a
 # published number must not depend on which kernels the CPU picks.
 test:
 	bash scripts/setup_venv.sh test integrations
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -rs
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -rs -n 2
 	OMP_NUM_THREADS=1 OPENBLAS_CORETYPE=Sandybridge NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4" \
 	  .venv/bin/python -m pytest -q tests/test_findings.py -k findings_blocks
 

@@ -1,8 +1,23 @@
+"""Session setup: one torch thread, OpenMP threads that sleep when idle, one SFT warm-start cache.
+
+Under pytest-xdist (``make test`` runs ``pytest -n 2``) the controller makes the cache folder,
+hands its path to every worker (``pytest_configure_node``) and deletes it once all workers are
+done; two workers that need the same warm start at once are serialized by the lock that
+``timlab.trainer.pretrain`` takes around each cache entry, which it fills through a partial folder
+and a rename, so a reader never sees half a model.
+"""
+
 import os
 import shutil
 import tempfile
 
-import torch
+# Set before torch loads its OpenMP runtime, which reads it once. Waiting threads sleep instead of
+# spinning: on a shared machine (another test worker, a sweep) a spinning thread takes the core
+# the working one needs (a 2-thread rollout: 10.0 s against 1.1 s; bench/RESULTS.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -19,12 +34,35 @@ def cache_note() -> str:
     return f"timlab: SFT warm starts cached in {os.environ['TIMLAB_CACHE']} (TIMLAB_CACHE: {where})"
 
 
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: the controller configures each worker
+def pytest_configure_node(node):
+    node.workerinput["timlab_cache"] = os.environ["TIMLAB_CACHE"]
+    node.workerinput["timlab_own_cache"] = _OWN_CACHE
+
+
+def pytest_configure(config):
+    """An xdist worker uses the controller's cache, whose path it usually inherits; a folder its
+    own import made (an environment that was not inherited) is removed."""
+    global _OWN_CACHE
+    if not _is_worker(config):
+        return
+    shared = config.workerinput["timlab_cache"]
+    if _OWN_CACHE and os.environ["TIMLAB_CACHE"] != shared:
+        shutil.rmtree(os.environ["TIMLAB_CACHE"], ignore_errors=True)
+    os.environ["TIMLAB_CACHE"] = shared
+    _OWN_CACHE = config.workerinput["timlab_own_cache"]
+
+
 def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:  # printed even under -q (pyproject's addopts), unlike a report header
+    if reporter is not None and not _is_worker(session.config):  # printed even under -q, unlike a header
         reporter.write_line(cache_note())
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _OWN_CACHE:
+    if _OWN_CACHE and not _is_worker(session.config):  # the controller, after every worker is done
         shutil.rmtree(os.environ["TIMLAB_CACHE"], ignore_errors=True)

@@ -481,7 +481,8 @@ def test_12_data_parallel_means_are_exact_with_uneven_shards(tmp_path):
     old mean of per-rank means, (a/8 + b/4)/2, is not."""
     run = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+    # --standalone: the rendezvous takes a free port, so tests running side by side (xdist) never collide
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "timlab", "train", "--preset", "smoke", "--run-dir", str(run), "--quiet",
            "--set", "run.steps=4", "--set", "rollout.prompts_per_step=3", "--set", "optim.lr=3e-3"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -4,13 +4,20 @@ caches in a temporary folder, never in the user's ~/.cache/timlab."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from timlab.cli import main
 from timlab.config import resolve
+from timlab.files import release_lock, take_lock
 from timlab.trainer.pretrain import cache_root, ensure_warm_start, warm_start_dir
+
+REPO = Path(__file__).resolve().parents[1]
 
 SETTINGS = ["--preset", "smoke", "--set", "model.pretrain_steps=3", "--quiet"]
 
@@ -46,3 +53,37 @@ def test_the_test_session_caches_in_a_temporary_folder():
         assert root.parent == Path(tempfile.gettempdir()) and root.name.startswith("timlab-test-cache-")
         assert cache_note() == (f"timlab: SFT warm starts cached in {root} (TIMLAB_CACHE: "
                                                       "a temporary folder, deleted at the end)")
+
+
+BUILD = """
+import json, sys
+from timlab.config import resolve
+from timlab.trainer.pretrain import pretrain
+cfg = resolve(preset="smoke", overrides=["model.pretrain_steps=3"])
+print("ready", flush=True)
+res = pretrain(cfg)
+print(json.dumps({"cached": res.cached, "path": str(res.path)}), flush=True)
+"""
+
+
+def test_two_processes_that_need_one_warm_start_at_once_build_it_once(tmp_path, monkeypatch):
+    """What test workers running side by side (pytest -n 2) rely on: while the entry's lock is
+    held, both processes wait; then one trains and the other reuses its complete folder."""
+    monkeypatch.setenv("TIMLAB_CACHE", str(tmp_path / "cache"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cache = warm_start_dir(resolve(preset="smoke", overrides=["model.pretrain_steps=3"]))
+    cache.parent.mkdir(parents=True)
+    lock = take_lock(cache.with_name(cache.name + ".lock"))  # both builders start while it is held
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
+        time.sleep(1.0)  # both reach the lock (had one not yet, the outcome below would be the same)
+        assert not cache.exists()
+    finally:
+        release_lock(lock)
+    results = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sorted(r["cached"] for r in results) == [False, True] and {r["path"] for r in results} == {str(cache)}
+    assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name, cache.name + ".lock"]  # no partial folder
+    assert json.loads((cache / "pretrain.json").read_text())["steps"] == 3

@@ -222,7 +222,8 @@ def test_resume_errors(tmp_path, capsys):
 def test_torchrun_two_processes(tmp_path):
     run = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+    # --standalone: the rendezvous takes a free port, so tests running side by side (xdist) never collide
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "timlab", "train", "--preset", "smoke", "--run-dir", str(run), "--quiet",
            "--set", "run.steps=3", "--set", "rollout.samples_per_prompt=8", "--set", "rollout.prompts_per_step=6"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
