@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 import warnings
 import zlib
 from pathlib import Path
@@ -25,6 +24,7 @@ from timlab.experiments import early_warning as ew
 from timlab.experiments.collapse import DEFAULT_LEARNED_AT
 from timlab.experiments.stats import clopper_pearson, fisher_greater
 from timlab.experiments.study import load_study, planned_runs
+from timlab.experiments.study.oos import block_text
 from timlab.metrics.alarm import ALARMS, EPS, AlarmWatch, alarm_statistic, first_alarm, statistic_series
 from timlab.trainer.run import train
 
@@ -237,10 +237,9 @@ def test_registered_counts(committed):
 
 
 def test_findings_block_matches_the_committed_sweeps(committed):
-    text = FINDINGS.read_text()
-    m = re.search(rf"<!-- findings:{ew.FINDINGS_BLOCK} -->\n(.*?)\n<!-- /findings:{ew.FINDINGS_BLOCK} -->", text, re.S)
-    assert m, f"no <!-- findings:{ew.FINDINGS_BLOCK} --> block in {FINDINGS}"
-    assert m.group(1) == ew.format_study(committed), (
+    block = block_text(FINDINGS, ew.FINDINGS_BLOCK)
+    assert block, f"no <!-- findings:{ew.FINDINGS_BLOCK} --> block in {FINDINGS}"
+    assert block == ew.format_study(committed) + "\n", (
         "the early-warning block differs from sweeps/: run python -m timlab.experiments.early_warning sweeps")
 
 
@@ -507,11 +506,10 @@ def test_test_set_bad_sweep_is_one_line(tmp_path, capsys, sweep, words):
 
 
 def test_findings_h1_block_matches_the_committed_sweeps(capsys):
-    text = FINDINGS.read_text()
-    m = re.search(rf"<!-- findings:{H1_BLOCK} -->\n(.*?)\n<!-- /findings:{H1_BLOCK} -->", text, re.S)
-    assert m, f"no <!-- findings:{H1_BLOCK} --> block in {FINDINGS}"
-    assert m.group(1) == ew.format_test_set(ew.second_test(REPO / "sweeps", "h1")), (
+    block = block_text(FINDINGS, H1_BLOCK)
+    assert block, f"no <!-- findings:{H1_BLOCK} --> block in {FINDINGS}"
+    assert block == ew.format_test_set(ew.second_test(REPO / "sweeps", "h1")) + "\n", (
         "the early-warning-h1 block differs from sweeps/: run python -m timlab.experiments.early_warning sweeps "
         "--test-set h1")
     assert ew.main([str(REPO / "sweeps"), "--test-set", "h1"]) == 0
-    assert capsys.readouterr().out == m.group(1) + "\n"
+    assert capsys.readouterr().out == block

@@ -272,9 +272,9 @@ class MismatchSection:
     target_adapt: bool = False
     """target_k3: adapt the controller's step (Rprop): the largest step halves when a move it cut short
     overshot (the log error changed sign) and grows back 1.2x while the error keeps its sign, between
-    2% and target_max_change. For sharp
-    policies, whose k3 jumps by orders of magnitude within a factor 2 of magnitude and makes the fixed
-    step oscillate; off keeps the law of earlier runs (timlab.injectors.controller)."""
+    2% and target_max_change. For sharp policies, whose k3 jumps by orders of magnitude within a
+    factor 2 of magnitude and makes the fixed step oscillate; off keeps the law of earlier runs
+    (timlab.injectors.controller)."""
 
 
 @dataclass(frozen=True)
