@@ -352,8 +352,31 @@ def d16_300(R: pd.DataFrame) -> str:
     return md_table(rows)
 
 
+def l1_k3_steps(R: pd.DataFrame) -> str:
+    """Study L1's realized k3 step by step (descriptive, not a registered endpoint): per run over
+    steps 10-40 its median, mean, largest step and share of steps above 1e-2, then the mean over
+    seeds of each (the median's median beside it). The registered mechanism table has the mean only."""
+    per = {}
+    for d in sorted(p for p in (SWEEPS / "l1").glob("r*_s*__*") if p.is_dir()):
+        restate, arm, _ = re.fullmatch(r"r(\d+)_(.+)_s(\d+)__[0-9a-f]+", d.name).groups()
+        df = read_metrics(d)
+        k3 = df.loc[(df["step"] >= 10) & (df["step"] <= 40), "rollout_corr/k3_kl"].dropna()
+        per.setdefault((int(restate), arm), []).append(
+            (k3.median(), k3.mean(), k3.max(), float((k3 > 1e-2).mean())))
+    rows = []
+    for (restate, arm), v in sorted(per.items()):
+        if arm == "control":
+            continue
+        med, mean, top, above = (np.array(x) for x in zip(*v))
+        rows.append({"restate": restate, "arm": arm, "seeds": len(v),
+                     "median k3 (mean over seeds; median over seeds)": f"{fmt(med.mean(), 3)}; {fmt(np.median(med), 3)}",
+                     "mean k3": fmt(mean.mean(), 3), "largest step (median over seeds)": fmt(np.median(top), 3),
+                     "share of steps above 1e-2": f"{above.mean():.2f}"})
+    return md_table(rows)
+
+
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
-          "d16-300": d16_300,
+          "d16-300": d16_300, "l1-k3-steps": l1_k3_steps,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
           "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.START),
           "e3-starts": lambda R: e3_tables.starts(str(SWEEPS / "e3_starts")),

@@ -16,7 +16,7 @@ from matplotlib.colors import to_rgba
 
 from study_sweep import write_sweep
 from test_study_l1 import BASE, L1, SEEDS, STEPS, T, levels, metrics_of, power, registration
-from timlab.experiments.stats import bootstrap_diff_ci, logit
+from timlab.experiments.stats import compare_family, logit
 from timlab.experiments.study import StudyError, figure, freeze, planned_runs, study_from_dict
 from timlab.experiments.study.engine import valid_columns
 from timlab.experiments.study.figures import draw, exponent_figure, exponent_panels
@@ -39,6 +39,12 @@ def runs(level: dict, g: str, arm: str, f=lambda x: x) -> np.ndarray:
     return np.array([f(level[f"r{g}_{arm}_s{s}"]) for s in range(SEEDS)])
 
 
+def table_ci(ctrl: np.ndarray, arm: np.ndarray) -> tuple[float, float]:
+    """The cost's interval as the analysis's family table has it (arm minus control), negated."""
+    lo, hi = compare_family({"arm": arm}, {"arm": ctrl})["arm"].diff_ci
+    return -hi, -lo
+
+
 def test_the_plotted_costs_and_lines_are_the_planted_means(tmp_path):
     level = levels(COSTS)
     study, out = planted(tmp_path, level)
@@ -51,7 +57,7 @@ def test_the_plotted_costs_and_lines_are_the_planted_means(tmp_path):
         ctrl, arm = runs(level, p.group, "control"), runs(level, p.group, "spread")
         assert p.cost == pytest.approx(ctrl.mean() - arm.mean(), abs=1e-12)
         assert p.cost == pytest.approx(COSTS[p.group, "spread"], abs=2e-3)
-        assert (p.lo, p.hi) == bootstrap_diff_ci(ctrl, arm) and p.lo < p.cost < p.hi
+        assert (p.lo, p.hi) == table_ci(ctrl, arm) and p.lo < p.cost < p.hi  # the table's interval
         assert 5e-4 < p.hi - p.lo < 4e-3  # two arms of 5 seeds with a noise of 1e-3 each
     # the fitted line: least squares of log cost on log T, through the mean point like the slope-1 line
     b, log_a = np.polyfit(np.log([30.0, 300.0, 1000.0]), np.log([p.cost for p in acc.points]), 1)
@@ -67,7 +73,7 @@ def test_the_plotted_costs_and_lines_are_the_planted_means(tmp_path):
     for c in acc.arms:
         assert c.cost == pytest.approx(ctrl.mean() - runs(level, "109", c.arm).mean(), abs=1e-12)
         assert c.cost == pytest.approx(COSTS["109", c.arm], abs=2e-3)
-        assert (c.lo, c.hi) == bootstrap_diff_ci(ctrl, runs(level, "109", c.arm))
+        assert (c.lo, c.hi) == table_ci(ctrl, runs(level, "109", c.arm))
     # the log-odds row: the same runs' costs in logits
     for p in odds.points:
         want = runs(level, p.group, "control", logit).mean() - runs(level, p.group, "spread", logit).mean()

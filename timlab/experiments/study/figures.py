@@ -7,9 +7,9 @@ One row of two panels per ``length_exponent`` fit with tests (the registered dec
 such fit has tests, per ``length_exponent`` fit), in the study's order:
 
 - left: per group, the cost of the fit's arm (its group's control mean minus its mean of the fit's
-  endpoint: ``fits.arm_cost`` via ``fits.exponent_points``, with the 95% seed-bootstrap interval of
-  ``stats.bootstrap_diff_ci``) against T (the group control's mean of the fit's ``length``), on
-  log-log axes; the fitted line cost = a * T^b (``fits.fit_exponent``) over the T of the groups the
+  endpoint: ``fits.arm_cost`` via ``fits.exponent_points``, with ``fits.cost_ci``, the family
+  table's 95% seed-bootstrap interval negated) against T (the group control's mean of the fit's
+  ``length``), on log-log axes; the fitted line cost = a * T^b (``fits.fit_exponent``) over the T of the groups the
   fit uses; a reference line of slope 1 (cost proportional to T: T * k3 at a fixed k3) through the
   fit's mean point (the means of log T and log cost over those groups, which the least-squares line
   also passes through), so the two slopes compare at a glance. A log axis has no place for a cost
@@ -32,8 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from timlab.experiments.stats import bootstrap_diff_ci
-from timlab.experiments.study.fits import arm_cost, exponent_points, fit_exponent
+from timlab.experiments.study.fits import arm_cost, cost_ci, exponent_points, fit_exponent
 from timlab.experiments.study.registration import Study, StudyError
 
 FLOOR_SHARE = 0.5
@@ -126,7 +125,7 @@ def exponent_panels(study: Study, cols: dict[str, dict[str, dict[str, np.ndarray
         groups = [g for g in cols if (g, f.arm) in col and (g, ctrl) in col]
         T, cost = exponent_points(col, groups, f.endpoint, control=ctrl, arm=f.arm, length=f.length)
         used = _fit_groups(f, groups)
-        points = tuple(CostPoint(g, t, c, *bootstrap_diff_ci(col[g, ctrl][f.endpoint], col[g, f.arm][f.endpoint]),
+        points = tuple(CostPoint(g, t, c, *cost_ci(col[g, ctrl][f.endpoint], col[g, f.arm][f.endpoint]),
                                  fitted=g in used) for g, t, c in zip(groups, T, cost))
         fitted = [p for p in points if p.fitted]
         line = fit_exponent([p.T for p in fitted], [p.cost for p in fitted])
@@ -135,7 +134,7 @@ def exponent_panels(study: Study, cols: dict[str, dict[str, dict[str, np.ndarray
         longest = max(cols, key=lambda g: float(np.mean(cols[g][ctrl][f.length])))
         c = cols[longest]
         arms = tuple(ArmCost(a, arm_cost(c[ctrl][f.endpoint], c[a][f.endpoint]),
-                             *bootstrap_diff_ci(c[ctrl][f.endpoint], c[a][f.endpoint])) for a in c if a != ctrl)
+                             *cost_ci(c[ctrl][f.endpoint], c[a][f.endpoint])) for a in c if a != ctrl)
         out.append(ExponentPanels(f.name, f.endpoint, f.arm, f.length, points, line, through, longest,
                                   float(np.mean(c[ctrl][f.length])), arms))
     return out

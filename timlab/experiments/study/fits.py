@@ -46,6 +46,14 @@ def arm_cost(control, arm) -> float:
     return float(np.mean(control) - np.mean(arm))
 
 
+def cost_ci(control, arm) -> tuple[float, float]:
+    """The 95% seed-bootstrap interval of ``arm_cost``: the family table's interval of the arm minus
+    its control (``bootstrap_diff_ci(arm, control)``, the same resamples) negated, so a cost and the
+    table's excess carry one interval wherever they are printed or drawn."""
+    lo, hi = bootstrap_diff_ci(arm, control)
+    return -hi, -lo
+
+
 def fit_power(k3: np.ndarray, excess: np.ndarray) -> tuple[float, float] | None:
     """(c, alpha) of excess = -c * k3^alpha by least squares on log(-excess) vs log(k3), over the
     arms with a negative excess; None when fewer than 3 are negative."""
@@ -391,7 +399,7 @@ def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, 
            "D [95% bootstrap] | verdict |", "|---:|---|---:|---:|---:|---|---:|---:|---|"]
     verdicts: dict[tuple, dict[str, str]] = {}
     for i, (g, a) in enumerate(treated):
-        lo_m, hi_m = (-x for x in reversed(bootstrap_diff_ci(col[g, a][key], col[g, control][key])))
+        lo_m, hi_m = cost_ci(col[g, control][key], col[g, a][key])
         for h, f in pred.items():
             if f is None or len(D[h]) < n / 2:
                 verdicts.setdefault((g, a), {})[h] = "no fit"
@@ -476,7 +484,7 @@ def exponent_section(col: dict, groups: list, key: str, label: str, *, control: 
             bs.append(f[1])
     share = undefined / n
     per = "; ".join(f"{g}: T {t:.1f}, cost {fmt(c)} [{fmt(lo)}, {fmt(hi)}]" for g, t, c, (lo, hi) in
-                    zip(groups, T, cost, (bootstrap_diff_ci(col[g, control][key], col[g, arm][key]) for g in groups)))
+                    zip(groups, T, cost, (cost_ci(col[g, control][key], col[g, arm][key]) for g in groups)))
     lo, hi = pct(bs) if bs else (math.nan, math.nan)
     what = (f"{arm}'s cost ({control} minus {arm}) = a * T^b over {len(groups)} {group_name}s, "
             f"{', '.join(groups[:-1])} and {groups[-1]} (T: the {group_name}'s "
