@@ -9,8 +9,8 @@ such fit has tests, per ``length_exponent`` fit), in the study's order:
 - left: per group, the cost of the fit's arm (its group's control mean minus its mean of the fit's
   endpoint: ``fits.arm_cost`` via ``fits.exponent_points``, with ``fits.cost_ci``, the family
   table's 95% seed-bootstrap interval negated) against T (the group control's mean of the fit's
-  ``length``), on log-log axes; the fitted line cost = a * T^b (``fits.fit_exponent``) over the T of the groups the
-  fit uses; a reference line of slope 1 (cost proportional to T: T * k3 at a fixed k3) through the
+  ``length``), on log-log axes; the fitted line cost = a * T^b (``fits.fit_exponent``) over the T
+  of the groups the fit uses; a reference line of slope 1 (cost proportional to T: T * k3 at a fixed k3) through the
   fit's mean point (the means of log T and log cost over those groups, which the least-squares line
   also passes through), so the two slopes compare at a glance. A log axis has no place for a cost
   at or below 0: such a point is drawn at the axis floor with an open marker (the legend says so),
