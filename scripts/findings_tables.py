@@ -384,6 +384,9 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "e3-followup": lambda R: e3_tables.followup(str(SWEEPS / "e3_starts_rl")),
           "e3b-probe": lambda R: erosion_tables.probe(str(SWEEPS / "e3b_probe")),
           "e3c-predictions": lambda R: predictions(load_study(STUDIES / "e3c.yaml"), root=ROOT),
+          # E3c's study file names no FINDINGS block, and adding one would change its frozen registration's hash,
+          # so its analysis is spliced here
+          "e3c-study": lambda R: analyze(load_study(STUDIES / "e3c.yaml"), root=ROOT).text,
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
           "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib"))}
