@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import clopper_pearson, line_fit, permutation_test  # noqa: E402
-from timlab.experiments.study import analyze, load_study, predictions  # noqa: E402
+from timlab.experiments.study import analyze, load_study, planned_runs, predictions  # noqa: E402
 from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
 from timlab.experiments.study.predictor import load_predictor  # noqa: E402
 from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
@@ -356,12 +356,12 @@ def l1_k3_steps(R: pd.DataFrame) -> str:
     """Study L1's realized k3 step by step (descriptive, not a registered endpoint): per run over
     steps 10-40 its median, mean, largest step and share of steps above 1e-2, then the mean over
     seeds of each (the median's median beside it). The registered mechanism table has the mean only."""
+    study = load_study(STUDIES / "l1.yaml")
     per = {}
-    for d in sorted(p for p in (SWEEPS / "l1").glob("r*_s*__*") if p.is_dir()):
-        restate, arm, _ = re.fullmatch(r"r(\d+)_(.+)_s(\d+)__[0-9a-f]+", d.name).groups()
-        df = read_metrics(d)
+    for run in planned_runs(study):
+        df = read_metrics(ROOT / study.out / run.run_id)
         k3 = df.loc[(df["step"] >= 10) & (df["step"] <= 40), "rollout_corr/k3_kl"].dropna()
-        per.setdefault((int(restate), arm), []).append(
+        per.setdefault((int(run.group), run.arm), []).append(
             (k3.median(), k3.mean(), k3.max(), float((k3 > 1e-2).mean())))
     rows = []
     for (restate, arm), v in sorted(per.items()):

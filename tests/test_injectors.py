@@ -340,7 +340,7 @@ def test_part_order_not_spec_order():
     assert orders["temperature"] < orders["logit_noise"]  # noise on the tempered logits
 
 
-@pytest.mark.parametrize("raw, text", [(":", ":"), ('":"', ":"), ("' '", " "), (">", ">"), ("#", "#"), ("1", "1")])
+@pytest.mark.parametrize("raw, text", [(":", ":"), ('":"', ":"), ("' '", " "), (">", ">"), ("#", "#"), ("1", "1"), (";", ";")])
 def test_a_marker_on_the_command_line_is_the_text_as_written(raw, text):
     """``--set mismatch.after_text=:`` is the text ':' (YAML would refuse it, read '>' as '' and '#'
     as null): a text field takes the text after '=', less one pair of enclosing quotes; the other

@@ -378,11 +378,43 @@ def test_scratch_add_restate_lengthens_the_answer_with_the_same_decisions(restat
     assert max(len(d) for d in demos) == task.max_answer_chars  # the bound is tight
 
 
+def test_scratch_add_restate_after_by_hand():
+    """restate_at=after: the same restatement after the final answer, behind a ';' the reward stops at."""
+    task = get_task("scratch_add", scratch_frac=1.0, restate=3, restate_at="after")
+    ex = Example("47+85=", "132")
+    gold = ":7502,4813,>132;ac47+85=ab47+85=aa47+85="
+    assert task.gold_completion(ex) == gold and task.demonstration(ex, random.Random(0)) == gold
+    assert task.reward(ex, gold) == 1.0 and task.reward(ex, gold, dense=True) == 1.0
+    assert task.reward(ex, ":7502,4813,>132") == 1.0  # the filler is never checked, like the scratchpad
+    assert task.reward(ex, ":7502,4813,>133;ac47+85=") == 0.0 and task.reward(ex, ">13;2") == 0.0
+    assert task.alphabet == "+,0123456789:;=>abcdefghijklmnopqrstuvwxyz"
+    # without a restatement there is nothing to place: the form and the alphabet are restate 0's
+    plain = get_task("scratch_add", scratch_frac=1.0, restate_at="after")
+    assert plain.gold_completion(ex) == ":7502,4813,>132" and plain.alphabet == "+,0123456789:=>"
+
+
+@pytest.mark.parametrize("restate", [1, 31, 109])
+def test_scratch_add_restate_after_moves_the_same_filler(restate):
+    """After the answer or before the worked part: the same characters, sums and worked answer, one
+    ';' longer; the bound on the answer's length stays tight."""
+    kw = {"max_digits": 4, "scratch_frac": 1.0, "restate": restate}
+    before, after = get_task("scratch_add", **kw), get_task("scratch_add", restate_at="after", **kw)
+    level0 = get_task("scratch_add", max_digits=4, scratch_frac=1.0)
+    exs = after.sample(random.Random(0), 2000)
+    assert exs == before.sample(random.Random(0), 2000)
+    for e in exs:
+        b, a, worked = before.gold_completion(e), after.gold_completion(e), level0.gold_completion(e)
+        assert a == worked + ";" + b[: len(b) - len(worked)] and after.reward(e, a) == 1.0
+        assert len(a) <= after.max_answer_chars and set(a) <= set(after.alphabet)
+    assert max(len(after.gold_completion(e)) for e in exs) == after.max_answer_chars
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"restate": -1}, "restate must be an integer from 0 to 676, got -1"),
     ({"restate": 677}, "restate must be an integer from 0 to 676, got 677"),
     ({"restate": 1.5}, "restate must be an integer from 0 to 676, got 1.5"),
     ({"restate": 3, "verbosity": 1}, r"restate \(3\) and verbosity \(1\) both lengthen the worked answer; set one"),
+    ({"restate": 3, "restate_at": "end"}, "restate_at must be one of before, after, got 'end'"),
 ])
 def test_scratch_add_rejects_bad_restate(kwargs, message):
     with pytest.raises(ValueError, match=message):

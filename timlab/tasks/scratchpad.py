@@ -31,6 +31,11 @@ worked answer exactly. The decisions (sum digits and carries) are level 0's at e
 length without difficulty and without more decisions. Mean answer length (tokens, EOS included)
 at 1-4-digit sums: 21.9 + 9.0 x ``restate`` (30.9 at 1, 301 at 31, 1,005 at 109; bench/RESULTS.md).
 The letters join the alphabet (so the vocabulary) at any ``restate`` > 0, the same at every length.
+``restate_at=after`` writes the same restatement after the final answer instead, behind a ``;``:
+``:7502,4813,>132;ac47+85=ab47+85=aa47+85=``. There it follows every decision and the reward
+(which reads the answer up to the ``;``), so it cannot move one: the same filler, placed where its
+mismatch reaches training only through the filler tokens' own gradient. The ``;`` joins the
+alphabet only in that form.
 
 The SFT warm start (``demonstration``) writes the scratchpad for a ``scratch_frac`` share of
 examples and the terse form for the rest, so with a small ``scratch_frac`` the starting policy
@@ -57,6 +62,10 @@ SCRATCH_MARK = ":"
 UNIT_END = ","
 MAX_DIGITS = 20
 OPERANDS_END = "="
+ANSWER_END = ";"
+"""Ends the final answer when the restatement follows it (``restate_at=after``)."""
+RESTATE_AT = ("before", "after")
+"""Where ``restate`` puts the restated operands: before the worked answer, or after the final answer."""
 
 COUNTDOWN_LETTERS = string.ascii_lowercase
 """The restatement labels' digits (base 26, most significant first): two letters count 0-675."""
@@ -98,9 +107,9 @@ def restatement(a: int, b: int, restate: int) -> str:
 
 
 def final_answer(completion: str) -> str | None:
-    """The text after the last ``>``, or None when there is none."""
+    """The text after the last ``>`` up to a ``;`` (``restate_at=after``), or None when there is no ``>``."""
     head, mark, tail = completion.rpartition(ANSWER_MARK)
-    return tail if mark else None
+    return tail.partition(ANSWER_END)[0] if mark else None
 
 
 def used_scratchpad(completion: str) -> bool:
@@ -124,6 +133,8 @@ class ScratchAddTask(Task):
     restate: int = 0
     """Copies of the operands, under a two-letter countdown, before the worked answer (0-676; 0 = none):
     adds ~9 tokens each at fixed difficulty and fixed decisions (the module docstring). Needs verbosity 0."""
+    restate_at: str = "before"
+    """Where the restated operands go: before (the worked answer) or after (the final answer, behind a ``;``)."""
 
     name: ClassVar[str] = "scratch_add"
 
@@ -139,11 +150,14 @@ class ScratchAddTask(Task):
         if self.restate and self.verbosity:
             raise UsageError(f"scratch_add: restate ({self.restate}) and verbosity ({self.verbosity}) both lengthen "
                              "the worked answer; set one of them (the other to 0)")
+        if self.restate_at not in RESTATE_AT:
+            raise UsageError(f"scratch_add: restate_at must be one of {', '.join(RESTATE_AT)}, got {self.restate_at!r}")
 
     @property
     def alphabet(self) -> str:
         letters = COUNTDOWN_LETTERS if self.restate else ""
-        return unique_chars("+=", ANSWER_MARK, SCRATCH_MARK, UNIT_END, string.digits, letters)
+        end = ANSWER_END if self.restate and self.restate_at == "after" else ""
+        return unique_chars("+=", ANSWER_MARK, SCRATCH_MARK, UNIT_END, string.digits, letters, end)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -153,7 +167,7 @@ class ScratchAddTask(Task):
     def max_answer_chars(self) -> int:
         copy = 2 * self.max_digits + 2 if self.verbosity else 0
         unit = 5 + VERBOSITY_PADDING[self.verbosity]
-        restated = self.restate * (2 + self.max_prompt_chars)
+        restated = self.restate * (2 + self.max_prompt_chars) + (self.restate_at == "after" and self.restate > 0)
         return restated + 1 + copy + unit * self.max_digits + 1 + (self.max_digits + 1)
 
     def sample_one(self, rng: random.Random) -> Example:
@@ -169,7 +183,10 @@ class ScratchAddTask(Task):
     def gold_completion(self, example: Example) -> str:
         """The worked form (the one RL learns to write)."""
         a, b = (int(x) for x in example.prompt[:-1].split("+"))
-        return restatement(a, b, self.restate) + scratchpad(a, b, self.verbosity) + ANSWER_MARK + example.answer
+        worked = scratchpad(a, b, self.verbosity) + ANSWER_MARK + example.answer
+        if self.restate_at == "after" and self.restate:
+            return worked + ANSWER_END + restatement(a, b, self.restate)
+        return restatement(a, b, self.restate) + worked
 
     def reward(self, example: Example, completion: str, *, dense: bool = False) -> float:
         answer = final_answer(completion)
