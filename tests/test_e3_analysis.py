@@ -21,6 +21,7 @@ from study_sweep import write_sweep
 from timlab.experiments.study import (StudyError, analyze, figure, freeze, load_study, planned_runs, predictions,
                                      study_from_dict)
 from timlab.experiments.study.fits import fit_length, threshold_k3, threshold_section
+from timlab.experiments.study.text import fmt
 from timlab.experiments.sweep import load_spec
 
 E3 = load_script("e3_tables")
@@ -299,6 +300,42 @@ def test_out_of_sample_confirms_the_planted_linear_law(fit_linear, tmp_path):
     assert "**Length fit, mean accuracy over the fit's and the test's levels (descriptive)**" in text
     assert "over 10 cells" in text and "**T * k3**" in text.split("levels (descriptive)**")[1]
     assert "| 3 | 302 | 2.2e-03 | head_0.72 |" in text  # the threshold test at level 3's worked answer
+
+
+def test_prediction_figure_draws_the_numbers_the_test_prints(fit_linear, tmp_path, monkeypatch):
+    """``timlab study figure`` on E3c: the fitted cells and the test cell against each dose, and the
+    test's measured and predicted losses, the same numbers as the analysis' table."""
+    from timlab.experiments.study.engine import _cells, _fitted_study, valid_columns
+    from timlab.experiments.study.fits import FREE
+    from timlab.experiments.study.prediction_figure import draw, prediction_panels
+
+    text = _e3c(tmp_path, fit_linear)
+    monkeypatch.chdir(tmp_path)
+    f = next(f for f in E3C_STUDY.fits if f.kind == "predict")
+    other, _, ocols = _fitted_study(f, Path("."))
+    (p,) = prediction_panels(E3C_STUDY, *_cells(E3C_STUDY, valid_columns(E3C_STUDY)), [(f, other.name, *_cells(other, ocols))])
+    assert len(p.fitted) == 9 and all(c.loss > 0 and c.lo < c.loss < c.hi for c in p.fitted)
+    assert [r for r, _ in p.doses] == [1.0, 2.0] and p.doses[0][1][1] == pytest.approx(1.0, abs=0.1)  # T * k3's exponent
+    (c,) = p.tested
+    assert (c.group, c.arm, round(c.T, 1)) == ("3", "head_0.72", 300.0)
+    for q in c.predicted:  # each hypothesis' row of the printed table holds the figure's numbers
+        row = next(line for line in text.splitlines() if line.startswith("| 3 | head_0.72 |") and f"| {q.hypothesis} |" in line)
+        assert f"| {fmt(c.loss)} [{fmt(c.lo)}, {fmt(c.hi)}] |" in row
+        assert f"| {fmt(q.point)} [{fmt(q.lo)}, {fmt(q.hi)}] | {q.d:+.4f} [{q.d_lo:+.4f}, {q.d_hi:+.4f}] | {q.verdict} |" in row
+    assert {q.hypothesis: q.verdict for q in c.predicted} == {FREE: "consistent", "T * k3": "consistent",
+                                                              "T^2 * k3": "over-predicts (the cost is smaller)"}
+    fig = draw(E3C_STUDY, [p])
+    assert len(fig.axes) == 3 and "T^2 * k3: over-predicts" in [t.get_text() for t in fig.axes[2].get_yticklabels()]
+    out = figure(E3C_STUDY, tmp_path / "e3c.png")
+    assert out.stat().st_size > 10_000
+
+
+def test_prediction_figure_refuses_an_incomplete_fit(fit_linear, tmp_path, monkeypatch):
+    fit_part = _planted(tmp_path / "fit_part" / "e3b", E3B_WANT[:90], 1.0)
+    _e3c(tmp_path / "b", fit_part)
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(StudyError, match="e3c.yaml: no figure: The fit's study e3b is not complete \\(90 of 96 runs"):
+        figure(E3C_STUDY, tmp_path / "x.png")
 
 
 def test_prediction_table_of_a_planted_linear_law(fit_linear, tmp_path):

@@ -743,7 +743,8 @@ def _add_study(sub) -> None:
                    help="check: validate the file, print its hash and progress; run: freeze the registration and "
                         "run (or resume) its sweep; analyze: the registered analysis and verdicts, refused while "
                         "runs are missing or the registration changed without an amendment; figure: each arm's "
-                        "difference from its reference, with its interval; recompute (predictor studies): re-run "
+                        "difference from its reference, with its interval (grouped studies: cost against dose or "
+                        "length, or an out-of-sample test's measured and predicted loss); recompute (predictor studies): re-run "
                         "the start of the committed runs, bit for bit, into the study's table")
     p.add_argument("file", help="study file (YAML)")
     p.add_argument("--out", help="sweep directory (default: the file's out)")

@@ -906,8 +906,9 @@ def missing_runs(study: Study, out: str | Path | None = None) -> str:
 def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
     """Each family endpoint's arm-minus-reference difference with its 95% bootstrap interval, one
     panel per endpoint; only for a complete, valid study (its refusal otherwise). A grouped study
-    with a ``length_exponent`` fit gets ``figures.exponent_figure``, any other grouped study its
-    length fit's figure (``_group_figure``)."""
+    with a ``length_exponent`` fit gets ``figures.exponent_figure``, one with a ``predict`` fit
+    ``prediction_figure`` (``_prediction_figure``), any other grouped study its length fit's figure
+    (``_group_figure``)."""
     from matplotlib.figure import Figure
 
     from timlab.experiments.stats import bootstrap_diff_ci
@@ -916,6 +917,8 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Pat
         from timlab.experiments.study.figures import exponent_figure
 
         return exponent_figure(study, valid_columns(study, out), path)
+    if study.groups and any(f.kind == "predict" for f in study.fits):
+        return _prediction_figure(study, path, out)
     if study.groups:
         return _group_figure(study, path, out)
     res = analyze(study, out)
@@ -962,6 +965,23 @@ def valid_columns(study: Study, out: str | Path | None = None) -> dict[str, dict
     d = sweep_dir(study, out)
     per = _records(study, d, planned_runs(study), _states(d) or {})
     return {g: _columns(study, rs) for g, rs in per.items() if _validity(study, rs, g)[0]}
+
+
+def _prediction_figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
+    """A grouped study with ``predict`` fits: ``prediction_figure.prediction_figure`` of its valid
+    groups and, per fit, the fitted study's; only when both studies are complete and valid."""
+    from timlab.experiments.study.prediction_figure import prediction_figure
+
+    col, treated = _cells(study, valid_columns(study, out))
+    if not treated:
+        raise StudyError(f"{study.source}: no figure: no valid test {study.groups} (its validity line)")
+    fitted = []
+    for f in (f for f in study.fits if f.kind == "predict"):
+        other, lines, ocols = _fitted_study(f, Path("."))
+        if ocols is None:
+            raise StudyError(f"{study.source}: no figure: {lines[0]}")
+        fitted.append((f, other.name, *_cells(other, ocols)))
+    return prediction_figure(study, col, treated, fitted, path)
 
 
 def _group_figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:

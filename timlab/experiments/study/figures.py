@@ -140,10 +140,16 @@ def exponent_panels(study: Study, cols: dict[str, dict[str, dict[str, np.ndarray
     return out
 
 
-def _floor(points: tuple[CostPoint, ...]) -> float:
-    """Where the log panel draws what is not above 0 (``FLOOR_SHARE``; 1e-3 when nothing is)."""
-    pos = [x for p in points for x in (p.cost, p.lo, p.hi) if x > 0]
+def log_floor(values) -> float:
+    """Where a log cost axis draws what is not above 0: ``FLOOR_SHARE`` of the smallest positive of
+    ``values`` (costs and their interval ends); 1e-3 when none is."""
+    pos = [x for x in values if x > 0]
     return FLOOR_SHARE * min(pos) if pos else 1e-3
+
+
+def _floor(points: tuple[CostPoint, ...]) -> float:
+    """``log_floor`` of the points' costs and interval ends."""
+    return log_floor(x for p in points for x in (p.cost, p.lo, p.hi))
 
 
 def _cost_label(study: Study, endpoint: str, arm: str) -> str:

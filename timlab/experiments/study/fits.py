@@ -33,6 +33,7 @@ above the registered share (``max_undefined``) no test is decided.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -369,13 +370,58 @@ def predictions_table(col: dict, treated: list, key: str, *, T: float, k3_at: tu
     return out
 
 
-def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, key: str, *, control: str = "control",
-                       k3: str = "k3", length: str = "length", rho: tuple = (1.0, 2.0), min_cells: int = 4,
-                       min_groups: int = 2, groups: str = "level", n: int = N_BOOT, seed: int = 0) -> list[str]:
-    """The out-of-sample test as lines of markdown: per treated test cell and hypothesis, the
-    measured loss of ``key`` minus the predicted one, D, with a 95% bootstrap interval over joint
-    resamples of both studies' seeds (an interval holding 0: consistent), then one verdict line
-    per cell: which dose holds out of sample, and whether the free fit's extrapolation holds."""
+@dataclass(frozen=True)
+class Predicted:
+    """One hypothesis' prediction of one test cell (``prediction_test``)."""
+
+    hypothesis: str
+    """``FREE`` or a dose's name (``dose_name``)."""
+    point: float | None
+    """The loss fitted on every cell predicts at the test cell's realized k3 and T; None: no fit."""
+    lo: float = math.nan
+    """The 2.5th percentile of the prediction over the joint resamples."""
+    hi: float = math.nan
+    """Its 97.5th percentile."""
+    d: float = math.nan
+    """D = measured loss - ``point``."""
+    d_lo: float = math.nan
+    """The 2.5th percentile of D over the joint resamples."""
+    d_hi: float = math.nan
+    """Its 97.5th percentile."""
+    verdict: str = "no fit"
+    """consistent (D's interval holds 0), under-predicts (the cost is larger), over-predicts (the cost is
+    smaller), or no fit (the hypothesis failed in more than half the resamples)."""
+    failed: int = 0
+    """Resamples in which the hypothesis had no fit."""
+
+
+@dataclass(frozen=True)
+class TestCell:
+    """One treated cell of the test study with each hypothesis' prediction of its loss."""
+
+    group: str
+    arm: str
+    k3: float
+    """The cell's realized k3 (mean over its seeds)."""
+    T: float
+    """Its group control's mean ``length``."""
+    loss: float
+    """The measured loss: its group control's mean minus its mean (``arm_cost``)."""
+    lo: float
+    """The lower end of the loss' 95% seed-bootstrap interval (``cost_ci``)."""
+    hi: float
+    """Its upper end."""
+    predicted: tuple[Predicted, ...]
+    """Per hypothesis, in ``predictors``' order."""
+
+
+def prediction_test(colf: dict, fit_treated: list, col: dict, treated: list, key: str, *, control: str = "control",
+                    k3: str = "k3", length: str = "length", rho: tuple = (1.0, 2.0), min_cells: int = 4,
+                    min_groups: int = 2, n: int = N_BOOT, seed: int = 0) -> list[TestCell]:
+    """The out-of-sample test: each hypothesis (``predictors``) fitted on the fit study's cells
+    (``colf``, ``fit_treated``) predicts each test cell's loss of ``key`` at its realized k3 and T; D =
+    measured - predicted, with 95% percentile intervals over ``n`` joint resamples of both studies'
+    seeds (an interval of D holding 0: consistent)."""
     cells = dict(control=control, k3=k3, length=length)
     limits = {"rho": rho, "min_cells": min_cells, "min_groups": min_groups}
     ks, T, ex, _ = length_cells(col, treated, key, **cells)
@@ -392,19 +438,12 @@ def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, 
             else:
                 P[h].append(f(kt, Tt))
                 D[h].append(-et - P[h][-1])
-    out = ["**The out-of-sample test** (accuracy-level loss over steps 50-150 predicted from the fit's cells at "
-           "each test cell's realized k3 and T; D = measured loss - predicted, 95% bootstrap over joint resamples of "
-           "both studies' seeds; D's interval holding 0 = consistent)", "",
-           f"| {groups} | arm | realized k3 | T | measured loss [95% bootstrap] | hypothesis | predicted loss [95% bootstrap] | "
-           "D [95% bootstrap] | verdict |", "|---:|---|---:|---:|---:|---|---:|---:|---|"]
-    verdicts: dict[tuple, dict[str, str]] = {}
+    out = []
     for i, (g, a) in enumerate(treated):
-        lo_m, hi_m = cost_ci(col[g, control][key], col[g, a][key])
+        row = []
         for h, f in pred.items():
             if f is None or len(D[h]) < n / 2:
-                verdicts.setdefault((g, a), {})[h] = "no fit"
-                out.append(f"| {g} | {a} | {fmt(ks[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
-                           f"no fit ({failed[h]} of {n} resamples failed) | - | no fit |")
+                row.append(Predicted(h, None, failed=failed[h]))
                 continue
             d = np.array(D[h])[:, i]
             dlo, dhi = (float(np.percentile(d, q)) for q in (2.5, 97.5))
@@ -412,16 +451,40 @@ def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, 
             plo, phi = (float(np.percentile(np.array(P[h])[:, i], q)) for q in (2.5, 97.5))
             v = ("consistent" if dlo <= 0 <= dhi else
                  "under-predicts (the cost is larger)" if dlo > 0 else "over-predicts (the cost is smaller)")
-            verdicts.setdefault((g, a), {})[h] = v
-            out.append(f"| {g} | {a} | {fmt(ks[i])} | {T[i]:.1f} | {fmt(-ex[i])} [{fmt(lo_m)}, {fmt(hi_m)}] | {h} | "
-                       f"{fmt(p_pt)} [{fmt(plo)}, {fmt(phi)}] | {-ex[i] - p_pt:+.4f} [{dlo:+.4f}, {dhi:+.4f}] | {v} |")
+            row.append(Predicted(h, p_pt, plo, phi, float(-ex[i] - p_pt), dlo, dhi, v, failed[h]))
+        out.append(TestCell(g, a, float(ks[i]), float(T[i]), float(-ex[i]), *cost_ci(col[g, control][key], col[g, a][key]),
+                            tuple(row)))
+    return out
+
+
+def prediction_section(colf: dict, fit_treated: list, col: dict, treated: list, key: str, *, control: str = "control",
+                       k3: str = "k3", length: str = "length", rho: tuple = (1.0, 2.0), min_cells: int = 4,
+                       min_groups: int = 2, groups: str = "level", n: int = N_BOOT, seed: int = 0) -> list[str]:
+    """The out-of-sample test (``prediction_test``) as lines of markdown: per treated test cell and
+    hypothesis, the measured loss, the predicted one and D with their 95% intervals, then one verdict
+    line per cell: which dose holds out of sample, and whether the free fit's extrapolation holds."""
+    cells = prediction_test(colf, fit_treated, col, treated, key, control=control, k3=k3, length=length, rho=rho,
+                            min_cells=min_cells, min_groups=min_groups, n=n, seed=seed)
+    out = ["**The out-of-sample test** (accuracy-level loss over steps 50-150 predicted from the fit's cells at "
+           "each test cell's realized k3 and T; D = measured loss - predicted, 95% bootstrap over joint resamples of "
+           "both studies' seeds; D's interval holding 0 = consistent)", "",
+           f"| {groups} | arm | realized k3 | T | measured loss [95% bootstrap] | hypothesis | predicted loss [95% bootstrap] | "
+           "D [95% bootstrap] | verdict |", "|---:|---|---:|---:|---:|---|---:|---:|---|"]
+    for c in cells:
+        head = f"| {c.group} | {c.arm} | {fmt(c.k3)} | {c.T:.1f} | {fmt(c.loss)} [{fmt(c.lo)}, {fmt(c.hi)}] |"
+        for p in c.predicted:
+            out.append(f"{head} {p.hypothesis} | no fit ({p.failed} of {n} resamples failed) | - | no fit |"
+                       if p.point is None else
+                       f"{head} {p.hypothesis} | {fmt(p.point)} [{fmt(p.lo)}, {fmt(p.hi)}] | "
+                       f"{p.d:+.4f} [{p.d_lo:+.4f}, {p.d_hi:+.4f}] | {p.verdict} |")
     out.append("")
-    for (g, a), v in verdicts.items():
+    for c in cells:
+        v = {p.hypothesis: p.verdict for p in c.predicted}
         held = [dose_name(r) for r in rho if v[dose_name(r)] == "consistent"]
         shape = (f"**{held[0]}** holds out of sample" if len(held) == 1 else "**neither** shape predicts it" if not held
                  else f"**does not discriminate** ({'both' if len(held) == 2 else 'all'} consistent)")
         free = v[FREE]
-        out.append(f"{groups.capitalize()} {g}, {a}: {shape}; the registered fit's extrapolation: "
+        out.append(f"{groups.capitalize()} {c.group}, {c.arm}: {shape}; the registered fit's extrapolation: "
                    f"{'**holds**' if free == 'consistent' else f'**{free}**'}.")
     return out + [""]
 
