@@ -93,6 +93,8 @@ def _loss_label(study: Study, endpoint: str) -> str:
 
 def _dose_panel(ax, study: Study, p: PredictionPanels, rho: float, shape) -> None:
     """Every cell's loss against T^rho * k3, log-log, with the one-power fit of that dose."""
+    from matplotlib.ticker import NullFormatter
+
     floor = log_floor(x for c in (*p.fitted, *p.tested) for x in (c.loss, c.lo, c.hi))
     groups = list(dict.fromkeys(c.group for c in p.fitted))
     labelled = set()
@@ -128,6 +130,7 @@ def _dose_panel(ax, study: Study, p: PredictionPanels, rho: float, shape) -> Non
                 ax.plot(x, [math.exp(a + g * math.log(v)) for v in x], color="C3", lw=1.2, ls="--")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap within a decade
     ax.set_ylim(bottom=floor / 1.5)
     ax.set_xlabel(f"{dose_name(rho)} (T: the {study.groups}'s {study.control} mean length)", fontsize=8)
     ax.set_ylabel(_loss_label(study, p.endpoint), fontsize=8)
@@ -157,7 +160,7 @@ def _test_panel(ax, study: Study, p: PredictionPanels) -> None:
     ax.set_yticks(range(len(rows)), [r[0] for r in reversed(rows)], fontsize=7)
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_xlabel(_loss_label(study, p.endpoint), fontsize=7)
-    ax.set_title("the out-of-sample test: measured and predicted loss (95% intervals)", fontsize=8)
+    ax.set_title("the test: measured and predicted loss, 95% intervals", fontsize=8)
 
 
 def draw(study: Study, rows: list[PredictionPanels]):
