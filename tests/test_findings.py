@@ -79,6 +79,28 @@ def test_findings_blocks_match_the_committed_sweeps():
     assert "**undecided**" in e3 and "Cells that agree with the threshold fit: 12 of 12." in e3
 
 
+def test_e3c_verdict_row_quotes_its_block():
+    """The E3c verdict row rounds the out-of-sample table of its generated block: the measured loss,
+    and per hypothesis the prediction and its verdict, so the prose cannot drift from the data."""
+    mod = load_script("findings_tables")
+    text = mod.FINDINGS.read_text()
+    block = text.split("<!-- findings:e3c-study -->")[1].split("<!-- /findings:e3c-study -->")[0]
+    row = next(line for line in text.splitlines() if line.startswith("| E3c |"))
+    rows = [r.split(" | ") for r in block.splitlines() if r.startswith("| 3 | head_0.72 | 5.1e-04 |")]
+    assert len(rows) == 3
+
+    def interval(cell):  # "0.024 [8.7e-03, 0.042]" -> "0.024 [0.009, 0.042]"
+        x, lo, hi = (float(v) for v in cell.replace("[", "").replace("]", "").replace(",", "").split())
+        return f"{x:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    assert f"measured {interval(rows[0][4])} of accuracy" in row
+    for r in rows:
+        assert interval(r[6]) in row and r[8].rstrip(" |").split(" (")[0] in row, r
+    d = rows[0][7].replace("[", "").replace("]", "").replace(",", "").split()
+    assert "D {:+.3f} [{:+.3f}, {:+.3f}], consistent".format(*map(float, d)).replace("D +", "D ") in row
+    assert "Level 3, head_0.72: **T * k3** holds out of sample; the registered fit's extrapolation: **holds**." in block
+
+
 def test_generic_tables_run_without_tabulate(monkeypatch):
     """The generic mode (any sweep directory) must not need pandas' to_markdown (tabulate)."""
     import pandas as pd
