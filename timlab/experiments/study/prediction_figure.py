@@ -9,7 +9,7 @@ and, per ``predict`` fit, the fitted study's cells. One row of panels per ``pred
   against its dose, log-log; the fitted study's cells as circles coloured by group, the test's as
   black stars; the one-power fit of that dose (``fits.fit_shape`` over the fitted cells) drawn solid
   over the doses it saw and dashed where it extrapolates. Under the dose the cost follows, the stars
-  sit on the line's dashed part. A loss at or below 0 is drawn at the axis floor with an open marker.
+  sit on that dose's line. A loss at or below 0 is drawn at the axis floor with an open marker.
 - the test itself (``fits.prediction_test``, the numbers the analysis prints): per test cell, the
   measured loss and each hypothesis' prediction at the cell's realized k3 and T, each with its 95%
   interval, on a linear axis with 0 marked, and each hypothesis' verdict in its label.
