@@ -30,6 +30,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timlab.experiments import early_warning  # noqa: E402
 from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import clopper_pearson, line_fit, permutation_test  # noqa: E402
@@ -387,6 +388,8 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           # E3c's study file names no FINDINGS block, and adding one would change its frozen registration's hash,
           # so its analysis is spliced here
           "e3c-study": lambda R: analyze(load_study(STUDIES / "e3c.yaml"), root=ROOT).text,
+          # Study H1 as the early-warning benchmark's second test set (its INCOMPLETE line until H1 is complete)
+          "early-warning-h1": lambda R: early_warning.format_test_set(early_warning.second_test(SWEEPS, "h1")),
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
           "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib"))}
