@@ -32,6 +32,7 @@ above the registered share (``max_undefined``) no test is decided.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -396,8 +397,8 @@ class Predicted:
 
 
 @dataclass(frozen=True)
-class TestCell:
-    """One treated cell of the test study with each hypothesis' prediction of its loss."""
+class LossCell:
+    """One treated (group, arm) cell's measured loss, as the out-of-sample test and its figure read it."""
 
     group: str
     arm: str
@@ -411,7 +412,21 @@ class TestCell:
     """The lower end of the loss' 95% seed-bootstrap interval (``cost_ci``)."""
     hi: float
     """Its upper end."""
-    predicted: tuple[Predicted, ...]
+
+
+def loss_cells(col: dict, treated: list, key: str, *, control: str = "control", k3: str = "k3",
+               length: str = "length") -> list[LossCell]:
+    """Each treated cell's ``LossCell`` of ``key`` (``length_cells``' means, ``cost_ci``'s interval)."""
+    ks, T, ex, _ = length_cells(col, treated, key, control=control, k3=k3, length=length)
+    return [LossCell(g, a, float(k), float(t), float(-e), *cost_ci(col[g, control][key], col[g, a][key]))
+            for (g, a), k, t, e in zip(treated, ks, T, ex)]
+
+
+@dataclass(frozen=True)
+class TestCell(LossCell):
+    """One treated cell of the test study with each hypothesis' prediction of its loss."""
+
+    predicted: tuple[Predicted, ...] = ()
     """Per hypothesis, in ``predictors``' order."""
 
 
@@ -424,7 +439,6 @@ def prediction_test(colf: dict, fit_treated: list, col: dict, treated: list, key
     seeds (an interval of D holding 0: consistent)."""
     cells = dict(control=control, k3=k3, length=length)
     limits = {"rho": rho, "min_cells": min_cells, "min_groups": min_groups}
-    ks, T, ex, _ = length_cells(col, treated, key, **cells)
     pred = predictors(*length_cells(colf, fit_treated, key, **cells), **limits)
     rng = np.random.default_rng(seed)
     D, P = {h: [] for h in pred}, {h: [] for h in pred}
@@ -439,7 +453,7 @@ def prediction_test(colf: dict, fit_treated: list, col: dict, treated: list, key
                 P[h].append(f(kt, Tt))
                 D[h].append(-et - P[h][-1])
     out = []
-    for i, (g, a) in enumerate(treated):
+    for i, cell in enumerate(loss_cells(col, treated, key, **cells)):
         row = []
         for h, f in pred.items():
             if f is None or len(D[h]) < n / 2:
@@ -447,13 +461,12 @@ def prediction_test(colf: dict, fit_treated: list, col: dict, treated: list, key
                 continue
             d = np.array(D[h])[:, i]
             dlo, dhi = (float(np.percentile(d, q)) for q in (2.5, 97.5))
-            p_pt = float(f(ks[i], T[i]))
+            p_pt = float(f(cell.k3, cell.T))
             plo, phi = (float(np.percentile(np.array(P[h])[:, i], q)) for q in (2.5, 97.5))
             v = ("consistent" if dlo <= 0 <= dhi else
                  "under-predicts (the cost is larger)" if dlo > 0 else "over-predicts (the cost is smaller)")
-            row.append(Predicted(h, p_pt, plo, phi, float(-ex[i] - p_pt), dlo, dhi, v, failed[h]))
-        out.append(TestCell(g, a, float(ks[i]), float(T[i]), float(-ex[i]), *cost_ci(col[g, control][key], col[g, a][key]),
-                            tuple(row)))
+            row.append(Predicted(h, p_pt, plo, phi, cell.loss - p_pt, dlo, dhi, v, failed[h]))
+        out.append(TestCell(**dataclasses.asdict(cell), predicted=tuple(row)))
     return out
 
 

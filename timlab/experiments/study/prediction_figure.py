@@ -28,26 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from timlab.experiments.study.figures import log_floor
-from timlab.experiments.study.fits import TestCell, cost_ci, dose_name, fit_shape, length_cells, prediction_test
+from timlab.experiments.study.fits import (LossCell, TestCell, dose_name, fit_shape, length_cells, loss_cells,
+                                            prediction_test)
 from timlab.experiments.study.registration import Study
-
-
-@dataclass(frozen=True)
-class FitCell:
-    """One treated cell of the fitted study, as the dose panels plot it."""
-
-    group: str
-    arm: str
-    k3: float
-    """The cell's realized k3 (mean over its seeds)."""
-    T: float
-    """Its group control's mean ``length``."""
-    loss: float
-    """Its group control's mean minus its mean of the fit's endpoint."""
-    lo: float
-    """The lower end of the loss' 95% seed-bootstrap interval (``cost_ci``)."""
-    hi: float
-    """Its upper end."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +43,7 @@ class PredictionPanels:
     """The name of the study whose cells were fitted."""
     endpoint: str
     """The endpoint whose loss is plotted."""
-    fitted: tuple[FitCell, ...]
+    fitted: tuple[LossCell, ...]
     """The fitted study's treated cells, in its order."""
     tested: tuple[TestCell, ...]
     """The test study's treated cells with each hypothesis' prediction (``prediction_test``)."""
@@ -76,9 +59,7 @@ def prediction_panels(study: Study, col: dict, treated: list, fitted: list) -> l
     for f, name, colf, fit_treated in fitted:
         keys = dict(control=study.control, k3=f.k3, length=f.length)
         ks, T, ex, group = length_cells(colf, fit_treated, f.endpoint, **keys)
-        cells = tuple(FitCell(g, a, float(k), float(t), float(-e), *cost_ci(colf[g, study.control][f.endpoint],
-                                                                            colf[g, a][f.endpoint]))
-                      for (g, a), k, t, e in zip(fit_treated, ks, T, ex))
+        cells = tuple(loss_cells(colf, fit_treated, f.endpoint, **keys))
         doses = tuple((r, fit_shape(ks, T, ex, group, r, min_cells=f.min_cells, min_groups=f.min_groups))
                       for r in f.rho)
         tested = prediction_test(colf, fit_treated, col, treated, f.endpoint, rho=f.rho, min_cells=f.min_cells,
