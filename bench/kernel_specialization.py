@@ -32,7 +32,7 @@ VARIANTS = {
 }
 INT_ARGS = {
     "attention": ("_attention_kernel", None),  # None: every size and stride argument
-    "matmul": ("_linear_kernel", ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_ym", "stride_yn")),
+    "matmul": ("_linear_kernel", None),  # None for the linear: its ROW_ARGS
 }
 
 
@@ -44,7 +44,9 @@ def recompile(variant: str) -> None:
 
     for module, (name, ints) in zip((attention, matmul), INT_ARGS.values()):
         kernel = getattr(module, name)
-        if ints is None:
+        if ints is None and module is matmul:
+            ints = matmul.ROW_ARGS
+        elif ints is None:
             ints = [a for a in kernel.arg_names if a in ("H_KV", "REP", "M", "S", "D") or (a.startswith("s") and a != "scale")]
         kwargs = {k: list(ints) for k in VARIANTS[variant]}
         setattr(module, name, triton.jit(kernel.fn, **kwargs))

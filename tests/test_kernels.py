@@ -156,6 +156,19 @@ def test_linear_rows_do_not_depend_on_row_count_or_position(dtype):
 
 
 @needs_triton
+def test_linear_specializes_only_on_what_the_layer_fixes():
+    """Triton may specialize the linear on N, K and the weight's strides (the same in every call on
+    a weight), never on M or the input's and output's strides (they change between the trainer's
+    call and a decode step's, and a second compiled kernel may round otherwise)."""
+    from timlab.kernels import matmul
+
+    ints = [a for a in matmul._linear_kernel.arg_names if a in ("M", "N", "K") or a.startswith("stride_")]
+    per_call = [a for a in ints if a == "M" or a.startswith(("stride_x", "stride_y"))]
+    assert per_call == ["M", "stride_xm", "stride_xk", "stride_ym", "stride_yn"]
+    assert list(matmul.ROW_ARGS) == per_call
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
 def test_row_wise_kernels_do_not_depend_on_row_count(dtype):
     from timlab.kernels import log_softmax, rms_norm

@@ -22,8 +22,16 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 NUM_WARPS, NUM_STAGES = 4, 3
 """Launch settings on a GPU; they schedule the work and do not change the arithmetic."""
 
+ROW_ARGS = ("M", "stride_xm", "stride_xk", "stride_ym", "stride_yn")
+"""The integer arguments that change between calls on one weight (the trainer's thousands of rows,
+a decode step's few): never specialized on, so every call on a weight runs one compiled kernel.
+N, K and the weight's strides are the layer's own, the same in every call on it, so Triton may
+specialize on their alignment (aligned, vectorized loads of the weight) without splitting a
+layer's calls between kernels (measured on an H200: bench/RESULTS.md, "The invariant linear at
+decode shapes")."""
 
-@jit_unspecialized("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_ym", "stride_yn")
+
+@jit_unspecialized(*ROW_ARGS)
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
