@@ -127,3 +127,38 @@ def test_h1_analysis_refuses_a_sweep_of_two_whole_seeds(tmp_path):
         "INCOMPLETE: 14 of 56 runs finished at step 2000 (missing: control seeds 2-7, hold_3e-3 seeds 2-7, "
         "hold_3e-3_tis seeds 2-7, hold_1e-2 seeds 2-7, hold_1e-2_tis seeds 2-7, grow seeds 2-7, grow_tis seeds 2-7); "
         "no endpoint is computed before the study is complete (no interim analysis).")
+
+
+def test_h1_trajectory_figure_draws_each_arm_from_the_planted_sweep(tmp_path):
+    """`timlab study figure --trajectories`: one panel per metric the endpoints read, each arm's mean
+    over its 8 seeds; the planted effects are where they were planted, k3 on a log axis."""
+    from timlab.experiments.study import figure
+    from timlab.experiments.study.trajectory_figure import smoothing, study_metrics, trajectories
+    from timlab.rundir import read_metrics
+
+    ids = {p.name: p.run_id for p in planned_runs(H1)}
+    freeze(H1, tmp_path / "sweeps" / "h1")
+    write_sweep(tmp_path / "sweeps" / "h1", list(ids), planted, 2000, run_ids=ids)
+    assert study_metrics(H1) == ["val/accuracy", "val/gold_logprob", "rollout_corr/k3_kl", "mismatch/magnitude",
+                                 "train/response_length_mean"]
+    runs: dict[str, list] = {}
+    for p in planned_runs(H1):
+        runs.setdefault(p.arm, []).append(read_metrics(tmp_path / "sweeps" / "h1" / p.run_id))
+    panels = {p.metric: p for p in trajectories(H1, runs)}
+    assert [p.log for p in panels.values()] == [False, False, True, False, False]
+    acc = {c.label: c for c in panels["val/accuracy"].curves}
+    assert list(acc) == ARMS and {c.runs for c in acc.values()} == {8}
+    assert acc["control"].steps.tolist() == list(range(0, 2001, 25))
+    assert acc["control"].mean[0] == pytest.approx(0.965) and acc["control"].low[0] == pytest.approx(0.965)
+    drop = acc["control"].mean[-20:].mean() - acc["hold_1e-2"].mean[-20:].mean()
+    assert drop == pytest.approx(0.05, abs=4e-3)  # planted: hold_1e-2 loses 0.05 from step 25 on
+    grow = acc["control"].mean[-1] - acc["grow"].mean[-1]
+    assert grow == pytest.approx(0.04, abs=6e-3)  # planted: grow loses 0.04 by step 2,000
+    assert (acc["control"].low <= acc["control"].mean).all() and (acc["control"].mean <= acc["control"].high).all()
+    k3 = {c.label: c for c in panels["rollout_corr/k3_kl"].curves}
+    assert "control" not in k3  # its k3 is 0 everywhere: nothing to draw on a log axis
+    assert k3["hold_3e-3"].steps.size == 2000 and smoothing(2000) == 20
+    # the geometric mean of 3e-3 * exp(N(0, 0.3)) is 3e-3
+    assert np.median(k3["hold_3e-3"].mean[100:]) == pytest.approx(3e-3, rel=0.05)
+    png = figure(H1, tmp_path / "h1_traj.png", tmp_path / "sweeps" / "h1", trajectories=True)
+    assert png.stat().st_size > 20_000

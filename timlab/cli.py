@@ -615,6 +615,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     from timlab.experiments import study as S
     from timlab.experiments.study import predictor as P
 
+    if args.trajectories and args.action != "figure":
+        raise CLIError(f"study {args.action}: --trajectories is an option of `study figure`")
     pst = P.load_predictor(args.file)
     if pst is not None:
         return _predictor_study(args, pst)
@@ -687,7 +689,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         if not args.png:
             raise CLIError("study figure needs --png FILE")
         check_output_file(args.png, "--png")
-        print(f"wrote {S.figure(st, args.png, args.out)}")
+        print(f"wrote {S.figure(st, args.png, args.out, trajectories=args.trajectories)}")
         return 0
     res = S.analyze(st, args.out)
     print(res.text)
@@ -751,6 +753,9 @@ def _add_study(sub) -> None:
     p.add_argument("--workers", type=int, help="run: parallel runs (default: the spec's workers, else the cores)")
     p.add_argument("--write", action="store_true", help="analyze: rewrite the file's findings block")
     p.add_argument("--png", help="figure: the PNG to write")
+    p.add_argument("--trajectories", action="store_true",
+                   help="figure: instead, each arm's mean course over training (95%% t band) of every metric its "
+                        "endpoints read; per-step metrics smoothed, a k3 on a log axis")
     p.add_argument("--quiet", action="store_true", help=QUIET)
     p.set_defaults(func=cmd_study)
 

@@ -903,16 +903,19 @@ def missing_runs(study: Study, out: str | Path | None = None) -> str:
     return grouped_seeds(left) if left else "none"
 
 
-def figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
+def figure(study: Study, path: str | Path, out: str | Path | None = None, *, trajectories: bool = False) -> Path:
     """Each family endpoint's arm-minus-reference difference with its 95% bootstrap interval, one
     panel per endpoint; only for a complete, valid study (its refusal otherwise). A grouped study
     with a ``length_exponent`` fit gets ``figures.exponent_figure``, one with a ``predict`` fit
     ``prediction_figure`` (``_prediction_figure``), any other grouped study its length fit's figure
-    (``_group_figure``)."""
+    (``_group_figure``). ``trajectories``: instead, each arm's course over training
+    (``trajectory_figure``), for any complete study."""
     from matplotlib.figure import Figure
 
     from timlab.experiments.stats import bootstrap_diff_ci
 
+    if trajectories:
+        return _trajectory_figure(study, path, out)
     if study.groups and any(f.kind == "length_exponent" for f in study.fits):
         from timlab.experiments.study.figures import exponent_figure
 
@@ -965,6 +968,21 @@ def valid_columns(study: Study, out: str | Path | None = None) -> dict[str, dict
     d = sweep_dir(study, out)
     per = _records(study, d, planned_runs(study), _states(d) or {})
     return {g: _columns(study, rs) for g, rs in per.items() if _validity(study, rs, g)[0]}
+
+
+def _trajectory_figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
+    """``trajectory_figure.trajectory_figure`` of a complete study's runs, by arm (by group and arm
+    in a grouped study)."""
+    from timlab.experiments.study.trajectory_figure import trajectory_figure
+
+    res = analyze(study, out)
+    if res.status != "complete":
+        raise StudyError(f"{study.source}: no figure: {res.text}")
+    d = sweep_dir(study, out)
+    runs: dict[str, list[pd.DataFrame]] = {}
+    for p in planned_runs(study):
+        runs.setdefault(f"{p.group} {p.arm}" if p.group else p.arm, []).append(read_metrics(d / p.run_id))
+    return trajectory_figure(study, runs, path)
 
 
 def _prediction_figure(study: Study, path: str | Path, out: str | Path | None = None) -> Path:
