@@ -332,3 +332,51 @@ def test_gpu_rollout_bench_runs_tiny_on_cpu(tmp_path):
     S = rows["exact"]["buffer_len"]
     assert rows["exact"]["roofline_tokens_per_s"] == pytest.approx(4 * 10e9 / (weights + 4 * 2 * 2 * 2 * 16 * 2 * S))
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
+
+
+@pytest.mark.parametrize("loop", ["device", "graphs"])
+def test_training_on_the_device_loop_repeats_the_host_loop_bit_for_bit(tmp_path, loop, monkeypatch):
+    """`rollout.decode_loop`: on the CPU a training run on the device loop (rollouts and evaluations)
+    logs the metrics of the same run on the host loop, bit for bit (timings aside), with a mismatch
+    injected (an fp16 copy of the weights) so the rollout is not the trainer's own."""
+    import pandas as pd
+
+    from timlab.engines import device_loop
+
+    calls = []
+    real = device_loop.generate
+    monkeypatch.setattr(device_loop, "generate", lambda *a, **k: calls.append(k["loop"]) or real(*a, **k))
+
+    from timlab.config import resolve
+    from timlab.rundir.metrics_log import without_timings
+    from timlab.trainer.run import train
+
+    def run(choice: str) -> pd.DataFrame:
+        cfg = resolve(preset="smoke", overrides=[
+            "run.steps=3", "run.eval_every=3", "run.checkpoint_every=3", "mismatch.injector=precision",
+            "mismatch.dtype=float16", f"rollout.decode_loop={choice}", "rollout.sync_every=3"])
+        train(cfg, tmp_path / choice)
+        return without_timings(pd.read_parquet(tmp_path / choice / "metrics.parquet"))
+
+    host = run("host")
+    assert not calls
+    other = run(loop)
+    # the rollouts and evaluations went through the device loop, not the host loop's fallback
+    assert calls and set(calls) == {DeviceLoop(sync_every=3, cuda_graphs=loop == "graphs")}
+    assert (host["mismatch/max_abs_diff"].dropna() > 0).any()  # the rollout is not the trainer's
+    assert len(host) == 4 and host["val/accuracy"].notna().sum() == 2
+    pd.testing.assert_frame_equal(host, other)
+
+
+def test_decode_loop_settings_are_checked_with_the_config():
+    from timlab.config import ConfigError, resolve, validate
+
+    with pytest.raises(ConfigError, match=r"unknown rollout.decode_loop 'gpu'; valid choices: host, device, graphs"):
+        validate(resolve(preset="smoke", overrides=["rollout.decode_loop=gpu"]))
+    with pytest.raises(ConfigError, match=r"rollout.decode_loop=device needs a native engine; rollout.engine is 'hf'"):
+        validate(resolve(preset="smoke", overrides=["rollout.decode_loop=device", "rollout.engine=hf"]))
+    with pytest.raises(ConfigError, match=r"rollout.sync_every must be >= 1, got 0"):
+        resolve(preset="smoke", overrides=["rollout.sync_every=0"])
+    cfg = resolve(preset="smoke")
+    assert cfg.hash() == resolve(preset="smoke", overrides=["rollout.decode_loop=host", "rollout.sync_every=8"]).hash()
+    assert cfg.hash() != resolve(preset="smoke", overrides=["rollout.decode_loop=graphs"]).hash()

@@ -82,6 +82,40 @@ class DeviceLoop:
         object.__setattr__(self, "buckets", buckets)
 
 
+DECODE_LOOPS = ("host", "device", "graphs")
+"""``rollout.decode_loop``'s choices: the engine's host loop, ``DeviceLoop``, ``DeviceLoop`` with CUDA graphs."""
+NATIVE_ENGINES = ("exact", "fast")
+"""The engines with a ``device_loop`` (``timlab.engines.native``)."""
+
+
+def loop_for(rollout) -> DeviceLoop | None:
+    """The ``DeviceLoop`` a config's rollout section (``decode_loop``, ``sync_every``, ``engine``) asks
+    for, None for the host loop; a one-line error for another choice or a non-native engine."""
+    choice = rollout.decode_loop
+    if choice not in DECODE_LOOPS:
+        raise UsageError(f"unknown rollout.decode_loop {choice!r}; valid choices: {', '.join(DECODE_LOOPS)}")
+    if choice == "host":
+        return None
+    if rollout.engine not in NATIVE_ENGINES:
+        raise UsageError(f"rollout.decode_loop={choice} needs a native engine; rollout.engine is {rollout.engine!r} "
+                         f"(valid choices: {', '.join(NATIVE_ENGINES)}, or decode_loop=host)")
+    return DeviceLoop(sync_every=rollout.sync_every, cuda_graphs=choice == "graphs")
+
+
+def use_loop(loop: DeviceLoop | None, *engines) -> None:
+    """Give each engine (None entries skipped) ``loop``; an engine without a device loop (an
+    injector's hf or vllm engine) is a one-line error unless ``loop`` is None."""
+    for engine in engines:
+        if engine is None:
+            continue
+        if not hasattr(engine, "device_loop"):
+            if loop is None:
+                continue
+            raise UsageError(f"rollout.decode_loop needs a native engine ({', '.join(NATIVE_ENGINES)}); this run "
+                             f"rolls out with {type(engine).__name__}: set rollout.decode_loop=host")
+        engine.device_loop = loop
+
+
 class _HostLoopDraws:
     """The uniform numbers the host loop gives each row, replayed on the device.
 

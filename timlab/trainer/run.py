@@ -46,6 +46,7 @@ import torch
 
 from timlab.config import Config, ConfigError, flatten, rollout_sampling, validate
 from timlab.engines import NonFiniteLogitsError, Rollout, build_engine
+from timlab.engines.device_loop import loop_for, use_loop
 from timlab.errors import TimlabError, UsageError, disk_full, is_disk_full, one_line
 from timlab.files import atomic_write_text
 from timlab.gradcheck import in_run as gradcheck_in_run
@@ -238,6 +239,7 @@ class RLRun:
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                        tokenizer=self.tok)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+        use_loop(loop_for(cfg.rollout), self.injector.engine, self.injector.base_engine, self.eval_engine)
         self.sampling = rollout_sampling(cfg)
         mcfg = self.model.config
         self.sparse_layers = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_sparse(i)]
