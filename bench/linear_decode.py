@@ -11,7 +11,9 @@ specialized on, so both calls always run one compiled kernel. What varies:
 - ``align``: ``rows`` leaves every size and stride unspecialized (timlab before session 19);
   ``layer`` lets Triton specialize on the alignment of N, K and the weight's strides, which are
   the layer's own and the same in every call on that weight (aligned, vectorized weight loads);
-- the tile's output columns ``BLOCK_N``, ``num_warps`` and ``num_stages``.
+- the tile's output columns ``BLOCK_N``, its reduction chunk ``BLOCK_K`` (another chunk sums K in
+  another order, so other bits, but the same for every call on a weight), ``num_warps`` and
+  ``num_stages``.
 
 For each setting and Qwen3-0.6B layer shape (the MLP's two linears, the query projection and the
 tied LM head): whether the rows of 1..70-row calls, at two offsets, equal their rows of a
@@ -38,23 +40,25 @@ SHAPES = {"mlp_up (1024 -> 3072)": (1024, 3072), "mlp_down (3072 -> 1024)": (307
           "q_proj (1024 -> 2048)": (1024, 2048), "lm_head (1024 -> 151936)": (1024, 151_936)}
 """name: (K, N), Qwen3-0.6B's."""
 ROWS = (128, 256, 4096)
-SETTINGS = [  # (align, BLOCK_N, num_warps, num_stages); the first is timlab before session 19
-    ("rows", 64, 4, 3), ("layer", 64, 4, 3), ("layer", 64, 4, 4), ("layer", 128, 4, 3), ("layer", 128, 8, 3),
-    ("layer", 32, 4, 4),
+SETTINGS = [  # (align, BLOCK_N, BLOCK_K, num_warps, num_stages); the first is timlab before session 19,
+    # the second what it ships since; the wider K chunks were not measured in session 19
+    ("rows", 64, 32, 4, 3), ("layer", 64, 32, 4, 3), ("layer", 64, 32, 4, 4), ("layer", 128, 32, 4, 3),
+    ("layer", 128, 32, 8, 3), ("layer", 32, 32, 4, 4), ("layer", 64, 64, 4, 3), ("layer", 64, 128, 4, 3),
+    ("layer", 32, 128, 4, 3),
 ]
 UNSPECIALIZED = {"rows": ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_ym", "stride_yn"),
                  "layer": ("M", "stride_xm", "stride_xk", "stride_ym", "stride_yn")}
 
 
-def configure(align: str, block_n: int, warps: int, stages: int) -> None:
-    """Recompile the linear kernel under ``align`` and set its launch constants."""
+def configure(align: str, block_n: int, block_k: int, warps: int, stages: int) -> None:
+    """Recompile the linear kernel under ``align`` and set its tile and launch constants."""
     import triton
 
     from timlab.kernels import matmul
 
     fn = getattr(matmul._linear_kernel, "fn", matmul._linear_kernel)
     matmul._linear_kernel = triton.jit(fn, do_not_specialize_on_alignment=list(UNSPECIALIZED[align]))
-    matmul.BLOCK_N, matmul.NUM_WARPS, matmul.NUM_STAGES = block_n, warps, stages
+    matmul.BLOCK_N, matmul.BLOCK_K, matmul.NUM_WARPS, matmul.NUM_STAGES = block_n, block_k, warps, stages
 
 
 def invariant(K: int, N: int, dtype=torch.bfloat16) -> bool:
@@ -90,14 +94,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except UsageError as e:
         ap.exit(2, f"linear_decode.py: error: {e}\n")
     rows = []
-    for (align, bn, warps, stages), (name, (K, N)) in itertools.product(SETTINGS, SHAPES.items()):
-        configure(align, bn, warps, stages)
-        row = {"align": align, "block_n": bn, "num_warps": warps, "num_stages": stages, "shape": name,
+    for (align, bn, bk, warps, stages), (name, (K, N)) in itertools.product(SETTINGS, SHAPES.items()):
+        configure(align, bn, bk, warps, stages)
+        row = {"align": align, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "shape": name,
                "invariant": invariant(K, N)}
         for M in ROWS:
             row[f"us_{M}"], row[f"cublas_us_{M}"] = timing(K, N, M)
         rows.append(row)
-        print(f"{align:<5} BN {bn:<3} warps {warps} stages {stages}  {name:<26} invariant {row['invariant']!s:<5} "
+        print(f"{align:<5} BN {bn:<3} BK {bk:<3} warps {warps} stages {stages}  {name:<26} invariant {row['invariant']!s:<5} "
               + "  ".join(f"M {M}: {row[f'us_{M}']:8.1f} us (cuBLAS {row[f'cublas_us_{M}']:7.1f})" for M in ROWS),
               flush=True)
     if args.json:
