@@ -143,7 +143,7 @@ def test_h1_trajectory_figure_draws_each_arm_from_the_planted_sweep(tmp_path):
                                  "train/response_length_mean"]
     runs: dict[str, list] = {}
     for p in planned_runs(H1):
-        runs.setdefault(p.arm, []).append(read_metrics(tmp_path / "sweeps" / "h1" / p.run_id))
+        runs.setdefault(("", p.arm), []).append(read_metrics(tmp_path / "sweeps" / "h1" / p.run_id))
     panels = {p.metric: p for p in trajectories(H1, runs)}
     assert [p.log for p in panels.values()] == [False, False, True, False, False]
     acc = {c.label: c for c in panels["val/accuracy"].curves}

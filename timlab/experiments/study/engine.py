@@ -979,9 +979,9 @@ def _trajectory_figure(study: Study, path: str | Path, out: str | Path | None = 
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
     d = sweep_dir(study, out)
-    runs: dict[str, list[pd.DataFrame]] = {}
+    runs: dict[tuple[str, str], list[pd.DataFrame]] = {}
     for p in planned_runs(study):
-        runs.setdefault(f"{p.group} {p.arm}" if p.group else p.arm, []).append(read_metrics(d / p.run_id))
+        runs.setdefault((p.group, p.arm), []).append(read_metrics(d / p.run_id))
     return trajectory_figure(study, runs, path)
 
 

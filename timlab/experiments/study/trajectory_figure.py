@@ -6,8 +6,9 @@ every training step is first smoothed per run over ``smoothing(steps)`` steps (a
 mean). A divergence (a metric named for k3 or a KL) and any non-negative metric whose positive
 values span more than two decades is drawn on a log axis: smoothed and averaged as its
 logarithm, so the curve is a geometric mean, with zeros left out (an exact control has none to
-draw). For a grouped study the curves are (group, arm)
-cells. Like every study figure it is drawn only for a complete, valid study (no interim look).
+draw). For a grouped study the curves are (group, arm) cells: an arm keeps its colour in every
+group, a group its line style (the control grey). Like every study figure it is drawn only for a
+complete study (no interim look).
 
 ``trajectories`` returns what is plotted, so the numbers can be checked without the picture;
 ``draw`` makes the figure of them and ``trajectory_figure`` writes it.
@@ -38,8 +39,9 @@ def smoothing(steps: int) -> int:
 class Curve:
     """One arm's course in one panel."""
 
-    label: str
-    """The arm (``group arm`` in a grouped study)."""
+    group: str
+    """Its group in a grouped study; empty otherwise."""
+    arm: str
     steps: np.ndarray
     """(n,) the steps every run of the arm logged the metric at."""
     mean: np.ndarray
@@ -48,6 +50,10 @@ class Curve:
     """(n,) the 95% t interval of that mean (NaN with one run)."""
     high: np.ndarray
     runs: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.group} {self.arm}" if self.group else self.arm
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ def _is_log(runs: list[pd.DataFrame], metric: str) -> bool:
     return bool(positive.size) and (values >= 0).all() and positive.max() / positive.min() > LOG_SPAN
 
 
-def _curve(label: str, series: list[pd.Series], log: bool) -> Curve | None:
+def _curve(cell: tuple[str, str], series: list[pd.Series], log: bool) -> Curve | None:
     table = pd.concat(series, axis=1, join="inner").dropna()  # steps every run logged
     if table.empty:
         return None
@@ -98,16 +104,17 @@ def _curve(label: str, series: list[pd.Series], log: bool) -> Curve | None:
     low, high = mean - half, mean + half
     if log:
         mean, low, high = 10.0**mean, 10.0**low, 10.0**high
-    return Curve(label, table.index.to_numpy(), mean, low, high, n)
+    return Curve(*cell, table.index.to_numpy(), mean, low, high, n)
 
 
-def trajectories(study: Study, runs: dict[str, list[pd.DataFrame]]) -> list[Panel]:
-    """The panels of ``runs`` ({curve label: each run's metrics}) over ``study_metrics(study)``."""
+def trajectories(study: Study, runs: dict[tuple[str, str], list[pd.DataFrame]]) -> list[Panel]:
+    """The panels of ``runs`` ({(group, arm): each run's metrics}; group "" in an ungrouped study)
+    over ``study_metrics(study)``."""
     everything = [m for ms in runs.values() for m in ms]
     panels = []
     for metric in study_metrics(study):
         log = _is_log(everything, metric)
-        curves = [_curve(label, [_series(m, metric, study.steps, log) for m in ms], log) for label, ms in runs.items()]
+        curves = [_curve(cell, [_series(m, metric, study.steps, log) for m in ms], log) for cell, ms in runs.items()]
         panels.append(Panel(metric, log, tuple(c for c in curves if c is not None)))
     return [p for p in panels if p.curves]
 
@@ -118,14 +125,18 @@ def draw(study: Study, panels: list[Panel]):
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig = Figure(figsize=(5.0 * cols, 3.6 * rows))
-    labels = [c.label for c in panels[0].curves] if panels else []
-    colour = {label: ("0.3" if label.split()[-1] == study.control else f"C{i}") for i, label in enumerate(labels)}
+    arms = list(dict.fromkeys(c.arm for p in panels for c in p.curves))
+    groups = list(dict.fromkeys(c.group for p in panels for c in p.curves))
+    colour = {a: "0.3" if a == study.control else f"C{i}" for i, a in enumerate(a for a in arms if a != study.control)}
+    colour[study.control] = "0.3"  # the control in grey; an arm keeps its colour in every group
+    style = dict(zip(groups, ("-", "--", ":", "-.") * len(groups)))  # a group its line style
+    legend_at = max(range(len(panels)), key=lambda i: len(panels[i].curves)) if panels else 0  # the fullest panel
     for i, p in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
         for c in p.curves:
-            ax.plot(c.steps, c.mean, color=colour.get(c.label, "k"), lw=1.2, label=f"{c.label} ({c.runs})")
+            ax.plot(c.steps, c.mean, color=colour[c.arm], ls=style[c.group], lw=1.2, label=f"{c.label} ({c.runs})")
             if c.runs >= 2:
-                ax.fill_between(c.steps, c.low, c.high, color=colour.get(c.label, "k"), alpha=0.15, lw=0)
+                ax.fill_between(c.steps, c.low, c.high, color=colour[c.arm], alpha=0.12, lw=0)
         if p.log:
             ax.set_yscale("log")
         smooth = smoothing(study.steps)
@@ -134,14 +145,14 @@ def draw(study: Study, panels: list[Panel]):
                      + (", geometric" if p.log else ""), fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if i == 0:
-            ax.legend(fontsize=7, title="arm (runs)", title_fontsize=7)
+        if i == legend_at:
+            ax.legend(fontsize=7, title=f"{study.groups + ' ' if study.groups else ''}arm (runs)", title_fontsize=7)
     fig.suptitle(f"{study.name}: each arm's mean over its seeds, 95% t band", fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def trajectory_figure(study: Study, runs: dict[str, list[pd.DataFrame]], path: str | Path) -> Path:
+def trajectory_figure(study: Study, runs: dict[tuple[str, str], list[pd.DataFrame]], path: str | Path) -> Path:
     path = Path(path)
     draw(study, trajectories(study, runs)).savefig(path, dpi=100)
     return path
