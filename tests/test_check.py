@@ -140,3 +140,25 @@ def test_check_help_shows_default_values_not_constant_names(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default 1,8,32)" in text and "(default short=16:32,long=128:256" in text
     assert "(default greedy,sampling)" in text and "DEFAULT_" not in text
+
+
+@pytest.mark.parametrize("loop", ["device", "graphs"])
+def test_the_device_decode_loop_passes_the_gate_at_zero(tmp_path, folder, loop, monkeypatch, capsys):
+    """`--decode-loop`: the exact engine on the device loop (the CUDA graphs' static-buffer step on a
+    CPU) still equals the trainer bit for bit, and the check says which loop it ran."""
+    from timlab.engines import device_loop
+
+    calls = []
+    real = device_loop.generate
+    monkeypatch.setattr(device_loop, "generate", lambda *a, **k: calls.append(k["loop"]) or real(*a, **k))
+    code, res = check(tmp_path, folder, "--rollout", "exact", "--decode-loop", loop, "--fail-above", "0")
+    assert f"check: rollout=exact decode_loop={loop} score=trainer" in capsys.readouterr().out
+    assert code == 0 and res["gate"]["worst"] == 0.0 and res["decode_loop"] == loop
+    assert len(calls) == 8 and all(c.cuda_graphs == (loop == "graphs") for c in calls)  # one rollout per cell
+
+
+def test_decode_loop_errors_name_the_option(tmp_path, folder, capsys):
+    assert main(["check", "--model", str(folder), *SMALL, "--decode-loop", "gpu"]) == 2
+    assert "unknown --decode-loop 'gpu'; valid choices: host, device, graphs" in capsys.readouterr().err
+    assert main(["check", "--model", str(folder), *SMALL, "--rollout", "hf", "--decode-loop", "graphs"]) == 2
+    assert "--decode-loop graphs needs a native engine; --rollout is 'hf'" in capsys.readouterr().err

@@ -373,7 +373,7 @@ def test_decode_loop_settings_are_checked_with_the_config():
 
     with pytest.raises(ConfigError, match=r"unknown rollout.decode_loop 'gpu'; valid choices: host, device, graphs"):
         validate(resolve(preset="smoke", overrides=["rollout.decode_loop=gpu"]))
-    with pytest.raises(ConfigError, match=r"rollout.decode_loop=device needs a native engine; rollout.engine is 'hf'"):
+    with pytest.raises(ConfigError, match=r"rollout.decode_loop device needs a native engine; rollout.engine is 'hf'"):
         validate(resolve(preset="smoke", overrides=["rollout.decode_loop=device", "rollout.engine=hf"]))
     with pytest.raises(ConfigError, match=r"rollout.sync_every must be >= 1, got 0"):
         resolve(preset="smoke", overrides=["rollout.sync_every=0"])

@@ -576,7 +576,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     check_output_file(args.html, "--html")
     options = ("rollout", "score", "dtype", "device", "batch_sizes", "lengths", "decoding", "seed", "fail_above",
-               "gate_metric", "n_boot")
+               "gate_metric", "n_boot", "decode_loop")
     result = run_check(model_dir=args.model, **_given(args, options))
     print(format_check(result))
     _write_json(args.json, result)
@@ -593,6 +593,8 @@ def _add_check(sub) -> None:
     # defaults are run_check's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--rollout", help="rollout engine: exact, fast, hf, vllm (default {default})")
     p.add_argument("--score", help="score path: trainer, exact, fast, hf (default {default})")
+    p.add_argument("--decode-loop", help="the rollout engine's decode loop (exact, fast): host, device, or graphs "
+                                         "(CUDA graphs on a GPU) (default {default})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default {default}")
     p.add_argument("--device", help="default {default}")
     p.add_argument("--batch-sizes", help="comma-separated sequences per rollout batch (default {default})")

@@ -806,7 +806,7 @@ def validate(cfg: Config) -> Task:
     if cfg.model.dtype not in PRECISIONS:
         raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
     try:
-        loop_for(cfg.rollout)
+        loop_for(cfg.rollout.decode_loop, engine=cfg.rollout.engine, sync_every=cfg.rollout.sync_every)
     except UsageError as e:
         raise ConfigError(str(e)) from None
     try:

@@ -88,18 +88,19 @@ NATIVE_ENGINES = ("exact", "fast")
 """The engines with a ``device_loop`` (``timlab.engines.native``)."""
 
 
-def loop_for(rollout) -> DeviceLoop | None:
-    """The ``DeviceLoop`` a config's rollout section (``decode_loop``, ``sync_every``, ``engine``) asks
-    for, None for the host loop; a one-line error for another choice or a non-native engine."""
-    choice = rollout.decode_loop
+def loop_for(choice: str, *, engine: str, sync_every: int = DeviceLoop.sync_every,
+             names: tuple[str, str] = ("rollout.decode_loop", "rollout.engine")) -> DeviceLoop | None:
+    """The ``DeviceLoop`` that ``choice`` (one of ``DECODE_LOOPS``) asks for on the engine named
+    ``engine``, None for the host loop; a one-line error, naming the setting and the engine's by
+    ``names``, for another choice or a non-native engine."""
     if choice not in DECODE_LOOPS:
-        raise UsageError(f"unknown rollout.decode_loop {choice!r}; valid choices: {', '.join(DECODE_LOOPS)}")
+        raise UsageError(f"unknown {names[0]} {choice!r}; valid choices: {', '.join(DECODE_LOOPS)}")
     if choice == "host":
         return None
-    if rollout.engine not in NATIVE_ENGINES:
-        raise UsageError(f"rollout.decode_loop={choice} needs a native engine; rollout.engine is {rollout.engine!r} "
-                         f"(valid choices: {', '.join(NATIVE_ENGINES)}, or decode_loop=host)")
-    return DeviceLoop(sync_every=rollout.sync_every, cuda_graphs=choice == "graphs")
+    if engine not in NATIVE_ENGINES:
+        raise UsageError(f"{names[0]} {choice} needs a native engine; {names[1]} is {engine!r} "
+                         f"(valid choices: {', '.join(NATIVE_ENGINES)}, or {names[0]} host)")
+    return DeviceLoop(sync_every=sync_every, cuda_graphs=choice == "graphs")
 
 
 def use_loop(loop: DeviceLoop | None, *engines) -> None:
@@ -111,8 +112,8 @@ def use_loop(loop: DeviceLoop | None, *engines) -> None:
         if not hasattr(engine, "device_loop"):
             if loop is None:
                 continue
-            raise UsageError(f"rollout.decode_loop needs a native engine ({', '.join(NATIVE_ENGINES)}); this run "
-                             f"rolls out with {type(engine).__name__}: set rollout.decode_loop=host")
+            raise UsageError(f"the device decode loop needs a native engine ({', '.join(NATIVE_ENGINES)}); this run "
+                             f"rolls out with {type(engine).__name__}: use the host loop")
         engine.device_loop = loop
 
 

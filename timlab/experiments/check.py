@@ -36,6 +36,7 @@ from pathlib import Path
 
 from timlab.config import SEED_RANGE
 from timlab.engines import SamplingParams
+from timlab.engines.device_loop import loop_for
 from timlab.errors import UsageError
 from timlab.experiments.probe import _check_names, _check_vocab, probe_prompts
 from timlab.metrics import (
@@ -242,12 +243,16 @@ def run_check(
     fail_above: float | None = None,
     gate_metric: str = "mean_abs_diff",
     n_boot: int = 200,
+    decode_loop: str = "host",
     progress=None,
 ) -> dict:
     """Run the matrix; return a JSON-ready dict: settings, ``cells`` (one dict per cell with
     ``CELL_KEYS``, ``verdict`` and ``failed_checks``), ``health_checks``, ``gate`` and
-    ``length_scaling``. ``progress(phase, i, n, metrics)`` is called after each cell."""
+    ``length_scaling``. ``decode_loop``: the rollout engine's decode loop, host, device or graphs
+    (``timlab.engines.device_loop``; graphs are CUDA graphs on a GPU). ``progress(phase, i, n,
+    metrics)`` is called after each cell."""
     _check_names(rollout, score, attribute=False)
+    loop = loop_for(decode_loop, engine=rollout, names=("--decode-loop", "--rollout"))
     sizes, lens, modes = parse_batch_sizes(batch_sizes), parse_lengths(lengths), parse_decoding(decoding)
     if gate_metric not in GATE_METRICS:
         raise UsageError(f"unknown --gate-metric {gate_metric!r}; valid choices: {', '.join(GATE_METRICS)}")
@@ -268,7 +273,7 @@ def run_check(
         p, a = lens[name]
         cell_seed = seed * 1_000_003 + i
         out = probe_prompts(model, tokenizer, _prompts(tokenizer, vocab, b, p, cell_seed), rollout=rollout, score=score,
-                            sampling=DECODING[mode], max_new_tokens=a, seed=cell_seed)
+                            sampling=DECODING[mode], max_new_tokens=a, seed=cell_seed, loop=loop)
         cell = {"batch": b, "length": name, "prompt_tokens": p, "answer_tokens": a, "decoding": mode,
                 **_cell_metrics(out)}
         cell["verdict"], cell["failed_checks"] = verdict(cell)
@@ -281,7 +286,7 @@ def run_check(
     over = [c for c in cells if fail_above is not None and c[gate_metric] > fail_above]
     return {
         "model_dir": str(model_dir), "num_params": sum(p.numel() for p in model.parameters()),
-        "rollout": rollout, "score": score, "dtype": dtype, "device": device,
+        "rollout": rollout, "decode_loop": decode_loop, "score": score, "dtype": dtype, "device": device,
         "seed": seed, "batch_sizes": sizes, "lengths": {k: list(v) for k, v in lens.items()}, "decoding": modes,
         "notes": notes, "cells": cells,
         "health_checks": [{"metric": h.metric, "op": h.op, "limit": h.limit, "source": h.source} for h in HEALTH_CHECKS],
@@ -311,8 +316,9 @@ def format_check(result: dict) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
     line = lambda cells: "  ".join(x.rjust(w) if i not in (1, 2, 9) else x.ljust(w)  # noqa: E731
                                    for i, (x, w) in enumerate(zip(cells, widths)))
-    out = [f"check: rollout={result['rollout']} score={result['score']} dtype={result['dtype']} "
-           f"model={result['model_dir']}", *(f"note: {n}" for n in result.get("notes", ())),
+    loop = result.get("decode_loop", "host")
+    out = [f"check: rollout={result['rollout']}{'' if loop == 'host' else f' decode_loop={loop}'} "
+           f"score={result['score']} dtype={result['dtype']} model={result['model_dir']}", *(f"note: {n}" for n in result.get("notes", ())),
            line(heads), *(line(r) for r in rows)]
     checks = ", ".join(f"{h['metric']} {h['op']} {h['limit']:g}" for h in result["health_checks"])
     out.append(f"health ({checks}): {'all cells pass' if result['healthy'] else 'FAILED in some cells'}")

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from timlab.engines import ENGINES, Engine, Rollout, SamplingParams, build_engine
+from timlab.engines.device_loop import DeviceLoop, use_loop
 from timlab.errors import UsageError
 from timlab.files import atomic_write_text, read_text
 from timlab.metrics import (
@@ -346,11 +347,13 @@ class ProbeOutput:
 
 
 def probe_prompts(model: CausalLM, tokenizer, prompts: list[list[int]], *, rollout: str, score: str,
-                  sampling: SamplingParams, max_new_tokens: int, seed: int) -> ProbeOutput:
+                  sampling: SamplingParams, max_new_tokens: int, seed: int, loop: DeviceLoop | None = None) -> ProbeOutput:
     """Roll out token-id prompts (one sequence each, one batch) with engine ``rollout`` and rescore
-    the sampled tokens with score path ``score``; the generator is seeded with ``seed``."""
+    the sampled tokens with score path ``score``; the generator is seeded with ``seed``. ``loop``:
+    the engine's decode loop (``timlab.engines.device_loop``; None: the host loop)."""
     _check_names(rollout, score, attribute=False)
     engine = build_engine(rollout, model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    use_loop(loop, engine)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     t0 = time.perf_counter()
     r = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator)

@@ -239,7 +239,9 @@ class RLRun:
                                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                        tokenizer=self.tok)
         self.eval_engine = build_engine("exact", self.model, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
-        use_loop(loop_for(cfg.rollout), self.injector.engine, self.injector.base_engine, self.eval_engine)
+        r = cfg.rollout
+        use_loop(loop_for(r.decode_loop, engine=r.engine, sync_every=r.sync_every),
+                 self.injector.engine, self.injector.base_engine, self.eval_engine)
         self.sampling = rollout_sampling(cfg)
         mcfg = self.model.config
         self.sparse_layers = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_sparse(i)]
