@@ -98,7 +98,8 @@ def _curve(cell: tuple[str, str], series: list[pd.Series], log: bool) -> Curve |
     n = table.shape[1]
     mean = table.mean(axis=1).to_numpy()
     if n >= 2:
-        half = T975[min(n - 1, len(T975) - 1)] * table.std(axis=1, ddof=1).to_numpy() / math.sqrt(n)
+        t = T975[min(n - 1, len(T975) - 1)]  # past 20 degrees of freedom the df-20 quantile: a band a little wide
+        half = t * table.std(axis=1, ddof=1).to_numpy() / math.sqrt(n)
     else:
         half = np.full(mean.shape, np.nan)
     low, high = mean - half, mean + half
