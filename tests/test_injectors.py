@@ -371,3 +371,40 @@ def test_training_with_a_marker_scope(tmp_path, capsys):
     assert cli.main([*base, "--set", "mismatch.after_text=?", "--run-dir", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err.strip()
     assert "mismatch.after_text '?' is token 3, not an ordinary token" in err and "\n" not in err
+
+
+def test_head_perturb_redraws_its_direction_every_n_steps(model):
+    """mismatch.redraw_every: R stays for n training steps, then a new one is drawn from (seed, its
+    index); 0 keeps the run-long R of before (draw 0, the same bits); a fresh injector asked for a
+    later step (a resumed run) draws that step's R; the head's size relative to W is the same."""
+    from timlab.config import resolve
+
+    def head(inj):
+        return inj.rollout_model.lm_head.weight.detach().clone()
+
+    sec = MismatchSection(injector="head_perturb", magnitude=0.3, seed=4, redraw_every=2)
+    inj = build_injector(sec, model, eos_token_id=2, pad_token_id=0)
+    once = build_injector(MismatchSection(injector="head_perturb", magnitude=0.3, seed=4), model,
+                          eos_token_id=2, pad_token_id=0)
+    heads = []
+    for step in range(1, 7):
+        inj.begin_step(step)
+        once.begin_step(step)
+        heads.append(head(inj))
+        assert torch.equal(head(once), heads[0])  # redraw_every 0: one R for the run
+    assert torch.equal(heads[0], heads[1]) and torch.equal(heads[2], heads[3]) and torch.equal(heads[4], heads[5])
+    assert not torch.equal(heads[1], heads[2]) and not torch.equal(heads[3], heads[4])
+    W = model.lm_head.weight.detach()
+    sizes = [float((h - W).norm() / W.norm()) for h in heads]
+    assert sizes == pytest.approx([0.3] * 6, rel=1e-5)
+    resumed = build_injector(sec, model, eos_token_id=2, pad_token_id=0)
+    resumed.begin_step(5)
+    assert torch.equal(head(resumed), heads[4])
+    other_seed = build_injector(MismatchSection(injector="head_perturb", magnitude=0.3, seed=5, redraw_every=2), model,
+                                eos_token_id=2, pad_token_id=0)
+    other_seed.begin_step(3)
+    assert not torch.equal(head(other_seed), heads[2])
+    assert resolve(preset="smoke").hash() == resolve(preset="smoke", overrides=["mismatch.redraw_every=0"]).hash()
+    with pytest.raises(UsageError, match="mismatch.redraw_every renews the direction of head_perturb only"):
+        build_injector(MismatchSection(injector="logit_noise", magnitude=0.3, redraw_every=2), model,
+                       eos_token_id=2, pad_token_id=0)

@@ -267,6 +267,11 @@ class MismatchSection:
     temperature and head_perturb."""
     seed: int = 0
     """Seed of the injector's own randomness (noise draws, the fixed head perturbation)."""
+    redraw_every: int = 0
+    """head_perturb: draw a new direction R every this many training steps (steps 1..n use the
+    first, n+1..2n the next, ...; 1 = a fresh one every step); 0 = one R for the whole run, a
+    persistent mismatch. Each draw comes from (seed, its index), so a resumed run draws the same.
+    Holds the size and moves only how long the mismatch points one way."""
     target_k3: float = 0.0
     """> 0: hold the realized k3 at this target (0 = off): a feedback controller sets each step's
     magnitude from the k3 the previous step realized (timlab.injectors.controller); magnitude is the
@@ -420,8 +425,8 @@ class Config:
         return short_hash(d, 12)
 
 
-UNHASHED_AT_DEFAULT: dict[str, Any] = {"mismatch.target_adapt": False, "rollout.decode_loop": "host",
-                                       "rollout.sync_every": 8}
+UNHASHED_AT_DEFAULT: dict[str, Any] = {"mismatch.target_adapt": False, "mismatch.redraw_every": 0,
+                                       "rollout.decode_loop": "host", "rollout.sync_every": 8}
 """Fields added after runs were committed, with the default that keeps the earlier behaviour:
 ``Config.hash`` leaves them out at that default."""
 

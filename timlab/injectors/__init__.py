@@ -120,6 +120,12 @@ def check_parts(injectors: list[Injector], s: Settings, *, default_engine: str) 
             raise UsageError(f"mismatch.{key} must be a text of one token ('' = off), got {v!r}")
         if v and not any(inj.step_scoped for inj in injectors):
             raise UsageError(f"mismatch.{key} scopes {', '.join(_names_where('step_scoped'))} only; add one of them")
+    if isinstance(s.redraw_every, bool) or not isinstance(s.redraw_every, int) or s.redraw_every < 0:
+        raise UsageError(f"mismatch.redraw_every must be a number of steps >= 0 (0 = one draw for the run), "
+                         f"got {s.redraw_every!r}")
+    if s.redraw_every and not any(inj.redraws for inj in injectors):
+        raise UsageError(f"mismatch.redraw_every renews the direction of {', '.join(_names_where('redraws'))} only; "
+                         "add one of them")
     if s.after_text and s.after_text == s.before_text:
         raise UsageError(f"mismatch.after_text and mismatch.before_text are both {s.after_text!r}: no decode step "
                          "is in scope; keep one of them")

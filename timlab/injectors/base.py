@@ -68,6 +68,7 @@ class Settings:
     target_gain: float = 0.5
     target_max_change: float = 2.0
     target_adapt: bool = False
+    redraw_every: int = 0
 
     @property
     def step_scope(self) -> bool:
@@ -103,6 +104,8 @@ class Injector:
     trainer's (``trainer_logits``)."""
     magnitude_kind: ClassVar[str] = "none"
     """What ``mismatch.magnitude`` is to this part: one of MAGNITUDE_KINDS."""
+    redraws: ClassVar[bool] = False
+    """True when the part draws a random direction that ``mismatch.redraw_every`` can renew."""
     changes_model_code: ClassVar[bool] = False
     """True when the part changes what timlab's model code computes (not only weights), which
     engines that serve their own copy of the weights (hf, vllm) do not run."""
