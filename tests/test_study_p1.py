@@ -1,0 +1,96 @@
+"""Study P1's registration (docs/examples/studies/p1.yaml, docs/FINDINGS.md "Study P1"), tested before its
+data exist: the sweep it registers (arms, seeds in order, one held k3, only the persistence moving), and its
+analysis on planted 150-step sweeps, where each outcome must come out of the sweep planted for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from study_sweep import write_sweep
+from timlab.experiments.study import analyze, freeze, load_study, planned_runs
+from timlab.experiments.sweep_spec import expand, spec_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+P1 = load_study(REPO / "docs" / "examples" / "studies" / "p1.yaml")
+ARMS = ["control", "persist", "redraw_25", "redraw_5", "redraw_1"]
+REDRAW = {"control": 0, "persist": 0, "redraw_25": 25, "redraw_5": 5, "redraw_1": 1}
+
+
+def test_p1_registers_five_arms_of_eight_seeds_listed_seed_by_seed():
+    spec = spec_from_dict(P1.sweep, root=P1.sweep_root, source=P1.sweep_source)
+    runs = expand(spec)
+    assert [r.spec_condition for r in runs] == [f"{a}_s{s}" for s in range(8) for a in ARMS]
+    assert P1.steps == 150 and spec.isa == "avx2"
+    for r in runs:
+        arm, seed = r.spec_condition.rsplit("_s", 1)
+        c = r.config
+        assert r.overrides["run.seed"] == r.overrides["mismatch.seed"] == int(seed)
+        assert c.model.path == "runs/erosion_start" and c.run.steps == 150 and c.run.eval_every == 10
+        assert c.task.n_val == 512 and c.correction.mode == "none"
+        assert c.mismatch.redraw_every == REDRAW[arm]
+        if arm == "control":
+            assert c.mismatch.injector == "none"
+        else:  # one held k3 and one first magnitude: only the persistence moves
+            assert (c.mismatch.injector, c.mismatch.target_k3, c.mismatch.magnitude) == ("head_perturb", 0.01, 0.37)
+
+
+def test_findings_names_the_registration_hash_and_the_block():
+    text = (REPO / "docs" / "FINDINGS.md").read_text()
+    section = text[text.index("## Study P1:"):text.index("## Not reproduced, and what we would try next")]
+    assert P1.hash in section
+    assert P1.findings[1] == "persistence" and "<!-- findings:persistence -->" in section
+
+
+def planted(costs: dict[str, float], seed_sd: float = 5e-3):
+    """150-step runs: accuracy 0.97 (seed offset sd ``seed_sd``, evaluation noise sd 3e-3, every 10 steps) minus
+    the arm's planted cost from step 20 on; gold log-prob -0.10 minus 5x that; k3 1e-2 for every mismatch arm."""
+    def metrics(name: str) -> pd.DataFrame:
+        arm, seed = name.rsplit("_s", 1)
+        rng = np.random.default_rng([ARMS.index(arm), int(seed)])
+        ev = np.arange(0, 151, 10)
+        cost = costs.get(arm, 0.0) * (ev >= 20)
+        acc = 0.97 + rng.normal(0, seed_sd) + rng.normal(0, 3e-3, ev.size) - cost
+        gold = -0.10 + rng.normal(0, 1e-3, ev.size) - 5 * cost
+        acc[0], gold[0] = 0.965, -0.32
+        t = np.arange(1, 151)
+        control = arm == "control"
+        train = pd.DataFrame({"step": t, "rollout_corr/k3_kl": 0.0 if control else 1e-2 * np.exp(rng.normal(0, .3, t.size)),
+                              "mismatch/frac_bitwise_equal": 1.0 if control else 0.3,
+                              "mismatch/magnitude": 0.0 if control else 0.4,
+                              "train/response_length_mean": 23.0 + rng.normal(0, 0.5, t.size)})
+        m = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold}).merge(train, on="step", how="outer")
+        return m.sort_values("step")[["step"] + sorted(c for c in m.columns if c != "step")]
+    return metrics
+
+
+@pytest.mark.parametrize("costs, seed_sd, outcome", [
+    ({"persist": 0.06, "redraw_25": 0.04, "redraw_5": 0.02, "redraw_1": 0.0}, 5e-3,
+     "the cost follows how long the bias persists"),
+    ({"persist": 0.06, "redraw_25": 0.06, "redraw_5": 0.06, "redraw_1": 0.06}, 5e-3, "the cost follows k3 alone"),
+    ({}, 5e-3, "no cost to attribute (persist's cost not detectable)"),
+    # a difference of 0.02 under a seed-to-seed sd of 0.03: neither shown nor ruled out
+    ({"persist": 0.08, "redraw_25": 0.07, "redraw_5": 0.065, "redraw_1": 0.06}, 3e-2, "undecided"),
+])
+def test_p1_analysis_gives_each_planted_outcome(tmp_path, costs, seed_sd, outcome):
+    ids = {p.name: p.run_id for p in planned_runs(P1)}
+    freeze(P1, tmp_path / "sweeps" / "p1")
+    write_sweep(tmp_path / "sweeps" / "p1", list(ids), planted(costs, seed_sd), 150, run_ids=ids)
+    res = analyze(P1, root=tmp_path)
+    assert res.status == "complete", res.text
+    assert res.text.splitlines()[0].endswith("VALID.")
+    assert res.outcomes[("P1", "")] == outcome, res.text
+    line = next(x for x in res.text.splitlines() if x.startswith("Verdict P1"))
+    assert outcome in line
+
+
+def test_p1_analysis_refuses_an_incomplete_sweep(tmp_path):
+    names = [p.name for p in planned_runs(P1)]
+    freeze(P1, tmp_path / "sweeps" / "p1")
+    write_sweep(tmp_path / "sweeps" / "p1", names[:10], planted({}), 150,
+                run_ids={p.name: p.run_id for p in planned_runs(P1)})
+    res = analyze(P1, root=tmp_path)
+    assert res.status == "incomplete" and res.text.startswith("INCOMPLETE: 10 of 40 runs finished at step 150")
