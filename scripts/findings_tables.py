@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from timlab.experiments import early_warning  # noqa: E402
 from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
-from timlab.experiments.stats import clopper_pearson, line_fit, permutation_test  # noqa: E402
+from timlab.experiments.stats import bootstrap_diff_ci, clopper_pearson, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.study import analyze, load_study, planned_runs, predictions  # noqa: E402
 from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
 from timlab.experiments.study.predictor import load_predictor  # noqa: E402
@@ -377,8 +377,34 @@ def l1_k3_steps(R: pd.DataFrame) -> str:
     return md_table(rows)
 
 
+def p1_pairs(R: pd.DataFrame) -> str:
+    """Study P1, descriptive (not a registered test): each redraw arm against redraw_1 on the primary
+    endpoint (the accuracy level over evaluations at steps 50-150), with the mean magnitude the
+    controller chose (steps 10-150): how the cost moves with the persistence at a similar weight-space
+    size. Exact permutation p, no correction; bootstrap interval of the difference."""
+    study = load_study(STUDIES / "p1.yaml")
+    level, magnitude = {}, {}
+    for run in planned_runs(study):
+        df = read_metrics(ROOT / study.out / run.run_id)
+        ev = df.dropna(subset=["val/accuracy"])
+        level.setdefault(run.arm, []).append(ev.loc[(ev["step"] >= 50) & (ev["step"] <= 150), "val/accuracy"].mean())
+        w = df[(df["step"] >= 10) & (df["step"] <= 150)]
+        magnitude.setdefault(run.arm, []).append(w["mismatch/magnitude"].mean())
+    ref = np.array(level["redraw_1"])
+    rows = []
+    for arm in ("persist", "redraw_25", "redraw_5"):
+        a = np.array(level[arm])
+        lo, hi = bootstrap_diff_ci(ref, a)
+        r = permutation_test(ref, a)
+        rows.append({"arm": arm, "mean magnitude": f"{np.mean(magnitude[arm]):.3f}",
+                     "redraw_1 (magnitude %.3f) minus arm [95%% bootstrap]" % np.mean(magnitude["redraw_1"]):
+                         f"{r.diff:+.4f} [{lo:+.4f}, {hi:+.4f}]",
+                     "exact permutation p": f"{r.p:.4f}"})
+    return md_table(rows)
+
+
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
-          "d16-300": d16_300, "l1-k3-steps": l1_k3_steps,
+          "d16-300": d16_300, "l1-k3-steps": l1_k3_steps, "p1-pairs": p1_pairs,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
           "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.START),
           "e3-starts": lambda R: e3_tables.starts(str(SWEEPS / "e3_starts")),

@@ -101,6 +101,40 @@ def test_e3c_verdict_row_quotes_its_block():
     assert "Level 3, head_0.72: **T * k3** holds out of sample; the registered fit's extrapolation: **holds**." in block
 
 
+def test_p1_verdict_row_quotes_its_blocks():
+    """The P1 verdict row rounds its generated blocks: each arm's cost (the control's level minus its
+    own, so the sign flips), the registered difference and its p, and the descriptive pair table."""
+    text = load_script("findings_tables").FINDINGS.read_text()
+    block = text.split("<!-- findings:persistence -->")[1].split("<!-- /findings:persistence -->")[0]
+    pairs = text.split("<!-- findings:p1-pairs -->")[1].split("<!-- /findings:p1-pairs -->")[0]
+    row = next(line for line in text.splitlines() if line.startswith("| P1 (persistence) |"))
+    acc = block.split("**accuracy level, evaluations at steps 50-150 (primary)**, arm minus control")[1]
+
+    def numbers(cell):
+        return [float(v) for v in cell.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+
+    def cost(arm):  # "| persist | mean | -0.0524 [-0.0629, -0.0411] | p | Holm p | ..." -> "0.052 [0.041, 0.063]"
+        cells = next(r for r in acc.splitlines() if r.startswith(f"| {arm} |")).split(" | ")
+        x, lo, hi = numbers(cells[2])
+        return f"{-x:.3f} [{-hi:.3f}, {-lo:.3f}]", cells[4]
+
+    persist, p_persist = cost("persist")
+    fresh, p_fresh = cost("redraw_1")
+    assert f"a run-long direction costs {persist} of accuracy (steps 50-150, Holm p = {p_persist})" in row
+    assert f"a fresh direction every step {fresh} (Holm p = {p_fresh})" in row
+    rule1 = next(r for r in block.splitlines() if r.startswith("| redraw_1 - persist | +0.9")).split(" | ")
+    d, lo, hi = numbers(rule1[2])
+    assert f"fresh minus run-long {d:+.3f} [{lo:+.3f}, {hi:+.3f}], p = {rule1[3]}" in row
+    costs = ", ".join(cost(a)[0].split()[0] for a in ("persist", "redraw_25", "redraw_5", "redraw_1"))
+    assert f"By persistence (150, 25, 5, 1 steps): {costs}" in row
+    r25 = next(r for r in pairs.splitlines() if r.startswith("| redraw_25 |")).split(" | ")
+    d, lo, hi = numbers(r25[2])
+    assert f"R lasting 25 steps still cost {d:.4f} [{lo:.3f}, {hi:.3f}] more than 1 step (p = {r25[3].rstrip(' |')}" in row
+    mag = next(r for r in pairs.splitlines() if r.startswith("| persist |")).split(" | ")[1]
+    assert f"magnitude ({mag} vs" in row
+    assert "Verdict P1: **the cost follows how long the bias persists**" in block
+
+
 def test_generic_tables_run_without_tabulate(monkeypatch):
     """The generic mode (any sweep directory) must not need pandas' to_markdown (tabulate)."""
     import pandas as pd
