@@ -335,12 +335,12 @@ def test_analyze_alarm_on_a_log_file_and_bad_names(tmp_path, capsys):
 
 
 def test_a_sweep_committed_after_registration_is_not_read(committed):
-    """The registered analysis reads REGISTERED_SWEEPS only (Studies H1, H, L1 and E3c came later):
+    """The registered analysis reads REGISTERED_SWEEPS only (Studies H1, H, L1, E3c and P1 came later):
     the later sweeps hold runs it would include, and its count is the registered sweeps' alone."""
     assert len(ew.REGISTERED_SWEEPS) == 21 and "h1" not in ew.REGISTERED_SWEEPS
     later = tuple(p.name for p in (REPO / "sweeps").iterdir() if p.is_dir() and p.name not in ew.REGISTERED_SWEEPS)
     later_runs = ew.load_runs(REPO / "sweeps", later)  # the runs only: the registered ones are the fixture's
-    assert later_runs and {r.name.split("/")[0] for r in later_runs} <= {"h1", "harm", "harm_oos", "harm_oos_probe", "l1", "e3c"}
+    assert later_runs and {r.name.split("/")[0] for r in later_runs} <= {"h1", "harm", "harm_oos", "harm_oos_probe", "l1", "e3c", "p1"}
     assert (committed.runs, committed.falls) == (528, 11)  # the later sweeps are there, and left out
 
 
