@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from study_sweep import write_sweep
+from study_sweep import planted_run, write_sweep
 from timlab.experiments.study import analyze, freeze, load_study, planned_runs
 from timlab.experiments.sweep_spec import expand, spec_from_dict
 from timlab.injectors.schedule import scheduled_magnitude
@@ -74,14 +74,8 @@ def planted(name: str) -> pd.DataFrame:
     if arm in ("grow", "grow_tis"):
         acc, gold = acc - 0.04 * frac, gold - 0.2 * frac
     acc[0], gold[0] = 0.965, -0.32
-    t = np.arange(1, 2001)
-    control = arm == "control"
-    train = pd.DataFrame({"step": t, "rollout_corr/k3_kl": 0.0 if control else 3e-3 * np.exp(rng.normal(0, .3, t.size)),
-                          "mismatch/frac_bitwise_equal": 1.0 if control else 0.3,
-                          "mismatch/magnitude": 0.0 if control else 0.3,
-                          "train/response_length_mean": 30.0 + rng.normal(0, 0.5, t.size)})
-    m = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold}).merge(train, on="step", how="outer")
-    return m.sort_values("step")[["step"] + sorted(c for c in m.columns if c != "step")]
+    return planted_run(rng, control=arm == "control", steps=2000, ev=ev, acc=acc, gold=gold, k3=3e-3, magnitude=0.3,
+                       length=30.0)
 
 
 def test_h1_analysis_finds_each_planted_effect(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from study_sweep import write_sweep
+from study_sweep import planted_run, write_sweep
 from timlab.experiments.study import analyze, freeze, load_study, planned_runs
 from timlab.experiments.sweep_spec import expand, spec_from_dict
 
@@ -56,14 +56,8 @@ def planted(costs: dict[str, float], seed_sd: float = 5e-3):
         acc = 0.97 + rng.normal(0, seed_sd) + rng.normal(0, 3e-3, ev.size) - cost
         gold = -0.10 + rng.normal(0, 1e-3, ev.size) - 5 * cost
         acc[0], gold[0] = 0.965, -0.32
-        t = np.arange(1, 151)
-        control = arm == "control"
-        train = pd.DataFrame({"step": t, "rollout_corr/k3_kl": 0.0 if control else 1e-2 * np.exp(rng.normal(0, .3, t.size)),
-                              "mismatch/frac_bitwise_equal": 1.0 if control else 0.3,
-                              "mismatch/magnitude": 0.0 if control else 0.4,
-                              "train/response_length_mean": 23.0 + rng.normal(0, 0.5, t.size)})
-        m = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold}).merge(train, on="step", how="outer")
-        return m.sort_values("step")[["step"] + sorted(c for c in m.columns if c != "step")]
+        return planted_run(rng, control=arm == "control", steps=150, ev=ev, acc=acc, gold=gold, k3=1e-2,
+                           magnitude=0.4, length=23.0)
     return metrics
 
 
