@@ -18,6 +18,62 @@ from timlab.rundir.checkpoint import latest_checkpoint, load_state
 REPO = Path(__file__).resolve().parent.parent
 
 
+def test_the_pin_adds_mkl_strict_reproducibility_on_intel_only(tmp_path):
+    assert machine.pin_vars("AuthenticAMD") == machine.AVX2_CAPS
+    assert machine.pin_vars("GenuineIntel") == {**machine.AVX2_CAPS, "MKL_CBWR": "AVX2,STRICT"}
+    assert machine.PIN_ENV == machine.pin_vars(machine.cpu_vendor())
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 avx512f\n")
+    assert machine.cpu_vendor(str(info)) == "GenuineIntel" and machine._cpu_has_avx512(str(info)) is True
+    assert machine.cpu_vendor(str(tmp_path / "absent")) is None
+
+
+def test_exact_cpu_env_names_what_intel_and_amx_need_and_prepare_keeps_the_users_settings():
+    assert machine.exact_cpu_env("AuthenticAMD", "fpu avx2 avx512f avx512_bf16") == {}
+    assert machine.exact_cpu_env("GenuineIntel", "fpu avx2") == {"MKL_CBWR": "AUTO,STRICT"}
+    assert machine.exact_cpu_env("GenuineIntel", "avx512f amx_bf16 amx_tile") == {
+        "MKL_CBWR": "AUTO,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_FP16"}
+    want = machine.exact_cpu_env()
+    env = {"MKL_CBWR": "AVX2,STRICT"}  # e.g. the pin: a setting already there stays
+    added = machine.prepare_exact_cpu(env)
+    assert env == {**want, "MKL_CBWR": "AVX2,STRICT"} and added == {k: v for k, v in want.items() if k != "MKL_CBWR"}
+    assert all(os.environ.get(k) is not None for k in want)  # `import timlab` set this process's
+
+
+_ROWS_PROBE = """
+from timlab import machine
+from timlab.model.ops import row_violations
+bad = row_violations()
+print(machine.fingerprint(), len(bad), bad[:5])
+"""
+
+
+def _probe(env: dict) -> tuple[str, int, str]:
+    res = subprocess.run([sys.executable, "-c", _ROWS_PROBE], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    fp, n_bad, first = res.stdout.strip().split(" ", 2)
+    return fp, int(n_bad), first
+
+
+def test_pinned_fp32_linears_are_row_invariant_and_the_fingerprint_names_the_pin():
+    """The exact path's shape rule 1 (a row has the same bits at every row count >= MIN_ROWS) holds
+    under the pin on this machine; on an Intel CPU it needs INTEL_STRICT (measured on a Sapphire
+    Rapids-class Xeon: 222 of the probe's 565 (K, N, M) cases differ with AVX2_CAPS alone). The fingerprint repeats across processes, and tells the pinned
+    process from the native one wherever the pin changes the kernels (an AVX-512 CPU)."""
+    base = {k: v for k, v in os.environ.items() if k not in machine.PIN_ENV}
+    base.update(OMP_NUM_THREADS="1")
+    pinned_fp, n_bad, first = _probe({**base, **machine.PIN_ENV})
+    assert n_bad == 0, f"pinned: rows differ at (K, N, M) {first}"
+    assert _probe({**base, **machine.PIN_ENV})[0] == pinned_fp
+    native_fp, n_bad, first = _probe(base)
+    assert n_bad == 0, f"native: rows differ at (K, N, M) {first}"
+    assert len(pinned_fp) == 12 and int(pinned_fp, 16) >= 0
+    if machine._cpu_has_avx512():
+        assert native_fp != pinned_fp
+    assert machine.fingerprint() == machine.fingerprint() == machine.describe()["fingerprint"]
+
+
 def test_pin_env_asks_for_a_change_only_when_the_pin_is_missing():
     assert machine.pin_env("native", {}) is None
     assert machine.pin_env("avx2", dict(machine.PIN_ENV)) is None
@@ -100,11 +156,20 @@ def test_resume_under_another_instruction_set_warns_and_goes_on(monkeypatch, tmp
 def test_42_12_bits_names_what_a_process_computes(monkeypatch):
     """The label a sweep folder records: equal exactly when two processes compute the same bits."""
     here = {"torch": "2.x", "pinned_avx2": False}
-    cases = [("AVX512", False, None, "AVX512"), ("AVX2", True, True, "avx2"), ("AVX2", False, False, "avx2"),
-             ("AVX2", False, True, "AVX2 (oneDNN and MKL not capped)"),
-             ("AVX2", False, None, "AVX2 (oneDNN and MKL not capped)"), ("DEFAULT", False, False, "DEFAULT")]
-    for capability, pinned, avx512, want in cases:
+    amd, intel = "AuthenticAMD", "GenuineIntel"
+    cases = [("AVX512", False, None, amd, False, "AVX512"), ("AVX2", True, True, amd, False, "avx2"),
+             ("AVX2", False, False, amd, False, "avx2"), ("AVX2", False, True, amd, False, "AVX2 (oneDNN and MKL not capped)"),
+             ("AVX2", False, None, amd, False, "AVX2 (oneDNN and MKL not capped)"), ("DEFAULT", False, False, amd, False, "DEFAULT"),
+             # MKL dispatches by vendor: an Intel CPU pinned to AVX2 computes other bits than an AMD one
+             ("AVX2", True, True, intel, True, "avx2-intel"), ("AVX2", False, False, intel, False, "avx2-intel (MKL not strict)"),
+             ("AVX512", False, True, intel, False, "AVX512")]
+    for capability, pinned, avx512, vendor, strict, want in cases:
         monkeypatch.setattr(machine, "describe", lambda c=capability, p=pinned: {**here, "cpu_capability": c,
                                                                                 "pinned_avx2": p})
         monkeypatch.setattr(machine, "_cpu_has_avx512", lambda a=avx512: a)
-        assert machine.bits() == want, (capability, pinned, avx512)
+        monkeypatch.setattr(machine, "cpu_vendor", lambda v=vendor: v)
+        if strict:
+            monkeypatch.setenv("MKL_CBWR", machine.INTEL_STRICT["MKL_CBWR"])
+        else:
+            monkeypatch.delenv("MKL_CBWR", raising=False)
+        assert machine.bits() == want, (capability, pinned, avx512, vendor, strict)

@@ -160,6 +160,7 @@ def test_42_12_a_sweep_folder_refuses_a_second_instruction_set(sweep, tmp_path, 
     spec_path, out, df, _ = sweep
     record = json.loads((out / sweep_mod.ISA_FILE).read_text())
     assert record["isa"] == bits() and record["cpu_capability"] == describe()["cpu_capability"]
+    assert record["fingerprint"] == describe()["fingerprint"]
     copy = tmp_path / "out"
     shutil.copytree(out, copy)
     other = "AVX512" if bits() != "AVX512" else "avx2"
@@ -172,9 +173,26 @@ def test_42_12_a_sweep_folder_refuses_a_second_instruction_set(sweep, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err == (f"timlab: error: sweep directory {copy} holds runs computed with {bits()} (sweep_isa.json), but "
                    f"this process computes with {other}: one folder never mixes instruction sets; "
-                   + ("run it as `timlab --isa avx2 sweep ...`" if bits() == "avx2" else
+                   + ("run it as `timlab --isa avx2 sweep ...` on a machine of that CPU vendor"
+                      if bits().startswith("avx2") else
                       f"continue it on a machine that computes with {bits()}, unpinned") + ", or choose a new --out")
     assert mtimes(copy) == before and not (copy / missing).exists()
+    # the same name but another fingerprint (e.g. an Intel and an AMD CPU under one label): refused too
+    monkeypatch.setattr(sweep_mod, "machine_bits", bits)
+    real = describe()
+    monkeypatch.setattr(sweep_mod, "describe_machine", lambda: {**real, "fingerprint": "0123456789ab"})
+    assert cli.main(["sweep", str(spec_path), "--out", str(copy), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"timlab: error: sweep directory {copy} holds runs whose machine has fingerprint "
+                          f"{real['fingerprint']} (sweep_isa.json), but this process computes 0123456789ab ({bits()}, "
+                          f"torch {real['torch']}): the same operations round differently here; ")
+    assert mtimes(copy) == before and not (copy / missing).exists()
+    # a record written before fingerprints is checked by its name alone
+    legacy = {k: v for k, v in record.items() if k != "fingerprint"}
+    (copy / sweep_mod.ISA_FILE).write_text(json.dumps(legacy))
+    assert cli.main(["sweep", str(spec_path), "--out", str(copy), "--quiet"]) == 0
+    assert (copy / missing / "status.json").exists()
+    shutil.rmtree(copy / missing)
     (copy / sweep_mod.ISA_FILE).write_text("{oops")
     with pytest.raises(SweepError, match="sweep_isa.json is unreadable"):
         run_sweep(spec_path, copy)

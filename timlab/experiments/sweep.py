@@ -37,9 +37,10 @@ checkpoint is continued with ``train(..., resume=True)`` (bitwise equal to an un
 run); a partial run without a checkpoint is deleted and restarted.
 
 Instruction sets. The first sweep that runs anything in ``DIR`` records the bits it computes
-with (``machine.bits()``: ``avx2``, or the CPU capability such as ``AVX512``) in
-``DIR/sweep_isa.json``; a later sweep into ``DIR`` that would compute other bits is refused (one
-line naming both), as a second writer is, so one folder never holds runs of two instruction sets.
+with (``machine.bits()``: ``avx2``, ``avx2-intel``, or the CPU capability such as ``AVX512``; and
+``machine.fingerprint()``) in ``DIR/sweep_isa.json``; a later sweep into ``DIR`` that would compute
+other bits is refused (one line naming both), as a second writer is, so one folder never holds
+runs of two instruction sets.
 
 Failures. A run that raises (other than a divergence, which is a collapse) is marked failed in
 its status.json and the index, with its message; the other runs go on. Warm-start models are
@@ -84,24 +85,33 @@ first sweep that runs anything in it: a sweep that would compute other bits is r
 
 def _check_isa(out: Path) -> None:
     """Refuse (one line) a sweep into ``out`` that computes other bits than its runs so far; record
-    them on the first sweep. Called under the sweep's lock."""
+    them on the first sweep. Called under the sweep's lock. A record names ``machine.bits()`` and,
+    since the pin learned about Intel's MKL, ``machine.fingerprint()``; both must match (an older
+    record without a fingerprint is checked by its name alone)."""
     here = machine_bits()
+    described = describe_machine()
     record = out / ISA_FILE
     if not record.exists():
-        atomic_write_text(record, json.dumps({"isa": here, **describe_machine()}, indent=1) + "\n")
+        atomic_write_text(record, json.dumps({"isa": here, **described}, indent=1) + "\n")
         return
     try:
-        recorded = json.loads(record.read_text(encoding="utf-8"))["isa"]
-        if not isinstance(recorded, str):
+        saved = json.loads(record.read_text(encoding="utf-8"))
+        recorded, recorded_fp = saved["isa"], saved.get("fingerprint")
+        if not isinstance(recorded, str) or not isinstance(recorded_fp, (str, type(None))):
             raise TypeError("isa is not text")
     except (OSError, ValueError, KeyError, TypeError):
         raise SweepError(f"{record} is unreadable; it names the instruction set of the runs in {out}: restore it, "
                          "or choose a new --out") from None
     if recorded != here:
-        how = ("run it as `timlab --isa avx2 sweep ...`" if recorded == "avx2"
+        how = ("run it as `timlab --isa avx2 sweep ...` on a machine of that CPU vendor" if recorded.startswith("avx2")
                else f"continue it on a machine that computes with {recorded}, unpinned")
         raise SweepError(f"sweep directory {out} holds runs computed with {recorded} ({ISA_FILE}), but this process "
                          f"computes with {here}: one folder never mixes instruction sets; {how}, or choose a new --out")
+    if recorded_fp is not None and recorded_fp != described["fingerprint"]:
+        raise SweepError(f"sweep directory {out} holds runs whose machine has fingerprint {recorded_fp} ({ISA_FILE}), "
+                         f"but this process computes {described['fingerprint']} ({here}, torch {described['torch']}): "
+                         "the same operations round differently here; continue it where `python -c 'from timlab "
+                         f"import machine; print(machine.fingerprint())'` prints {recorded_fp}, or choose a new --out")
 
 
 # ------------------------------------------------------------------------------- the sweep

@@ -142,6 +142,31 @@ def invariant_linear(
     return y[:m].reshape(*x.shape[:-1], weight.shape[0])
 
 
+ROW_PROBE_SHAPES = ((64, 16), (64, 32), (64, 192), (128, 128), (256, 64))
+"""(K, N) of ``row_violations``'s default probe: the tiny presets' widths, narrow outputs included."""
+
+
+def row_violations(shapes=ROW_PROBE_SHAPES, min_rows: int = MIN_ROWS, max_rows: int = 128) -> list[tuple[int, int, int]]:
+    """The (K, N, M) at which rule 1 fails on this process's kernels: a plain fp32 ``F.linear``
+    of the first M of ``max_rows`` rows gives a row other bits than the whole GEMM does, for M in
+    [min_rows, max_rows] (one thread; fixed exact inputs). Empty where the rule holds."""
+    from timlab.machine import _exact_values
+
+    bad = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for k, n in shapes:
+                x = _exact_values(max_rows * k, 7).view(max_rows, k)
+                w = _exact_values(n * k, 8).view(n, k)
+                ref = F.linear(x, w)  # (max_rows, N)
+                bad += [(k, n, m) for m in range(min_rows, max_rows + 1) if not torch.equal(F.linear(x[:m], w), ref[:m])]
+    finally:
+        torch.set_num_threads(threads)
+    return bad
+
+
 SILU_ALIGN = {torch.float32: 32, torch.float64: 32}
 """Row length (elements) that ``silu`` pads to, per dtype; 64 for the others (bf16, fp16)."""
 
