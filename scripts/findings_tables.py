@@ -34,7 +34,7 @@ from timlab.experiments import early_warning  # noqa: E402
 from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.experiments.stats import bootstrap_diff_ci, clopper_pearson, line_fit, permutation_test  # noqa: E402
-from timlab.experiments.study import analyze, load_study, planned_runs, predictions  # noqa: E402
+from timlab.experiments.study import analyze, endpoint_values, load_study, planned_runs, predictions  # noqa: E402
 from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
 from timlab.experiments.study.predictor import load_predictor  # noqa: E402
 from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
@@ -381,23 +381,17 @@ def p1_pairs(R: pd.DataFrame) -> str:
     """Study P1, descriptive (not a registered test): each redraw arm against redraw_1 on the primary
     endpoint (the accuracy level over evaluations at steps 50-150), with the mean magnitude the
     controller chose (steps 10-150): how the cost moves with the persistence at a similar weight-space
-    size. Exact permutation p, no correction; bootstrap interval of the difference."""
-    study = load_study(STUDIES / "p1.yaml")
-    level, magnitude = {}, {}
-    for run in planned_runs(study):
-        df = read_metrics(ROOT / study.out / run.run_id)
-        ev = df.dropna(subset=["val/accuracy"])
-        level.setdefault(run.arm, []).append(ev.loc[(ev["step"] >= 50) & (ev["step"] <= 150), "val/accuracy"].mean())
-        w = df[(df["step"] >= 10) & (df["step"] <= 150)]
-        magnitude.setdefault(run.arm, []).append(w["mismatch/magnitude"].mean())
-    ref = np.array(level["redraw_1"])
+    size. Exact permutation p, no correction; bootstrap interval of the difference. Both columns are
+    the study's registered endpoints (``acc_level``, ``mag``) as its analysis computes them."""
+    cols = endpoint_values(load_study(STUDIES / "p1.yaml"), root=ROOT)[""]
+    ref = cols["redraw_1"]["acc_level"]
     rows = []
     for arm in ("persist", "redraw_25", "redraw_5"):
-        a = np.array(level[arm])
+        a = cols[arm]["acc_level"]
         lo, hi = bootstrap_diff_ci(ref, a)
         r = permutation_test(ref, a)
-        rows.append({"arm": arm, "mean magnitude": f"{np.mean(magnitude[arm]):.3f}",
-                     "redraw_1 (magnitude %.3f) minus arm [95%% bootstrap]" % np.mean(magnitude["redraw_1"]):
+        rows.append({"arm": arm, "mean magnitude": f"{cols[arm]['mag'].mean():.3f}",
+                     "redraw_1 (magnitude %.3f) minus arm [95%% bootstrap]" % cols["redraw_1"]["mag"].mean():
                          f"{r.diff:+.4f} [{lo:+.4f}, {hi:+.4f}]",
                      "exact permutation p": f"{r.p:.4f}"})
     return md_table(rows)

@@ -66,3 +66,15 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE and not _is_worker(session.config):  # the controller, after every worker is done
         shutil.rmtree(os.environ["TIMLAB_CACHE"], ignore_errors=True)
+
+
+@pytest.fixture
+def device_loop_calls(monkeypatch) -> list:
+    """The ``loop`` argument of every ``device_loop.generate`` call made in the test, in order
+    (the calls still run)."""
+    from timlab.engines import device_loop
+
+    calls = []
+    real = device_loop.generate
+    monkeypatch.setattr(device_loop, "generate", lambda *a, **k: calls.append(k["loop"]) or real(*a, **k))
+    return calls

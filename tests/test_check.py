@@ -143,14 +143,10 @@ def test_check_help_shows_default_values_not_constant_names(capsys):
 
 
 @pytest.mark.parametrize("loop", ["device", "graphs"])
-def test_the_device_decode_loop_passes_the_gate_at_zero(tmp_path, folder, loop, monkeypatch, capsys):
+def test_the_device_decode_loop_passes_the_gate_at_zero(tmp_path, folder, loop, device_loop_calls, capsys):
     """`--decode-loop`: the exact engine on the device loop (the CUDA graphs' static-buffer step on a
     CPU) still equals the trainer bit for bit, and the check says which loop it ran."""
-    from timlab.engines import device_loop
-
-    calls = []
-    real = device_loop.generate
-    monkeypatch.setattr(device_loop, "generate", lambda *a, **k: calls.append(k["loop"]) or real(*a, **k))
+    calls = device_loop_calls
     code, res = check(tmp_path, folder, "--rollout", "exact", "--decode-loop", loop, "--fail-above", "0")
     assert f"check: rollout=exact decode_loop={loop} score=trainer" in capsys.readouterr().out
     assert code == 0 and res["gate"]["worst"] == 0.0 and res["decode_loop"] == loop

@@ -335,17 +335,13 @@ def test_gpu_rollout_bench_runs_tiny_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("loop", ["device", "graphs"])
-def test_training_on_the_device_loop_repeats_the_host_loop_bit_for_bit(tmp_path, loop, monkeypatch):
+def test_training_on_the_device_loop_repeats_the_host_loop_bit_for_bit(tmp_path, loop, device_loop_calls):
     """`rollout.decode_loop`: on the CPU a training run on the device loop (rollouts and evaluations)
     logs the metrics of the same run on the host loop, bit for bit (timings aside), with a mismatch
     injected (an fp16 copy of the weights) so the rollout is not the trainer's own."""
     import pandas as pd
 
-    from timlab.engines import device_loop
-
-    calls = []
-    real = device_loop.generate
-    monkeypatch.setattr(device_loop, "generate", lambda *a, **k: calls.append(k["loop"]) or real(*a, **k))
+    calls = device_loop_calls
 
     from timlab.config import resolve
     from timlab.rundir.metrics_log import without_timings

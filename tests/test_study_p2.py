@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from study_sweep import planted_run, write_sweep
-from timlab.experiments.study import analyze, freeze, load_study, planned_runs
+from timlab.experiments.study import StudyError, analyze, endpoint_values, freeze, load_study, planned_runs
 from timlab.experiments.sweep_spec import expand, spec_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +75,10 @@ def test_p2_analysis_gives_each_planted_outcome(tmp_path, costs, seed_sd, outcom
     res = analyze(P2, root=tmp_path)
     assert res.status == "complete", res.text
     assert res.text.splitlines()[0].endswith("VALID.")
+    cols = endpoint_values(P2, root=tmp_path)[""]  # the registered endpoints, as the analysis computes them
+    assert list(cols) == ARMS and all(len(v["acc_level"]) == 8 for v in cols.values())
+    persist_cost = cols["control"]["acc_level"].mean() - cols["persist"]["acc_level"].mean()
+    assert f"{-persist_cost:+.4f}" in res.text
     assert res.outcomes[("P2", "")] == outcome, res.text
     line = next(x for x in res.text.splitlines() if x.startswith("Verdict P2"))
     assert outcome in line
@@ -87,3 +91,5 @@ def test_p2_analysis_refuses_an_incomplete_sweep(tmp_path):
                 run_ids={p.name: p.run_id for p in planned_runs(P2)})
     res = analyze(P2, root=tmp_path)
     assert res.status == "incomplete" and res.text.startswith("INCOMPLETE: 10 of 24 runs finished at step 150")
+    with pytest.raises(StudyError, match="INCOMPLETE: 10 of 24 runs"):
+        endpoint_values(P2, root=tmp_path)

@@ -173,9 +173,9 @@ def test_42_12_a_sweep_folder_refuses_a_second_instruction_set(sweep, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err == (f"timlab: error: sweep directory {copy} holds runs computed with {bits()} (sweep_isa.json), but "
                    f"this process computes with {other}: one folder never mixes instruction sets; "
-                   + ("run it as `timlab --isa avx2 sweep ...` on a machine of that CPU vendor"
-                      if bits().startswith("avx2") else
-                      f"continue it on a machine that computes with {bits()}, unpinned") + ", or choose a new --out")
+                   + {"avx2": "continue it as `timlab --isa avx2 sweep ...` on a machine whose CPU is not Intel's",
+                      "avx2-intel": "continue it as `timlab --isa avx2 sweep ...` on an Intel machine"}.get(
+                       bits(), f"continue it on a machine that computes with {bits()}, unpinned") + ", or choose a new --out")
     assert mtimes(copy) == before and not (copy / missing).exists()
     # the same name but another fingerprint (e.g. an Intel and an AMD CPU under one label): refused too
     monkeypatch.setattr(sweep_mod, "machine_bits", bits)

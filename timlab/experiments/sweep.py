@@ -103,8 +103,9 @@ def _check_isa(out: Path) -> None:
         raise SweepError(f"{record} is unreadable; it names the instruction set of the runs in {out}: restore it, "
                          "or choose a new --out") from None
     if recorded != here:
-        how = ("run it as `timlab --isa avx2 sweep ...` on a machine of that CPU vendor" if recorded.startswith("avx2")
-               else f"continue it on a machine that computes with {recorded}, unpinned")
+        how = {"avx2": "continue it as `timlab --isa avx2 sweep ...` on a machine whose CPU is not Intel's",
+               "avx2-intel": "continue it as `timlab --isa avx2 sweep ...` on an Intel machine"}.get(
+            recorded, f"continue it on a machine that computes with {recorded}, unpinned")
         raise SweepError(f"sweep directory {out} holds runs computed with {recorded} ({ISA_FILE}), but this process "
                          f"computes with {here}: one folder never mixes instruction sets; {how}, or choose a new --out")
     if recorded_fp is not None and recorded_fp != described["fingerprint"]:

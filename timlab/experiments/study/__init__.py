@@ -16,10 +16,10 @@ scripts/findings_tables.py for the FINDINGS blocks of the studies written as stu
   cost), the bit-for-bit re-runs behind their candidate values, and their out-of-sample part.
 """
 
-from timlab.experiments.study.engine import (PlannedRun, StudyResult, analyze, figure, incomplete, missing_runs,
-                                             planned_runs, predictions)
+from timlab.experiments.study.engine import (PlannedRun, StudyResult, analyze, endpoint_values, figure, incomplete,
+                                             missing_runs, planned_runs, predictions)
 from timlab.experiments.study.registration import (Study, StudyError, check_freeze, freeze, load_study,
                                                    registration_hash, study_from_dict)
 
-__all__ = ["Study", "StudyError", "StudyResult", "PlannedRun", "analyze", "figure", "incomplete", "missing_runs",
+__all__ = ["Study", "StudyError", "StudyResult", "PlannedRun", "analyze", "endpoint_values", "figure", "incomplete", "missing_runs",
            "planned_runs", "predictions", "load_study", "study_from_dict", "registration_hash", "check_freeze", "freeze"]

@@ -821,6 +821,21 @@ def _columns(study: Study, per: dict[str, list[dict]]) -> dict[str, dict[str, np
     return {a: {k: np.array([r[k] for r in rs], float) for k in rs[0] if k != "_valid"} for a, rs in per.items()}
 
 
+def endpoint_values(study: Study, out: str | Path | None = None, *,
+                    root: str | Path | None = None) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+    """{group: {arm: {endpoint: its values over the arm's runs, in spec order}}} of a complete
+    sweep: the registered endpoints exactly as ``analyze`` computes them, for a descriptive table
+    beside the registered analysis (a ``StudyError`` while runs are missing)."""
+    root = Path(root) if root is not None else Path(".")
+    out = root / sweep_dir(study, out)
+    planned = planned_runs(study)
+    states = _states(out) or {}
+    done = _done(study, planned, states)
+    if len(done) < len(planned):
+        raise StudyError(_incomplete_line(study, planned, done))
+    return {g: _columns(study, per) for g, per in _records(study, out, planned, states).items()}
+
+
 def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | None = None) -> StudyResult:
     """The registered analysis of ``study`` over its sweep directory (see the module docstring).
     ``root``: the folder ``out`` and the other sweeps the study names are relative to (default:
