@@ -30,10 +30,20 @@ VARIANTS = {
     "no_alignment": {"do_not_specialize_on_alignment": True},
     "none": {"do_not_specialize": True, "do_not_specialize_on_alignment": True},
 }
-INT_ARGS = {
-    "attention": ("_attention_kernel", None),  # None: every size and stride argument
-    "matmul": ("_linear_kernel", None),  # None for the linear: its ROW_ARGS
-}
+def _attention_ints(kernel) -> list[str]:
+    """The attention kernel's size and stride arguments."""
+    return [a for a in kernel.arg_names if a in ("H_KV", "REP", "M", "S", "D") or (a.startswith("s") and a != "scale")]
+
+
+def _linear_ints(kernel) -> tuple[str, ...]:
+    """The linear kernel's ``ROW_ARGS``: the only integer arguments it leaves unspecialized."""
+    from timlab.kernels import matmul
+
+    return matmul.ROW_ARGS
+
+
+INT_ARGS = {"attention": ("_attention_kernel", _attention_ints), "matmul": ("_linear_kernel", _linear_ints)}
+"""Per module: its kernel's name and the integer arguments a variant's specialization switches."""
 
 
 def recompile(variant: str) -> None:
@@ -42,13 +52,9 @@ def recompile(variant: str) -> None:
 
     from timlab.kernels import attention, matmul
 
-    for module, (name, ints) in zip((attention, matmul), INT_ARGS.values()):
+    for module, (name, int_args) in zip((attention, matmul), INT_ARGS.values()):
         kernel = getattr(module, name)
-        if ints is None and module is matmul:
-            ints = matmul.ROW_ARGS
-        elif ints is None:
-            ints = [a for a in kernel.arg_names if a in ("H_KV", "REP", "M", "S", "D") or (a.startswith("s") and a != "scale")]
-        kwargs = {k: list(ints) for k in VARIANTS[variant]}
+        kwargs = {k: list(int_args(kernel)) for k in VARIANTS[variant]}
         setattr(module, name, triton.jit(kernel.fn, **kwargs))
 
 
