@@ -89,8 +89,10 @@ def test_version_is_the_package_version_and_pyproject_reads_it(capsys):
     import torch
 
     text = capsys.readouterr().out.strip()
+    from timlab import machine
+
     assert text == f"timlab {timlab.__version__} (torch {torch.__version__}, CPU capability " \
-                   f"{torch.backends.cpu.get_cpu_capability()})"
+                   f"{torch.backends.cpu.get_cpu_capability()}, {machine.cpu_vendor()}, fingerprint {machine.fingerprint()})"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "timlab.__version__"}

@@ -107,8 +107,11 @@ def test_demo_names_the_torch_and_cpu_capability_it_computed_with(tmp_path, monk
     monkeypatch.setattr(report, "build_report", fake_report)
     monkeypatch.setattr(demo, "format_summary", lambda effects, table: "(tables)")
     assert cli.main(["demo", "--quick", "--quiet", "--out", str(tmp_path / "d")]) == 0
-    machine = f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    from timlab.machine import cpu_vendor, fingerprint
+
+    machine = (f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {cpu_vendor()}, "
+               f"fingerprint {fingerprint()}")
     out = capsys.readouterr().out
-    assert f"\ncomputed with {machine}: runs repeat bit for bit on machines with the same CPU capability" in out
+    assert f"\ncomputed with {machine}: runs repeat bit for bit on machines with the same fingerprint" in out
     assert "has the demo's tables for AVX2 and for AVX512" in out
     assert seen["note"].startswith(f"Computed with {machine}: runs repeat bit for bit")

@@ -38,6 +38,8 @@ def test_exact_cpu_env_names_what_intel_and_amx_need_and_prepare_keeps_the_users
     added = machine.prepare_exact_cpu(env)
     assert env == {**want, "MKL_CBWR": "AVX2,STRICT"} and added == {k: v for k, v in want.items() if k != "MKL_CBWR"}
     assert all(os.environ.get(k) is not None for k in want)  # `import timlab` set this process's
+    env = {machine.KEEP_CPU_ENV: "1"}
+    assert machine.prepare_exact_cpu(env) == {} and env == {machine.KEEP_CPU_ENV: "1"}  # the user's opt-out
 
 
 _ROWS_PROBE = """

@@ -1012,8 +1012,8 @@ COMMANDS = [_add_probe, _add_pretrain, _add_train, _add_demo, _add_sweep, _add_r
 
 
 class _Version(argparse.Action):
-    """``--version``: timlab's version, and the torch and CPU capability that decide the bits a run
-    computes (importing torch to read them)."""
+    """``--version``: timlab's version, and the torch, CPU capability, vendor and fingerprint that
+    decide the bits a run computes (importing torch to read them)."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
@@ -1028,9 +1028,9 @@ class _Version(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timlab", description=ABOUT, epilog=START, formatter_class=_Formatter)
-    parser.add_argument("--version", action=_Version, help="show timlab's version, torch's and the CPU capability "
-                                                            "torch computes with (runs repeat bit for bit only where "
-                                                            "these agree), and exit")
+    parser.add_argument("--version", action=_Version, help="show timlab's version, torch's, the CPU capability "
+                                                            "torch computes with and the machine's fingerprint (runs "
+                                                            "repeat bit for bit only where these agree), and exit")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("--isa", choices=ISAS, default="native",
                         help="CPU instruction set to compute with: native (the machine's own) or avx2 (torch, oneDNN "

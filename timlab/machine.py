@@ -66,6 +66,10 @@ PIN_ENV = pin_vars()
 """What ``--isa avx2`` sets on this machine: ``AVX2_CAPS``, plus ``INTEL_STRICT`` on an Intel CPU."""
 
 
+KEEP_CPU_ENV = "TIMLAB_KEEP_CPU_ENV"
+"""Set to 1 so that ``import timlab`` leaves MKL's and oneDNN's settings as they are."""
+
+
 def exact_cpu_env(vendor: str | None = None, flags: str | None = None) -> dict[str, str]:
     """What the exact CPU path needs set on a CPU of ``vendor`` with cpuinfo ``flags`` (default:
     this machine's), unpinned; empty on the AMD CPUs every published run used.
@@ -91,8 +95,12 @@ def prepare_exact_cpu(environ: dict | None = None) -> dict[str, str]:
     """Set each variable of ``exact_cpu_env()`` that ``environ`` (default: this process's) leaves
     unset; returns the ones set. MKL and oneDNN read them at their first call, not at import, so
     this works after ``import torch`` and before the first matmul; ``import timlab`` calls it.
-    A variable the user set (the ``--isa avx2`` pin sets both) is left as it is."""
+    A variable the user set (the ``--isa avx2`` pin sets both) is left as it is, and
+    ``TIMLAB_KEEP_CPU_ENV=1`` leaves all of them (e.g. to keep AMX's bf16 speed where exactness
+    does not matter)."""
     environ = os.environ if environ is None else environ
+    if environ.get(KEEP_CPU_ENV) == "1":
+        return {}
     added = {k: v for k, v in exact_cpu_env().items() if k not in environ}
     environ.update(added)
     return added
@@ -195,14 +203,17 @@ def describe() -> dict:
 
 def summary(described: dict | None = None) -> str:
     """``describe()`` (default: this process's) as one line for people, e.g. ``torch 2.13.0,
-    CPU capability AVX2`` (``, capped at AVX2 by --isa avx2`` when pinned)."""
+    CPU capability AVX2, AuthenticAMD, fingerprint 0123456789ab`` (``, capped at AVX2 by --isa
+    avx2`` when pinned; vendor and fingerprint where the record has them)."""
     d = describe() if described is None else described
     return (f"torch {d['torch']}, CPU capability {d['cpu_capability']}"
-            + (", capped at AVX2 by --isa avx2" if d.get("pinned_avx2") else ""))
+            + (", capped at AVX2 by --isa avx2" if d.get("pinned_avx2") else "")
+            + (f", {d['vendor']}" if d.get("vendor") not in (None, "None") else "")
+            + (f", fingerprint {d['fingerprint']}" if d.get("fingerprint") else ""))
 
 
-REPEATS_NOTE = ("runs repeat bit for bit on machines with the same CPU capability and torch, not across them; "
-                "README, 'What the demo shows', has the demo's tables for AVX2 and for AVX512")
+REPEATS_NOTE = ("runs repeat bit for bit on machines with the same fingerprint and torch, not across them; "
+                "README, 'What the demo shows', has the demo's tables for AVX2 and for AVX512 (AMD EPYCs)")
 """What the demo says under its machine line: which published table a reader should compare with."""
 
 
