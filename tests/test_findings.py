@@ -101,6 +101,41 @@ def test_e3c_verdict_row_quotes_its_block():
     assert "Level 3, head_0.72: **T * k3** holds out of sample; the registered fit's extrapolation: **holds**." in block
 
 
+def test_p2_verdict_row_quotes_its_block_and_data():
+    """The P2 verdict row rounds its generated block (each arm's cost, the registered difference and
+    its p, the realized k3) and the cost per unit of k3 recomputed from the registered endpoints."""
+    from timlab.experiments.study import endpoint_values, load_study
+
+    text = load_script("findings_tables").FINDINGS.read_text()
+    block = text.split("<!-- findings:persistence-p2 -->")[1].split("<!-- /findings:persistence-p2 -->")[0]
+    row = next(line for line in text.splitlines() if line.startswith("| P2 (persistence) |"))
+    acc = block.split("**accuracy level, evaluations at steps 50-150 (primary)**, arm minus control")[1]
+
+    def numbers(cell):
+        return [float(v) for v in cell.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+
+    def cost(arm):
+        cells = next(r for r in acc.splitlines() if r.startswith(f"| {arm} |")).split(" | ")
+        x, lo, hi = numbers(cells[2])
+        return f"{-x:.3f} [{-hi:.3f}, {-lo:.3f}]", cells[4]
+
+    persist, p_persist = cost("persist")
+    fresh, p_fresh = cost("redraw_1")
+    assert f"a run-long direction costs {persist} of accuracy (steps 50-150, Holm p = {p_persist})" in row
+    assert f"a fresh direction every step {fresh} (Holm p = {p_fresh})" in row
+    rule1 = next(r for r in block.splitlines() if r.startswith("| redraw_1 - persist | +0.9")).split(" | ")
+    d, lo, hi = numbers(rule1[2])
+    assert f"fresh minus run-long {d:+.3f} [{lo:+.3f}, {hi:+.3f}], p = {rule1[3]}" in row
+    k3 = {a: next(r for r in block.splitlines() if r.startswith(f"| {a} |")).split(" | ")[1].split()[0]
+          for a in ("persist", "redraw_1")}
+    assert f"({k3['persist']} against {k3['redraw_1']} over steps 10-150)" in row
+    cols = endpoint_values(load_study(REPO / "docs" / "examples" / "studies" / "p2.yaml"), root=REPO)[""]
+    per_k3 = {a: (cols["control"]["acc_level"].mean() - cols[a]["acc_level"].mean()) / cols[a]["k3"].mean()
+              for a in ("persist", "redraw_1")}
+    assert (f"it cost {per_k3['persist'] / per_k3['redraw_1']:.1f}x as much ({per_k3['persist']:.1f} against "
+            f"{per_k3['redraw_1']:.2f} of accuracy per unit of mean k3)") in row
+
+
 def test_p1_verdict_row_quotes_its_blocks():
     """The P1 verdict row rounds its generated blocks: each arm's cost (the control's level minus its
     own, so the sign flips), the registered difference and its p, and the descriptive pair table."""
