@@ -64,6 +64,7 @@ from timlab.metrics import (
     routing_metrics,
 )
 from timlab.metrics.alarm import ALARMS, AlarmWatch
+from timlab.metrics.persistence import PersistenceTracker
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
 from timlab.model.moe import Routing
@@ -260,6 +261,7 @@ class RLRun:
         self.step = 0
         self.grad_norm_ema: float | None = None
         self.peak_val = float("-inf")
+        self.persistence = PersistenceTracker(self.model.config.vocab_size)
         self.alarm = self._build_alarm()
         self.log = MetricsLog(self.rundir.path, tensorboard=cfg.run.tensorboard and self.world.is_main) if self.world.is_main else None
         if resume:
@@ -321,6 +323,8 @@ class RLRun:
         self.step = state["step"]
         self.grad_norm_ema = state["grad_norm_ema"]
         self.peak_val = state["peak_val"]
+        if state.get("persistence") is not None:  # checkpoints before it start its statistics afresh
+            self.persistence.load_state_dict(state["persistence"])
         saved_alarm = state.get("alarm")
         if self.alarm is not None and saved_alarm and saved_alarm["setting"] == self._alarm_setting():
             self.alarm.load_state_dict(saved_alarm["watch"])  # the same alarm: it goes on; another starts afresh
@@ -361,6 +365,7 @@ class RLRun:
             "torch_rng": torch.get_rng_state(),
             "grad_norm_ema": self.grad_norm_ema,
             "peak_val": self.peak_val,
+            "persistence": self.persistence.state_dict(),
             "alarm": {"setting": self._alarm_setting(), "watch": self.alarm.state_dict()} if self.alarm else None,
         }
 
@@ -472,6 +477,7 @@ class RLRun:
         maskf = mask.float()
         metrics = all_metrics(old_logp, rollout_logp, maskf, num_micro_batches=max(1, cfg.algorithm.mini_batches))
         metrics.update(harm_metrics(old_logp, rollout_logp, maskf, advantages=adv, entropy=scored.entropy.detach()))
+        metrics.update(self.persistence.update(old_logp, rollout_logp, maskf, scored.tokens))
         dists = None
         if cfg.run.distributions_every and self.step % cfg.run.distributions_every == 0 and self.log is not None:
             dists = {
