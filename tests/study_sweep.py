@@ -47,3 +47,36 @@ def planted_run(rng, *, control: bool, steps: int, ev, acc, gold, k3: float, mag
                           "train/response_length_mean": length + rng.normal(0, 0.5, t.size)})
     m = pd.DataFrame({"step": ev, "val/accuracy": acc, "val/gold_logprob": gold}).merge(train, on="step", how="outer")
     return m.sort_values("step")[["step"] + sorted(c for c in m.columns if c != "step")]
+
+
+def planted_levels(arms: list[str], costs: dict[str, float], seed_sd: float, *, level: float, start: tuple[float, float],
+                   k3: float, magnitude: float, steps: int = 150):
+    """``metrics(name)`` for a sweep of ``steps``-step runs named ``<arm>_s<seed>``: accuracy ``level``
+    (a seed offset of sd ``seed_sd``, evaluation noise sd 3e-3, every 10 steps) minus the arm's
+    planted cost from step 20 on; gold log-prob -0.10 minus 5x that; step 0's evaluation ``start``
+    (accuracy, gold log-prob) in every run; k3 ``k3`` for every arm but the control."""
+    import numpy as np
+
+    def metrics(name: str) -> pd.DataFrame:
+        arm, seed = name.rsplit("_s", 1)
+        rng = np.random.default_rng([arms.index(arm), int(seed)])
+        ev = np.arange(0, steps + 1, 10)
+        cost = costs.get(arm, 0.0) * (ev >= 20)
+        acc = level + rng.normal(0, seed_sd) + rng.normal(0, 3e-3, ev.size) - cost
+        gold = -0.10 + rng.normal(0, 1e-3, ev.size) - 5 * cost
+        acc[0], gold[0] = start
+        return planted_run(rng, control=arm == "control", steps=steps, ev=ev, acc=acc, gold=gold, k3=k3,
+                           magnitude=magnitude, length=23.0)
+    return metrics
+
+
+def analyzed(study, root: Path, metrics: Callable[[str], pd.DataFrame], names: list[str] | None = None):
+    """Freeze ``study`` in ``root``, write the runs ``names`` (default: every planned run) from
+    ``metrics`` as finished, and return its analysis."""
+    from timlab.experiments.study import analyze, freeze, planned_runs
+
+    ids = {p.name: p.run_id for p in planned_runs(study)}
+    out = Path(root) / study.out
+    freeze(study, out)
+    write_sweep(out, list(ids) if names is None else names, metrics, study.steps, run_ids=ids)
+    return analyze(study, root=root)

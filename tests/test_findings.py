@@ -101,6 +101,19 @@ def test_e3c_verdict_row_quotes_its_block():
     assert "Level 3, head_0.72: **T * k3** holds out of sample; the registered fit's extrapolation: **holds**." in block
 
 
+def _numbers(cell: str) -> list[float]:
+    """The numbers of a table cell such as "-0.0524 [-0.0629, -0.0411]"."""
+    return [float(v) for v in cell.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+
+
+def _block_cost(acc: str, arm: str) -> tuple[str, str]:
+    """An arm's cost from a study block's "arm minus control" table ``acc`` as a verdict row rounds
+    it (the control's level minus the arm's, so the sign flips): ("0.052 [0.041, 0.063]", Holm p)."""
+    cells = next(r for r in acc.splitlines() if r.startswith(f"| {arm} |")).split(" | ")
+    x, lo, hi = _numbers(cells[2])
+    return f"{-x:.3f} [{-hi:.3f}, {-lo:.3f}]", cells[4]
+
+
 def test_p2_verdict_row_quotes_its_block_and_data():
     """The P2 verdict row rounds its generated block (each arm's cost, the registered difference and
     its p, the realized k3) and the cost per unit of k3 recomputed from the registered endpoints."""
@@ -111,20 +124,12 @@ def test_p2_verdict_row_quotes_its_block_and_data():
     row = next(line for line in text.splitlines() if line.startswith("| P2 (persistence) |"))
     acc = block.split("**accuracy level, evaluations at steps 50-150 (primary)**, arm minus control")[1]
 
-    def numbers(cell):
-        return [float(v) for v in cell.replace("[", " ").replace("]", " ").replace(",", " ").split()]
-
-    def cost(arm):
-        cells = next(r for r in acc.splitlines() if r.startswith(f"| {arm} |")).split(" | ")
-        x, lo, hi = numbers(cells[2])
-        return f"{-x:.3f} [{-hi:.3f}, {-lo:.3f}]", cells[4]
-
-    persist, p_persist = cost("persist")
-    fresh, p_fresh = cost("redraw_1")
+    persist, p_persist = _block_cost(acc, "persist")
+    fresh, p_fresh = _block_cost(acc, "redraw_1")
     assert f"a run-long direction costs {persist} of accuracy (steps 50-150, Holm p = {p_persist})" in row
     assert f"a fresh direction every step {fresh} (Holm p = {p_fresh})" in row
     rule1 = next(r for r in block.splitlines() if r.startswith("| redraw_1 - persist | +0.9")).split(" | ")
-    d, lo, hi = numbers(rule1[2])
+    d, lo, hi = _numbers(rule1[2])
     assert f"fresh minus run-long {d:+.3f} [{lo:+.3f}, {hi:+.3f}], p = {rule1[3]}" in row
     k3 = {a: next(r for r in block.splitlines() if r.startswith(f"| {a} |")).split(" | ")[1].split()[0]
           for a in ("persist", "redraw_1")}
@@ -145,13 +150,10 @@ def test_p1_verdict_row_quotes_its_blocks():
     row = next(line for line in text.splitlines() if line.startswith("| P1 (persistence) |"))
     acc = block.split("**accuracy level, evaluations at steps 50-150 (primary)**, arm minus control")[1]
 
-    def numbers(cell):
-        return [float(v) for v in cell.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+    def cost(arm):
+        return _block_cost(acc, arm)
 
-    def cost(arm):  # "| persist | mean | -0.0524 [-0.0629, -0.0411] | p | Holm p | ..." -> "0.052 [0.041, 0.063]"
-        cells = next(r for r in acc.splitlines() if r.startswith(f"| {arm} |")).split(" | ")
-        x, lo, hi = numbers(cells[2])
-        return f"{-x:.3f} [{-hi:.3f}, {-lo:.3f}]", cells[4]
+    numbers = _numbers
 
     persist, p_persist = cost("persist")
     fresh, p_fresh = cost("redraw_1")

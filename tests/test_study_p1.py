@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import pytest
 
-from study_sweep import planted_run, write_sweep
-from timlab.experiments.study import analyze, freeze, load_study, planned_runs
+from study_sweep import analyzed, planted_levels
+from timlab.experiments.study import load_study, planned_runs
 from timlab.experiments.sweep_spec import expand, spec_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,19 +44,8 @@ def test_findings_names_the_registration_hash_and_the_block():
 
 
 def planted(costs: dict[str, float], seed_sd: float = 5e-3):
-    """150-step runs: accuracy 0.97 (seed offset sd ``seed_sd``, evaluation noise sd 3e-3, every 10 steps) minus
-    the arm's planted cost from step 20 on; gold log-prob -0.10 minus 5x that; k3 1e-2 for every mismatch arm."""
-    def metrics(name: str) -> pd.DataFrame:
-        arm, seed = name.rsplit("_s", 1)
-        rng = np.random.default_rng([ARMS.index(arm), int(seed)])
-        ev = np.arange(0, 151, 10)
-        cost = costs.get(arm, 0.0) * (ev >= 20)
-        acc = 0.97 + rng.normal(0, seed_sd) + rng.normal(0, 3e-3, ev.size) - cost
-        gold = -0.10 + rng.normal(0, 1e-3, ev.size) - 5 * cost
-        acc[0], gold[0] = 0.965, -0.32
-        return planted_run(rng, control=arm == "control", steps=150, ev=ev, acc=acc, gold=gold, k3=1e-2,
-                           magnitude=0.4, length=23.0)
-    return metrics
+    """150-step runs at accuracy 0.97 minus each arm's planted cost (``study_sweep.planted_levels``); k3 1e-2."""
+    return planted_levels(ARMS, costs, seed_sd, level=0.97, start=(0.965, -0.32), k3=1e-2, magnitude=0.4)
 
 
 @pytest.mark.parametrize("costs, seed_sd, outcome", [
@@ -70,10 +57,7 @@ def planted(costs: dict[str, float], seed_sd: float = 5e-3):
     ({"persist": 0.08, "redraw_25": 0.07, "redraw_5": 0.065, "redraw_1": 0.06}, 3e-2, "undecided"),
 ])
 def test_p1_analysis_gives_each_planted_outcome(tmp_path, costs, seed_sd, outcome):
-    ids = {p.name: p.run_id for p in planned_runs(P1)}
-    freeze(P1, tmp_path / "sweeps" / "p1")
-    write_sweep(tmp_path / "sweeps" / "p1", list(ids), planted(costs, seed_sd), 150, run_ids=ids)
-    res = analyze(P1, root=tmp_path)
+    res = analyzed(P1, tmp_path, planted(costs, seed_sd))
     assert res.status == "complete", res.text
     assert res.text.splitlines()[0].endswith("VALID.")
     assert res.outcomes[("P1", "")] == outcome, res.text
@@ -82,9 +66,5 @@ def test_p1_analysis_gives_each_planted_outcome(tmp_path, costs, seed_sd, outcom
 
 
 def test_p1_analysis_refuses_an_incomplete_sweep(tmp_path):
-    names = [p.name for p in planned_runs(P1)]
-    freeze(P1, tmp_path / "sweeps" / "p1")
-    write_sweep(tmp_path / "sweeps" / "p1", names[:10], planted({}), 150,
-                run_ids={p.name: p.run_id for p in planned_runs(P1)})
-    res = analyze(P1, root=tmp_path)
+    res = analyzed(P1, tmp_path, planted({}), [p.name for p in planned_runs(P1)][:10])
     assert res.status == "incomplete" and res.text.startswith("INCOMPLETE: 10 of 40 runs finished at step 150")

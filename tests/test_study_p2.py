@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import pytest
 
-from study_sweep import planted_run, write_sweep
-from timlab.experiments.study import StudyError, analyze, endpoint_values, freeze, load_study, planned_runs
+from study_sweep import analyzed, planted_levels
+from timlab.experiments.study import StudyError, endpoint_values, load_study, planned_runs
 from timlab.experiments.sweep_spec import expand, spec_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,19 +44,8 @@ def test_findings_names_the_registration_hash_and_the_block():
 
 
 def planted(costs: dict[str, float], seed_sd: float = 5e-3):
-    """150-step runs: accuracy 0.98 (seed offset sd ``seed_sd``, evaluation noise sd 3e-3, every 10 steps) minus
-    the arm's planted cost from step 20 on; gold log-prob -0.10 minus 5x that; k3 2e-2 for every mismatch arm."""
-    def metrics(name: str) -> pd.DataFrame:
-        arm, seed = name.rsplit("_s", 1)
-        rng = np.random.default_rng([ARMS.index(arm), int(seed)])
-        ev = np.arange(0, 151, 10)
-        cost = costs.get(arm, 0.0) * (ev >= 20)
-        acc = 0.98 + rng.normal(0, seed_sd) + rng.normal(0, 3e-3, ev.size) - cost
-        gold = -0.10 + rng.normal(0, 1e-3, ev.size) - 5 * cost
-        acc[0], gold[0] = 0.98, -0.19
-        return planted_run(rng, control=arm == "control", steps=150, ev=ev, acc=acc, gold=gold, k3=2e-2,
-                           magnitude=0.6, length=23.0)
-    return metrics
+    """150-step runs at accuracy 0.98 minus each arm's planted cost (``study_sweep.planted_levels``); k3 2e-2."""
+    return planted_levels(ARMS, costs, seed_sd, level=0.98, start=(0.98, -0.19), k3=2e-2, magnitude=0.6)
 
 
 @pytest.mark.parametrize("costs, seed_sd, outcome", [
@@ -69,10 +56,7 @@ def planted(costs: dict[str, float], seed_sd: float = 5e-3):
     ({"persist": 0.07, "redraw_1": 0.065}, 3e-2, "undecided"),
 ])
 def test_p2_analysis_gives_each_planted_outcome(tmp_path, costs, seed_sd, outcome):
-    ids = {p.name: p.run_id for p in planned_runs(P2)}
-    freeze(P2, tmp_path / "sweeps" / "p2")
-    write_sweep(tmp_path / "sweeps" / "p2", list(ids), planted(costs, seed_sd), 150, run_ids=ids)
-    res = analyze(P2, root=tmp_path)
+    res = analyzed(P2, tmp_path, planted(costs, seed_sd))
     assert res.status == "complete", res.text
     assert res.text.splitlines()[0].endswith("VALID.")
     cols = endpoint_values(P2, root=tmp_path)[""]  # the registered endpoints, as the analysis computes them
@@ -85,11 +69,7 @@ def test_p2_analysis_gives_each_planted_outcome(tmp_path, costs, seed_sd, outcom
 
 
 def test_p2_analysis_refuses_an_incomplete_sweep(tmp_path):
-    names = [p.name for p in planned_runs(P2)]
-    freeze(P2, tmp_path / "sweeps" / "p2")
-    write_sweep(tmp_path / "sweeps" / "p2", names[:10], planted({}), 150,
-                run_ids={p.name: p.run_id for p in planned_runs(P2)})
-    res = analyze(P2, root=tmp_path)
+    res = analyzed(P2, tmp_path, planted({}), [p.name for p in planned_runs(P2)][:10])
     assert res.status == "incomplete" and res.text.startswith("INCOMPLETE: 10 of 24 runs finished at step 150")
     with pytest.raises(StudyError, match="INCOMPLETE: 10 of 24 runs"):
         endpoint_values(P2, root=tmp_path)
