@@ -4,7 +4,8 @@
 
 Trains the surge preset for ``--steps`` steps from ``--start`` (default: the preset's own SFT warm
 start, built once if missing) under each kind, one seed, and prints per kind the median realized k3
-and the mean of ``mismatch/persistence_lag1`` and ``mismatch/persistence_ema`` over steps 3 on.
+and the mean of ``mismatch/persistence_lag1``, ``mismatch/persistence_ema`` and
+``mismatch/persistence_reliability`` over steps 3 on.
 Kinds: zero mismatch; head_perturb 0.6 with one direction for the run, redrawn every 25 steps and
 every step (studies P1 and P2's arms); one step of staleness; an fp8 rollout; logit noise 0.3.
 """
@@ -62,10 +63,12 @@ def main() -> None:
             m = m[m["step"] >= 3]
             rows.append({"kind": name, "k3 (median)": float(m["rollout_corr/k3_kl"].median()),
                          "persistence_lag1 (mean)": float(m["mismatch/persistence_lag1"].mean()),
-                         "persistence_ema (mean)": float(m["mismatch/persistence_ema"].mean())})
+                         "persistence_ema (mean)": float(m["mismatch/persistence_ema"].mean()),
+                         "persistence_reliability (mean)": float(m["mismatch/persistence_reliability"].mean())})
             r = rows[-1]
             print(f"{name:<38} k3 {r['k3 (median)']:.2e}  lag1 {r['persistence_lag1 (mean)']:+.3f}  "
-                  f"ema {r['persistence_ema (mean)']:+.3f}", flush=True)
+                  f"ema {r['persistence_ema (mean)']:+.3f}  reliability {r['persistence_reliability (mean)']:+.3f}",
+                  flush=True)
     print(f"computed with {summary()}; start {args.start or 'the surge warm start'}, {args.steps} steps, seed 0")
     if args.json:
         Path(args.json).write_text(json.dumps({"start": args.start, "steps": args.steps, "rows": rows}, indent=1))

@@ -15,8 +15,14 @@ pass. The tokens differ from step to step, so the bias is compared per vocabular
   horizon of ~10 steps). A direction redrawn every 25 steps stays near 1 at lag 1 but falls here
   after each redraw, so this one separates persistence over several steps too.
 
-Each is NaN on the first step, where fewer than ``MIN_SHARED`` entries were seen at both, or where
-either side is constant (the zero-mismatch setting, where r is exactly 0 everywhere). Inputs are
+- ``mismatch/persistence_reliability``: how much of one step's m_s is signal rather than sampling
+  noise: the correlation of m computed on the even and on the odd sequences of the step, stepped
+  up to the whole step (Spearman-Brown, 2c / (1 + c)). A low persistence with a high reliability
+  says the bias changes direction between steps; with a low reliability, that it cannot be seen.
+
+Each is NaN on the first step (the reliability excepted), where fewer than ``MIN_SHARED`` entries
+were seen at both, or where either side is constant (the zero-mismatch setting, where r is
+exactly 0 everywhere). Inputs are
 (B, T) as everywhere in ``timlab.metrics`` plus the token ids (B, T); ``PersistenceTracker`` keeps
 the state between steps, and its ``state_dict`` goes into checkpoints so that a resumed run logs
 what an uninterrupted one does. Not from a paper; whether it predicts harm out of sample is open
@@ -38,7 +44,7 @@ EMA_ALPHA = 0.1
 MIN_SHARED = 3
 """Fewest vocabulary entries seen on both sides for a correlation; NaN below it."""
 
-PERSISTENCE_KEYS = ("mismatch/persistence_lag1", "mismatch/persistence_ema")
+PERSISTENCE_KEYS = ("mismatch/persistence_lag1", "mismatch/persistence_ema", "mismatch/persistence_reliability")
 """Keys ``PersistenceTracker.update`` returns."""
 
 
@@ -88,8 +94,14 @@ class PersistenceTracker:
                tokens: torch.Tensor) -> dict[str, float]:
         """This step's persistence against the last step and the moving average; then take it in."""
         sums, counts = token_sums(train_logp, rollout_logp, mask, tokens, self.vocab_size)
+        valid = (mask != 0).to(torch.float64)  # (B, T)
+        even = torch.zeros_like(valid)
+        even[0::2] = valid[0::2]  # the even sequences' valid tokens
+        half = correlation(*token_sums(train_logp, rollout_logp, even, tokens, self.vocab_size),
+                           *token_sums(train_logp, rollout_logp, valid - even, tokens, self.vocab_size))
         out = {PERSISTENCE_KEYS[0]: math.nan if self.last is None else correlation(sums, counts, *self.last),
-               PERSISTENCE_KEYS[1]: math.nan if self.ema is None else correlation(sums, counts, *self.ema)}
+               PERSISTENCE_KEYS[1]: math.nan if self.ema is None else correlation(sums, counts, *self.ema),
+               PERSISTENCE_KEYS[2]: 2 * half / (1 + half) if half > -1 else math.nan}
         sums, counts = sums.cpu(), counts.cpu()
         self.last = (sums, counts)
         if self.ema is None:
