@@ -4,7 +4,7 @@ under each way of pinning this machine, with the fingerprint each computes.
     python bench/gemm_rows.py
 
 Each setting runs in a child process (the environment must be set before torch loads): native as
-torch ships (``TIMLAB_KEEP_CPU_ENV=1``), native as ``import timlab`` sets it (``machine.exact_cpu_env``:
+torch ships (``TIMLAB_KEEP_CPU_ENV=1``), native as ``timlab.model`` sets it (``machine.exact_cpu_env``:
 MKL strict and oneDNN without AMX on Intel/AMX CPUs, nothing on AMD), the AVX2 caps alone
 (``machine.AVX2_CAPS``), and this machine's ``--isa avx2`` pin (``machine.PIN_ENV``: the caps, plus
 ``MKL_CBWR=AVX2,STRICT`` on an Intel CPU). Prints, per setting, the (K, N, M) cases of

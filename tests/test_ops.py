@@ -31,7 +31,7 @@ def test_linear_rows_do_not_depend_on_row_count(dtype, K, N):
 
 def test_stock_linear_is_not_invariant_for_small_row_counts():
     """Why the padding exists: without it, 1-3 rows take another kernel (fp32). Checked in a child
-    process with MKL as torch ships it (``TIMLAB_KEEP_CPU_ENV=1``): on an Intel CPU ``import timlab``
+    process with MKL as torch ships it (``TIMLAB_KEEP_CPU_ENV=1``): on an Intel CPU ``timlab.model``
     asks MKL for its strict mode, under which even 1-3 rows keep their bits."""
     import os
     import subprocess

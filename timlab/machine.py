@@ -67,7 +67,7 @@ PIN_ENV = pin_vars()
 
 
 KEEP_CPU_ENV = "TIMLAB_KEEP_CPU_ENV"
-"""Set to 1 so that ``import timlab`` leaves MKL's and oneDNN's settings as they are."""
+"""Set to 1 so that importing ``timlab.model`` leaves MKL's and oneDNN's settings as they are."""
 
 
 def exact_cpu_env(vendor: str | None = None, flags: str | None = None) -> dict[str, str]:
@@ -94,7 +94,10 @@ def exact_cpu_env(vendor: str | None = None, flags: str | None = None) -> dict[s
 def prepare_exact_cpu(environ: dict | None = None) -> dict[str, str]:
     """Set each variable of ``exact_cpu_env()`` that ``environ`` (default: this process's) leaves
     unset; returns the ones set. MKL and oneDNN read them at their first call, not at import, so
-    this works after ``import torch`` and before the first matmul; ``import timlab`` calls it.
+    this works after ``import torch`` and before the first matmul. Importing ``timlab.model`` (the
+    exact path: engines, trainer, CLI) calls it, and so does ``fingerprint()``; the pure layers and
+    the plug-ins do not, so a TRL or verl user's bf16 keeps oneDNN's AMX kernels (5-13x faster on
+    a bf16 linear on the Intel machine, bench/RESULTS.md).
     A variable the user set (the ``--isa avx2`` pin sets both) is left as it is, and
     ``TIMLAB_KEEP_CPU_ENV=1`` leaves all of them (e.g. to keep AMX's bf16 speed where exactness
     does not matter)."""
@@ -154,9 +157,11 @@ def fingerprint() -> str:
     at ``FINGERPRINT_GEMMS`` and their transposed products, a batched matmul, softmax, log-softmax,
     SiLU, exp, rsqrt, sin, cos, sqrt, and bf16 and fp16 linears) on fixed exact inputs, one torch
     thread. Two processes with different fingerprints compute different bits; equal fingerprints
-    make equal bits likely, not certain. Computed once per process (about 30 ms)."""
+    make equal bits likely, not certain. Computed once per process (about 30 ms), under the settings
+    of ``prepare_exact_cpu`` (what a run computes with)."""
     global _fingerprint
     if _fingerprint is None:
+        prepare_exact_cpu()
         import hashlib
 
         import torch
