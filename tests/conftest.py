@@ -19,6 +19,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import timlab.model  # noqa: E402,F401  (the exact path's MKL/oneDNN settings, before any test module's first matmul)
+
 torch.set_num_threads(1)
 
 # One warm-start cache per test session: the smoke model is pretrained once, never downloaded, and
