@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from timlab.experiments import early_warning  # noqa: E402
 from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
+from timlab.rundir.metrics_log import first_difference  # noqa: E402
 from timlab.experiments.stats import bootstrap_diff_ci, clopper_pearson, line_fit, permutation_test  # noqa: E402
 from timlab.experiments.study import analyze, endpoint_values, load_study, planned_runs, predictions  # noqa: E402
 from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
@@ -397,8 +398,38 @@ def p1_pairs(R: pd.DataFrame) -> str:
     return md_table(rows)
 
 
+def p2_persistence(R: pd.DataFrame) -> str:
+    """Study P2's runs re-run after the analysis with the persistence metrics (sweeps/p2_rerun, same
+    spec, same machine): how many are bit for bit the committed runs in every value both logged, and
+    per mismatch arm the mean over seeds of each run's mean persistence over steps 10-150, with each
+    seed's moving-average persistence beside its cost (the control's accuracy level minus its own,
+    the registered primary endpoint). Descriptive, not a registered test."""
+    study = load_study(STUDIES / "p2.yaml")
+    cols = endpoint_values(study, root=ROOT)[""]
+    control = cols["control"]["acc_level"].mean()
+    same, per = 0, {}
+    for run in planned_runs(study):
+        a, b = read_metrics(ROOT / study.out / run.run_id), read_metrics(SWEEPS / "p2_rerun" / run.run_id)
+        same += first_difference(a, b) is None
+        if run.arm != "control":
+            w = b[(b["step"] >= 10) & (b["step"] <= 150)]
+            per.setdefault(run.arm, []).append([w[k].mean() for k in ("mismatch/persistence_lag1",
+                                                                      "mismatch/persistence_ema",
+                                                                      "mismatch/persistence_reliability")])
+    rows = []
+    for arm, v in per.items():
+        v = np.array(v)
+        rows.append({"arm": arm, "persistence_lag1": f"{v[:, 0].mean():.2f}", "persistence_ema": f"{v[:, 1].mean():.2f}",
+                     "reliability": f"{v[:, 2].mean():.2f}",
+                     "per seed 0-7: persistence_ema / cost": ", ".join(
+                         f"{e:.2f} / {control - c:.3f}" for e, c in zip(v[:, 1], cols[arm]["acc_level"]))})
+    n = len(planned_runs(study))
+    return (f"{same} of {n} re-run runs identical to the committed ones in every value both logged.\n\n"
+            + md_table(rows))
+
+
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
-          "d16-300": d16_300, "l1-k3-steps": l1_k3_steps, "p1-pairs": p1_pairs,
+          "d16-300": d16_300, "l1-k3-steps": l1_k3_steps, "p1-pairs": p1_pairs, "p2-persistence": p2_persistence,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
           "erosion-pilot": lambda R: erosion_tables.slopes(str(SWEEPS / "erosion_pilot"), erosion_tables.START),
           "e3-starts": lambda R: e3_tables.starts(str(SWEEPS / "e3_starts")),
