@@ -402,8 +402,8 @@ def p2_persistence(R: pd.DataFrame) -> str:
     """Study P2's runs re-run after the analysis with the persistence metrics (sweeps/p2_rerun, same
     spec, same machine): how many are bit for bit the committed runs in every value both logged, and
     per mismatch arm the mean over seeds of each run's mean persistence over steps 10-150, with each
-    seed's moving-average persistence beside its cost (the control's accuracy level minus its own,
-    the registered primary endpoint). Descriptive, not a registered test."""
+    seed's moving-average persistence beside its realized k3 and its cost (the registered ``k3``
+    endpoint, and the control's accuracy level minus its own). Descriptive, not a registered test."""
     study = load_study(STUDIES / "p2.yaml")
     cols = endpoint_values(study, root=ROOT)[""]
     control = cols["control"]["acc_level"].mean()
@@ -421,8 +421,9 @@ def p2_persistence(R: pd.DataFrame) -> str:
         v = np.array(v)
         rows.append({"arm": arm, "persistence_lag1": f"{v[:, 0].mean():.2f}", "persistence_ema": f"{v[:, 1].mean():.2f}",
                      "reliability": f"{v[:, 2].mean():.2f}",
-                     "per seed 0-7: persistence_ema / cost": ", ".join(
-                         f"{e:.2f} / {control - c:.3f}" for e, c in zip(v[:, 1], cols[arm]["acc_level"]))})
+                     "per seed 0-7: persistence_ema / realized k3 (steps 10-150) / cost": ", ".join(
+                         f"{e:.2f} / {k:.4f} / {control - c:.3f}"
+                         for e, k, c in zip(v[:, 1], cols[arm]["k3"], cols[arm]["acc_level"]))})
     n = len(planned_runs(study))
     return (f"{same} of {n} re-run runs identical to the committed ones in every value both logged.\n\n"
             + md_table(rows))
