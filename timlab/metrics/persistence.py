@@ -48,22 +48,35 @@ PERSISTENCE_KEYS = ("mismatch/persistence_lag1", "mismatch/persistence_ema", "mi
 """Keys ``PersistenceTracker.update`` returns."""
 
 
+def _valid_ratios(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
+                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The valid tokens' ids, their r = log pi - log mu and their sequence (row) indices, each (N,),
+    in row-major order; the inputs checked once."""
+    p = check_inputs(train_logp, rollout_logp, mask)
+    if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != tuple(p.valid.shape):
+        raise UsageError(f"tokens must be a tensor of shape {tuple(p.valid.shape)} like the log-probs, got "
+                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+    ids = tokens.to(p.valid.device)[p.valid].long()  # (N,)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise UsageError(f"tokens holds ids outside [0, {vocab_size}) at valid positions")
+    rows = p.valid.nonzero()[:, 0]  # (N,) the sequence of each valid token
+    return ids, (p.train - p.rollout)[p.valid], rows
+
+
+def _sums(ids: torch.Tensor, r: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per vocabulary entry, the sum of ``r`` over the tokens with that id, and their count (float64)."""
+    sums = torch.zeros(vocab_size, dtype=torch.float64, device=r.device).index_add_(0, ids, r)
+    counts = torch.zeros(vocab_size, dtype=torch.float64, device=r.device).index_add_(0, ids, torch.ones_like(r))
+    return sums, counts
+
+
 def token_sums(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per vocabulary entry, the sum of r = log pi - log mu over the valid tokens with that id, and
     their count: two float64 (vocab_size,) tensors."""
     with torch.no_grad():
-        p = check_inputs(train_logp, rollout_logp, mask)
-        if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != tuple(p.valid.shape):
-            raise UsageError(f"tokens must be a tensor of shape {tuple(p.valid.shape)} like the log-probs, got "
-                             f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
-        ids = tokens.to(p.valid.device)[p.valid].long()  # (N,) the valid tokens' ids
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            raise UsageError(f"tokens holds ids outside [0, {vocab_size}) at valid positions")
-        r = (p.train - p.rollout)[p.valid]  # (N,)
-        sums = torch.zeros(vocab_size, dtype=torch.float64, device=r.device).index_add_(0, ids, r)
-        counts = torch.zeros(vocab_size, dtype=torch.float64, device=r.device).index_add_(0, ids, torch.ones_like(r))
-        return sums, counts
+        ids, r, _ = _valid_ratios(train_logp, rollout_logp, mask, tokens, vocab_size)
+        return _sums(ids, r, vocab_size)
 
 
 def correlation(sums_a: torch.Tensor, counts_a: torch.Tensor, sums_b: torch.Tensor, counts_b: torch.Tensor) -> float:
@@ -93,12 +106,11 @@ class PersistenceTracker:
     def update(self, train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                tokens: torch.Tensor) -> dict[str, float]:
         """This step's persistence against the last step and the moving average; then take it in."""
-        sums, counts = token_sums(train_logp, rollout_logp, mask, tokens, self.vocab_size)
-        valid = (mask != 0).to(torch.float64)  # (B, T)
-        even = torch.zeros_like(valid)
-        even[0::2] = valid[0::2]  # the even sequences' valid tokens
-        half = correlation(*token_sums(train_logp, rollout_logp, even, tokens, self.vocab_size),
-                           *token_sums(train_logp, rollout_logp, valid - even, tokens, self.vocab_size))
+        with torch.no_grad():
+            ids, r, rows = _valid_ratios(train_logp, rollout_logp, mask, tokens, self.vocab_size)
+        sums, counts = _sums(ids, r, self.vocab_size)
+        even = rows % 2 == 0  # (N,) the tokens of the even sequences
+        half = correlation(*_sums(ids[even], r[even], self.vocab_size), *_sums(ids[~even], r[~even], self.vocab_size))
         out = {PERSISTENCE_KEYS[0]: math.nan if self.last is None else correlation(sums, counts, *self.last),
                PERSISTENCE_KEYS[1]: math.nan if self.ema is None else correlation(sums, counts, *self.ema),
                PERSISTENCE_KEYS[2]: 2 * half / (1 + half) if half > -1 else math.nan}
