@@ -80,3 +80,14 @@ def analyzed(study, root: Path, metrics: Callable[[str], pd.DataFrame], names: l
     freeze(study, out)
     write_sweep(out, list(ids) if names is None else names, metrics, study.steps, run_ids=ids)
     return analyze(study, root=root)
+
+
+def assert_registered_in_findings(study, heading: str) -> None:
+    """docs/FINDINGS.md's section "## <heading>: ..." (up to the next "## " heading) names the
+    study's registration hash and holds its generated block."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "FINDINGS.md").read_text()
+    start = text.index(f"## {heading}:")
+    end = text.find("\n## ", start)
+    section = text[start:] if end < 0 else text[start:end]
+    assert study.hash in section
+    assert f"<!-- findings:{study.findings[1]} -->" in section
