@@ -41,7 +41,7 @@ def main() -> None:
     print(f"CPU vendor {machine.cpu_vendor()}, AVX-512 {machine._cpu_has_avx512()}")
     print(f"{'setting':<34} {'capability':<10} {'rows differ':>14}  fingerprint   first cases (K, N, M)")
     keep = {machine.KEEP_CPU_ENV: "1"}
-    for name, env in [("native, as torch ships", keep), ("native, as import timlab sets it", {}),
+    for name, env in [("native, as torch ships", keep), ("native, as timlab.model sets it", {}),
                       ("AVX2 caps alone", {**machine.AVX2_CAPS, **keep}), ("--isa avx2 (PIN_ENV)", machine.PIN_ENV)]:
         res = subprocess.run([sys.executable, "-c", CHILD], env={**base, **env}, capture_output=True, text=True,
                              check=True)

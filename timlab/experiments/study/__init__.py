@@ -21,5 +21,6 @@ from timlab.experiments.study.engine import (PlannedRun, StudyResult, analyze, e
 from timlab.experiments.study.registration import (Study, StudyError, check_freeze, freeze, load_study,
                                                    registration_hash, study_from_dict)
 
-__all__ = ["Study", "StudyError", "StudyResult", "PlannedRun", "analyze", "endpoint_values", "figure", "incomplete", "missing_runs",
-           "planned_runs", "predictions", "load_study", "study_from_dict", "registration_hash", "check_freeze", "freeze"]
+__all__ = ["Study", "StudyError", "StudyResult", "PlannedRun", "analyze", "endpoint_values", "figure", "incomplete",
+           "missing_runs", "planned_runs", "predictions", "load_study", "study_from_dict", "registration_hash",
+           "check_freeze", "freeze"]
