@@ -100,8 +100,8 @@ def _sweep(root, names=None, *, states: dict | None = None):
 
 def _columns(out) -> dict:
     """{condition: {endpoint or signal key: values over its 8 seeds}}: what the engine's tables read."""
-    states = engine._states(out)
-    return engine._columns(E2, engine._records(E2, out, planned_runs(E2), states)[""])
+    dirs = engine.block_dirs(E2, out)
+    return engine._columns(E2, engine._records(E2, dirs, planned_runs(E2), engine._study_states(planned_runs(E2), dirs))[""])
 
 
 @pytest.fixture(scope="module")

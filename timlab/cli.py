@@ -616,6 +616,7 @@ def _add_check(sub) -> None:
 def cmd_study(args: argparse.Namespace) -> int:
     from timlab.experiments import study as S
     from timlab.experiments.study import predictor as P
+    from timlab.experiments.study.sweep_runs import seed_ranges
 
     if args.trajectories and args.action != "figure":
         raise CLIError(f"study {args.action}: --trajectories is an option of `study figure`")
@@ -626,13 +627,12 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise CLIError(f"study recompute: {args.file} is not a predictor study (kind: predictor); "
                        "its runs are made by `timlab study run`")
     st = S.load_study(args.file)
-    out = S.engine.sweep_dir(st, args.out)
+    dirs = S.engine.block_dirs(st, args.out)
     if args.action == "check":
         runs = S.planned_runs(st)
         arms = {}
         for r in runs:
             arms[r.arm] = arms.get(r.arm, 0) + 1
-        states = (out / "index.parquet").exists()
         print(f"study {st.name} ({args.file}): valid registration")
         print(f"  registration hash: {st.hash}")
         print(f"  sweep: {len(runs)} runs, {st.steps} steps each; arms: " + ", ".join(f"{a} ({n})" for a, n in arms.items()))
@@ -656,7 +656,17 @@ def cmd_study(args: argparse.Namespace) -> int:
             print(f"  exponent {f.name!r}: {f.arm}'s cost through "
                   + (f"{st.groups}s {', '.join(f.groups)}" if f.groups else f"every valid {st.groups}") + "; "
                   + (f"tests: {', '.join(t.name for t in f.tests)}" if f.tests else "no test (descriptive)"))
-        print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
+        if st.blocks:
+            for b in st.blocks:
+                d = dirs[b.name]
+                print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
+                      + f"; seeds {seed_ranges(b.seeds)}): {d}: "
+                      + S.check_freeze(st, d, has_runs=(d / "index.parquet").exists()))
+            print(f"  runs not finished: {S.missing_runs(st)}")
+        else:
+            out = dirs[""]
+            states = (out / "index.parquet").exists()
+            print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
         if st.predicted_by is not None:
             from timlab.experiments.study.oos import probe_k3
 
@@ -669,7 +679,11 @@ def cmd_study(args: argparse.Namespace) -> int:
         from timlab.experiments.sweep import INDEX_FILE, run_sweep, spec_from_dict
 
         spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
-        S.planned_runs(st)  # every config resolves before anything is written
+        planned = S.planned_runs(st)  # every config resolves before anything is written
+        out = dirs[""] if not st.blocks else dirs[(block := S.engine.machine_block(st)).name]
+        if st.blocks:
+            spec = S.engine.block_spec(spec, planned, block.name)
+            print(f"block {block.name}: this machine ({block.isa}) runs seeds {seed_ranges(block.seeds)} into {out}")
         if st.predicted_by is not None:
             from timlab.experiments.study.oos import check_predicted
 

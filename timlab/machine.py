@@ -232,6 +232,11 @@ def computes_as(isa: str) -> bool:
     return here["cpu_capability"] == "AVX2" and (here["pinned_avx2"] or _cpu_has_avx512() is False)
 
 
+PINNED_LABELS = ("avx2", "avx2-intel")
+"""What ``bits()`` says in a process pinned to AVX2 (``--isa avx2``): on a non-Intel CPU, and on an
+Intel one (other bits: MKL's strict AVX2 path). The machine labels a study's ``blocks`` can name."""
+
+
 def bits() -> str:
     """A name for the instruction set this process computes with, meant to be equal for two
     processes exactly when they compute the same bits (torch's version aside; ``fingerprint()``
@@ -263,6 +268,6 @@ def resume_note(saved: dict | None) -> str | None:
             "but not bit for bit like an uninterrupted run (pin the ISA with `timlab --isa avx2`)")
 
 
-__all__ = ["ISAS", "AVX2_CAPS", "INTEL_STRICT", "PIN_ENV", "REPEATS_NOTE", "check_isa", "cpu_vendor", "pin_vars",
+__all__ = ["ISAS", "PINNED_LABELS", "AVX2_CAPS", "INTEL_STRICT", "PIN_ENV", "REPEATS_NOTE", "check_isa", "cpu_vendor", "pin_vars",
            "exact_cpu_env", "prepare_exact_cpu",
            "pin_env", "fingerprint", "describe", "summary", "computes_as", "bits", "resume_note"]

@@ -65,28 +65,66 @@ def permutation_floor(n_a: int, n_b: int) -> float:
     return min(1.0, 2 / math.comb(n_a + n_b, n_a))
 
 
-def permutation_test(a, b, *, max_exact: int = MAX_EXACT, n_mc: int = N_MC, seed: int = 0) -> PermutationResult:
-    """Two-sided permutation test of the difference in means of ``a`` and ``b`` (see module)."""
+def _strata_sizes(strata) -> list[tuple[int, int]]:
+    """[(units of a, units of b)] per stratum of ``strata`` = (labels of a's units, labels of b's)."""
+    sa, sb = (np.asarray(x) for x in strata)
+    return [(int((sa == s).sum()), int((sb == s).sum())) for s in np.unique(np.concatenate([sa, sb]))]
+
+
+def stratified_floor(strata) -> float:
+    """``permutation_floor`` of a test that relabels within strata only: 2 / prod C(n_s, k_s)."""
+    return min(1.0, 2 / math.prod(math.comb(ka + kb, ka) for ka, kb in _strata_sizes(strata)))
+
+
+def _relabel_sums(pooled: np.ndarray, labels: np.ndarray | None, k: int, max_exact: int, n_mc: int,
+                  seed: int) -> tuple[np.ndarray, bool]:
+    """The sum of group a's values under every relabeling (exact) or ``n_mc`` random ones; with
+    ``labels`` (a stratum per unit, a's ``k`` units first), only relabelings that keep each
+    stratum's count of a-units."""
+    n = pooled.size
+    if labels is None:
+        if math.comb(n, k) <= max_exact:
+            return pooled[np.array(list(combinations(range(n), k)))].sum(axis=1), True
+        rng = np.random.default_rng(seed)
+        return pooled[np.stack([rng.permutation(n)[:k] for _ in range(n_mc)])].sum(axis=1), False
+    members = [np.flatnonzero(labels == s) for s in np.unique(labels)]
+    counts = [int((m < k).sum()) for m in members]
+    if math.prod(math.comb(m.size, c) for m, c in zip(members, counts)) <= max_exact:
+        sums = np.zeros(1)
+        for m, c in zip(members, counts):  # every choice in one stratum, added to every choice in the others
+            sums = np.add.outer(sums, pooled[m][np.array(list(combinations(range(m.size), c)))].sum(axis=1)).ravel()
+        return sums, True
+    rng = np.random.default_rng(seed)
+    return np.array([sum(pooled[m][rng.permutation(m.size)[:c]].sum() for m, c in zip(members, counts))
+                     for _ in range(n_mc)]), False
+
+
+def permutation_test(a, b, *, strata=None, max_exact: int = MAX_EXACT, n_mc: int = N_MC,
+                     seed: int = 0) -> PermutationResult:
+    """Two-sided permutation test of the difference in means of ``a`` and ``b`` (see module).
+    ``strata``: (the stratum of each of ``a``'s values, of each of ``b``'s), e.g. the machine block
+    each seed ran on: then only the relabelings that keep every stratum's number of a-values count,
+    so a shift between strata, common to both groups, cannot make a difference."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.size < 1 or b.size < 1 or not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ValueError(f"permutation_test needs finite values in both groups, got {a.size} and {b.size}")
+    labels = None
+    if strata is not None:
+        sa, sb = (np.asarray(x) for x in strata)
+        if sa.shape != a.shape or sb.shape != b.shape:
+            raise ValueError(f"permutation_test: strata need one label per value: {sa.size} and {sb.size} labels for "
+                             f"{a.size} and {b.size} values")
+        labels = np.concatenate([sa, sb])
     pooled = np.concatenate([a, b])
     n, k = pooled.size, a.size
     total = pooled.sum()
     observed = a.mean() - b.mean()
     tol = 1e-12 * max(1.0, float(np.abs(pooled).max()))
-    count = math.comb(n, k)
-    if count <= max_exact:
-        idx = np.array(list(combinations(range(n), k)))  # (C, k)
-        exact = True
-    else:
-        rng = np.random.default_rng(seed)
-        idx = np.stack([rng.permutation(n)[:k] for _ in range(n_mc)])  # (n_mc, k)
-        exact = False
-    sums = pooled[idx].sum(axis=1)
+    sums, exact = _relabel_sums(pooled, labels, k, max_exact, n_mc, seed)
     diffs = sums / k - (total - sums) / (n - k)
     p = float((np.abs(diffs) >= abs(observed) - tol).mean())
-    return PermutationResult(float(observed), p, len(idx), exact, permutation_floor(k, n - k))
+    floor = permutation_floor(k, n - k) if strata is None else stratified_floor(strata)
+    return PermutationResult(float(observed), p, len(sums), exact, floor)
 
 
 def binom_cdf(k: int, n: int, p: float) -> float:
@@ -291,6 +329,8 @@ class Comparison:
     """Exact (or Monte Carlo) two-sided permutation p of the difference."""
     p_holm: float
     """``p`` adjusted by Holm over the family."""
+    floor: float | None = None
+    """The smallest p the test could give (``PermutationResult.floor``; None: not recorded)."""
 
     def below(self, alpha: float = 0.05) -> bool:
         """The group is lower than its reference: negative difference, Holm p < ``alpha`` and a
@@ -309,22 +349,24 @@ class Comparison:
         return f"at most {lo:+.4f}" if lo < 0 else f"none: the interval [{lo:+.4f}, {hi:+.4f}] lies above 0"
 
 
-def compare_family(groups: dict, references: dict) -> dict:
+def compare_family(groups: dict, references: dict, strata: dict | None = None) -> dict:
     """``{name: Comparison}`` of each ``groups[name]`` (values over seeds) against
     ``references[name]``, Holm-adjusted over all the names (one family). Intervals and tests are
-    this module's (``t_ci``, ``bootstrap_ci``, ``bootstrap_diff_ci``, ``permutation_test``)."""
+    this module's (``t_ci``, ``bootstrap_ci``, ``bootstrap_diff_ci``, ``permutation_test``);
+    ``strata[name]``: the permutation test's strata of that comparison (e.g. machine blocks)."""
     if set(groups) != set(references):
         raise ValueError(f"compare_family needs a reference per group: groups {sorted(groups)}, "
                          f"references {sorted(references)}")
-    tests = {a: permutation_test(groups[a], references[a]) for a in groups}
+    tests = {a: permutation_test(groups[a], references[a], strata=(strata or {}).get(a)) for a in groups}
     adj = dict(zip(tests, holm([t.p for t in tests.values()])))
     out = {}
     for a, x in groups.items():
         mu, lo, hi = t_ci(x)
         out[a] = Comparison(mean=mu, t_ci=(lo, hi), boot_ci=bootstrap_ci(x), diff=tests[a].diff,
-                            diff_ci=bootstrap_diff_ci(x, references[a]), p=tests[a].p, p_holm=adj[a])
+                            diff_ci=bootstrap_diff_ci(x, references[a]), p=tests[a].p, p_holm=adj[a],
+                            floor=tests[a].floor)
     return out
 
 
-__all__ = ["LOGIT_CLIP", "logit", "least_squares", "line_fit", "RANK_TOL", "Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "PermutationResult", "clopper_pearson", "fisher_greater", "binom_cdf",
+__all__ = ["LOGIT_CLIP", "logit", "least_squares", "line_fit", "RANK_TOL", "Comparison", "compare_family", "permutation_test", "t_ci", "bootstrap_means", "bootstrap_ci", "bootstrap_diff_ci", "bootstrap_ratio_ci", "holm", "N_BOOT", "T975", "permutation_floor", "stratified_floor", "PermutationResult", "clopper_pearson", "fisher_greater", "binom_cdf",
            "MAX_EXACT", "N_MC"]

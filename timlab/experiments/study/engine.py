@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import re
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,7 @@ from timlab.experiments.study.endpoints import SCALES, guard, rows, window_stat
 from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, off_fit, power_law_section
 from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError, check_freeze,
                                                    first_case)
-from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
+from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs, seed_ranges
 from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
@@ -72,6 +72,8 @@ class PlannedRun:
     """The arm it belongs to."""
     group: str = ""
     """Its group in a grouped study (``Study.groups``); empty otherwise."""
+    block: str = ""
+    """The machine block its seed runs in (``Study.blocks``); empty without blocks."""
 
 
 @dataclass
@@ -121,6 +123,8 @@ def planned_runs(study: Study) -> list[PlannedRun]:
     seeded = SEED in spec.grid
     planned = [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
                           arm_of(study, r.spec_condition), group_of(study, r.spec_condition)) for r in expand(spec)]
+    if study.blocks:
+        planned = [replace(p, block=block_of(study, p.name)) for p in planned]
     arms = list(dict.fromkeys(p.arm for p in planned))
     named = [("control", study.control)] + [("validity: controls", a) for a in study.validity.controls]
     named += [(f"families: {f.name}", a) for f in study.families
@@ -171,6 +175,74 @@ def sweep_dir(study: Study, out: str | Path | None = None) -> Path:
     if not d:
         raise StudyError(f"{study.source}: no sweep directory: set out: in the study file or pass --out")
     return Path(d)
+
+
+def block_of(study: Study, name: str) -> str:
+    """The block (``Study.blocks``) whose seeds hold the run named ``name`` (``<arm>_s<seed>``)."""
+    m = re.fullmatch(r".+_s(\d+)", name)
+    found = [b.name for b in study.blocks if m and int(m.group(1)) in b.seeds]
+    if not found:
+        seeds = ", ".join(f"{b.name} {seed_ranges(b.seeds)}" for b in study.blocks)
+        raise StudyError(f"{study.source}: blocks: run {name!r} " + (f"has seed {m.group(1)}, in no block" if m else
+                         "has no _s<seed> suffix") + f"; the blocks' seeds: {seeds}")
+    return found[0]
+
+
+def block_dirs(study: Study, out: str | Path | None = None, root: str | Path = ".") -> dict[str, Path]:
+    """{block name: its sweep directory under ``root``}; {"": the sweep directory} without blocks.
+    ``out`` (``--out``) moves an unblocked study's runs; a blocked one names its own directories."""
+    if not study.blocks:
+        return {"": Path(root) / sweep_dir(study, out)}
+    if out is not None:
+        raise StudyError(f"{study.source}: blocks name their sweep directories ("
+                         + ", ".join(f"{b.name}: {b.out or study.out}" for b in study.blocks) + "); --out does not apply")
+    return {b.name: Path(root) / sweep_dir(study, b.out) for b in study.blocks}
+
+
+def machine_block(study: Study):
+    """The block (``Study.blocks``) this process's machine runs: the one whose ``isa`` is
+    ``machine.bits()`` (and whose ``fingerprint``, when registered, is ``machine.fingerprint()``);
+    a one-line error naming the blocks otherwise."""
+    from timlab.machine import bits, fingerprint
+
+    here = bits()
+    names = "; ".join(f"{b.name}: {b.isa}" + (f" {b.fingerprint}" if b.fingerprint else "") for b in study.blocks)
+    for b in study.blocks:
+        if b.isa == here:
+            if b.fingerprint and b.fingerprint != fingerprint():
+                raise StudyError(f"{study.source}: blocks: this machine computes as {here} but its fingerprint is "
+                                 f"{fingerprint()}, not block {b.name}'s {b.fingerprint}; blocks: {names}")
+            return b
+    raise StudyError(f"{study.source}: blocks: no block runs on this machine ({here}; pin it with `timlab --isa avx2`); "
+                     f"blocks: {names}")
+
+
+def block_spec(spec, planned: list[PlannedRun], block: str):
+    """The sweep spec cut to one block's runs (its named conditions, or its seeds of a seed grid)."""
+    keep = [p for p in planned if p.block == block]
+    if SEED in spec.grid:
+        seeds = {int(p.name.rsplit("_s", 1)[1]) for p in keep}
+        return replace(spec, grid={**spec.grid, SEED: [x for x in spec.grid[SEED] if int(x) in seeds]})
+    names = {p.name for p in keep}
+    return replace(spec, conditions=tuple(c for c in spec.conditions if c.name in names))
+
+
+def _study_states(planned: list[PlannedRun], dirs: dict[str, Path]) -> dict[str, tuple[str, int]] | None:
+    """{run_id: (state, last step)} of the planned runs, each read from its block's directory (a
+    directory may hold other runs too: only its block's count); None when no directory has an index."""
+    found = {b: _states(d) for b, d in dirs.items()}
+    if all(x is None for x in found.values()):
+        return None
+    return {p.run_id: found[p.block][p.run_id] for p in planned
+            if found.get(p.block) is not None and p.run_id in found[p.block]}
+
+
+def check_freezes(study: Study, dirs: dict[str, Path], states) -> str:
+    """``check_freeze`` in each block's directory (one line; "block NAME: ..." per block)."""
+    if list(dirs) == [""]:
+        return check_freeze(study, dirs[""], has_runs=states is not None)
+    return "; ".join(f"block {b}: {check_freeze(study, d, has_runs=(d / 'index.parquet').exists())}"
+                     for b, d in dirs.items())
 
 
 def _states(out: Path) -> dict[str, tuple[str, int]] | None:
@@ -228,22 +300,26 @@ def _validity(study: Study, per: dict[str, list[dict]], group: str = "") -> tupl
         low = min(r["_valid"]["start"][1] for r in ctrl)
         ok &= low >= v.min_start_accuracy
         parts.append(f"control step-0 accuracy {low:.3f} (bar {v.min_start_accuracy:g})")
-    if v.same_start:
-        starts = {r["_valid"]["start"] for rs in per.values() for r in rs}
-        s0 = next(iter(starts))
-        learned = v.start_bar is None or s0[1] >= v.start_bar
-        ok &= len(starts) == 1 and s0[0] == 0 and learned
-        n = sum(len(rs) for rs in per.values())
-        parts.append(f"step-0 evaluation the same in all {v.runs or f'{n} runs'} (accuracy {s0[1]:.3f}, gold log-prob "
-                     f"{s0[2]:.3f})" + ("" if learned else f", below the bar {v.start_bar:g}") if len(starts) == 1 else
-                     f"step-0 evaluation DIFFERS between {v.runs or 'runs'} ({len(starts)} distinct)")
+    if v.same_start:  # one start per machine block (each block's machine makes its own)
+        blocks: dict[str, list] = {}
+        for r in (r for rs in per.values() for r in rs):
+            blocks.setdefault(r["_valid"]["block"], []).append(r["_valid"]["start"])
+        for b, found in blocks.items():
+            starts, s0 = set(found), found[0]
+            learned = v.start_bar is None or s0[1] >= v.start_bar
+            ok &= len(starts) == 1 and s0[0] == 0 and learned
+            runs_ = f"{len(found)} runs of block {b}" if b else v.runs or f"{len(found)} runs"
+            parts.append(f"step-0 evaluation the same in all {runs_} (accuracy {s0[1]:.3f}, gold log-prob "
+                         f"{s0[2]:.3f})" + ("" if learned else f", below the bar {v.start_bar:g}") if len(starts) == 1
+                         else f"step-0 evaluation DIFFERS between {runs_ if b else v.runs or 'runs'} "
+                              f"({len(starts)} distinct)")
     if not parts:
         return True, ""  # no check registered: no line
     void = "VOID (left out of every table and fit)" if study.groups else "VOID (re-run, do not analyse)"
     return ok, f"{v.title.replace('{group}', group)}: {'; '.join(parts)}: {'VALID' if ok else void}."
 
 
-def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> list[str]:
+def _repeats(study: Study, dirs: dict[str, Path], planned: list[PlannedRun], root: Path) -> list[str]:
     """The ``repeats`` line: how many runs repeat, over steps 0 to its last step, the other sweep's
     run of the same name bit for bit (every logged value but wall-clock timings, in the columns
     both hold); none if the study registers no such check."""
@@ -255,7 +331,7 @@ def _repeats(study: Study, out: Path, planned: list[PlannedRun], root: Path) -> 
     shared = [p for p in planned if p.name in theirs]
     cut = lambda m: m[m["step"] <= r.last_step].reset_index(drop=True)  # noqa: E731
     bad = {p.name: d for p in shared
-           if (d := first_difference(cut(read_metrics(out / p.run_id)), cut(theirs[p.name]))) is not None}
+           if (d := first_difference(cut(read_metrics(dirs[p.block] / p.run_id)), cut(theirs[p.name]))) is not None}
     return [f"Steps 0-{r.last_step} against {r.sweep}'s runs of the same name: {len(shared) - len(bad)} of {len(shared)} "
             f"identical in every logged value but timings" + ("." if not bad else
             "; differ: " + "; ".join(f"{c} ({d})" for c, d in bad.items()) + ".")]
@@ -292,7 +368,7 @@ def _verdict(rule, c, n_family: int, sizes: tuple[int, int], holm: bool, require
         if holds and rule.requires and not required:
             return False, fill(rule.unmet or rule.fails), "fails"
         return holds, text, "not testable" if holds is None else "holds" if holds else "fails"
-    floor = permutation_floor(*sizes) * (n_family if holm else 1)
+    floor = (c.floor if c.floor is not None else permutation_floor(*sizes)) * (n_family if holm else 1)
     if floor > rule.alpha or (floor == rule.alpha and rule.interval):  # p < alpha, or p <= alpha on the p alone
         return None, f"not testable here (smallest attainable p {min(floor, 1.0):.3f})", "not testable"
     if rule.interval:
@@ -411,10 +487,11 @@ def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, ru
     ref, lead, out = fam.against, f"| {g} " if g else "", []
     vals = {n: col[a][key] for n, a, _, _ in pairs}
     refs = {n: col[b][key] for n, _, b, _ in pairs}
+    strata = {n: (col[a][BLOCK], col[b][BLOCK]) for n, a, b, _ in pairs} if BLOCK in col[ref] else None
     if fam.correction == "holm":
-        cmp = compare_family(vals, refs)
+        cmp = compare_family(vals, refs, strata)
     else:
-        cmp = {n: compare_family({n: vals[n]}, {n: refs[n]})[n] for n in vals}
+        cmp = {n: compare_family({n: vals[n]}, {n: refs[n]}, strata and {n: strata[n]})[n] for n in vals}
     bounds = {(a, b): x for (a, b, _), x in zip(fam.comparisons, fam.bounds)}
 
     def cost(r) -> float | None:
@@ -582,8 +659,8 @@ def _fitted_study(f, root: Path) -> tuple[Study, list[str], dict | None]:
     from timlab.experiments.study.registration import load_study
 
     other = load_study(f.study)
-    planned = planned_runs(other)
-    states = _states(root / sweep_dir(other)) or {}
+    planned, dirs = planned_runs(other), block_dirs(other, None, root)
+    states = _study_states(planned, dirs) or {}
     tripped = sorted(p.name for p in planned if p.arm == other.control and states.get(p.run_id, ("",))[0] == GUARD_FAILED)
     if tripped:
         return other, [f"The fit's study {other.name} is void: the zero-mismatch guard stopped {', '.join(tripped)}; "
@@ -594,7 +671,7 @@ def _fitted_study(f, root: Path) -> tuple[Study, list[str], dict | None]:
         return other, [f"The fit's study {other.name} is not complete ({len(done)} of {len(planned)} runs finished at "
                        f"step {other.steps}): no prediction is tested (no interim analysis).", ""], None
     lines, cols = [], {}
-    for g, per in _records(other, root / sweep_dir(other), planned, states).items():
+    for g, per in _records(other, dirs, planned, states).items():
         valid, line = _validity(other, per, g)
         lines.append("The fit's " + line[0].lower() + line[1:])
         if valid:
@@ -686,15 +763,14 @@ def _place(study: Study, f, col: dict, arms: list[str], root: Path) -> list[str]
 
     other = load_study(f.study)
     who = f"the {other.name} study"
-    planned = planned_runs(other)
-    out_dir = root / sweep_dir(other)
-    states = _states(out_dir) or {}
+    planned, dirs = planned_runs(other), block_dirs(other, None, root)
+    states = _study_states(planned, dirs) or {}
     done = [p for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
             or states.get(p.run_id, ("", 0)) == (FINISHED, other.steps)]
     if len(done) < len(planned):
         return [f"{f.title}{who} is not complete ({len(done)} of {len(planned)} runs), so it has no fit; nothing is "
                 f"placed.", ""]
-    per = _records(other, out_dir, planned, states).get("", {})
+    per = _records(other, dirs, planned, states).get("", {})
     if other.groups or not _validity(other, per)[0]:
         return [f"{f.title}{who} is void (its validity checks), so it has no fit; nothing is placed.", ""]
     ocol = _columns(other, per)
@@ -802,22 +878,32 @@ def _paragraphs(study: Study, cmps: dict, cols: dict) -> list[str]:
     return out
 
 
-def _records(study: Study, out: Path, planned: list[PlannedRun], states: dict) -> dict[str, dict[str, list[dict]]]:
+def _records(study: Study, dirs: dict[str, Path], planned: list[PlannedRun],
+             states: dict) -> dict[str, dict[str, list[dict]]]:
     """{group: {arm: each of its runs' ``run_record``}} in spec order (every run finished or
-    diverged); one group "" in an ungrouped study."""
+    diverged; each read from its block's directory, ``dirs``); one group "" in an ungrouped study.
+    In a blocked study each record also holds ``BLOCK``, its block's position in ``Study.blocks``."""
     per: dict[str, dict[str, list[dict]]] = {}
     for p in planned:
         per.setdefault(p.group, {}).setdefault(p.arm, [])
+    order = {b.name: float(i) for i, b in enumerate(study.blocks)}
     for p in planned:
-        m = read_metrics(out / p.run_id)
+        d = dirs[p.block] / p.run_id
+        m = read_metrics(d)
         if m is None:
-            raise StudyError(f"{out / p.run_id}: finished but has no metrics.parquet")
-        per[p.group][p.arm].append(run_record(study, m, diverged=states[p.run_id][0] == DIVERGED))
+            raise StudyError(f"{d}: finished but has no metrics.parquet")
+        rec = run_record(study, m, diverged=states[p.run_id][0] == DIVERGED)
+        rec["_valid"]["block"] = p.block
+        per[p.group][p.arm].append({**rec, BLOCK: order[p.block]} if study.blocks else rec)
     return per
 
 
+BLOCK = "_block"
+"""A blocked study's column of each run's block (``_records``): the strata of its permutation tests."""
+
+
 def _columns(study: Study, per: dict[str, list[dict]]) -> dict[str, dict[str, np.ndarray]]:
-    """{arm: {endpoint: its values over the arm's runs}}."""
+    """{arm: {endpoint: its values over the arm's runs}} (and ``BLOCK`` in a blocked study)."""
     return {a: {k: np.array([r[k] for r in rs], float) for k in rs[0] if k != "_valid"} for a, rs in per.items()}
 
 
@@ -827,13 +913,13 @@ def endpoint_values(study: Study, out: str | Path | None = None, *,
     sweep: the registered endpoints exactly as ``analyze`` computes them, for a descriptive table
     beside the registered analysis (a ``StudyError`` while runs are missing)."""
     root = Path(root) if root is not None else Path(".")
-    out = root / sweep_dir(study, out)
+    dirs = block_dirs(study, out, root)
     planned = planned_runs(study)
-    states = _states(out) or {}
+    states = _study_states(planned, dirs) or {}
     done = _done(study, planned, states)
     if len(done) < len(planned):
         raise StudyError(_incomplete_line(study, planned, done))
-    return {g: _columns(study, per) for g, per in _records(study, out, planned, states).items()}
+    return {g: _columns(study, per) for g, per in _records(study, dirs, planned, states).items()}
 
 
 def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | None = None) -> StudyResult:
@@ -841,11 +927,11 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
     ``root``: the folder ``out`` and the other sweeps the study names are relative to (default:
     the working directory)."""
     root = Path(root) if root is not None else Path(".")
-    out = root / sweep_dir(study, out)
+    dirs = block_dirs(study, out, root)
     planned = planned_runs(study)
     arms = list(dict.fromkeys(p.arm for p in planned))
-    states = _states(out)
-    freeze = check_freeze(study, out, has_runs=states is not None)
+    states = _study_states(planned, dirs)
+    freeze = check_freezes(study, dirs, states)
     states = states or {}
     tripped = sorted(p.name for p in planned if p.arm == study.control and states.get(p.run_id, ("",))[0] == GUARD_FAILED)
     if tripped:
@@ -855,7 +941,7 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
     if len(done) < len(planned):
         return StudyResult(_incomplete_line(study, planned, done), "incomplete", freeze)
     checks, cols = [], {}
-    for g, per in _records(study, out, planned, states).items():
+    for g, per in _records(study, dirs, planned, states).items():
         valid, line = _validity(study, per, g)
         if not valid and not study.groups:
             return StudyResult(line, "void", freeze)
@@ -873,7 +959,7 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
                                    tuple(f.kind for f in study.fits if f.kind not in study.order), tests),
              "verdicts": lambda: _decisions(study, cmps, arms, decisions) + _outcomes(study, states, tests, outcomes),
              "paragraphs": lambda: _paragraphs(study, cmps, cols)}
-    head = [*checks, *_repeats(study, out, planned, root)]
+    head = [*checks, *_repeats(study, dirs, planned, root)]
     lines = [*head, ""] if head else []
     for part in study.order:
         lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps, states) \
@@ -906,14 +992,14 @@ def incomplete(study: Study, out: str | Path | None = None, *, root: str | Path 
     analysis of the study's runs that must wait for the whole study (``early_warning.second_test``)."""
     root = Path(root) if root is not None else Path(".")
     planned = planned_runs(study)
-    done = _done(study, planned, _states(root / sweep_dir(study, out)) or {})
+    done = _done(study, planned, _study_states(planned, block_dirs(study, out, root)) or {})
     return None if len(done) == len(planned) else _incomplete_line(study, planned, done)
 
 
 def missing_runs(study: Study, out: str | Path | None = None) -> str:
     """The runs not yet finished, grouped (for ``timlab study check``)."""
     planned = planned_runs(study)
-    done = _done(study, planned, _states(sweep_dir(study, out)) or {})
+    done = _done(study, planned, _study_states(planned, block_dirs(study, out)) or {})
     left = [p.name for p in planned if p.name not in done]
     return grouped_seeds(left) if left else "none"
 
@@ -942,12 +1028,8 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None, *, tra
     res = analyze(study, out)
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
-    d = sweep_dir(study, out)
-    per: dict[str, list[dict]] = {}
-    states = _states(d) or {}
-    for p in planned_runs(study):
-        per.setdefault(p.arm, []).append(run_record(study, read_metrics(d / p.run_id),
-                                                    diverged=states[p.run_id][0] == DIVERGED))
+    dirs, planned = block_dirs(study, out), planned_runs(study)
+    per = _records(study, dirs, planned, _study_states(planned, dirs) or {})[""]
     panels = [(fam, key) for fam in study.families for key in fam.endpoints]
     fig = Figure(figsize=(4.5 * len(panels), 3.6))
     for i, (fam, key) in enumerate(panels):
@@ -980,8 +1062,8 @@ def valid_columns(study: Study, out: str | Path | None = None) -> dict[str, dict
     res = analyze(study, out)
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
-    d = sweep_dir(study, out)
-    per = _records(study, d, planned_runs(study), _states(d) or {})
+    dirs, planned = block_dirs(study, out), planned_runs(study)
+    per = _records(study, dirs, planned, _study_states(planned, dirs) or {})
     return {g: _columns(study, rs) for g, rs in per.items() if _validity(study, rs, g)[0]}
 
 
@@ -993,10 +1075,10 @@ def _trajectory_figure(study: Study, path: str | Path, out: str | Path | None = 
     res = analyze(study, out)
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
-    d = sweep_dir(study, out)
+    dirs = block_dirs(study, out)
     runs: dict[tuple[str, str], list[pd.DataFrame]] = {}
     for p in planned_runs(study):
-        runs.setdefault((p.group, p.arm), []).append(read_metrics(d / p.run_id))
+        runs.setdefault((p.group, p.arm), []).append(read_metrics(dirs[p.block] / p.run_id))
     return trajectory_figure(study, runs, path)
 
 

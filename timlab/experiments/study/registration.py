@@ -603,6 +603,27 @@ class Amendment:
 
 
 @dataclass(frozen=True)
+class Block:
+    """One machine block of a study whose seeds run on more than one kind of machine (``blocks``):
+    the seeds it holds, the machine that runs them and the sweep directory they live in. A seed
+    runs whole in one block (every arm of it, from the start that block's machine makes), so a
+    difference between arms is never a difference between machines; the permutation tests then
+    relabel runs within each block only (``stats.permutation_test``'s ``strata``)."""
+
+    name: str
+    """How lines name it (e.g. "amd")."""
+    isa: str
+    """The machine label ``machine.bits()`` gives on the machines that run it (e.g. ``avx2``,
+    ``avx2-intel``): ``timlab study run`` runs the block whose label is the machine's."""
+    seeds: tuple[int, ...]
+    """The seeds it holds (a condition's seed: its trailing ``_s<seed>``)."""
+    out: str = ""
+    """Its sweep directory, relative to the working directory (default: the study's ``out``)."""
+    fingerprint: str = ""
+    """``machine.fingerprint()`` of its machines, when registered: ``study run`` refuses another."""
+
+
+@dataclass(frozen=True)
 class PredictedBy:
     """The out-of-sample sweep of a predictor study (``predicted_by``): which predictor study
     predicts its cells, each treated arm's kind, and the probe whose steps the predictions use."""
@@ -684,6 +705,9 @@ class Study:
     predicted_by: PredictedBy | None = None
     """The predictor study whose out-of-sample cells this sweep runs; ``timlab study run`` refuses to
     start a run before that study's ``oos`` block holds the predictions."""
+    blocks: tuple[Block, ...] = ()
+    """Machine blocks (``Block``): each seed's runs in one block's sweep directory; empty: every run
+    in ``out``."""
 
     def endpoint(self, name: str) -> Endpoint:
         return {e.name: e for e in self.endpoints}[name]
@@ -695,7 +719,7 @@ class Study:
 
 STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "groups", "validity", "repeats", "endpoints",
               "families", "rules", "verdicts", "outcomes", "tables", "fits", "order", "paragraphs", "notes", "findings",
-              "frozen", "amendments", "predicted_by")
+              "frozen", "amendments", "predicted_by", "blocks")
 UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
@@ -1173,6 +1197,37 @@ def canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def _blocks(d: Any, w: str) -> tuple[Block, ...]:
+    """The ``blocks`` list: each with a name, a machine label and its seeds; no seed in two blocks."""
+    from timlab.machine import PINNED_LABELS
+
+    if d is None:
+        return ()
+    if not isinstance(d, list) or len(d) < 2:
+        raise StudyError(f"{w}: blocks: expected a list of at least two blocks (name, isa, seeds)")
+    out, seen = [], {}
+    for i, b in enumerate(d):
+        where = f"{w}: blocks[{i}]"
+        b = _keys(b, ("name", "isa", "seeds", "out", "fingerprint"), ("name", "isa", "seeds"), where)
+        isa = _choice(b["isa"], PINNED_LABELS, f"{where}: isa")
+        seeds = b["seeds"]
+        if not (isinstance(seeds, list) and seeds and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                          for x in seeds)):
+            raise StudyError(f"{where}: seeds: expected a non-empty list of seeds (integers >= 0), got {seeds!r}")
+        for x in seeds:
+            if x in seen:
+                raise StudyError(f"{where}: seeds: seed {x} is already in block {seen[x]!r}; a seed runs in one block")
+            seen[x] = str(b["name"])
+        fp = str(b.get("fingerprint") or "")
+        if fp and not re.fullmatch(r"[0-9a-f]{12}", fp):
+            raise StudyError(f"{where}: fingerprint: expected the 12 hex digits machine.fingerprint() gives, got {fp!r}")
+        out.append(Block(str(b["name"]), isa, tuple(seeds), str(b.get("out") or ""), fp))
+    names = [b.name for b in out]
+    if len(set(names)) < len(names):
+        raise StudyError(f"{w}: blocks: two named {next(n for n in names if names.count(n) > 1)!r}")
+    return tuple(out)
+
+
 def registration_hash(registration: dict) -> str:
     """SHA-256 of a registration mapping (``Study.registration``) in canonical JSON."""
     return hashlib.sha256(canonical(registration).encode()).hexdigest()
@@ -1404,7 +1459,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                  repeats=repeats, verdicts=verdicts, outcomes=outcomes, order=order, frozen=str(frozen),
                  amendments=amendments,
                  notes=tuple(notes), paragraphs=paragraphs, source=source, hash=registration_hash(registration),
-                 registration=registration, predicted_by=predicted_by)
+                 registration=registration, predicted_by=predicted_by, blocks=_blocks(d.get("blocks"), w))
 
 
 def load_study(path: str | Path) -> Study:
