@@ -82,6 +82,23 @@ def analyzed(study, root: Path, metrics: Callable[[str], pd.DataFrame], names: l
     return analyze(study, root=root)
 
 
+def write_blocks(study, root: Path, metrics: Callable[[str], pd.DataFrame], names: list[str] | None = None) -> dict:
+    """A blocked study's sweep (``Study.blocks``): each block's directory under ``root`` frozen, and
+    the runs ``names`` (default: every planned run) written into their own block's directory as
+    finished; returns {block: its directory}."""
+    from timlab.experiments.study import freeze, planned_runs
+    from timlab.experiments.study.engine import block_dirs
+
+    planned = planned_runs(study)
+    dirs = block_dirs(study, None, root)
+    for b, d in dirs.items():
+        freeze(study, d)
+        mine = [p for p in planned if p.block == b and (names is None or p.name in names)]
+        if mine:
+            write_sweep(d, [p.name for p in mine], metrics, study.steps, run_ids={p.name: p.run_id for p in mine})
+    return dirs
+
+
 def assert_registered_in_findings(study, heading: str) -> None:
     """docs/FINDINGS.md's section "## <heading>: ..." (up to the next "## " heading) names the
     study's registration hash and holds its generated block."""

@@ -383,9 +383,12 @@ def h1_sweep(tmp_path: Path, plant: dict[str, dict], names: list[str] | None = N
              states: dict | None = None) -> Path:
     """``tmp_path/sweeps`` holding a planted H1 sweep (``plant``: condition -> ``h1_run`` keywords)
     of the runs ``names`` (default all 56, finished at step 2000)."""
-    ids = h1_ids()
-    write_sweep(tmp_path / "sweeps" / "h1", names or list(ids), lambda n: h1_run(n, **plant.get(n, {})), 2000,
-                run_ids=ids, states=states)
+    ids, names = h1_ids(), names or list(h1_ids())
+    for block, folder in (("amd", "h1"), ("intel", "h1_intel")):  # Amendment 1: seeds 0-2 and 3-7
+        mine = [p.name for p in planned_runs(load_study(H1_STUDY)) if p.block == block and p.name in names]
+        if mine:
+            write_sweep(tmp_path / "sweeps" / folder, mine, lambda n: h1_run(n, **plant.get(n, {})), 2000,
+                        run_ids=ids, states=states)
     return tmp_path / "sweeps"
 
 
@@ -419,9 +422,25 @@ def test_h1_with_falls_confirms_the_shipped_rule(tmp_path):
         f"{9 * p:.2g} | confirmed on H1 |")
     ids = h1_ids()
     assert f"| h1/{ids['hold_1e-2_s0']} | 0 | 975 | 1000 | - | 944 | - |" in text
-    assert f"| h1/{ids['hold_1e-2_s7']} | 0 | 975 | 1000 | - | - | - |" in text
+    assert f"| h1_intel/{ids['hold_1e-2_s7']} | 0 | 975 | 1000 | - | - | - |" in text
     assert text.splitlines()[-1] == (f"The shipped rule **grad_norm_change** is **confirmed on H1** (Holm p = "
                                      f"{9 * p:.2g}; detected 6/8, early 6/8, false alarms 3/48, lead 56 (56-56) steps).")
+
+
+def test_h1_test_set_leaves_out_seed_3s_runs_made_on_amd(tmp_path):
+    """Amendment 1: seed 3's five runs made on AMD stay in sweeps/h1 but are not H1's; falls there
+    count nowhere."""
+    ids, planned = h1_ids(), planned_runs(load_study(H1_STUDY))
+    amd = [p.name for p in planned if p.block == "amd"]
+    left_out = ["control_s3", "hold_3e-3_s3", "hold_3e-3_tis_s3", "hold_1e-2_s3", "hold_1e-2_tis_s3"]
+    write_sweep(tmp_path / "sweeps" / "h1", amd + left_out,
+                lambda n: h1_run(n, fall_at=500 if n in left_out else None), 2000, run_ids=ids)
+    write_sweep(tmp_path / "sweeps" / "h1_intel", [p.name for p in planned if p.block == "intel"], h1_run, 2000,
+                run_ids=ids)
+    t = ew.second_test(tmp_path / "sweeps", "h1", study_file=H1_STUDY)
+    assert (len(t.runs), t.falls) == (56, 0)
+    assert sorted({r.sweep for r in t.runs}) == ["h1", "h1_intel"]
+    assert sum(r.sweep == "h1" for r in t.runs) == 21
 
 
 def test_h1_without_falls_and_many_jumps_cries_wolf(tmp_path):

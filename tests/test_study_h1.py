@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from study_sweep import assert_registered_in_findings, planted_run, write_sweep
+from study_sweep import assert_registered_in_findings, planted_run, write_blocks, write_sweep
 from timlab.experiments.study import analyze, freeze, load_study, planned_runs
 from timlab.experiments.sweep_spec import expand, spec_from_dict
 from timlab.injectors.schedule import scheduled_magnitude
@@ -52,6 +52,19 @@ def test_findings_names_the_registration_hash_and_the_block():
     assert_registered_in_findings(H1, "Study H1")
 
 
+def test_amendment_1_puts_seeds_0_2_on_amd_and_3_7_on_intel():
+    """FINDINGS, Study H1, Amendment 1: two machine blocks, every seed in one, recorded as the
+    amendment's hash (the frozen registration of sweeps/h1 stays the first one)."""
+    assert [(b.name, b.isa, b.seeds, b.out, b.fingerprint) for b in H1.blocks] == [
+        ("amd", "avx2", (0, 1, 2), "", ""),
+        ("intel", "avx2-intel", (3, 4, 5, 6, 7), "sweeps/h1_intel", "0220b5990add")]
+    assert H1.amendments[-1].hash == H1.hash and H1.amendments[-1].date == "2026-11-27"
+    blocks = [p.block for p in planned_runs(H1)]
+    assert blocks == ["amd"] * 21 + ["intel"] * 35
+    text = (REPO / "docs" / "FINDINGS.md").read_text()
+    assert f"**Amendment 1 (2026-11-27, before any run of seeds 3-7 on the new machines; hash\n{H1.hash})" in text
+
+
 # ------------------------------------------------------------------------------- a planted sweep
 def planted(name: str) -> pd.DataFrame:
     """A 2,000-step run: accuracy 0.97 (seed offset sd 2e-3, evaluation noise sd 2e-3, every 25
@@ -76,15 +89,38 @@ def planted(name: str) -> pd.DataFrame:
                        length=30.0)
 
 
+INTEL_SHIFT = -0.012
+"""Planted in every run of block intel (seeds 3-7): accuracy 0.012 lower, gold log-prob 0.03 lower,
+and another step-0 evaluation (another start): common to all arms, so no comparison may move."""
+
+
+def planted_blocked(name: str) -> pd.DataFrame:
+    """``planted``, with block intel's shift and its own step-0 evaluation."""
+    m = planted(name)
+    if int(name.rsplit("_s", 1)[1]) >= 3:
+        ev = m["val/accuracy"].notna()
+        m.loc[ev, "val/accuracy"] += INTEL_SHIFT
+        m.loc[ev, "val/gold_logprob"] -= 0.03
+        m.loc[m["step"] == 0, ["val/accuracy", "val/gold_logprob"]] = [0.982, -0.25]
+    return m
+
+
 def test_h1_analysis_finds_each_planted_effect(tmp_path):
-    ids = {p.name: p.run_id for p in planned_runs(H1)}
-    assert freeze(H1, tmp_path / "sweeps" / "h1")  # as `timlab study run` does before the first run
-    write_sweep(tmp_path / "sweeps" / "h1", list(ids), planted, 2000, run_ids=ids)
+    planned = planned_runs(H1)
+    dirs = write_blocks(H1, tmp_path, planted_blocked, names=[p.name for p in planned if p.block == "intel"])
+    assert dirs == {"amd": tmp_path / "sweeps" / "h1", "intel": tmp_path / "sweeps" / "h1_intel"}
+    # block amd's directory also holds seed 3's runs made on AMD before the amendment, outside the
+    # study: their wild values must change nothing
+    amd = [p.name for p in planned if p.block == "amd"] + [p.name for p in planned if p.name.endswith("_s3")]
+    write_sweep(dirs["amd"], amd, lambda n: planted(n).assign(**{"val/accuracy": 0.2}) if n.endswith("_s3") else
+                planted_blocked(n), 2000, run_ids={p.name: p.run_id for p in planned})
     res = analyze(H1, root=tmp_path)
     assert res.status == "complete", res.text
     lines = res.text.splitlines()
     assert lines[0] == ("Validity: control guard (k3 exactly 0, every token bitwise equal, every step) held; step-0 "
-                        "evaluation the same in all 56 runs (accuracy 0.965, gold log-prob -0.320): VALID.")
+                        "evaluation the same in all 21 runs of block amd (accuracy 0.965, gold log-prob -0.320); "
+                        "step-0 evaluation the same in all 35 runs of block intel (accuracy 0.982, gold log-prob "
+                        "-0.250): VALID.")
     assert res.decisions == {
         ("erodes", "hold_3e-3"): "**the gold answer drifts** (late accuracy level not shown lower)",
         ("erodes", "hold_1e-2"): "**erodes**",
@@ -107,6 +143,35 @@ def test_h1_analysis_finds_each_planted_effect(tmp_path):
     # the windows' table: realized k3 and the magnitude beside each arm, falls counted
     row = next(x for x in lines if x.startswith("| hold_1e-2 |"))
     assert "| 0/8 [0.00, 0.37] |" in row
+    assert "block amd: frozen registration" in res.freeze and "block intel: frozen registration" in res.freeze
+
+
+def test_h1_tests_relabel_within_blocks(tmp_path):
+    """The registered p of a comparison is the within-block permutation p (5,040 relabelings of 3 + 5
+    seeds a side), computed here by brute force from the endpoint values."""
+    from itertools import combinations
+
+    from timlab.experiments.study import endpoint_values
+
+    write_blocks(H1, tmp_path, planted_blocked)
+    col = endpoint_values(H1, root=tmp_path)[""]
+    a, b = col["hold_3e-3"]["acc_late"], col["control"]["acc_late"]
+    assert col["control"]["_block"].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    observed, count, hits = a.mean() - b.mean(), 0, 0
+    pa, pb = np.concatenate([a[:3], b[:3]]), np.concatenate([a[3:], b[3:]])
+    for i in combinations(range(6), 3):
+        for j in combinations(range(10), 5):
+            sa = pa[list(i)].sum() + pb[list(j)].sum()
+            d = sa / 8 - (pa.sum() + pb.sum() - sa) / 8
+            count, hits = count + 1, hits + (abs(d) >= abs(observed) - 1e-12)
+    erosion = analyze(H1, root=tmp_path).text.split("accuracy level, steps 1500-2000 (primary)")[1]
+    row = next(x for x in erosion.splitlines() if x.startswith("| hold_3e-3 |"))
+    assert count == 5040
+    from timlab.experiments.stats import permutation_test
+
+    t = permutation_test(a, b, strata=(col["hold_3e-3"]["_block"], col["control"]["_block"]))
+    assert (t.n_relabelings, t.p, t.floor) == (5040, hits / count, 2 / 5040)
+    assert f"| {t.p:.4f} |" in row, row
 
 
 def test_h1_analysis_refuses_a_sweep_of_two_whole_seeds(tmp_path):
@@ -121,21 +186,19 @@ def test_h1_analysis_refuses_a_sweep_of_two_whole_seeds(tmp_path):
         "no endpoint is computed before the study is complete (no interim analysis).")
 
 
-def test_h1_trajectory_figure_draws_each_arm_from_the_planted_sweep(tmp_path):
+def test_h1_trajectory_figure_draws_each_arm_from_the_planted_sweep(tmp_path, monkeypatch):
     """`timlab study figure --trajectories`: one panel per metric the endpoints read, each arm's mean
     over its 8 seeds; the planted effects are where they were planted, k3 on a log axis."""
     from timlab.experiments.study import figure
     from timlab.experiments.study.trajectory_figure import smoothing, study_metrics, trajectories
     from timlab.rundir import read_metrics
 
-    ids = {p.name: p.run_id for p in planned_runs(H1)}
-    freeze(H1, tmp_path / "sweeps" / "h1")
-    write_sweep(tmp_path / "sweeps" / "h1", list(ids), planted, 2000, run_ids=ids)
+    dirs = write_blocks(H1, tmp_path, planted)
     assert study_metrics(H1) == ["val/accuracy", "val/gold_logprob", "rollout_corr/k3_kl", "mismatch/magnitude",
                                  "train/response_length_mean"]
     runs: dict[str, list] = {}
     for p in planned_runs(H1):
-        runs.setdefault(("", p.arm), []).append(read_metrics(tmp_path / "sweeps" / "h1" / p.run_id))
+        runs.setdefault(("", p.arm), []).append(read_metrics(dirs[p.block] / p.run_id))
     panels = {p.metric: p for p in trajectories(H1, runs)}
     assert [p.log for p in panels.values()] == [False, False, True, False, False]
     acc = {c.label: c for c in panels["val/accuracy"].curves}
@@ -152,5 +215,6 @@ def test_h1_trajectory_figure_draws_each_arm_from_the_planted_sweep(tmp_path):
     assert k3["hold_3e-3"].steps.size == 2000 and smoothing(2000) == 20
     # the geometric mean of 3e-3 * exp(N(0, 0.3)) is 3e-3
     assert np.median(k3["hold_3e-3"].mean[100:]) == pytest.approx(3e-3, rel=0.05)
-    png = figure(H1, tmp_path / "h1_traj.png", tmp_path / "sweeps" / "h1", trajectories=True)
+    monkeypatch.chdir(tmp_path)  # a blocked study's directories are relative to the working directory
+    png = figure(H1, tmp_path / "h1_traj.png", trajectories=True)
     assert png.stat().st_size > 20_000

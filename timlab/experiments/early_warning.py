@@ -176,15 +176,18 @@ REGISTERED_SWEEPS = ("e2", "e2_probe", "e3", "e3_starts", "e3_starts_rl", "e3b",
 reads these only, so a sweep committed later (Study H1's) does not move its numbers."""
 
 
-def load_runs(root: str | Path, sweeps: tuple[str, ...] | None = None) -> list[RunSeries]:
+def load_runs(root: str | Path, sweeps: tuple[str, ...] | None = None, only: set[str] | None = None) -> list[RunSeries]:
     """The included runs under ``root`` (``root/<sweep>/<run>``), repeats counted once (module
-    docstring), in name order; only the sweeps named in ``sweeps`` when given."""
+    docstring), in name order; only the sweeps named in ``sweeps`` when given, and only the runs
+    named (``<sweep>/<run>``) in ``only`` when given."""
     root = Path(root)
     if not root.is_dir():
         raise UsageError(f"sweeps root {str(root)!r} is not a directory")
     found: list[tuple[RunSeries, str]] = []
     for sweep in sorted(p for p in root.iterdir() if p.is_dir() and (sweeps is None or p.name in sweeps)):
         for d in sorted(p for p in sweep.iterdir() if p.is_dir()):
+            if only is not None and f"{sweep.name}/{d.name}" not in only:
+                continue
             rd = RunDir(d)
             status = rd.read_status()
             state = status.get("state")
@@ -564,13 +567,17 @@ def second_test(root: str | Path, sweep: str = "h1", study_file: str | Path | No
     has finished at its last step or diverged (the study engine's rule), only the INCOMPLETE line,
     and no run's metrics are read."""
     root = Path(root)
-    from timlab.experiments.study import incomplete
+    from timlab.experiments.study import incomplete, planned_runs
+    from timlab.experiments.study.engine import block_dirs
 
     s = _test_set_study(root, sweep, study_file)
-    line = incomplete(s, root / sweep)
+    # the study's directories under root (a blocked study's runs live in one directory per block)
+    dirs = {b: root / Path(d).name for b, d in block_dirs(s, None if s.blocks else root / sweep).items()}
+    line = incomplete(s, dirs=dirs)
     if line is not None:
         return SecondTest(sweep=sweep, steps=s.steps, incomplete=line)
-    runs = load_runs(root, (sweep,))
+    only = {f"{dirs[p.block].name}/{p.run_id}" for p in planned_runs(s)}  # the study's runs, none left out of it
+    runs = load_runs(root, tuple(d.name for d in dirs.values()), only)
     results = {name: evaluate(runs, name, ALARMS.get(name).threshold) for name in ALARMS}
     names = [n for n in TESTED_RULES if results[n].falls and results[n].healthy]
     return SecondTest(sweep=sweep, steps=s.steps, incomplete=None, runs=runs, results=results,

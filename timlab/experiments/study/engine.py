@@ -985,14 +985,16 @@ def _incomplete_line(study: Study, planned: list[PlannedRun], done: set[str]) ->
     return incomplete_line([p.name for p in planned], done, study.steps, label=group_by.get)
 
 
-def incomplete(study: Study, out: str | Path | None = None, *, root: str | Path | None = None) -> str | None:
+def incomplete(study: Study, out: str | Path | None = None, *, root: str | Path | None = None,
+               dirs: dict[str, Path] | None = None) -> str | None:
     """The INCOMPLETE line ``analyze`` prints while a run of the study's sweep has neither finished
     at ``steps`` nor diverged (step 3 of the module docstring), or None once every run has. Reads
-    the runs' states only, never their metrics; ``out`` and ``root`` as in ``analyze``. For an
-    analysis of the study's runs that must wait for the whole study (``early_warning.second_test``)."""
+    the runs' states only, never their metrics; ``out`` and ``root`` as in ``analyze``, or ``dirs``
+    ({block: its directory}, as ``block_dirs`` gives). For an analysis of the study's runs that must
+    wait for the whole study (``early_warning.second_test``)."""
     root = Path(root) if root is not None else Path(".")
     planned = planned_runs(study)
-    done = _done(study, planned, _study_states(planned, block_dirs(study, out, root)) or {})
+    done = _done(study, planned, _study_states(planned, dirs or block_dirs(study, out, root)) or {})
     return None if len(done) == len(planned) else _incomplete_line(study, planned, done)
 
 
