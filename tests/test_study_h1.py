@@ -144,6 +144,14 @@ def test_h1_analysis_finds_each_planted_effect(tmp_path):
     row = next(x for x in lines if x.startswith("| hold_1e-2 |"))
     assert "| 0/8 [0.00, 0.37] |" in row
     assert "block amd: frozen registration" in res.freeze and "block intel: frozen registration" in res.freeze
+    # the within-block table (Amendment 1, descriptive): the planted cost in each block, the machine shift in none
+    i = lines.index("| comparison | endpoint | block amd (3 seeds) | block intel (5 seeds) | all seeds |")
+    rows = {tuple(x.split(" | ")[:2]): [float(v) for v in x.strip(" |").split(" | ")[2:]] for x in lines[i + 2:i + 29]}
+    assert len(rows) == 27 and lines[i + 29] == ""
+    amd, intel, pooled = rows[("| hold_1e-2 - control", "accuracy level, steps 1500-2000 (primary)")]
+    assert amd == pytest.approx(-0.05, abs=6e-3) and intel == pytest.approx(-0.05, abs=6e-3)
+    assert pooled == pytest.approx((3 * amd + 5 * intel) / 8, abs=1e-4)
+    assert all(abs(r[0] - r[1]) < 0.012 for k, r in rows.items() if "accuracy level" in k[1])
 
 
 def test_h1_tests_relabel_within_blocks(tmp_path):

@@ -878,6 +878,30 @@ def _paragraphs(study: Study, cmps: dict, cols: dict) -> list[str]:
     return out
 
 
+def _within_blocks(study: Study, cols: dict) -> list[str]:
+    """A blocked study's descriptive table: each family comparison's difference in means within
+    each block, beside the pooled one, so a reader sees whether the machines agree (no test)."""
+    if not study.blocks:
+        return []
+    col = cols.get("", {})
+    blocks = list(enumerate(study.blocks))
+    sizes = {b.name: int((col[study.control][BLOCK] == i).sum()) for i, b in blocks} if col else {}
+    out = ["**Within each machine block** (descriptive: the difference of means, arm minus reference, "
+           "in each block's seeds alone; the tests above relabel within blocks)", "",
+           "| comparison | endpoint | " + " | ".join(f"block {b.name} ({sizes.get(b.name, 0)} seeds)" for _, b in blocks)
+           + " | all seeds |", "|---|---|" + "---:|" * (len(blocks) + 1)]
+    for fam in study.families:
+        for key in fam.endpoints:
+            for n, a, b, _ in comparisons(fam, list(col)):
+                if a not in col or b not in col:
+                    continue
+                x, y = col[a], col[b]
+                cells = [f"{x[key][x[BLOCK] == i].mean() - y[key][y[BLOCK] == i].mean():+.4f}" for i, _ in blocks]
+                out.append(f"| {fam.shown(a)} - {fam.shown(b)} | {study.label(key)} | " + " | ".join(cells)
+                           + f" | {x[key].mean() - y[key].mean():+.4f} |")
+    return out + [""]
+
+
 def _records(study: Study, dirs: dict[str, Path], planned: list[PlannedRun],
              states: dict) -> dict[str, dict[str, list[dict]]]:
     """{group: {arm: each of its runs' ``run_record``}} in spec order (every run finished or
@@ -965,6 +989,7 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
         lines += kinds[part]() if part in kinds else _family(study, fams[part], cols, verdicts, cmps, states) \
             if part in fams else _table(study, tables[part], cols) if part in tables else \
             _fits(study, cols, verdicts, root, cmps, (part,), tests)
+    lines += _within_blocks(study, cols)
     for note in study.notes:
         lines += [note, ""]
     if study.amendments:
