@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from timlab.cli import main
 from timlab.config import resolve
 from timlab.files import release_lock, take_lock
@@ -87,3 +89,23 @@ def test_two_processes_that_need_one_warm_start_at_once_build_it_once(tmp_path, 
     assert sorted(r["cached"] for r in results) == [False, True] and {r["path"] for r in results} == {str(cache)}
     assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name, cache.name + ".lock"]  # no partial folder
     assert json.loads((cache / "pretrain.json").read_text())["steps"] == 3
+
+
+def test_a_warm_start_made_with_other_bits_is_built_again(tmp_path, monkeypatch):
+    """The cache key is the settings; a model built on a machine of another fingerprint (another CPU,
+    or the same one with other MKL/oneDNN settings) is another model, so it is not reused."""
+    from timlab.machine import fingerprint
+
+    monkeypatch.setenv("TIMLAB_CACHE", str(tmp_path / "cache"))
+    cfg = resolve(preset="smoke", overrides=["model.pretrain_steps=3"])
+    first = ensure_warm_start(cfg)
+    info = json.loads((first.path / "pretrain.json").read_text())
+    assert not first.cached and info["fingerprint"] == fingerprint()
+    assert ensure_warm_start(cfg).cached  # same machine: reused
+    (first.path / "pretrain.json").write_text(json.dumps({**info, "fingerprint": "0123456789ab"}))
+    with pytest.warns(UserWarning, match=f"fingerprint 0123456789ab, here {fingerprint()}"):
+        again = ensure_warm_start(cfg)
+    assert not again.cached and json.loads((again.path / "pretrain.json").read_text())["fingerprint"] == fingerprint()
+    del info["fingerprint"]  # made before fingerprints were recorded: reused, as before
+    (first.path / "pretrain.json").write_text(json.dumps(info))
+    assert ensure_warm_start(cfg).cached

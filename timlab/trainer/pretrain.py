@@ -148,12 +148,22 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
 
 
 def _reuse(cfg: Config, out: Path) -> PretrainResult | None:
-    """The model in ``out`` when it is complete and was built from these settings, else None."""
+    """The model in ``out`` when it is complete and was built from these settings on a machine that
+    computes the same bits (the ``machine.fingerprint()`` it records, where it records one), else
+    None: a warm start made with other bits is another model, and a sweep that spans machines must
+    not start from it unawares."""
+    from timlab.machine import fingerprint
+
     done_file = out / "pretrain.json"
     if not all((out / f).exists() for f in ("pretrain.json", "model.safetensors", "tokenizer.json")):
         return None
     try:
         info = json.loads(done_file.read_text(encoding="utf-8"))
+        made, here = info.get("fingerprint"), fingerprint()
+        if info.get("key") == warm_start_key(cfg) and made not in (None, here):
+            warnings.warn(f"{out} was pretrained on a machine that computes other bits (fingerprint {made}, here "
+                          f"{here}); pretraining it again here", stacklevel=2)
+            return None
         if info.get("key") == warm_start_key(cfg):
             return PretrainResult(out, float(info["val_accuracy"]), int(info["steps"]), float(info["seconds"]),
                                   int(info["num_params"]), True)
@@ -199,6 +209,8 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     max_len = task.max_prompt_chars + max_new + 64
     mcfg = model_config_for(cfg, tok.vocab_size, tok, max_len)
 
+    from timlab.machine import fingerprint
+
     key = warm_start_key(cfg)
     torch.manual_seed(cfg.model.pretrain_seed)
     model = CausalLM(mcfg)
@@ -235,7 +247,7 @@ def _pretrain_locked(cfg: Config, out: Path, progress) -> PretrainResult:
     n_params = sum(p.numel() for p in model.parameters())
     info = {"key": key, "task": cfg.task.name, "val_accuracy": acc, "val_response_length": mean_len,
             "final_loss": loss_val, "steps": steps, "seconds": seconds, "num_params": n_params,
-            "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs,
+            "model": dataclasses.asdict(cfg.model), "task_kwargs": cfg.task.kwargs, "fingerprint": fingerprint(),
             **({"init": init} if cfg.model.pretrain_init else {})}
     (tmp / "pretrain.json").write_text(json.dumps(info, indent=2))
     _finish_partial(tmp, out)
