@@ -87,7 +87,7 @@ def write_blocks(study, root: Path, metrics: Callable[[str], pd.DataFrame], name
     the runs ``names`` (default: every planned run) written into their own block's directory as
     finished; returns {block: its directory}."""
     from timlab.experiments.study import freeze, planned_runs
-    from timlab.experiments.study.engine import block_dirs
+    from timlab.experiments.study.blocks import block_dirs
 
     planned = planned_runs(study)
     dirs = block_dirs(study, None, root)

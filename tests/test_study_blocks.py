@@ -15,7 +15,7 @@ from test_study import ARMS, SEEDS, STEPS, metrics, registration
 from timlab.cli import main
 from timlab.experiments.stats import permutation_test, stratified_floor
 from timlab.experiments.study import StudyError, analyze, planned_runs, study_from_dict
-from timlab.experiments.study import engine
+from timlab.experiments.study import blocks
 from timlab.experiments.sweep_spec import spec_from_dict
 
 BLOCKS = [{"name": "amd", "isa": "avx2", "seeds": [0, 1]},
@@ -115,18 +115,18 @@ def test_study_run_takes_the_block_of_this_machine(tmp_path, monkeypatch):
     st = blocked(tmp_path)
     monkeypatch.setattr("timlab.machine.bits", lambda: "avx2-intel")
     monkeypatch.setattr("timlab.machine.fingerprint", lambda: "0220b5990add")
-    assert engine.machine_block(st).name == "intel"
-    spec = engine.block_spec(spec_from_dict(st.sweep, root=st.sweep_root), planned_runs(st), "intel")
+    assert blocks.machine_block(st).name == "intel"
+    spec = blocks.block_spec(spec_from_dict(st.sweep, root=st.sweep_root), planned_runs(st), "intel")
     assert [c.name for c in spec.conditions] == [f"{a}_s{s}" for s in (2, 3, 4) for a in ARMS]
     monkeypatch.setattr("timlab.machine.fingerprint", lambda: "123456789abc")
     with pytest.raises(StudyError, match="fingerprint is 123456789abc, not block intel's 0220b5990add"):
-        engine.machine_block(st)
+        blocks.machine_block(st)
     monkeypatch.setattr("timlab.machine.bits", lambda: "AVX512")
     with pytest.raises(StudyError, match=r"no block runs on this machine \(AVX512; pin it with `timlab --isa avx2`\); "
                                          r"blocks: amd: avx2; intel: avx2-intel 0220b5990add"):
-        engine.machine_block(st)
+        blocks.machine_block(st)
     monkeypatch.setattr("timlab.machine.bits", lambda: "avx2")
-    assert engine.machine_block(st).name == "amd"
+    assert blocks.machine_block(st).name == "amd"
 
 
 def test_block_spec_of_a_seed_grid(tmp_path):
@@ -134,7 +134,7 @@ def test_block_spec_of_a_seed_grid(tmp_path):
     st = study_from_dict(registration(sweep={"base": {"preset": "smoke", "set": {"run.steps": STEPS}},
                                              "conditions": conds, "grid": {"run.seed": list(range(SEEDS))}},
                                       blocks=BLOCKS), root=tmp_path)
-    spec = engine.block_spec(spec_from_dict(st.sweep, root=st.sweep_root), planned_runs(st), "amd")
+    spec = blocks.block_spec(spec_from_dict(st.sweep, root=st.sweep_root), planned_runs(st), "amd")
     assert spec.grid["run.seed"] == [0, 1] and len(spec.conditions) == 3
 
 

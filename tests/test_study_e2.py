@@ -21,7 +21,7 @@ from pathlib import Path
 
 from study_sweep import write_sweep
 from timlab.experiments.study import analyze, load_study, planned_runs
-from timlab.experiments.study import engine
+from timlab.experiments.study import blocks, engine
 from timlab.experiments.study.signals import rise_step, run_signals, signals_section, vs_start
 
 E2 = load_study(Path(__file__).resolve().parents[1] / "docs" / "examples" / "studies" / "e2.yaml")
@@ -100,8 +100,8 @@ def _sweep(root, names=None, *, states: dict | None = None):
 
 def _columns(out) -> dict:
     """{condition: {endpoint or signal key: values over its 8 seeds}}: what the engine's tables read."""
-    dirs = engine.block_dirs(E2, out)
-    return engine._columns(E2, engine._records(E2, dirs, planned_runs(E2), engine._study_states(planned_runs(E2), dirs))[""])
+    dirs = blocks.block_dirs(E2, out)
+    return engine._columns(E2, engine._records(E2, dirs, planned_runs(E2), blocks.study_states(planned_runs(E2), dirs))[""])
 
 
 @pytest.fixture(scope="module")

@@ -616,6 +616,7 @@ def _add_check(sub) -> None:
 def cmd_study(args: argparse.Namespace) -> int:
     from timlab.experiments import study as S
     from timlab.experiments.study import predictor as P
+    from timlab.experiments.study.blocks import block_dirs, block_spec, machine_block
     from timlab.experiments.study.sweep_runs import seed_ranges
 
     if args.trajectories and args.action != "figure":
@@ -627,7 +628,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise CLIError(f"study recompute: {args.file} is not a predictor study (kind: predictor); "
                        "its runs are made by `timlab study run`")
     st = S.load_study(args.file)
-    dirs = S.engine.block_dirs(st, args.out)
+    dirs = block_dirs(st, args.out)
     if args.action == "check":
         runs = S.planned_runs(st)
         arms = {}
@@ -680,9 +681,9 @@ def cmd_study(args: argparse.Namespace) -> int:
 
         spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
         planned = S.planned_runs(st)  # every config resolves before anything is written
-        out = dirs[""] if not st.blocks else dirs[(block := S.engine.machine_block(st)).name]
+        out = dirs[""] if not st.blocks else dirs[(block := machine_block(st)).name]
         if st.blocks:
-            spec = S.engine.block_spec(spec, planned, block.name)
+            spec = block_spec(spec, planned, block.name)
             print(f"block {block.name}: this machine ({block.isa}) runs seeds {seed_ranges(block.seeds)} into {out}")
         if st.predicted_by is not None:
             from timlab.experiments.study.oos import check_predicted

@@ -568,7 +568,7 @@ def second_test(root: str | Path, sweep: str = "h1", study_file: str | Path | No
     and no run's metrics are read."""
     root = Path(root)
     from timlab.experiments.study import incomplete, planned_runs
-    from timlab.experiments.study.engine import block_dirs
+    from timlab.experiments.study.blocks import block_dirs
 
     s = _test_set_study(root, sweep, study_file)
     # the study's directories under root (a blocked study's runs live in one directory per block)

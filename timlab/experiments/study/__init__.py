@@ -11,7 +11,9 @@ scripts/findings_tables.py for the FINDINGS blocks of the studies written as stu
   grouped study's cost against the answer length, where it has a ``length_exponent`` fit);
 - ``endpoints``: per-run statistics over step windows; ``fits``: the dose law, the length fit
   and the threshold test;
-- ``sweep_runs``: reading a study's runs from a sweep directory; ``text``: the cell formats;
+- ``sweep_runs``: reading a study's runs from a sweep directory; ``blocks``: where a study's runs
+  live (its directory, or one per machine block) and which of them this machine may make;
+  ``text``: the cell formats;
 - ``predictor``, ``recompute`` and ``oos``: predictor studies (which statistic predicts a mismatch's
   cost), the bit-for-bit re-runs behind their candidate values, and their out-of-sample part.
 """

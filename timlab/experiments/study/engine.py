@@ -48,16 +48,16 @@ import pandas as pd
 
 from timlab.experiments.stats import (bootstrap_ci, bootstrap_ratio_ci, clopper_pearson, compare_family,
                                       permutation_floor, t_ci)
+from timlab.experiments.study.blocks import SEED, block_dirs, block_of, check_freezes, study_states, sweep_dir
 from timlab.experiments.study.endpoints import SCALES, guard, rows, window_stat
 from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, off_fit, power_law_section
-from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError, check_freeze,
+from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError,
                                                    first_case)
-from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs, seed_ranges
+from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
 from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
 
-SEED = "run.seed"
 
 
 @dataclass(frozen=True)
@@ -167,92 +167,6 @@ def _check_outcomes(study: Study, planned: list[PlannedRun]) -> None:
                     raise StudyError(f"{where}: arm: family {c.family} makes no comparison {c.arm!r}"
                                      + (f" in {study.groups} {c.group}" if c.group else "")
                                      + f"; valid choices: {', '.join(names) or 'none'}")
-
-
-def sweep_dir(study: Study, out: str | Path | None = None) -> Path:
-    """The study's sweep directory: ``out``, else the file's ``out``."""
-    d = out or study.out
-    if not d:
-        raise StudyError(f"{study.source}: no sweep directory: set out: in the study file or pass --out")
-    return Path(d)
-
-
-def block_of(study: Study, name: str) -> str:
-    """The block (``Study.blocks``) whose seeds hold the run named ``name`` (``<arm>_s<seed>``)."""
-    m = re.fullmatch(r".+_s(\d+)", name)
-    found = [b.name for b in study.blocks if m and int(m.group(1)) in b.seeds]
-    if not found:
-        seeds = ", ".join(f"{b.name} {seed_ranges(b.seeds)}" for b in study.blocks)
-        raise StudyError(f"{study.source}: blocks: run {name!r} " + (f"has seed {m.group(1)}, in no block" if m else
-                         "has no _s<seed> suffix") + f"; the blocks' seeds: {seeds}")
-    return found[0]
-
-
-def block_dirs(study: Study, out: str | Path | None = None, root: str | Path = ".") -> dict[str, Path]:
-    """{block name: its sweep directory under ``root``}; {"": the sweep directory} without blocks.
-    ``out`` (``--out``) moves an unblocked study's runs; a blocked one names its own directories."""
-    if not study.blocks:
-        return {"": Path(root) / sweep_dir(study, out)}
-    if out is not None:
-        raise StudyError(f"{study.source}: blocks name their sweep directories ("
-                         + ", ".join(f"{b.name}: {b.out or study.out}" for b in study.blocks) + "); --out does not apply")
-    return {b.name: Path(root) / sweep_dir(study, b.out) for b in study.blocks}
-
-
-def machine_block(study: Study):
-    """The block (``Study.blocks``) this process's machine runs: the one whose ``isa`` is
-    ``machine.bits()`` (and whose ``fingerprint``, when registered, is ``machine.fingerprint()``);
-    a one-line error naming the blocks otherwise."""
-    from timlab.machine import bits, fingerprint
-
-    here = bits()
-    names = "; ".join(f"{b.name}: {b.isa}" + (f" {b.fingerprint}" if b.fingerprint else "") for b in study.blocks)
-    for b in study.blocks:
-        if b.isa == here:
-            if b.fingerprint and b.fingerprint != fingerprint():
-                raise StudyError(f"{study.source}: blocks: this machine computes as {here} but its fingerprint is "
-                                 f"{fingerprint()}, not block {b.name}'s {b.fingerprint}; blocks: {names}")
-            return b
-    raise StudyError(f"{study.source}: blocks: no block runs on this machine ({here}; pin it with `timlab --isa avx2`); "
-                     f"blocks: {names}")
-
-
-def block_spec(spec, planned: list[PlannedRun], block: str):
-    """The sweep spec cut to one block's runs (its named conditions, or its seeds of a seed grid)."""
-    keep = [p for p in planned if p.block == block]
-    if SEED in spec.grid:
-        seeds = {int(p.name.rsplit("_s", 1)[1]) for p in keep}
-        return replace(spec, grid={**spec.grid, SEED: [x for x in spec.grid[SEED] if int(x) in seeds]})
-    names = {p.name for p in keep}
-    return replace(spec, conditions=tuple(c for c in spec.conditions if c.name in names))
-
-
-def _study_states(planned: list[PlannedRun], dirs: dict[str, Path]) -> dict[str, tuple[str, int]] | None:
-    """{run_id: (state, last step)} of the planned runs, each read from its block's directory (a
-    directory may hold other runs too: only its block's count); None when no directory has an index."""
-    found = {b: _states(d) for b, d in dirs.items()}
-    if all(x is None for x in found.values()):
-        return None
-    return {p.run_id: found[p.block][p.run_id] for p in planned
-            if found.get(p.block) is not None and p.run_id in found[p.block]}
-
-
-def check_freezes(study: Study, dirs: dict[str, Path], states) -> str:
-    """``check_freeze`` in each block's directory (one line; "block NAME: ..." per block)."""
-    if list(dirs) == [""]:
-        return check_freeze(study, dirs[""], has_runs=states is not None)
-    return "; ".join(f"block {b}: {check_freeze(study, d, has_runs=(d / 'index.parquet').exists())}"
-                     for b, d in dirs.items())
-
-
-def _states(out: Path) -> dict[str, tuple[str, int]] | None:
-    """{run_id: (state, last step)} read live from each run's status.json; None without an index."""
-    from timlab.experiments.sweep_index import INDEX_FILE, read_index
-
-    if not (out / INDEX_FILE).exists():
-        return None
-    idx = read_index(out)
-    return {r: (s, int(n) if pd.notna(n) else 0) for r, s, n in zip(idx["run_id"], idx["state"], idx["last_step"])}
 
 
 def run_record(study: Study, m: pd.DataFrame, *, diverged: bool) -> dict:
@@ -660,7 +574,7 @@ def _fitted_study(f, root: Path) -> tuple[Study, list[str], dict | None]:
 
     other = load_study(f.study)
     planned, dirs = planned_runs(other), block_dirs(other, None, root)
-    states = _study_states(planned, dirs) or {}
+    states = study_states(planned, dirs) or {}
     tripped = sorted(p.name for p in planned if p.arm == other.control and states.get(p.run_id, ("",))[0] == GUARD_FAILED)
     if tripped:
         return other, [f"The fit's study {other.name} is void: the zero-mismatch guard stopped {', '.join(tripped)}; "
@@ -764,7 +678,7 @@ def _place(study: Study, f, col: dict, arms: list[str], root: Path) -> list[str]
     other = load_study(f.study)
     who = f"the {other.name} study"
     planned, dirs = planned_runs(other), block_dirs(other, None, root)
-    states = _study_states(planned, dirs) or {}
+    states = study_states(planned, dirs) or {}
     done = [p for p in planned if states.get(p.run_id, ("", 0))[0] == DIVERGED
             or states.get(p.run_id, ("", 0)) == (FINISHED, other.steps)]
     if len(done) < len(planned):
@@ -939,7 +853,7 @@ def endpoint_values(study: Study, out: str | Path | None = None, *,
     root = Path(root) if root is not None else Path(".")
     dirs = block_dirs(study, out, root)
     planned = planned_runs(study)
-    states = _study_states(planned, dirs) or {}
+    states = study_states(planned, dirs) or {}
     done = _done(study, planned, states)
     if len(done) < len(planned):
         raise StudyError(_incomplete_line(study, planned, done))
@@ -954,7 +868,7 @@ def analyze(study: Study, out: str | Path | None = None, *, root: str | Path | N
     dirs = block_dirs(study, out, root)
     planned = planned_runs(study)
     arms = list(dict.fromkeys(p.arm for p in planned))
-    states = _study_states(planned, dirs)
+    states = study_states(planned, dirs)
     freeze = check_freezes(study, dirs, states)
     states = states or {}
     tripped = sorted(p.name for p in planned if p.arm == study.control and states.get(p.run_id, ("",))[0] == GUARD_FAILED)
@@ -1019,14 +933,14 @@ def incomplete(study: Study, out: str | Path | None = None, *, root: str | Path 
     wait for the whole study (``early_warning.second_test``)."""
     root = Path(root) if root is not None else Path(".")
     planned = planned_runs(study)
-    done = _done(study, planned, _study_states(planned, dirs or block_dirs(study, out, root)) or {})
+    done = _done(study, planned, study_states(planned, dirs or block_dirs(study, out, root)) or {})
     return None if len(done) == len(planned) else _incomplete_line(study, planned, done)
 
 
 def missing_runs(study: Study, out: str | Path | None = None) -> str:
     """The runs not yet finished, grouped (for ``timlab study check``)."""
     planned = planned_runs(study)
-    done = _done(study, planned, _study_states(planned, block_dirs(study, out)) or {})
+    done = _done(study, planned, study_states(planned, block_dirs(study, out)) or {})
     left = [p.name for p in planned if p.name not in done]
     return grouped_seeds(left) if left else "none"
 
@@ -1056,7 +970,7 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None, *, tra
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
     dirs, planned = block_dirs(study, out), planned_runs(study)
-    per = _records(study, dirs, planned, _study_states(planned, dirs) or {})[""]
+    per = _records(study, dirs, planned, study_states(planned, dirs) or {})[""]
     panels = [(fam, key) for fam in study.families for key in fam.endpoints]
     fig = Figure(figsize=(4.5 * len(panels), 3.6))
     for i, (fam, key) in enumerate(panels):
@@ -1090,7 +1004,7 @@ def valid_columns(study: Study, out: str | Path | None = None) -> dict[str, dict
     if res.status != "complete":
         raise StudyError(f"{study.source}: no figure: {res.text}")
     dirs, planned = block_dirs(study, out), planned_runs(study)
-    per = _records(study, dirs, planned, _study_states(planned, dirs) or {})
+    per = _records(study, dirs, planned, study_states(planned, dirs) or {})
     return {g: _columns(study, rs) for g, rs in per.items() if _validity(study, rs, g)[0]}
 
 

@@ -256,7 +256,8 @@ def results_text(cells: OosCells, preds: dict, dec: dict, regime: str) -> str:
 def _observed(pst, oos, cells: OosCells) -> list[float]:
     """Fill ``cells.control`` and ``cells.arm`` with each run's cost-window mean; returns each cell's
     mean answer length over the candidates' window (the out-of-sample lengths)."""
-    from timlab.experiments.study.engine import planned_runs, sweep_dir
+    from timlab.experiments.study.blocks import sweep_dir
+    from timlab.experiments.study.engine import planned_runs
     from timlab.experiments.study.predictor import LENGTH_METRIC, _window_mean
     from timlab.rundir import read_metrics
 
