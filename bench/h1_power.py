@@ -1,6 +1,7 @@
 """Power of Study H1 (docs/FINDINGS.md, "Study H1"), from the erosion study's seed variance.
 
     OMP_NUM_THREADS=1 python bench/h1_power.py [--sweep sweeps/erosion] [--sims 200] [--json OUT]
+    OMP_NUM_THREADS=1 python bench/h1_power.py --blocks 3,5 [--shift 1.0]   # Amendment 1's test
 
 H1 compares 8 seeds of a mismatch arm with 8 seeds of the control, and a TIS arm with its non-TIS
 arm, on three endpoints over 2,000 steps. No 2,000-step run exists before H1, so the seed-to-seed
@@ -25,6 +26,11 @@ the 3 profiles) and 0.05 (Holm's last step). The minimum detectable effect (MDE)
 effect with power >= 0.8 (interpolated on the grid), for 8 seeds and, to state what cutting seeds
 would cost, for 6 and 4. Spreads over 2,000 steps may exceed those over 500 (seeds have longer to
 drift apart), so these are projections.
+
+``--blocks 3,5`` (Amendment 1: seeds 0-2 on AMD machines, 3-7 on Intel ones) compares, for 8 vs 8,
+the minimum detectable effect of the registered test with that of the test the amendment uses,
+which relabels within the blocks only (5,040 relabelings), with the seeds of the second block
+shifted by ``--shift`` reference standard deviations in both arms (a machine effect; 0 by default).
 """
 
 from __future__ import annotations
@@ -74,13 +80,31 @@ def spreads(sweep: str) -> dict[str, dict[str, float]]:
             for e in ENDPOINTS}
 
 
-def power_curve(n: int, ratio: float, sims: int, seed: int = 0) -> dict[float, np.ndarray]:
-    """{alpha: power at each GRID effect} of n seeds at N(-g * se, ratio) against n at N(0, 1)."""
+def power_curve(n: int, ratio: float, sims: int, seed: int = 0, blocks: tuple[int, ...] | None = None,
+                shift: float = 0.0, stratified: bool = False) -> dict[float, np.ndarray]:
+    """{alpha: power at each GRID effect} of n seeds at N(-g * se, ratio) against n at N(0, 1);
+    with ``blocks`` (seeds per block, summing to n) the seeds of block k are shifted by k * ``shift``
+    in both arms, and ``stratified`` relabels within blocks only."""
     rng = np.random.default_rng(seed)
     se = math.sqrt((1 + ratio**2) / n)
-    ps = np.array([[permutation_test(rng.normal(-g * se, ratio, n), rng.normal(0.0, 1.0, n)).p for _ in range(sims)]
+    labels = np.repeat(np.arange(len(blocks)), blocks) if blocks else np.zeros(n, int)
+    strata = (labels, labels) if stratified else None
+    ps = np.array([[permutation_test(rng.normal(-g * se, ratio, n) + shift * labels,
+                                     rng.normal(0.0, 1.0, n) + shift * labels, strata=strata).p for _ in range(sims)]
                    for g in GRID])  # (grid, sims)
     return {alpha: (ps < alpha).mean(axis=1) for alpha in ALPHAS}
+
+
+def blocked_mde(blocks: tuple[int, ...], shift: float, sims: int) -> dict[tuple[str, float], float]:
+    """{(test, alpha): MDE in standard errors} of ``sum(blocks)`` vs as many seeds, the registered
+    test and the within-block one, the worse of the RATIOS curves."""
+    n = sum(blocks)
+    out = {}
+    for name, stratified in (("registered (12,870 relabelings)", False), ("within blocks", True)):
+        curves = [power_curve(n, r, sims, blocks=blocks, shift=shift, stratified=stratified) for r in RATIOS]
+        for alpha in ALPHAS:
+            out[name, alpha] = max(mde_in_se(c[alpha]) for c in curves)
+    return out
 
 
 def mde_in_se(curve: np.ndarray) -> float:
@@ -100,7 +124,21 @@ def main() -> int:
     ap.add_argument("--sweep", default="sweeps/erosion")
     ap.add_argument("--sims", type=int, default=200, help="simulated experiments per planted effect")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--blocks", help="seeds per machine block, e.g. 3,5: the registered test against the "
+                                     "within-block one (8 vs 8 only)")
+    ap.add_argument("--shift", type=float, default=0.0,
+                    help="with --blocks: the second block's seeds shifted by this many reference sds, both arms")
     args = ap.parse_args()
+    if args.blocks:
+        blocks = tuple(int(x) for x in args.blocks.split(","))
+        res = blocked_mde(blocks, args.shift, args.sims)
+        print(f"{sum(blocks)} vs {sum(blocks)} in blocks of {args.blocks} seeds, block shift {args.shift:g} sd; MDE in "
+              f"standard errors of the difference (power {POWER}):")
+        for (name, alpha), v in res.items():
+            print(f"  {name}, alpha {alpha:.4f}: {v:.2f}")
+        if args.json:
+            write_json(args.json, {f"{n}|{a:.4f}": v for (n, a), v in res.items()})
+        return 0
     sp = spreads(args.sweep)
     k = {}  # (n, alpha) -> MDE in standard errors (the worse of the RATIOS curves)
     for n in SEEDS:
