@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -91,9 +92,11 @@ def test_two_processes_that_need_one_warm_start_at_once_build_it_once(tmp_path, 
     assert json.loads((cache / "pretrain.json").read_text())["steps"] == 3
 
 
-def test_a_warm_start_made_with_other_bits_is_built_again(tmp_path, monkeypatch):
+def test_a_warm_start_made_with_other_bits_is_reused_with_a_warning(tmp_path, monkeypatch):
     """The cache key is the settings; a model built on a machine of another fingerprint (another CPU,
-    or the same one with other MKL/oneDNN settings) is another model, so it is not reused."""
+    or the same one with other MKL/oneDNN settings) is another model than this machine builds. It is
+    reused (never replaced under concurrent runs), with a warning naming both fingerprints and
+    --force; --force builds it here and records this machine's fingerprint."""
     from timlab.machine import fingerprint
 
     monkeypatch.setenv("TIMLAB_CACHE", str(tmp_path / "cache"))
@@ -101,11 +104,17 @@ def test_a_warm_start_made_with_other_bits_is_built_again(tmp_path, monkeypatch)
     first = ensure_warm_start(cfg)
     info = json.loads((first.path / "pretrain.json").read_text())
     assert not first.cached and info["fingerprint"] == fingerprint()
-    assert ensure_warm_start(cfg).cached  # same machine: reused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same machine: reused without a word
+        assert ensure_warm_start(cfg).cached
     (first.path / "pretrain.json").write_text(json.dumps({**info, "fingerprint": "0123456789ab"}))
-    with pytest.warns(UserWarning, match=f"fingerprint 0123456789ab, here {fingerprint()}"):
-        again = ensure_warm_start(cfg)
-    assert not again.cached and json.loads((again.path / "pretrain.json").read_text())["fingerprint"] == fingerprint()
+    with pytest.warns(UserWarning, match=f"fingerprint 0123456789ab, here {fingerprint()}\\): reused as it is; "
+                                         "`timlab pretrain --force` builds it"):
+        assert ensure_warm_start(cfg).cached
+    assert main(["pretrain", *SETTINGS, "--force"]) == 0
+    assert json.loads((first.path / "pretrain.json").read_text())["fingerprint"] == fingerprint()
     del info["fingerprint"]  # made before fingerprints were recorded: reused, as before
     (first.path / "pretrain.json").write_text(json.dumps(info))
-    assert ensure_warm_start(cfg).cached
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ensure_warm_start(cfg).cached

@@ -148,10 +148,11 @@ def pretrain(cfg: Config, out_dir: str | Path | None = None, *, force: bool = Fa
 
 
 def _reuse(cfg: Config, out: Path) -> PretrainResult | None:
-    """The model in ``out`` when it is complete and was built from these settings on a machine that
-    computes the same bits (the ``machine.fingerprint()`` it records, where it records one), else
-    None: a warm start made with other bits is another model, and a sweep that spans machines must
-    not start from it unawares."""
+    """The model in ``out`` when it is complete and was built from these settings, else None. One
+    built on a machine that computes other bits (the ``machine.fingerprint()`` it records, where it
+    records one) is another model than this machine would build: it is still reused (the cache is
+    shared by concurrent runs and never replaced under them), with a warning that says so and how to
+    rebuild it (``--force``), so a start re-created from registered commands cannot differ unawares."""
     from timlab.machine import fingerprint
 
     done_file = out / "pretrain.json"
@@ -162,8 +163,8 @@ def _reuse(cfg: Config, out: Path) -> PretrainResult | None:
         made, here = info.get("fingerprint"), fingerprint()
         if info.get("key") == warm_start_key(cfg) and made not in (None, here):
             warnings.warn(f"{out} was pretrained on a machine that computes other bits (fingerprint {made}, here "
-                          f"{here}); pretraining it again here", stacklevel=2)
-            return None
+                          f"{here}): reused as it is; `timlab pretrain --force` builds it with this machine's bits",
+                          stacklevel=2)
         if info.get("key") == warm_start_key(cfg):
             return PretrainResult(out, float(info["val_accuracy"]), int(info["steps"]), float(info["seconds"]),
                                   int(info["num_params"]), True)

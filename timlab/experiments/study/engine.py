@@ -48,7 +48,7 @@ import pandas as pd
 
 from timlab.experiments.stats import (bootstrap_ci, bootstrap_ratio_ci, clopper_pearson, compare_family,
                                       permutation_floor, t_ci)
-from timlab.experiments.study.blocks import SEED, block_dirs, block_of, check_freezes, study_states, sweep_dir
+from timlab.experiments.study.blocks import SEED, block_dirs, block_of, check_freezes, study_states
 from timlab.experiments.study.endpoints import SCALES, guard, rows, window_stat
 from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, off_fit, power_law_section
 from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError,
@@ -57,7 +57,6 @@ from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, 
 from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
-
 
 
 @dataclass(frozen=True)
