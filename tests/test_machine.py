@@ -192,3 +192,20 @@ def test_42_12_bits_names_what_a_process_computes(monkeypatch):
         else:
             monkeypatch.delenv("MKL_CBWR", raising=False)
         assert machine.bits() == want, (capability, pinned, avx512, vendor, strict)
+
+
+def test_version_under_the_pin_prints_the_pinned_bits_fingerprint():
+    """`timlab --isa avx2 --version` re-executes pinned first, so its fingerprint is the one a pinned
+    run computes with (the one a study block or a sweep folder records)."""
+    env = {k: v for k, v in os.environ.items() if k not in machine.PIN_ENV}
+    env.update(OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "timlab", "--isa", "avx2", "--version"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    pinned = subprocess.run([sys.executable, "-c", "from timlab.machine import fingerprint, bits; print(fingerprint(), "
+                                                   "bits())"], env={**env, **machine.pin_env("avx2")}, cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    fp, label = pinned.stdout.split()
+    assert out.stdout.strip().endswith(f"fingerprint {fp})") and "CPU capability AVX2" in out.stdout
+    assert label in machine.PINNED_LABELS
+    assert cli.main(["--isa", "avx2", "--version"]) == 2  # in-process, torch loaded: the one-line refusal

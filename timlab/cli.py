@@ -1101,6 +1101,12 @@ def _pin_isa(isa: str, argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = _join_dash_values(sys.argv[1:] if argv is None else list(argv))
+    if "--version" in argv:  # --version exits while parsing: pin first, so it prints the pinned bits' fingerprint
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--isa", choices=ISAS, default="native")
+        if (error := _pin_isa(pre.parse_known_args(argv)[0].isa, argv)) is not None:
+            print(f"timlab: error: {error}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     if (error := _pin_isa(args.isa, argv)) is not None:
         print(f"timlab: error: {error}", file=sys.stderr)
