@@ -15,7 +15,7 @@ from test_study import ARMS, SEEDS, STEPS, metrics, registration
 from timlab.cli import main
 from timlab.experiments.stats import permutation_test, stratified_floor
 from timlab.experiments.study import StudyError, analyze, planned_runs, study_from_dict
-from timlab.experiments.study import blocks
+from timlab.experiments.study import blocks, engine
 from timlab.experiments.sweep_spec import spec_from_dict
 
 BLOCKS = [{"name": "amd", "isa": "avx2", "seeds": [0, 1]},
@@ -153,17 +153,20 @@ def test_cli_run_refuses_a_machine_of_no_block(tmp_path, monkeypatch, capsys):
     assert "--out does not apply" in capsys.readouterr().err
     assert main(["study", "check", str(f)]) == 0
     out = capsys.readouterr().out
-    assert "  block amd (machine avx2; seeds 0-1): sweep: not frozen yet (no run)" in out
-    assert "  block intel (machine avx2-intel, fingerprint 0220b5990add; seeds 2-4): sweep_intel: not frozen" in out
+    assert "  block amd (machine avx2; seeds 0-1; 0 of 6 runs finished): sweep: not frozen yet (no run)" in out
+    assert ("  block intel (machine avx2-intel, fingerprint 0220b5990add; seeds 2-4; 0 of 9 runs finished): "
+            "sweep_intel: not frozen") in out
 
 
 # --------------------------------------------------------------------------------- analysing
-def test_analysis_reads_each_block_and_checks_its_start(tmp_path):
+def test_analysis_reads_each_block_and_checks_its_start(tmp_path, monkeypatch):
     st = blocked(tmp_path)
     dirs = write_blocks(st, tmp_path, metrics, names=[p.name for p in planned_runs(st) if p.block == "amd"])
     assert sorted(p.name for p in dirs.values()) == ["sweep", "sweep_intel"]
     res = analyze(st, root=tmp_path)
     assert res.status == "incomplete" and "missing: control seeds 2-4, head seeds 2-4, tiny seeds 2-4" in res.text
+    monkeypatch.chdir(tmp_path)
+    assert engine.progress(st) == {"amd": (6, 6), "intel": (0, 9)}
     st = blocked(tmp_path / "b")
     write_blocks(st, tmp_path / "b", lambda n: metrics(n).assign(**{"val/gold_logprob": -0.4})
                  if n.endswith(("_s2", "_s3", "_s4")) else metrics(n))

@@ -658,10 +658,11 @@ def cmd_study(args: argparse.Namespace) -> int:
                   + (f"{st.groups}s {', '.join(f.groups)}" if f.groups else f"every valid {st.groups}") + "; "
                   + (f"tests: {', '.join(t.name for t in f.tests)}" if f.tests else "no test (descriptive)"))
         if st.blocks:
+            counts = S.engine.progress(st)
             for b in st.blocks:
-                d = dirs[b.name]
+                d, (n, m) = dirs[b.name], counts[b.name]
                 print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
-                      + f"; seeds {seed_ranges(b.seeds)}): {d}: "
+                      + f"; seeds {seed_ranges(b.seeds)}; {n} of {m} runs finished): {d}: "
                       + S.check_freeze(st, d, has_runs=(d / "index.parquet").exists()))
             print(f"  runs not finished: {S.missing_runs(st)}")
         else:

@@ -936,6 +936,18 @@ def incomplete(study: Study, out: str | Path | None = None, *, root: str | Path 
     return None if len(done) == len(planned) else _incomplete_line(study, planned, done)
 
 
+def progress(study: Study, out: str | Path | None = None) -> dict[str, tuple[int, int]]:
+    """{block ("" without blocks): (its runs that count, its planned runs)}, from the runs' states
+    only (a safe view of a study in progress: no metric is read)."""
+    planned = planned_runs(study)
+    done = _done(study, planned, study_states(planned, block_dirs(study, out)) or {})
+    out_ = {}
+    for p in planned:
+        n, m = out_.get(p.block, (0, 0))
+        out_[p.block] = (n + (p.name in done), m + 1)
+    return out_
+
+
 def missing_runs(study: Study, out: str | Path | None = None) -> str:
     """The runs not yet finished, grouped (for ``timlab study check``)."""
     planned = planned_runs(study)
