@@ -160,12 +160,12 @@ def _reuse(cfg: Config, out: Path) -> PretrainResult | None:
         return None
     try:
         info = json.loads(done_file.read_text(encoding="utf-8"))
-        made, here = info.get("fingerprint"), fingerprint()
-        if info.get("key") == warm_start_key(cfg) and made not in (None, here):
-            warnings.warn(f"{out} was pretrained on a machine that computes other bits (fingerprint {made}, here "
-                          f"{here}): reused as it is; `timlab pretrain --force` builds it with this machine's bits",
-                          stacklevel=2)
         if info.get("key") == warm_start_key(cfg):
+            made = info.get("fingerprint")
+            if made is not None and made != (here := fingerprint()):
+                warnings.warn(f"{out} was pretrained on a machine that computes other bits (fingerprint {made}, here "
+                              f"{here}): reused as it is; `timlab pretrain --force` builds it with this machine's bits",
+                              stacklevel=2)
             return PretrainResult(out, float(info["val_accuracy"]), int(info["steps"]), float(info["seconds"]),
                                   int(info["num_params"]), True)
     except (ValueError, KeyError, TypeError, AttributeError):  # a damaged pretrain.json: build it again
