@@ -226,3 +226,16 @@ def test_h1_trajectory_figure_draws_each_arm_from_the_planted_sweep(tmp_path, mo
     monkeypatch.chdir(tmp_path)  # a blocked study's directories are relative to the working directory
     png = figure(H1, tmp_path / "h1_traj.png", trajectories=True)
     assert png.stat().st_size > 20_000
+
+
+def test_h1_difference_figure_has_one_row_per_family(tmp_path, monkeypatch):
+    """`timlab study figure`: the 5 families x 3 endpoints of H1 as a 5 x 3 grid of panels (4.5 x 3.8
+    inches each at 100 dpi), not one row of 15."""
+    from PIL import Image
+
+    from timlab.experiments.study import figure
+
+    write_blocks(H1, tmp_path, planted_blocked)
+    monkeypatch.chdir(tmp_path)
+    png = figure(H1, tmp_path / "h1.png")
+    assert Image.open(png).size == (1350, 1900)

@@ -958,14 +958,12 @@ def missing_runs(study: Study, out: str | Path | None = None) -> str:
 
 def figure(study: Study, path: str | Path, out: str | Path | None = None, *, trajectories: bool = False) -> Path:
     """Each family endpoint's arm-minus-reference difference with its 95% bootstrap interval, one
-    panel per endpoint; only for a complete, valid study (its refusal otherwise). A grouped study
+    panel per endpoint, one row per family; only for a complete, valid study (its refusal otherwise). A grouped study
     with a ``length_exponent`` fit gets ``figures.exponent_figure``, one with a ``predict`` fit
     ``prediction_figure`` (``_prediction_figure``), any other grouped study its length fit's figure
     (``_group_figure``). ``trajectories``: instead, each arm's course over training
     (``trajectory_figure``), for any complete study."""
     from matplotlib.figure import Figure
-
-    from timlab.experiments.stats import bootstrap_diff_ci
 
     if trajectories:
         return _trajectory_figure(study, path, out)
@@ -982,29 +980,43 @@ def figure(study: Study, path: str | Path, out: str | Path | None = None, *, tra
         raise StudyError(f"{study.source}: no figure: {res.text}")
     dirs, planned = block_dirs(study, out), planned_runs(study)
     per = _records(study, dirs, planned, study_states(planned, dirs) or {})[""]
-    panels = [(fam, key) for fam in study.families for key in fam.endpoints]
-    fig = Figure(figsize=(4.5 * len(panels), 3.6))
-    for i, (fam, key) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        pairs = comparisons(fam, list(per))
-        members = [n for n, *_ in pairs]
-        for j, (n, a, b, _) in enumerate(pairs):
-            ref = np.array([r[key] for r in per[b]], float)
-            x = np.array([r[key] for r in per[a]], float)
-            diff = float(x.mean() - ref.mean())
-            lo, hi = bootstrap_diff_ci(x, ref)
-            held = res.verdicts.get((fam.name, key, n))
-            ax.errorbar([j], [diff], yerr=[[diff - lo], [hi - diff]], fmt="o", capsize=3,
-                        color="C3" if held else "C0", label=None)
-        ax.axhline(0, color="0.5", lw=0.8)
-        ax.set_xticks(range(len(members)), members, rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"{study.label(key)}\n" + (f"{fam.rule} (red: holds)" if fam.rule else "descriptive"), fontsize=9)
-        ax.set_ylabel(f"arm minus {fam.against}, 95% bootstrap")
-    fig.suptitle(f"{study.name}: each arm against {study.control}", fontsize=10)
-    fig.tight_layout()
+    # one row per family, one column per endpoint of it (a study of one family: one row)
+    rows, cols = len(study.families), max(len(f.endpoints) for f in study.families)
+    fig = Figure(figsize=(4.5 * cols, 3.8 * rows))
+    for r, fam in enumerate(study.families):
+        for c, key in enumerate(fam.endpoints):
+            _difference_panel(fig.add_subplot(rows, cols, r * cols + c + 1), study, res, per, fam, key,
+                              title=len(study.families) > 1)
+    fig.suptitle(f"{study.name}: each arm against its reference (red: the family's rule holds)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # room for the title
     path = Path(path)
     fig.savefig(path, dpi=100)
     return path
+
+
+def _difference_panel(ax, study: Study, res: StudyResult, per: dict, fam, key: str, *, title: bool) -> None:
+    """One panel of ``figure``: each comparison of family ``fam`` on endpoint ``key``, the
+    difference of means with its 95% bootstrap interval; red where the family's rule holds.
+    ``title``: name the family above the endpoint (a study of several families)."""
+    import textwrap
+
+    from timlab.experiments.stats import bootstrap_diff_ci
+
+    pairs = comparisons(fam, list(per))
+    members = [n for n, *_ in pairs]
+    for j, (n, a, b, _) in enumerate(pairs):
+        ref = np.array([r[key] for r in per[b]], float)
+        x = np.array([r[key] for r in per[a]], float)
+        diff = float(x.mean() - ref.mean())
+        lo, hi = bootstrap_diff_ci(x, ref)
+        held = res.verdicts.get((fam.name, key, n))
+        ax.errorbar([j], [diff], yerr=[[diff - lo], [hi - diff]], fmt="o", capsize=3,
+                    color="C3" if held else "C0", label=None)
+    ax.axhline(0, color="0.5", lw=0.8)
+    ax.set_xticks(range(len(members)), members, rotation=30, ha="right", fontsize=8)
+    head = textwrap.fill((f"{fam.name}: " if title else "") + study.label(key), 60)
+    ax.set_title(f"{head}\n" + (f"rule: {fam.rule}" if fam.rule else "descriptive"), fontsize=8)
+    ax.set_ylabel(f"arm minus {fam.against}, 95% bootstrap", fontsize=8)
 
 
 def valid_columns(study: Study, out: str | Path | None = None) -> dict[str, dict[str, dict[str, np.ndarray]]]:
