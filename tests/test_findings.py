@@ -6,6 +6,7 @@ the data (or data that change under a number) fails here."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -231,17 +232,20 @@ def test_harm_blocks_match_the_study():
         assert f"<!-- findings:{name} -->\n{body}\n<!-- /findings:{name} -->" in text, name
 
 
-H1_ACC = "accuracy level, steps 1500-2000 (primary)"
-H1_GOLD = "gold log-prob drift, level over steps 1500-2000 minus level over steps 50-500 (primary)"
-H1_NOTES = {"erosion": ", arm minus control (no TIS)", "erosion_tis": ", TIS arm minus control",
-            "hold_3e-3": ", k3 held at 3e-3: with token TIS minus without",
-            "hold_1e-2": ", k3 held at 1e-2: with token TIS minus without",
-            "grow": ", k3 grown 1e-3 -> 3e-2: with token TIS minus without"}
+@functools.cache
+def _h1():
+    """Study H1's study file (its labels and family notes head the held-k3 block's tables)."""
+    from timlab.experiments.study import load_study
+
+    return load_study(REPO / "docs" / "examples" / "studies" / "h1.yaml")
 
 
 def _h1_table(block: str, endpoint: str, family: str) -> dict[str, list[str]]:
-    """{arm: its cells} of one comparison table of the held-k3 block."""
-    part = block.split(f"**{endpoint}**{H1_NOTES[family]}\n")[1].lstrip("\n").split("\n\n")[0]
+    """{arm: its cells} of one comparison table of the held-k3 block: the table headed by the study
+    file's label of ``endpoint`` and the note of ``family``."""
+    h1 = _h1()
+    note = next(f.note for f in h1.families if f.name == family)
+    part = block.split(f"**{h1.label(endpoint)}**{note}\n")[1].lstrip("\n").split("\n\n")[0]
     return {r.split(" | ")[0].lstrip("| "): [c.strip() for c in r.strip("| ").split(" | ")]
             for r in part.splitlines() if r.startswith("| ") and not r.startswith("| arm")}
 
@@ -253,7 +257,7 @@ def h1_rule4(block: str, profile: str, endpoint: str) -> str:
         return _h1_table(block, endpoint, family)[arm][-1] == "**yes**"
     if not holds("erosion", profile):
         return "nothing to stop"
-    if not holds(profile, f"{profile}_tis"):
+    if not holds(f"tis_{profile}", f"{profile}_tis"):
         return "not shown to help"
     return "reduces it" if holds("erosion_tis", f"{profile}_tis") else "stops it"
 
@@ -265,17 +269,17 @@ def test_h1_verdict_row_quotes_its_block():
     text = load_script("findings_tables").FINDINGS.read_text()
     block = text.split("<!-- findings:held-k3 -->")[1].split("<!-- /findings:held-k3 -->")[0]
     row = next(line for line in text.splitlines() if line.startswith("| H1 |"))
-    erosion = _h1_table(block, H1_ACC, "erosion")
+    erosion = _h1_table(block, "acc_late", "erosion")
     for arm in ("hold_3e-3", "hold_1e-2", "grow"):
         d, lo, hi = _numbers(erosion[arm][3])  # the excess over the control [95% bootstrap]
         assert f"{arm} {d:.3f} [{lo:.3f}, {hi:.3f}]" in row and erosion[arm][5] == "0.0012", arm
-    gains = [_numbers(_h1_table(block, H1_ACC, p)[f"{p}_tis"][3])[0] for p in ("hold_3e-3", "hold_1e-2", "grow")]
+    gains = [_numbers(_h1_table(block, "acc_late", f"tis_{p}")[f"{p}_tis"][3])[0] for p in ("hold_3e-3", "hold_1e-2", "grow")]
     assert "TIS raises it by " + ", ".join(f"{g:+.3f}" for g in gains) in row
-    left = [_numbers(_h1_table(block, H1_ACC, "erosion_tis")[f"{p}_tis"][3])[0] for p in ("hold_3e-3", "hold_1e-2", "grow")]
+    left = [_numbers(_h1_table(block, "acc_late", "erosion_tis")[f"{p}_tis"][3])[0] for p in ("hold_3e-3", "hold_1e-2", "grow")]
     assert "the TIS arms still erode: " + ", ".join(f"{x:.3f}" for x in left) in row
-    assert [h1_rule4(block, p, H1_ACC) for p in ("hold_3e-3", "hold_1e-2", "grow")] == ["reduces it"] * 3
+    assert [h1_rule4(block, p, "acc_late") for p in ("hold_3e-3", "hold_1e-2", "grow")] == ["reduces it"] * 3
     assert "**token TIS reduces it, does not stop it**" in row
-    assert [h1_rule4(block, p, H1_GOLD) for p in ("hold_3e-3", "hold_1e-2", "grow")] == \
+    assert [h1_rule4(block, p, "gold_drift") for p in ("hold_3e-3", "hold_1e-2", "grow")] == \
         ["stops it", "not shown to help", "reduces it"]
     assert "Verdict grow: **erodes, still falling at step 2000**" in block
     ew = text.split("<!-- findings:early-warning-h1 -->\n")[1].split("<!-- /findings:early-warning-h1 -->")[0]
