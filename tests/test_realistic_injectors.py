@@ -124,6 +124,28 @@ def test_kv_cache_composes_and_checks(model):
         injector(model, "kv_cache", dtype="int8")
 
 
+def test_store_as_with_a_scale_by_hand():
+    x = torch.tensor([1.0625, 0.01, -3.0, 0.3, 500.0])
+    # scale 1.0 is the unscaled cache, bit for bit
+    assert torch.equal(store_as(x, torch.float8_e4m3fn, 1.0), store_as(x, torch.float8_e4m3fn))
+    # scale 2^6: x / 64 lands among e4m3's subnormals (step 2^-9) for the small values:
+    # 0.01 / 64 = 1.56e-4 -> 0 (below half a step); 0.3 / 64 = 4.69e-3 -> 2 * 2^-9 = 3.91e-3 -> 0.25
+    got = store_as(x, torch.float8_e4m3fn, 64.0).tolist()
+    assert got == [1.0, 0.0, -3.0, 0.25, 512.0], got  # 500 / 64 = 7.81 -> 8 (e4m3 steps of 0.5 there)
+    # scale 2^-4: values over 448 / 16 = 28 saturate
+    assert store_as(x, torch.float8_e4m3fn, 1 / 16).tolist()[-1] == 28.0
+
+
+def test_kv_cache_scale_grows_the_mismatch_and_is_fp8_only(model):
+    base = k3(model, rollout(injector(model, "kv_cache", dtype="fp8")))
+    same = k3(model, rollout(injector(model, "kv_cache", magnitude=0.0, dtype="fp8")))
+    assert same == base
+    coarse = k3(model, rollout(injector(model, "kv_cache", magnitude=8.0, dtype="fp8")))
+    assert coarse > 3 * base, (base, coarse)
+    with pytest.raises(UsageError, match="only an fp8 cache has; mismatch.dtype=bfloat16 .valid with a magnitude: fp8, fp8_e5m2."):
+        injector(model, "kv_cache", magnitude=2.0, dtype="bfloat16")
+
+
 # ------------------------------------------------------------------------------ stale
 def _perturbed(model, seed):
     """The trainer's weights after an 'update': every parameter moved by a seeded 1e-2 step."""

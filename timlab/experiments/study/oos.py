@@ -48,6 +48,52 @@ def dose_for(magnitudes, k3s, target: float, *, digits: int = 2) -> float:
     return round_sig(math.exp(math.log(m0) + t * (math.log(m1) - math.log(m0))), digits)
 
 
+def dose_for_cost(doses, costs, target: float, *, log: bool = True, digits: int = 2) -> float:
+    """The dose a pilot says costs ``target`` (Study H2's registered rule, docs/FINDINGS.md).
+
+    On the dose axis x (log dose, or the dose itself with ``log=False``, for a dose that is already a
+    log, like kv_cache's log2 scale), with h the step between the two lowest pilot doses: the pilot
+    costs are made monotone in the dose (each replaced by the largest cost at or below its dose), an
+    anchor of cost 0 is put one step h below the lowest dose, and x is interpolated linearly in the
+    cost where this curve first reaches ``target``. Above the largest pilot cost, the last segment
+    is extrapolated (a flat or falling one: none), at most one step h past the largest dose. Rounded
+    to ``digits`` significant digits."""
+    pts = sorted((float(d), float(c)) for d, c in zip(doses, costs))
+    if len(pts) < 2 or any(not math.isfinite(c) for _, c in pts) or (log and any(d <= 0 for d, _ in pts)):
+        raise ValueError(f"dose_for_cost: needs >= 2 pilot doses (> 0 on a log axis) with finite costs, got {pts}")
+    xs = [math.log(d) if log else d for d, _ in pts]
+    h = xs[1] - xs[0]
+    env, top = [], -math.inf
+    for _, c in pts:
+        top = max(top, c)
+        env.append(top)
+    curve = [(xs[0] - h, 0.0), *zip(xs, env)]
+    x = xs[-1] + h
+    for (x0, c0), (x1, c1) in zip(curve, curve[1:]):
+        if c1 >= target and c1 > c0:
+            x = x0 + (x1 - x0) * (max(target, c0) - c0) / (c1 - c0)
+            break
+    else:
+        (x0, c0), (x1, c1) = curve[-2], curve[-1]
+        if c1 > c0:
+            x = min(x1 + (x1 - x0) * (target - c1) / (c1 - c0), xs[-1] + h)
+    return round_sig(math.exp(x) if log else x, digits)
+
+
+def pilot_doses(doses, costs, targets=(0.02, 0.06), *, log: bool = True, digits: int = 2) -> tuple[float, ...]:
+    """One dose per target cost (``dose_for_cost``, in target order); a dose that rounds to the one
+    before it (or below it) moves half a pilot step above it, so that a kind's doses are distinct."""
+    xs = sorted(float(d) for d in doses)
+    h = (math.log(xs[1]) - math.log(xs[0])) if log else xs[1] - xs[0]
+    out: list[float] = []
+    for t in targets:
+        d = dose_for_cost(doses, costs, t, log=log, digits=digits)
+        if out and d <= out[-1]:
+            d = round_sig(out[-1] * math.exp(h / 2) if log else out[-1] + h / 2, digits)
+        out.append(d)
+    return tuple(out)
+
+
 # ------------------------------------------------------------------------------ the cells
 def min_cover(n_cells: int) -> int:
     """A candidate whose 95% prediction intervals cover fewer than this many of ``n_cells`` observed
