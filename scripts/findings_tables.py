@@ -38,12 +38,14 @@ from timlab.experiments.stats import bootstrap_diff_ci, clopper_pearson, line_fi
 from timlab.experiments.study import analyze, endpoint_values, load_study, planned_runs, predictions  # noqa: E402
 from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
 from timlab.experiments.study.predictor import load_predictor  # noqa: E402
+from timlab.experiments.study.heldout import analyze_heldout, blocks as heldout_blocks, load_heldout  # noqa: E402
 from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import e3_tables  # noqa: E402
+import harm2_sweeps  # noqa: E402
 import erosion_tables  # noqa: E402
 import moe_tables  # noqa: E402
 
@@ -444,7 +446,8 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "early-warning-h1": lambda R: early_warning.format_test_set(early_warning.second_test(SWEEPS, "h1")),
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
-          "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib"))}
+          "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),
+          "harm2-pilot": lambda R: harm2_sweeps.pilot_table(SWEEPS / "harm2_pilot")}
 """The generated blocks of docs/FINDINGS.md, by marker name (with ``study_blocks``)."""
 
 
@@ -453,6 +456,12 @@ def study_blocks() -> dict:
     directories relative to the repository)."""
     out = {}
     for path in sorted(STUDIES.glob("*.yaml")):
+        hst = load_heldout(path)
+        if hst is not None:  # a held-out predictor study (Study H2): two blocks from one analysis
+            if hst.findings:
+                once = functools.cache(lambda hst=hst: heldout_blocks(hst, analyze_heldout(hst, root=ROOT)))
+                out.update({name: (lambda R, name=name, once=once: once()[name]) for name in hst.findings[1:]})
+            continue
         pst = load_predictor(path)
         if pst is not None and pst.findings:  # a predictor study (Study H): two blocks from one analysis
             once = functools.cache(lambda pst=pst: predictor_study_blocks(pst))

@@ -102,6 +102,17 @@ def chosen_doses(sweep: str | Path = PILOT_OUT) -> dict[str, tuple]:
     return out
 
 
+def pilot_table(sweep: str | Path = ROOT / PILOT_OUT) -> str:
+    """The pilot's costs and the doses the rule chose, as FINDINGS shows them (block harm2-pilot)."""
+    chosen = chosen_doses(sweep)
+    lines = ["| kind | pilot doses | pilot cost at each (2 seeds) | study doses (targets 0.02, 0.06) |", "|---|---|---|---|"]
+    for kind, (doses, costs, pick) in chosen.items():
+        lines.append(f"| {kind} | {', '.join(_num(d) for d in doses)} | {', '.join(f'{c:+.4f}' for c in costs)} | "
+                     f"{', '.join(_num(d) for d in pick)} |")
+    lines.append(f"| stale | - | - | {', '.join(str(x) for x in STALE_LAGS)} (registered lags) |")
+    return "\n".join(lines)
+
+
 def study_yaml(chosen: dict[str, tuple]) -> str:
     lines = []
     for seed in STUDY_SEEDS:

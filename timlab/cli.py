@@ -624,6 +624,11 @@ def cmd_study(args: argparse.Namespace) -> int:
     pst = P.load_predictor(args.file)
     if pst is not None:
         return _predictor_study(args, pst)
+    from timlab.experiments.study import heldout as H
+
+    hst = H.load_heldout(args.file)
+    if hst is not None:
+        return _heldout_study(args, hst)
     if args.action == "recompute":
         raise CLIError(f"study recompute: {args.file} is not a predictor study (kind: predictor); "
                        "its runs are made by `timlab study run`")
@@ -753,6 +758,41 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
     print(res.insample)
     print(f"\nOut of sample:\n{res.oos}")
     print(f"\n{st.name}: {res.status}" + (f"; wrote the blocks of {st.findings[0]}" if args.write and st.findings else ""))
+    return 0 if res.status == "complete" else 1
+
+
+def _heldout_study(args: argparse.Namespace, st) -> int:
+    """``timlab study check|analyze`` of a held-out predictor study (docs/studies.md, "Held-out predictor
+    studies"); its runs are its ``runs`` study file's, run by ``timlab study run RUNS``."""
+    from timlab.experiments.study import heldout as H
+
+    if args.action == "check":
+        H.check_frozen(st)
+        print(f"held-out study {st.name} ({args.file}): valid registration")
+        print("  " + "\n  ".join(H.registration_lines(st)))
+        print(f"  runs: {st.runs} (`timlab study check {st.runs}` for their progress)")
+        return 0
+    if args.action != "analyze":
+        raise CLIError(f"study {args.action}: not defined for a held-out study (valid: check, analyze); its runs: "
+                       f"timlab study run {st.runs}")
+    res = H.analyze_heldout(st)
+    print(res.fit_text)
+    print(f"\n{res.test_text}")
+    print(f"\n{st.name}: {res.status}")
+    if args.write:
+        if res.status != "complete":
+            raise CLIError(f"--write: the analysis is {res.status}; nothing written")
+        if st.findings is None:
+            raise CLIError(f"--write: {args.file} names no findings blocks (findings: {{file, fit, test}})")
+        from timlab.experiments.study.text import splice_block
+        from timlab.files import atomic_write_text
+
+        path = st.findings[0]
+        text = Path(path).read_text(encoding="utf-8")
+        for name, body in H.blocks(st, res).items():
+            text = splice_block(text, name, body, where=path)
+        atomic_write_text(path, text)
+        print(f"wrote blocks {st.findings[1]} and {st.findings[2]} of {path}")
     return 0 if res.status == "complete" else 1
 
 

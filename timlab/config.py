@@ -223,7 +223,7 @@ class MismatchSection:
     'precision+logit_noise'."""
     magnitude: float = 0.0
     """Size of the injected mismatch (std for logit_noise, T-1 for temperature, relative size for
-    head_perturb, the lag k >= 1 in training steps for stale)."""
+    head_perturb, the lag k >= 1 in training steps for stale, log2 of an fp8 kv_cache's scale)."""
     dtype: str = "bfloat16"
     """precision / weight_rounding / kv_cache / router_precision: the rollout's dtype (bfloat16,
     float16; weight_rounding also int8; kv_cache also fp8 (e4m3) and fp8_e5m2; router_precision:

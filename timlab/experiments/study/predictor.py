@@ -67,6 +67,9 @@ class Candidate:
     """The logged metric it is read from, e.g. ``rollout_corr/k3_kl`` (docs/metrics.md)."""
     absolute: bool = False
     """Signed statistics enter as the absolute value of the cell's mean."""
+    times: str = ""
+    """Another logged metric: the candidate is then, at each step, ``metric`` times the positive part of
+    this one (held-out studies; e.g. k3 x persistence)."""
 
 
 @dataclass(frozen=True)
@@ -353,6 +356,9 @@ class Cells:
     """Per cell: its arm runs' mean answer length (``LENGTH_METRIC``) over the candidates' window."""
     params: list = dataclasses.field(default_factory=list)
     """Per cell: its policy's parameter count (from its start's weights; None where the start is absent)."""
+    paired: bool = False
+    """True when a cell's candidate values come from the same runs as its cost (one value per arm
+    seed, in the same order): a resample then draws the arm's seeds once for both."""
 
 
 def cell_point(cells: Cells, cand: str) -> tuple[np.ndarray, np.ndarray]:
@@ -398,9 +404,11 @@ def fit_all(cells: Cells, candidates: list[str], reference: str, *, boot: int, s
                 c = np.asarray(cells.control[i])
                 ctrl[key] = float(c[rng.integers(0, len(c), len(c))].mean())
             a = np.asarray(cells.arm[i])
-            cost[i] = ctrl[key] - float(a[rng.integers(0, len(a), len(a))].mean())
+            arm_pick = rng.integers(0, len(a), len(a))
+            cost[i] = ctrl[key] - float(a[arm_pick].mean())
             v0 = next(iter(cells.values[i].values()))
-            pick = rng.integers(0, len(v0), len(v0))  # the same re-run seeds for every candidate
+            # the same re-run seeds for every candidate; the arm's own seeds where the values are theirs
+            pick = arm_pick if cells.paired else rng.integers(0, len(v0), len(v0))
             for k in candidates:
                 S[k][i] = _value(np.asarray(cells.values[i][k])[pick], cells.absolute[k])
         for k in candidates:
