@@ -170,3 +170,14 @@ def test_heldout_registration_errors_name_the_field(tmp_path):
     (tmp_path / "h2.yaml").write_text(yaml.safe_dump({**d, "window": [1, 2]}))  # changed after its freeze
     with pytest.raises(StudyError, match="changed after it was frozen"):
         H.analyze_heldout(H.load_heldout(tmp_path / "h2.yaml"), root=tmp_path)
+
+
+def test_monte_carlo_permutation_p_is_never_zero():
+    from timlab.experiments.stats import permutation_test
+
+    # 16 vs 16 in two strata of 8 vs 8: 12,870^2 relabelings, past the exact limit; a planted gap no draw reaches
+    a, b = list(range(100, 116)), list(range(16))
+    r = permutation_test(a, b, strata=([0] * 8 + [1] * 8, [0] * 8 + [1] * 8), n_mc=999)
+    assert not r.exact and r.p == pytest.approx(1 / 1000)
+    r = permutation_test(a, b, max_exact=10, n_mc=499)
+    assert not r.exact and r.p == pytest.approx(1 / 500)

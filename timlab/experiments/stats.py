@@ -6,7 +6,7 @@ intervals. numpy and the standard library only (no scipy).
   ``max_exact`` (5 vs 5: 252), else by Monte Carlo over ``n_mc`` random relabelings with a
   fixed seed (the result says which). The observed labeling is one of the relabelings, so p is
   never below 1 / (number of relabelings): the floor ``permutation_floor`` reports (5 vs 5
-  two-sided: 2/252 = 0.0079).
+  two-sided: 2/252 = 0.0079). By Monte Carlo it is (hits + 1) / (n_mc + 1), never 0.
 - ``clopper_pearson(k, n)``: the exact (conservative) binomial interval for k successes in n,
   by bisection on the binomial CDF (the Beta-quantile form needs scipy).
 - ``bootstrap_ci(a)`` / ``bootstrap_diff_ci(a, b)`` / ``bootstrap_ratio_ci(a, b)``: percentile
@@ -122,7 +122,10 @@ def permutation_test(a, b, *, strata=None, max_exact: int = MAX_EXACT, n_mc: int
     tol = 1e-12 * max(1.0, float(np.abs(pooled).max()))
     sums, exact = _relabel_sums(pooled, labels, k, max_exact, n_mc, seed)
     diffs = sums / k - (total - sums) / (n - k)
-    p = float((np.abs(diffs) >= abs(observed) - tol).mean())
+    hits = int((np.abs(diffs) >= abs(observed) - tol).sum())
+    # Monte Carlo: (hits + 1) / (draws + 1), the observed labelling counted as one of the draws, so a p
+    # value is never 0 and the test keeps its level (Phipson and Smyth 2010); exact: the plain fraction
+    p = hits / len(sums) if exact else (hits + 1) / (len(sums) + 1)
     floor = permutation_floor(k, n - k) if strata is None else stratified_floor(strata)
     return PermutationResult(float(observed), p, len(sums), exact, floor)
 

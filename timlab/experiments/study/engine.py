@@ -54,7 +54,7 @@ from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, of
 from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError,
                                                    first_case)
 from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
-from timlab.experiments.study.text import ci_text, fmt, mean_cells, t_cells
+from timlab.experiments.study.text import ci_text, fmt, mean_cells, p_text, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
 
@@ -350,9 +350,9 @@ def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, 
             return f"- (a resample of {b} has mean 0)"
         return f"{fmt(float(col[a][key].mean()) / float(col[b][key].mean()))} [{fmt(lo)}, {fmt(hi)}]"
     if kind == "p":
-        return f"{c.p:.4f}"
+        return p_text(c.p)
     if kind == "p_holm":
-        return f"{c.p_holm:.4f}"
+        return p_text(c.p_holm)
     return verdict.get(kind, "") if isinstance(verdict, dict) else verdict
 
 

@@ -43,11 +43,17 @@ def mean_cells(x) -> str:
     return f"{mu:+.4f} {ci_text((lo, hi))} {ci_text(b)}"
 
 
+def p_text(p: float) -> str:
+    """A p value as the tables print it: 4 decimals, or 2 significant digits below 1e-4 (a Monte Carlo
+    p of (hits + 1) / (draws + 1) is never 0, and must not read as 0.0000)."""
+    return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+
+
 def comparison_cells(c) -> str:
     """A ``stats.Comparison`` as the study tables' cells: mean [t] [bootstrap] | difference
     [bootstrap] | permutation p | Holm p."""
     return (f"{c.mean:+.4f} {ci_text(c.t_ci)} {ci_text(c.boot_ci)} | {c.diff:+.4f} {ci_text(c.diff_ci)} | "
-            f"{c.p:.4f} | {c.p_holm:.4f}")
+            f"{p_text(c.p)} | {p_text(c.p_holm)}")
 
 
 def t_cells(x, digits: int = 3) -> str:
