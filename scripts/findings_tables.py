@@ -431,6 +431,26 @@ def p2_persistence(R: pd.DataFrame) -> str:
             + md_table(rows))
 
 
+def p2_amd(R: pd.DataFrame) -> str:
+    """Study P2's extension, block amd alone (seeds 8-15, descriptive beside the registered pooled test):
+    each seed's persistence_ema, realized k3 (steps 10-150) and cost (the block's control level minus its
+    own), and rule 1's comparison in this block alone (redraw_1 minus persist, exact permutation p)."""
+    study = load_study(STUDIES / "p2_16.yaml")
+    amd = [p for p in planned_runs(study) if p.block == "amd"]
+    vals: dict = {}
+    for p in amd:
+        m = read_metrics(ROOT / "sweeps" / "p2_amd" / p.run_id)
+        acc = m[(m["step"] >= 50) & (m["step"] <= 150)]["val/accuracy"].dropna().mean()
+        w = m[(m["step"] >= 10) & (m["step"] <= 150)]
+        vals.setdefault(p.arm, []).append((acc, w["rollout_corr/k3_kl"].mean(), w["mismatch/persistence_ema"].mean()))
+    control = np.mean([v[0] for v in vals["control"]])
+    rows = [{"arm": arm, "per seed 8-15: persistence_ema / realized k3 (steps 10-150) / cost": ", ".join(
+                 f"{e:.2f} / {k:.4f} / {control - a:.3f}" for a, k, e in vals[arm])} for arm in ("persist", "redraw_1")]
+    r = permutation_test([v[0] for v in vals["redraw_1"]], [v[0] for v in vals["persist"]])
+    return (md_table(rows) + f"\n\nBlock amd alone, redraw_1 minus persist: {r.diff:+.4f}, exact permutation p = "
+            f"{r.p:.4f} ({r.n_relabelings:,} relabelings).")
+
+
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
           "d16-300": d16_300, "l1-k3-steps": l1_k3_steps, "p1-pairs": p1_pairs, "p2-persistence": p2_persistence,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
@@ -447,6 +467,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
           "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),
+          "p2-amd": p2_amd,
           "harm2-pilot": lambda R: harm2_sweeps.pilot_table(SWEEPS / "harm2_pilot")}
 """The generated blocks of docs/FINDINGS.md, by marker name (with ``study_blocks``)."""
 

@@ -7,6 +7,7 @@ the data (or data that change under a number) fails here."""
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,20 @@ def test_p2_verdict_row_quotes_its_block_and_data():
               for a in ("persist", "redraw_1")}
     assert (f"it cost {per_k3['persist'] / per_k3['redraw_1']:.1f}x as much ({per_k3['persist']:.1f} against "
             f"{per_k3['redraw_1']:.2f} of accuracy per unit of mean k3)") in row
+
+
+def test_p2_verdict_row_quotes_its_16_seed_blocks():
+    """The P2 row's 16-seed sentence rounds the extension's block (rule 1 pooled over the two machine
+    blocks, its stratified p) and block amd's own comparison (block p2-amd)."""
+    text = load_script("findings_tables").FINDINGS.read_text()
+    block = text.split("<!-- findings:persistence-p2-16 -->")[1].split("<!-- /findings:persistence-p2-16 -->")[0]
+    amd = text.split("<!-- findings:p2-amd -->")[1].split("<!-- /findings:p2-amd -->")[0]
+    row = next(line for line in text.splitlines() if line.startswith("| P2 (persistence) |"))
+    rule1 = next(r for r in block.splitlines() if r.startswith("| redraw_1 - persist | +0.9")).split(" | ")
+    d, lo, hi = _numbers(rule1[2])
+    assert f"fresh minus run-long {d:+.3f} [{lo:+.3f}, {hi:+.3f}], stratified p = {rule1[3]}" in row
+    m = re.search(r"redraw_1 minus persist: ([+-][0-9.]+), exact permutation p = ([0-9.]+)", amd)
+    assert f"the new block alone {float(m.group(1)):+.3f}, p = {float(m.group(2)):.3f}" in row
 
 
 def test_p1_verdict_row_quotes_its_blocks():
