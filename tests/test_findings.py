@@ -157,6 +157,31 @@ def test_p2_verdict_row_quotes_its_16_seed_blocks():
     assert f"the new block alone {float(m.group(1)):+.3f}, p = {float(m.group(2)):.3f}" in row
 
 
+def test_h2_verdict_row_quotes_its_blocks():
+    """The H2 row rounds its harm2-test block: the signal condition, the winner's and k3's out-of-sample
+    errors and their paired difference, the range of held-out costs, the prediction intervals' half
+    widths, and k3 x persistence against k3; its verdict names the block's winner."""
+    text = load_script("findings_tables").FINDINGS.read_text()
+    block = text.split("<!-- findings:harm2-test -->")[1].split("<!-- /findings:harm2-test -->")[0]
+    row = next(line for line in text.splitlines() if line.startswith("| H2 |"))
+    q, p = re.search(r"Cochran's Q over the 6 held-out cells' costs = ([0-9.]+) on 5 df, p = ([0-9.e+-]+)", block).groups()
+    assert f"Q = {float(q):.0f}, p = {float(p):.0e}" in row
+    assert "Verdict: **max_abs predicts better than k3**" in block and "max_abs (the largest per-token abs" in row
+    err = {k: re.search(rf"\n\| {re.escape(k)} \| ([0-9.]+) \[([0-9.]+), ([0-9.]+)\] \| ([^|]+) \|", block).groups()
+           for k in ("k3", "max_abs", "k3_persist")}
+    mx, k3 = err["max_abs"], err["k3"]
+    assert (f"RMSE max_abs {float(mx[0]):.3f} [{float(mx[1]):.3f}, {float(mx[2]):.3f}], k3 {float(k3[0]):.3f} "
+            f"[{float(k3[1]):.3f}, {float(k3[2]):.3f}]") in row
+    d, lo, hi = _numbers(mx[3])
+    assert f"paired {d:+.3f} [{lo:+.3f}, {hi:+.3f}]" in row
+    assert _numbers(err["k3_persist"][3])[2] < 0 and "k3 x persistence is worse than k3" in row
+    costs = [float(c) for c in re.findall(r"\n\| \S+ \| (?:redraw5|kv|stale) \| \+([0-9.]+) \|", block)]
+    assert len(costs) == 6 and f"held-out costs {min(costs):.3f}-{max(costs):.3f}" in row
+    halves = [(float(b) - float(a)) / 2 for a, b in re.findall(r"\[([+-][0-9.]+), ([+-][0-9.]+)\]", block.split(
+        "**Held-out predictions**")[1].split("**Out-of-sample results**")[0])]
+    assert f"+-{min(halves):.2f} to +-{max(halves):.2f}" in row
+
+
 def test_p1_verdict_row_quotes_its_blocks():
     """The P1 verdict row rounds its generated blocks: each arm's cost (the control's level minus its
     own, so the sign flips), the registered difference and its p, and the descriptive pair table."""
