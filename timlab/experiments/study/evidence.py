@@ -64,7 +64,9 @@ class StudySource:
     """One ordinary study file whose arms are cells."""
 
     name: str
-    """How the record names the study, e.g. ``P1``."""
+    """How the record names the study's cells, e.g. ``P1`` (``P1/persist``)."""
+    source: str
+    """How the answer names where a cell comes from, e.g. ``Study P1``."""
     file: str
     """Its study file, relative to the repository root."""
     cost: str
@@ -79,10 +81,10 @@ HARM = "docs/examples/studies/harm.yaml"
 """Study H's predictor study: its in-sample sources are cells."""
 
 SOURCES = (
-    StudySource("H oos", "docs/examples/studies/harm_oos.yaml", "acc"),
-    StudySource("P1", "docs/examples/studies/p1.yaml", "acc_level"),
-    StudySource("P2", "docs/examples/studies/p2.yaml", "acc_level", persistence_out="sweeps/p2_rerun"),
-    StudySource("H1", "docs/examples/studies/h1.yaml", "acc_late"),
+    StudySource("H-oos", "Study H, out of sample", "docs/examples/studies/harm_oos.yaml", "acc"),
+    StudySource("P1", "Study P1", "docs/examples/studies/p1.yaml", "acc_level"),
+    StudySource("P2", "Study P2", "docs/examples/studies/p2.yaml", "acc_level", persistence_out="sweeps/p2_rerun"),
+    StudySource("H1", "Study H1", "docs/examples/studies/h1.yaml", "acc_late"),
 )
 """The ordinary studies whose arms are cells, after Study H's in-sample cells."""
 
@@ -90,7 +92,7 @@ SOURCES = (
 # ------------------------------------------------------------------------------ one run's facts
 def kind_of(cfg: dict) -> tuple[str, str, str, str]:
     """(family, kind, dose, remedy) of a run from its config mapping, e.g. ("head", "head_perturb
-    redrawn every 5 steps", "k3 held at 0.01", "")."""
+    redrawn every 5 steps", "controller target k3 0.01", "")."""
     mm, corr = cfg.get("mismatch") or {}, cfg.get("correction") or {}
     inj = str(mm.get("injector", "none"))
     family = FAMILY.get(inj, inj)
@@ -111,7 +113,7 @@ def kind_of(cfg: dict) -> tuple[str, str, str, str]:
         kind = inj.replace("_", " ")
     target, target_end = float(mm.get("target_k3") or 0), float(mm.get("target_k3_end") or 0)
     if target:
-        dose = f"k3 held at {target:g}" + (f" -> {target_end:g}" if target_end else "")
+        dose = f"controller target k3 {target:g}" + (f" -> {target_end:g}" if target_end else "")
     elif inj in ("head_perturb", "logit_noise", "temperature"):
         end = float(mm.get("magnitude_end") or 0)
         dose = f"magnitude {float(mm.get('magnitude', 0)):g}" + (f" -> {end:g}" if end and kind.endswith("grown") else "")
@@ -174,7 +176,7 @@ def cell_record(*, study: str, source: str, cell: str, cfg: dict, control, arm, 
     pers = np.asarray(persistence, float)
     logged = pers[np.isfinite(pers)]
     return {"study": study, "source": source, "cell": cell, "family": family, "kind": kind, "dose": dose,
-            "remedy": remedy, "k3": _sig(float(np.mean(k3))), "k3_window": [FIRST_STEP, cost_window[1]],
+            "remedy": remedy, "task": str((cfg.get("task") or {}).get("name", "")), "k3": _sig(float(np.mean(k3))), "k3_window": [FIRST_STEP, cost_window[1]],
             "length": _sig(float(np.mean(length))),
             "persistence_ema": _sig(float(np.mean(logged))) if len(logged) else None,
             "persistence_runs": int(len(logged)), "params": config_params(cfg),
@@ -244,7 +246,7 @@ def study_cells(src: StudySource, root: Path) -> list[dict]:
         for arm in src.arms or [a for a in col if a != study.control]:
             a = col[arm]
             out.append(cell_record(
-                study=src.name, source=f"Study {study.name}", cell="/".join(x for x in (src.name, g, arm) if x),
+                study=src.name, source=src.source, cell="/".join(x for x in (src.name, g, arm) if x),
                 cfg=run_config(first[g, arm]), control=ctrl[src.cost], arm=a[src.cost], k3=a["ev_k3"],
                 length=a["ev_length"], persistence=pers[g][arm]["ev_persistence"], falls=a["ev_fell"],
                 cost_window=tuple(cost.window), strata=(ctrl[BLOCK], a[BLOCK]) if BLOCK in a else None))
