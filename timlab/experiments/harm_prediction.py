@@ -62,8 +62,9 @@ LENGTH_BAND = 2.0
 """Comparable cells have answers within this factor of the user's length."""
 PERSISTENCE_WEIGHT = 4.0
 """Distance per unit of ``mismatch/persistence_ema`` difference."""
-PERSISTENCE_UNKNOWN = 0.15
-"""The persistence difference a cell without a logged persistence counts as (when the user's is known)."""
+PERSISTENCE_UNKNOWN = 0.3
+"""The persistence difference a cell without a logged persistence counts as (when the user's is known):
+about the gap between P2's persistent and fresh arms (0.67 and 0.37), since such a cell could be at either end."""
 PERSISTENCE = "mismatch/persistence_ema"
 K3 = "rollout_corr/k3_kl"
 
@@ -236,8 +237,8 @@ def predicted_line(metrics: dict, calibration: dict | None, *, length: float | N
                 f"{lengths[0]:.0f}-{lengths[1]:.0f})")
     pred, a, b = prediction(c["b"], c["b_var"], c["loko"], S)
     if b - a >= MAX_WIDTH:
-        return (f"predicted cost: none (Study H's calibrated {name} gives +-{_pts((b - a) / 2)} points at 95% here, "
-                f"wider than the {100 * MAX_WIDTH:g} points timlab prints)")
+        return (f"predicted cost: none (the prediction interval of Study H's calibrated {name} is +-{_pts((b - a) / 2)} "
+                f"points here, wider than the {100 * MAX_WIDTH:g} points timlab prints)")
     return f"predicted cost: {_pts(pred)} points [95% {_pts(a)}, {_pts(b)}] from {name} {S:.3g} (Study H's calibration)"
 
 
