@@ -139,6 +139,8 @@ def test_persistence_and_size_enter_the_answer():
     assert lines[2].startswith("  nearest: P2/persist (head_perturb persistent, magnitude 0.6; k3 9.6e-03, T 23, "
                                "persistence 0.67): cost 3.0 points [95% 1.5, 4.7], 8 seeds, detectable; Study P2")
     assert lines[5] == "  cannot say: a model of 7.2M parameters (the lab's: 0.15M-0.48M); tasks other than scratch_add"
+    assert "cannot say: a model of 7B parameters (the lab's: 0.15M-0.48M)" in H.harm_answer(
+        {H.K3: 0.3}, length=160.0, params=7_000_000_000, evidence=EV)
     unknown = H.harm_answer({H.K3: 1e-2}, length=23.0, evidence=EV)
     assert ("its kind (--kind); its persistence (mismatch/persistence_ema; at one k3 a run-long direction cost 2.8x "
             "a fresh one, P1)") in unknown

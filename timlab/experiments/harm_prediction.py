@@ -196,7 +196,8 @@ def cannot_say(cells: list[dict], *, length: float | None, kind: str | None, per
     if params is None:
         out.append(f"models larger than the lab's {size} parameters")
     elif not min(ps) <= params <= max(ps):
-        out.append(f"a model of {params / 1e6:.3g}M parameters (the lab's: {size})")
+        n = f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
+        out.append(f"a model of {n} parameters (the lab's: {size})")
     out.append(f"tasks other than {', '.join(tasks)}")
     if length is None:
         out.append(f"an unknown answer length (the lab's: {min(lens):.0f}-{max(lens):.0f} tokens)")
