@@ -4,6 +4,7 @@ trainer passes a gate at 0, fast vs trainer fails it; verdicts, JSON, HTML and o
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -53,14 +54,20 @@ def test_exact_vs_trainer_passes_a_gate_at_zero(tmp_path, folder, capsys):
     assert res["length_scaling"]["reading"].startswith("no mismatch")
     text = capsys.readouterr().out
     assert "gate mean_abs_diff <= 0 (worst 0): passed" in text and "bitwise" in text
+    assert "is this mismatch a problem? k3 0.0e+00 per token, answers of 8 tokens\n  verdict: no mismatch" in text
     page = (tmp_path / "check.html").read_text()
-    assert "<table>" in page and "passed" in page
+    assert "<table>" in page and "passed" in page and "verdict: no mismatch (k3 is exactly 0)" in page
 
 
 def test_fast_vs_trainer_fails_a_gate_at_zero_and_passes_a_loose_one(tmp_path, folder, capsys):
-    code, res = check(tmp_path, folder, "--rollout", "fast", "--score", "trainer", "--fail-above", "0")
+    code, res = check(tmp_path, folder, "--rollout", "fast", "--score", "trainer", "--fail-above", "0", "--kind", "numerical")
     assert code == 1 and res["gate"]["failed"] and res["gate"]["worst"] > 0
-    assert "gate mean_abs_diff <= 0" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "gate mean_abs_diff <= 0" in text and "kind numerical\n  verdict: below any cost the lab could detect" in text
+    # the model's size against the lab's, and every printed 95% interval within 10 points of accuracy
+    assert f"a model of {res['num_params'] / 1e6:.3g}M parameters (the lab's: 0.15M-0.48M)" in text
+    intervals = re.findall(r"points \[95% (-?\d+\.\d), (-?\d+\.\d)\]", text)
+    assert len(intervals) == text.count("[95%") == 3 and all(float(b) - float(a) <= 10 for a, b in intervals)
     # fp32 stock kernels differ by ~1e-6: healthy by every documented threshold
     assert res["healthy"] and all(c["verdict"] == "pass" for c in res["cells"] if c["frac_bitwise_equal"] < 1)
     assert all(1.0 <= c["exp_abs_diff_mean"] < 1.0001 for c in res["cells"])

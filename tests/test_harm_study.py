@@ -4,7 +4,6 @@ committed smoke runs (repeat check, resume, kill safety, a planted non-repeat)."
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -240,77 +239,6 @@ def test_harm_study_file_is_valid_and_frozen():
     st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
     assert st.frozen == st.hash
     assert st.last_step == 25 and st.seeds == (0, 1, 2)
-
-
-def test_predicted_cost_line_from_a_planted_record(tmp_path):
-    from timlab.experiments.harm_prediction import NO_RECORD, NO_WINNER, predicted_cost_line
-
-    rec = {"regime": "a tiny model", "winner": "adv", "candidates": {
-        "adv": {"metric": "mismatch/adv_diff_mean", "absolute": True, "b": 4.0, "b_var": 0.01, "loko": 0.003,
-                "range": [0.001, 0.05]}}}
-    line = predicted_cost_line({"mismatch/adv_diff_mean": -0.01}, calibration=rec)
-    half = 1.96 * math.sqrt(1e-4 * 0.01 + 0.003 ** 2)
-    assert line == (f"predicted accuracy cost: 0.040 [95% {0.04 - half:.3f}, {0.04 + half:.3f}] from adv 0.01 "
-                    "(calibrated on a tiny model)")
-    assert "outside the calibrated range (adv 0.2 is not in [0.001, 0.05]" in predicted_cost_line(
-        {"mismatch/adv_diff_mean": 0.2}, calibration=rec)
-    assert predicted_cost_line({}, calibration=rec, lacks="no advantages") == (
-        "predicted accuracy cost: none (adv = mismatch/adv_diff_mean is not measured here: no advantages)")
-    assert predicted_cost_line({}, calibration={**rec, "winner": None}) == NO_WINNER
-    assert predicted_cost_line({}, path=tmp_path / "none.json") == NO_RECORD
-
-
-def test_predicted_cost_line_outside_calibrated_lengths_and_model_size(tmp_path, monkeypatch):
-    import json
-
-    from timlab.experiments import harm_prediction as H
-    from timlab.experiments.analyze import analyze_file, format_analysis
-    from timlab.experiments.check import harm_prediction_line
-
-    rec = {"regime": "a tiny model", "winner": "k3", "lengths": [20.0, 70.0], "params": [150000, 480000],
-           "candidates": {"k3": {"metric": "rollout_corr/k3_kl", "absolute": False, "b": 10.0, "b_var": 0.0,
-                                 "loko": 0.01, "range": [1e-4, 1e-2]}}}
-    k3 = {"rollout_corr/k3_kl": 1e-3}
-    assert H.predicted_cost_line(k3, calibration=rec, length=100.0) == (
-        "predicted accuracy cost: outside the calibrated range (answers of 100 tokens, calibrated lengths 20-70; "
-        "calibrated on a tiny model)")
-    assert H.predicted_cost_line(k3, calibration=rec, length=19.4, params=7_200_000) == (
-        "predicted accuracy cost: outside the calibrated range (answers of 19 tokens, calibrated lengths 20-70; "
-        "calibrated on a tiny model; this model 7.2M parameters (calibrated 0.15M-0.48M))")
-    half = 1.96 * 0.01
-    assert H.predicted_cost_line(k3, calibration=rec, length=30.0, params=150_000) == (
-        f"predicted accuracy cost: 0.010 [95% {0.01 - half:.3f}, {0.01 + half:.3f}] from k3 0.001 (calibrated on a "
-        "tiny model; this model 0.15M parameters (calibrated 0.15M-0.48M))")
-    assert H.predicted_cost_line(k3, calibration={**rec, "oos": {"miscalibrated": True}}, length=30.0).endswith(
-        "(calibrated on a tiny model; miscalibrated out of sample)")
-    # the ship path: check passes its cell's answer length and the model's size, analyze the file's mean length
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(rec), encoding="utf-8")
-    monkeypatch.setattr(H, "CALIBRATION", path)
-    cells = [{"k3_kl": 1e-3, "answer_tokens": 256, "batch": 8, "length": "long", "decoding": "greedy"},
-             {"k3_kl": 1e-4, "answer_tokens": 32, "batch": 8, "length": "short", "decoding": "greedy"}]
-    line = harm_prediction_line({"cells": cells, "num_params": 480_000})
-    assert line.startswith("predicted accuracy cost: outside the calibrated range (answers of 256 tokens, calibrated "
-                           "lengths 20-70; calibrated on a tiny model; this model 0.48M parameters")
-    rec["candidates"]["k3"]["range"] = [0.0, 1e-2]  # the sample's k3 (5e-13) in range: its length decides
-    path.write_text(json.dumps(rec), encoding="utf-8")
-    text = format_analysis(analyze_file(REPO / "timlab/data/sample_logprobs.jsonl"))  # mean length 15.2
-    assert ("  predicted accuracy cost: outside the calibrated range (answers of 15 tokens, calibrated lengths 20-70; "
-            "calibrated on a tiny model)") in text.splitlines()
-
-
-def test_analyze_sample_says_why_no_predicted_cost():
-    """Study H named k3 (the committed record): the sample's k3 (5e-13, an exact stack) lies below the
-    calibrated range, so analyze says so rather than extrapolating."""
-    from timlab.experiments.analyze import analyze_file, format_analysis
-    from timlab.experiments.harm_prediction import CALIBRATION
-
-    rec = json.loads(CALIBRATION.read_text(encoding="utf-8"))
-    assert rec["winner"] == "k3" and rec["oos"]["beats_reference"] is False and rec["oos"]["cells"] == 7
-    text = format_analysis(analyze_file(REPO / "timlab/data/sample_logprobs.jsonl"))
-    lines = [s for s in text.splitlines() if "predicted accuracy cost" in s]
-    assert len(lines) == 1 and lines[0].startswith(
-        "  predicted accuracy cost: outside the calibrated range (k3 5.46e-13 is not in [1.11e-07, 0.179], calibrated on ")
 
 
 def test_missing_start_is_rebuilt_by_its_commands_and_checked(tmp_path, monkeypatch):

@@ -534,6 +534,7 @@ def _add_report(sub) -> None:
 # ---------------------------------------------------------------------------------- analyze
 def cmd_analyze(args: argparse.Namespace) -> int:
     from timlab.experiments.analyze import analyze_file, format_analysis
+    from timlab.experiments.harm_prediction import check_kind
 
     check_output_file(args.out, "--out")
     check_output_file(args.json, "--json")
@@ -546,7 +547,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             print(format_check(check_run(args.file, args.alarm)))
             return 0
         check_file_rule(args.alarm)
+    check_kind(args.kind)
     result = analyze_file(args.file, out_html=args.out)
+    result["mismatch_kind"] = args.kind
     print(format_analysis(result))
     if args.alarm:
         print(format_check(check_analysis(result, args.alarm)))
@@ -563,21 +566,32 @@ def _add_analyze(sub) -> None:
     p.add_argument("--alarm", metavar="RULE", help="also run an early-warning rule (run.alarm's names, e.g. "
                                                     "grad_norm_change) over the per-step series; FILE may then be "
                                                     "a run directory (docs/metrics.md, Early-warning alarm)")
+    _add_kind(p)
     p.set_defaults(func=cmd_analyze)
+
+
+def _add_kind(p) -> None:
+    p.add_argument("--kind", metavar="KIND", help="the kind of mismatch, where you know it: one the lab has measured "
+                                                  "(e.g. head, stale, numerical; a wrong name lists them). The answer "
+                                                  "to \"is this mismatch a problem?\" then reads only cells of that "
+                                                  "kind (docs/metrics.md, harm section)")
 
 
 # ---------------------------------------------------------------------------------- check
 def cmd_check(args: argparse.Namespace) -> int:
     from timlab.experiments.check import format_check, run_check, write_check_html
+    from timlab.experiments.harm_prediction import check_kind
 
     if args.gate_metric is not None and args.fail_above is None:
         raise CLIError(f"--gate-metric {args.gate_metric} needs --fail-above X (the threshold it is compared with); "
                        "without it nothing is gated and the command always exits 0")
     check_output_file(args.json, "--json")
     check_output_file(args.html, "--html")
+    check_kind(args.kind)
     options = ("rollout", "score", "dtype", "device", "batch_sizes", "lengths", "decoding", "seed", "fail_above",
                "gate_metric", "n_boot", "decode_loop")
     result = run_check(model_dir=args.model, **_given(args, options))
+    result["mismatch_kind"] = args.kind
     print(format_check(result))
     _write_json(args.json, result)
     if args.html:
@@ -609,6 +623,7 @@ def _add_check(sub) -> None:
                    help="bootstrap resamples for the length-scaling interval (default {default})")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--html", help="write a self-contained HTML page here")
+    _add_kind(p)
     p.set_defaults(func=cmd_check)
 
 

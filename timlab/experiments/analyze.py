@@ -622,7 +622,7 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
         f"probs diff mean {_fmt(m['mismatch/probs_diff_mean'])}  ESS {_fmt(m['mismatch/ess'])}",
     ]
     lines.append("  " + format_harm(result))
-    lines.append("  " + harm_prediction(result))
+    lines += ["  " + x for x in harm_prediction(result).splitlines()]
     if "length_scaling" in result:
         lines.append("  length scaling: " + format_length_scaling(result["length_scaling"]))
     if result["per_step"]:
@@ -661,12 +661,16 @@ def format_harm(result: dict) -> str:
 
 
 def harm_prediction(result: dict) -> str:
-    """One line: the predicted accuracy cost from Study H's calibrated statistic, or why there is none."""
-    from timlab.experiments.harm_prediction import predicted_cost_line
+    """The answer to "is this mismatch a problem?" (``timlab.experiments.harm_prediction``) for the whole
+    file: its k3, mean answer length and ``mismatch/persistence_ema`` where the result carries it; the
+    kind where ``--kind`` stated it."""
+    from timlab.experiments.harm_prediction import PERSISTENCE, harm_answer
 
-    metrics = {**result["metrics"], **((result.get("harm") or {}).get("metrics") or {})}
-    return predicted_cost_line(metrics, length=result["response_length_mean"],
-                               lacks="" if result.get("harm") else "this file has no 'advantage' column")
+    metrics = dict(result["metrics"])
+    for where in (result, result.get("persistence") if isinstance(result.get("persistence"), dict) else {}):
+        if where.get(PERSISTENCE) is not None:
+            metrics.setdefault(PERSISTENCE, where[PERSISTENCE])
+    return harm_answer(metrics, length=result["response_length_mean"], kind=result.get("mismatch_kind"))
 
 
 # ------------------------------------------------------------------------------ HTML report

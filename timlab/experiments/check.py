@@ -332,14 +332,14 @@ def format_check(result: dict) -> str:
 
 
 def harm_prediction_line(result: dict) -> str:
-    """The predicted accuracy cost (Study H's calibrated statistic) at the largest k3 of the matrix, or why none."""
-    from timlab.experiments.harm_prediction import predicted_cost_line
+    """The answer to "is this mismatch a problem?" (``timlab.experiments.harm_prediction``) at the largest
+    k3 of the matrix: its cell's answer tokens, the model's size, the kind where ``--kind`` stated it."""
+    from timlab.experiments.harm_prediction import harm_answer
 
     worst = max(result["cells"], key=lambda c: c["k3_kl"])
-    return predicted_cost_line({"rollout_corr/k3_kl": worst["k3_kl"]}, length=worst["answer_tokens"],
-                               params=result.get("num_params"),
-                               lacks="check measures k3 only; log advantages and run timlab analyze") + \
-        f" (cell {worst['batch']}/{worst['length']}/{worst['decoding']}, k3 {_fmt(worst['k3_kl'])})"
+    return (harm_answer({"rollout_corr/k3_kl": worst["k3_kl"]}, length=worst["answer_tokens"],
+                        params=result.get("num_params"), kind=result.get("mismatch_kind"))
+            + f"\n  (from cell {worst['batch']}/{worst['length']}/{worst['decoding']}, the largest k3 of the matrix)")
 
 
 def write_check_html(result: dict, path: str | Path) -> Path:
@@ -369,7 +369,8 @@ def write_check_html(result: dict, path: str | Path) -> Path:
     notes = "".join(f"<p>Note: {e(n)}.</p>" for n in result.get("notes", ()))
     parts = [f"<h1>{e(title)}</h1>", f"<p>Model <code>{e(result['model_dir'])}</code>, seed {result['seed']}.</p>", notes,
              f"<table><tr>{head}</tr>{body}</table>", f"<h2>Thresholds</h2><ul>{checks}</ul>", f"<h2>Gate</h2><p>{gate}</p>",
-             f"<h2>Noise or bias?</h2><p>{e(format_length_scaling(ls))}</p>"]
+             f"<h2>Noise or bias?</h2><p>{e(format_length_scaling(ls))}</p>",
+             f"<h2>Is this mismatch a problem?</h2><pre>{e(harm_prediction_line(result))}</pre>"]
     if len(ls["lengths"]) >= 2 and any(v > 0 for v in ls["rms_sum"]):
         fig = new_figure(6, 3.6)
         ax = fig.add_subplot(1, 1, 1)

@@ -302,6 +302,37 @@ def rerun_list(st: PredictorStudy) -> list[SourceRun]:
             if r.arm != src.control and r.seed in st.seeds]
 
 
+@dataclass(frozen=True)
+class SourceCell:
+    """One (group, arm) cell of a source study, with the runs its cost is read from."""
+
+    name: str
+    """``source/group/arm`` (``source/arm`` in an ungrouped sweep)."""
+    kind: str
+    """Its kind as the study file names it (``head``, ``stale``, ...)."""
+    group: str
+    """Its group ("" in an ungrouped sweep): its control is that group's."""
+    control: list
+    """The group's control runs (``SourceRun``), shared by the group's cells."""
+    arm: list
+    """The cell's runs, every committed seed."""
+    fitted: bool
+    """In the fit (``Source.cells``), or reported beside it (``Source.beside``)."""
+
+
+def source_cells(src: Source, runs: list[SourceRun]) -> list[SourceCell]:
+    """The cells of ``src`` (then the arms beside the fit) in each group, in the order the fit takes them;
+    ``runs``: ``source_runs`` of ``src``. The cost of a cell is its control's mean minus its own."""
+    out = []
+    for g in dict.fromkeys(r.group for r in runs):
+        ctrl = [r for r in runs if r.group == g and r.arm == src.control]
+        for arm, kind in [*src.cells.items(), *src.beside.items()]:
+            mine = [r for r in runs if r.group == g and r.arm == arm]
+            if mine:
+                out.append(SourceCell("/".join(x for x in (src.name, g, arm) if x), kind, g, ctrl, mine, arm in src.cells))
+    return out
+
+
 # ------------------------------------------------------------------------------ the fits (pure)
 def fit_origin(S, c, w) -> float:
     """Weighted least squares through the origin: b = sum w S c / sum w S^2 (plain floats)."""
@@ -505,29 +536,25 @@ def analyze_predictor(st: PredictorStudy) -> PredictorResult:
         runs = source_runs(st, src)
         ms = {r.run: read_metrics(r.path) for r in runs}
         acc = {r.run: _window_mean(ms[r.run], st.cost_metric, st.cost_window) for r in runs}
-        groups = dict.fromkeys(r.group for r in runs)
-        for g in groups:
-            ctrl = np.array([acc[r.run] for r in runs if r.group == g and r.arm == src.control])
-            for arm, kind in [*src.cells.items(), *src.beside.items()]:
-                mine = [r for r in runs if r.group == g and r.arm == arm]
-                if not mine:
-                    continue
-                name = "/".join(x for x in (src.name, g, arm) if x)
-                reruns = [r for r in mine if r.seed in st.seeds]
-                if any(r.run in bad for r in reruns):
-                    left_out.append(f"{name} ({', '.join(r.run for r in reruns if r.run in bad)} did not repeat)")
-                    continue
-                vals = {}
-                for c in st.candidates:
-                    vals[c.name] = np.array([_window_mean(table[table["run"] == r.run], c.metric, st.window)
-                                             for r in reruns])
-                entry = (name, kind, ctrl, f"{src.name}/{g}", np.array([acc[r.run] for r in mine]), vals)
-                if arm in src.cells:
-                    cells_add(cells, entry)
-                    cells.lengths.append(float(np.mean([_window_mean(ms[r.run], LENGTH_METRIC, st.window) for r in mine])))
-                    cells.params.append(start_params(mine[0].path))
-                else:
-                    beside.append(entry)
+        controls = {}  # one array per group, shared by its cells (a resample draws it once)
+        for sc in source_cells(src, runs):
+            ctrl = controls.setdefault(sc.group, np.array([acc[r.run] for r in sc.control]))
+            mine = sc.arm
+            reruns = [r for r in mine if r.seed in st.seeds]
+            if any(r.run in bad for r in reruns):
+                left_out.append(f"{sc.name} ({', '.join(r.run for r in reruns if r.run in bad)} did not repeat)")
+                continue
+            vals = {}
+            for c in st.candidates:
+                vals[c.name] = np.array([_window_mean(table[table["run"] == r.run], c.metric, st.window)
+                                         for r in reruns])
+            entry = (sc.name, sc.kind, ctrl, f"{src.name}/{sc.group}", np.array([acc[r.run] for r in mine]), vals)
+            if sc.fitted:
+                cells_add(cells, entry)
+                cells.lengths.append(float(np.mean([_window_mean(ms[r.run], LENGTH_METRIC, st.window) for r in mine])))
+                cells.params.append(start_params(mine[0].path))
+            else:
+                beside.append(entry)
     if len(set(cells.kinds)) < 2:
         raise StudyError(f"study {st.name}: the cells that repeat span {len(set(cells.kinds))} kind(s); leaving one "
                          "kind out needs >= 2 (left out: " + "; ".join(left_out) + ")")
