@@ -11,8 +11,9 @@ Sources (``SOURCES``), each cell a (group, arm) of one committed sweep against i
 - Study H's in-sample cells and the arms beside its fit (E1, E2, E3, E3b, MoE; the predictor study
   ``docs/examples/studies/harm.yaml``, read with ``predictor.source_runs`` / ``source_cells``, every
   committed seed) and its out-of-sample cells (``harm_oos.yaml``);
-- Studies P1, P2 and H1 (their study files, read with ``engine.endpoint_values``; H1's two machine
-  blocks are its registered blocks).
+- Studies P1, P2, H1 and H2 (their study files, read with ``engine.endpoint_values``; H1's two
+  machine blocks are its registered blocks; H2's cells are its runs study's 14 arms, 7 kinds at doses
+  chosen by what they cost).
 
 Per cell: the **cost** is the control's mean minus the arm's mean of each run's mean
 ``val/accuracy`` over the study's cost window (Study H's 50-150 for its cells, P1's and P2's
@@ -85,6 +86,7 @@ SOURCES = (
     StudySource("P1", "Study P1", "docs/examples/studies/p1.yaml", "acc_level"),
     StudySource("P2", "Study P2", "docs/examples/studies/p2.yaml", "acc_level", persistence_out="sweeps/p2_rerun"),
     StudySource("H1", "Study H1", "docs/examples/studies/h1.yaml", "acc_late"),
+    StudySource("H2", "Study H2", "docs/examples/studies/harm2_runs.yaml", "acc"),
 )
 """The ordinary studies whose arms are cells, after Study H's in-sample cells."""
 
@@ -117,6 +119,8 @@ def kind_of(cfg: dict) -> tuple[str, str, str, str]:
     elif inj in ("head_perturb", "logit_noise", "temperature"):
         end = float(mm.get("magnitude_end") or 0)
         dose = f"magnitude {float(mm.get('magnitude', 0)):g}" + (f" -> {end:g}" if end and kind.endswith("grown") else "")
+    elif inj == "kv_cache" and float(mm.get("magnitude") or 0):
+        dose = f"scale 2^{float(mm['magnitude']):g}"
     else:
         dose = ""
     remedy = "; ".join(x for x in ("router replay" if corr.get("router_replay") else "",
