@@ -4,7 +4,10 @@
 ``SCHEMA`` below and docs/analyze.md), checks every row, and computes on the valid ones what
 timlab's trainer logs live: ``all_metrics`` (verl's ``rollout_corr/*`` plus ``mismatch/*``), the
 same per step when rows carry ``step``, and the breakdowns of ``timlab.metrics`` (histogram of
-r = log pi - log mu, |r| by position, by trainer probability, by response length). With
+r = log pi - log mu, |r| by position, by trainer probability, by response length). When rows
+carry ``step`` and ``tokens``, it feeds the steps in order of ``step`` to the trainer's
+``PersistenceTracker`` (``timlab.metrics.persistence``) for ``mismatch/persistence_*``, per step and
+as the mean over the steps; otherwise ``persistence`` says why there are none. With
 ``out_html`` it writes a self-contained HTML report (PNGs as base64 data URIs).
 
 Bad input never yields silent numbers. A problem that concerns the whole file (missing file, empty
@@ -720,7 +723,9 @@ def analyze_file(path: str | Path, *, out_html: str | Path | None = None) -> dic
     ``per_step`` (a list of ``{step, num_sequences, num_tokens, response_length_mean,
     reward_mean, metrics}``, empty without a ``step`` column), ``histogram``, ``by_position``,
     ``by_prob``, ``by_length`` (``timlab.metrics`` breakdowns), ``length_scaling`` (noise vs bias:
-    ``timlab.metrics.length_scaling`` over every valid row), ``num_rows`` / ``num_valid`` /
+    ``timlab.metrics.length_scaling`` over every valid row), ``persistence`` (``{available,
+    reason, vocab_size, num_steps, num_defined, rows_without_tokens}``; when available,
+    ``PERSISTENCE_KEYS`` are in ``metrics``, the mean over the steps, and in each step's), ``num_rows`` / ``num_valid`` /
     ``num_invalid``, ``errors`` (``[{row, column, problem}]``), ``num_tokens``,
     ``response_length_mean``, ``reward_mean``, ``columns``, ``format``, ``report`` (the HTML path
     or None). Raises ``AnalyzeError`` (a ``ValueError``) when nothing can be analyzed.
