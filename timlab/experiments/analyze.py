@@ -31,6 +31,7 @@ import html
 import json
 import math
 from array import array
+from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -297,7 +298,7 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
             errs.append(_error(row, "tokens", "tokens must be a list of integer token ids"))
         elif len(tokens) != len(train):
             errs.append(_error(row, "tokens", f"tokens has {len(tokens)} values, trainer_logprobs {len(train)}"))
-        else:
+        elif tokens and min(tokens) < 0:
             bad = next((j for j, (t, m) in enumerate(zip(tokens, mask)) if m and t < 0), None)
             if bad is not None:  # padding may hold -100 or the like; a valid token needs a vocabulary id
                 errs.append(_error(row, "tokens", f"tokens[{bad}] = {tokens[bad]} at a valid position (mask=1); "
@@ -324,7 +325,7 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
         return None, errs
     return _Seq(row, train, rollout, mask, int(step) if has_step else None,
                 None if reward is None else float(reward), None if advantage is None else float(advantage),
-                None if tokens is None else list(tokens)), []
+                tokens if tokens is None or isinstance(tokens, list) else list(tokens)), []
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -492,8 +493,8 @@ class _Persistence:
     """The input of ``mismatch/persistence_*``: each step's valid tokens (id and r = log pi - log mu),
     split by the parity of their row among the step's rows (file order), kept to the end of the
     file; ``summary`` then feeds the steps, in order of ``step``, to one ``PersistenceTracker``
-    (``timlab.metrics.persistence``). Only rows with ``tokens`` take part; 16 bytes per valid
-    token of those rows."""
+    (``timlab.metrics.persistence``). Only rows with ``tokens`` take part; 12 bytes per valid
+    token of those rows (an int32 id, a float64 r)."""
 
     def __init__(self):
         self.slot: dict[int, int] = {}  # step -> k: its tokens are in parts[2k] (even rows), parts[2k + 1] (odd)
@@ -514,14 +515,14 @@ class _Persistence:
             if k is None:
                 k = self.slot[seqs[b].step] = len(self.rows)
                 self.rows.append(0)
-                self.ids += [array("q"), array("q")]
+                self.ids += [array("i"), array("i")]
                 self.ratios += [array("d"), array("d")]
             part.append(2 * k + self.rows[k] % 2)
             self.rows[k] += 1
         idx = torch.tensor(keep, dtype=torch.int64)  # (B',)
         _, rows, cols = _positions([seqs[b] for b in keep])
         tokens = torch.zeros(len(keep), mask.shape[1], dtype=torch.int64)  # (B', T)
-        tokens[rows, cols] = torch.tensor([t for b in keep for t in seqs[b].tokens], dtype=torch.int64)
+        tokens[rows, cols] = torch.tensor(list(chain.from_iterable(seqs[b].tokens for b in keep)), dtype=torch.int64)
         valid = mask[idx]  # (B', T)
         ids, r = tokens[valid], (train[idx] - rollout[idx])[valid]  # (N,) each, row-major
         if ids.numel():
@@ -530,8 +531,8 @@ class _Persistence:
         order = torch.argsort(where, stable=True)  # (N,) tokens grouped by part, row-major within one
         parts, counts = torch.unique_consecutive(where[order], return_counts=True)
         for p, chunk in zip(parts.tolist(), torch.split(order, counts.tolist())):
-            self.ids[p].extend(ids[chunk].tolist())
-            self.ratios[p].extend(r[chunk].tolist())
+            self.ids[p].frombytes(ids[chunk].to(torch.int32).numpy().tobytes())  # "i": int32 (ids past 2^24 are refused)
+            self.ratios[p].frombytes(r[chunk].numpy().tobytes())
 
     def summary(self, *, has_step: bool) -> tuple[dict, dict[int, dict[str, float]]]:
         """``(persistence, by_step)``: ``persistence`` is ``{available, reason, vocab_size, num_steps,
@@ -576,8 +577,9 @@ class _Persistence:
         mask = torch.zeros(2, T, dtype=torch.bool)  # (2, T)
         for row, p in enumerate((even, odd)):
             n = len(self.ids[p])
-            train[row, :n] = torch.tensor(self.ratios[p], dtype=torch.float64)
-            tokens[row, :n] = torch.tensor(self.ids[p], dtype=torch.int64)
+            if n:
+                train[row, :n] = torch.frombuffer(self.ratios[p], dtype=torch.float64)
+                tokens[row, :n] = torch.frombuffer(self.ids[p], dtype=torch.int32)
             mask[row, :n] = True
         return train, torch.zeros_like(train), mask, tokens
 
