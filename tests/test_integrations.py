@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from timlab.metrics import advantage_metrics, all_metrics, decision_token_metrics
+from timlab.metrics.persistence import PERSISTENCE_KEYS, PersistenceTracker
 from timlab.schedulers import LengthDecayLR
 from timlab.integrations import verl as tv
 
@@ -136,6 +137,30 @@ def test_verl_compute_metrics_adds_the_harm_statistics_verls_batch_allows():
         float(((train - rollout) * adv)[mask.bool()].mean()), rel=1e-12)
     with pytest.raises(KeyError, match="compute_advantage"):
         tv.advantage_metrics(b)
+
+
+def test_verl_mismatch_persistence_logs_a_planted_persistent_bias():
+    """A per-token-id bias that keeps its direction: NaN at the first step (reliability excepted),
+    finite and near 1 after; exactly ``PersistenceTracker`` on the same tensors; state round trip."""
+    g = torch.Generator().manual_seed(11)
+    bias = 0.3 * torch.randn(30, generator=g, dtype=torch.float64)  # ids of verl_like_batch: 4..29
+    p, ref = tv.MismatchPersistence(vocab_size=30), PersistenceTracker(30)
+    rows = []
+    for step in range(4):
+        b = verl_like_batch(B=16, T=12, seed=step, scale=0.0)
+        b["old_log_probs"] = b["old_log_probs"] - 1.0
+        noise = 0.02 * torch.randn(16, 12, generator=g, dtype=torch.float64)
+        b["rollout_log_probs"] = b["old_log_probs"] - bias[b["responses"]] - noise  # r = bias[id] + noise
+        rows.append(p.update(SimpleNamespace(batch=b)))  # DataProto: tensors under .batch
+        assert rows[-1] == ref.update(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"], b["responses"])
+    assert math.isnan(rows[0][PERSISTENCE_KEYS[0]]) and math.isnan(rows[0][PERSISTENCE_KEYS[1]])
+    for row in rows[1:]:
+        assert set(row) == set(PERSISTENCE_KEYS) and all(v > 0.9 for v in row.values()), row
+    resumed = tv.MismatchPersistence(vocab_size=30)
+    resumed.load_state_dict(p.state_dict())  # a checkpoint of the state after step 4
+    assert resumed.update(b) == p.update(b)  # b (step 4's batch) once more: the same values from both
+    with pytest.raises(KeyError, match="'responses'"):
+        p.update({k: v for k, v in b.items() if k != "responses"})
 
 
 def test_verl_compute_metrics_missing_rollout_logprobs_names_the_setting():
@@ -458,9 +483,10 @@ def test_trl_grpo_runs_length_decay_lr(trl_setup, tmp_path):
         assert not any(k.startswith("mismatch/") for k in h)  # plain GRPOTrainer on CPU: no sampler log-probs
 
 
-def hf_rollout_func(logprob_offset: float):
+def hf_rollout_func(logprob_offset: float, per_id: torch.Tensor | None = None):
     """A TRL ``rollout_func`` that samples with HF ``generate`` and returns the sampler's log-probs
-    shifted by ``-logprob_offset``: a known mismatch, so r = log pi - log mu ~= +offset."""
+    shifted by ``-logprob_offset`` (and by ``-per_id[token id]`` when given): a known mismatch, so
+    r = log pi - log mu ~= +offset (+ per_id[id])."""
 
     def rollout_func(prompts, trainer):
         tok, model = trainer.processing_class, trainer.model
@@ -487,7 +513,8 @@ def hf_rollout_func(logprob_offset: float):
         for s, lp in zip(seq.tolist(), logp.tolist()):
             n = s.index(tok.eos_token_id) + 1 if tok.eos_token_id in s else len(s)
             completion_ids.append(s[:n])
-            logprobs.append([x - logprob_offset for x in lp[:n]])
+            shift = [logprob_offset + (0.0 if per_id is None else float(per_id[t])) for t in s[:n]]
+            logprobs.append([x - d for x, d in zip(lp[:n], shift)])
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
     return rollout_func
@@ -515,6 +542,27 @@ def test_trl_grpo_logs_mismatch_metrics_with_sampler_logprobs(trl_setup, tmp_pat
         assert -1.0 <= h["mismatch/adv_diff_corr"] <= 1.0 and math.isfinite(h["mismatch/adv_diff_mean"])
         assert "train/lr" in h
     assert [h["train/lr"] for h in logs] == pytest.approx([1e-3, 5e-4, 5e-4], rel=1e-12)
+
+
+def test_trl_grpo_logs_the_persistence_of_a_planted_bias(trl_setup, tmp_path, monkeypatch):
+    """A per-token-id bias the sampler keeps for the run: the persistence keys are undefined at the
+    first update (the reliability excepted) and finite, near 1, after it."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from timlab.integrations.trl import TimlabGRPOTrainer
+
+    vocab = len(trl_setup.tok)
+    bias = 0.3 * torch.randn(vocab, generator=torch.Generator().manual_seed(3))
+    trainer = TimlabGRPOTrainer(model=trl_setup.model, reward_funcs=trl_setup.reward,
+                                args=grpo_args(tmp_path, 3, logging_steps=1), train_dataset=trl_setup.data,
+                                processing_class=trl_setup.tok, rollout_func=hf_rollout_func(0.0, per_id=bias))
+    trainer.train()
+    logs = step_logs(trainer)
+    assert len(logs) == 3 and trainer._timlab_persistence.vocab_size == trainer.model.config.vocab_size
+    lag1, ema, reliability = PERSISTENCE_KEYS
+    # TRL's log averages the window's values without the NaNs and writes None when none is left
+    assert logs[0][lag1] is None and logs[0][ema] is None and logs[0][reliability] > 0.9
+    for h in logs[1:]:
+        assert all(math.isfinite(h[k]) and h[k] > 0.9 for k in PERSISTENCE_KEYS), h
 
 
 def test_trl_mixin_adds_the_advantage_weighted_harm_statistics():

@@ -4,7 +4,10 @@
 ``SCHEMA`` below and docs/analyze.md), checks every row, and computes on the valid ones what
 timlab's trainer logs live: ``all_metrics`` (verl's ``rollout_corr/*`` plus ``mismatch/*``), the
 same per step when rows carry ``step``, and the breakdowns of ``timlab.metrics`` (histogram of
-r = log pi - log mu, |r| by position, by trainer probability, by response length). With
+r = log pi - log mu, |r| by position, by trainer probability, by response length). When rows
+carry ``step`` and ``tokens``, it feeds the steps in order of ``step`` to the trainer's
+``PersistenceTracker`` (``timlab.metrics.persistence``) for ``mismatch/persistence_*``, per step and
+as the mean over the steps; otherwise ``persistence`` says why there are none. With
 ``out_html`` it writes a self-contained HTML report (PNGs as base64 data URIs).
 
 Bad input never yields silent numbers. A problem that concerns the whole file (missing file, empty
@@ -28,6 +31,7 @@ import html
 import json
 import math
 from array import array
+from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -54,6 +58,7 @@ from timlab.metrics import (
     metrics_from_group_sums,
     metrics_from_sums,
 )
+from timlab.metrics.persistence import MIN_SHARED, PERSISTENCE_KEYS, PersistenceTracker
 
 REQUIRED = ("trainer_logprobs", "rollout_logprobs")
 OPTIONAL = ("id", "step", "prompt", "response", "tokens", "mask", "reward", "advantage")
@@ -204,6 +209,7 @@ class _Seq:
     step: int | None
     reward: float | None
     advantage: float | None = None
+    tokens: list[int] | None = None
 
 
 def _numbers(value: Any, column: str) -> tuple[list[float] | None, str | None]:
@@ -292,6 +298,11 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
             errs.append(_error(row, "tokens", "tokens must be a list of integer token ids"))
         elif len(tokens) != len(train):
             errs.append(_error(row, "tokens", f"tokens has {len(tokens)} values, trainer_logprobs {len(train)}"))
+        elif tokens and min(tokens) < 0:
+            bad = next((j for j, (t, m) in enumerate(zip(tokens, mask)) if m and t < 0), None)
+            if bad is not None:  # padding may hold -100 or the like; a valid token needs a vocabulary id
+                errs.append(_error(row, "tokens", f"tokens[{bad}] = {tokens[bad]} at a valid position (mask=1); "
+                                                  "token ids must be >= 0"))
     step = rec.get("step")
     if has_step:
         if step is None:
@@ -313,19 +324,26 @@ def check_row(row: int, rec: dict, *, has_step: bool) -> tuple[_Seq | None, list
     if errs:
         return None, errs
     return _Seq(row, train, rollout, mask, int(step) if has_step else None,
-                None if reward is None else float(reward), None if advantage is None else float(advantage)), []
+                None if reward is None else float(reward), None if advantage is None else float(advantage),
+                tokens if tokens is None or isinstance(tokens, list) else list(tokens)), []
 
 
 # ------------------------------------------------------------------------------ metrics
+def _positions(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's length (B,), and the (row, column) of every position of every row, (N,) each."""
+    lengths = torch.tensor([len(s.train) for s in seqs], dtype=torch.int64)  # (B,)
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), lengths)  # (N,)
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)  # (N,)
+    return lengths, rows, cols
+
+
 def _pack(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) float64 log pi, log mu and bool mask; padding is 0 / False (and so are
     masked-out values). Built from the rows' values in one flat pass, not a tensor per row."""
-    lengths = torch.tensor([len(s.train) for s in seqs], dtype=torch.int64)  # (B,)
+    lengths, rows, cols = _positions(seqs)
     B, T = len(seqs), int(lengths.max())
     m = torch.tensor([x for s in seqs for x in s.mask], dtype=torch.bool)  # (N,) every row's positions
     zero = torch.zeros((), dtype=torch.float64)
-    rows = torch.repeat_interleave(torch.arange(B), lengths)  # (N,)
-    cols = torch.arange(m.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)  # (N,)
     train = torch.zeros(B, T, dtype=torch.float64)
     rollout = torch.zeros(B, T, dtype=torch.float64)
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -460,6 +478,130 @@ class _Steps:
                  "metrics": metrics[k]} for step, k in sorted(self.slot.items())]
 
 
+# ------------------------------------------------------------------------------ persistence
+MAX_TOKEN_ID = (1 << 24) - 1
+"""The largest token id taken as a vocabulary entry (vocabularies in use hold ~256k). Persistence
+keeps float64 vectors the size of the vocabulary (max token id + 1), so a larger id makes it
+unavailable rather than allocating gigabytes."""
+
+PERSISTENCE_NEEDS_TOKENS = "this file has no `tokens` column: the per-token-id bias needs token ids"
+PERSISTENCE_NEEDS_STEPS = "this file has no `step` column: persistence compares the bias of one step with the steps before it"
+"""Why analyze has no persistence for a file without token ids or without steps."""
+
+
+class _Persistence:
+    """The input of ``mismatch/persistence_*``: each step's valid tokens (id and r = log pi - log mu),
+    split by the parity of their row among the step's rows (file order), kept to the end of the
+    file; ``summary`` then feeds the steps, in order of ``step``, to one ``PersistenceTracker``
+    (``timlab.metrics.persistence``). Only rows with ``tokens`` take part; 12 bytes per valid
+    token of those rows (an int32 id, a float64 r)."""
+
+    def __init__(self):
+        self.slot: dict[int, int] = {}  # step -> k: its tokens are in parts[2k] (even rows), parts[2k + 1] (odd)
+        self.rows: list[int] = []  # rows with tokens seen so far, per slot
+        self.ids: list[array] = []
+        self.ratios: list[array] = []
+        self.max_id = -1
+        self.without_tokens = 0  # valid rows with a step but no tokens
+
+    def add(self, seqs: list[_Seq], train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
+        keep = [b for b, s in enumerate(seqs) if s.tokens is not None]
+        self.without_tokens += len(seqs) - len(keep)
+        if not keep:
+            return
+        part = []  # per kept row: 2 x its step's slot + the parity of its place among the step's rows
+        for b in keep:
+            k = self.slot.get(seqs[b].step)
+            if k is None:
+                k = self.slot[seqs[b].step] = len(self.rows)
+                self.rows.append(0)
+                self.ids += [array("i"), array("i")]
+                self.ratios += [array("d"), array("d")]
+            part.append(2 * k + self.rows[k] % 2)
+            self.rows[k] += 1
+        idx = torch.tensor(keep, dtype=torch.int64)  # (B',)
+        _, rows, cols = _positions([seqs[b] for b in keep])
+        tokens = torch.zeros(len(keep), mask.shape[1], dtype=torch.int64)  # (B', T)
+        tokens[rows, cols] = torch.tensor(list(chain.from_iterable(seqs[b].tokens for b in keep)), dtype=torch.int64)
+        valid = mask[idx]  # (B', T)
+        ids, r = tokens[valid], (train[idx] - rollout[idx])[valid]  # (N,) each, row-major
+        if ids.numel():
+            self.max_id = max(self.max_id, int(ids.max()))
+        where = torch.tensor(part, dtype=torch.int64)[valid.nonzero()[:, 0]]  # (N,) each token's part
+        order = torch.argsort(where, stable=True)  # (N,) tokens grouped by part, row-major within one
+        parts, counts = torch.unique_consecutive(where[order], return_counts=True)
+        for p, chunk in zip(parts.tolist(), torch.split(order, counts.tolist())):
+            self.ids[p].frombytes(ids[chunk].to(torch.int32).numpy().tobytes())  # "i": int32 (ids past 2^24 are refused)
+            self.ratios[p].frombytes(r[chunk].numpy().tobytes())
+
+    def summary(self, *, has_step: bool) -> tuple[dict, dict[int, dict[str, float]]]:
+        """``(persistence, by_step)``: ``persistence`` is ``{available, reason, vocab_size, num_steps,
+        num_defined, rows_without_tokens}``; ``by_step`` maps each step fed to its ``PERSISTENCE_KEYS``
+        (empty when unavailable)."""
+        info = {"available": False, "reason": None, "vocab_size": None, "num_steps": len(self.slot),
+                "num_defined": None, "rows_without_tokens": self.without_tokens}
+        if not has_step:
+            return {**info, "reason": PERSISTENCE_NEEDS_STEPS}, {}
+        if not self.slot:
+            return {**info, "reason": PERSISTENCE_NEEDS_TOKENS}, {}
+        if self.max_id > MAX_TOKEN_ID:
+            return {**info, "reason": f"token id {self.max_id} is beyond {MAX_TOKEN_ID}, too large for a vocabulary"}, {}
+        if len(self.slot) == 1:
+            (step,) = self.slot
+            return {**info, "reason": f"this file has one step (step {step}) with token ids: persistence compares "
+                                      "a step's per-token-id bias with the steps before it"}, {}
+        vocab_size = self.max_id + 1
+        tracker = PersistenceTracker(vocab_size)
+        by_step = {}
+        for step, k in sorted(self.slot.items()):
+            by_step[step] = tracker.update(*self._batch(k))
+        info.update(vocab_size=vocab_size, num_defined={
+            key: sum(math.isfinite(v[key]) for v in by_step.values()) for key in PERSISTENCE_KEYS})
+        if not any(info["num_defined"][key] for key in PERSISTENCE_KEYS[:2]):
+            zero = all(x == 0 for a in self.ratios for x in a)
+            info["reason"] = ("r = 0 at every valid token (no mismatch), so the bias has no direction to follow" if zero
+                              else f"the correlations are undefined at every step: fewer than {MIN_SHARED} token ids "
+                                   "recur between steps, or the per-id mean log-ratio is the same for every id")
+            return info, {}
+        info["available"] = True
+        return info, by_step
+
+    def _batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step slot ``k`` as the tracker's (B, T) inputs with B = 2: row 0 holds the tokens of the
+        step's even rows, row 1 those of its odd rows (its even/odd split is by row), so its sums
+        are the step's; log pi = r and log mu = 0, so its r is the file's."""
+        even, odd = 2 * k, 2 * k + 1
+        T = max(len(self.ids[even]), len(self.ids[odd]))
+        train = torch.zeros(2, T, dtype=torch.float64)  # (2, T)
+        tokens = torch.zeros(2, T, dtype=torch.int64)  # (2, T)
+        mask = torch.zeros(2, T, dtype=torch.bool)  # (2, T)
+        for row, p in enumerate((even, odd)):
+            n = len(self.ids[p])
+            if n:
+                train[row, :n] = torch.frombuffer(self.ratios[p], dtype=torch.float64)
+                tokens[row, :n] = torch.frombuffer(self.ids[p], dtype=torch.int32)
+            mask[row, :n] = True
+        return train, torch.zeros_like(train), mask, tokens
+
+
+def _add_persistence(result: dict, persistence: _Persistence, *, has_step: bool) -> None:
+    """Put ``PERSISTENCE_KEYS`` into ``result``: per step into each ``per_step`` entry's metrics
+    (None where undefined, e.g. the first step: the result stays JSON without NaN), and into
+    ``metrics`` their mean over the steps where each is defined; only when persistence is available.
+    ``result["persistence"]`` says how many steps had a value, or why it is unavailable."""
+    info, by_step = persistence.summary(has_step=has_step)
+    result["persistence"] = info
+    if not info["available"]:
+        return
+    for s in result["per_step"]:
+        values = by_step.get(s["step"], {})
+        s["metrics"].update({key: values[key] if math.isfinite(values.get(key, math.nan)) else None
+                             for key in PERSISTENCE_KEYS})
+    for key in PERSISTENCE_KEYS:
+        values = [v[key] for v in by_step.values() if math.isfinite(v[key])]
+        result["metrics"][key] = sum(values) / len(values) if values else None
+
+
 class _Analysis:
     """Checks rows as they arrive and folds the valid ones, ``CHUNK_CELLS`` at a time, into the
     file's and each step's running statistics.
@@ -481,6 +623,7 @@ class _Analysis:
         self.chunk_len = 0
         self.total = _Group()
         self.steps = _Steps()
+        self.persistence = _Persistence()
         self.stepless_valid = array("q")  # rows valid only if no row has a step
         self.stepless_invalid: dict[int, list[dict]] = {}  # row -> its errors if some row has a step
 
@@ -518,6 +661,7 @@ class _Analysis:
         self.total.add(self.chunk, train, rollout, mask)
         if self.has_step:
             self.steps.add(self.chunk, train, rollout, mask)
+            self.persistence.add(self.chunk, train, rollout, mask)
         self.chunk, self.chunk_len = [], 0
 
     def _final_errors(self) -> list[dict]:
@@ -557,6 +701,7 @@ class _Analysis:
         result.update(breakdowns_from_sums(self.total.shapes, num_position_buckets=min(POSITION_BUCKETS, T)))
         result["length_scaling"] = length_scaling_from_sums(self.total.scaling)
         result["per_step"] = self.steps.summaries()
+        _add_persistence(result, self.persistence, has_step=self.has_step)
         result["report"] = None
         if out_html is not None:
             result["report"] = str(write_report(result, out_html))
@@ -580,7 +725,9 @@ def analyze_file(path: str | Path, *, out_html: str | Path | None = None) -> dic
     ``per_step`` (a list of ``{step, num_sequences, num_tokens, response_length_mean,
     reward_mean, metrics}``, empty without a ``step`` column), ``histogram``, ``by_position``,
     ``by_prob``, ``by_length`` (``timlab.metrics`` breakdowns), ``length_scaling`` (noise vs bias:
-    ``timlab.metrics.length_scaling`` over every valid row), ``num_rows`` / ``num_valid`` /
+    ``timlab.metrics.length_scaling`` over every valid row), ``persistence`` (``{available,
+    reason, vocab_size, num_steps, num_defined, rows_without_tokens}``; when available,
+    ``PERSISTENCE_KEYS`` are in ``metrics``, the mean over the steps, and in each step's), ``num_rows`` / ``num_valid`` /
     ``num_invalid``, ``errors`` (``[{row, column, problem}]``), ``num_tokens``,
     ``response_length_mean``, ``reward_mean``, ``columns``, ``format``, ``report`` (the HTML path
     or None). Raises ``AnalyzeError`` (a ``ValueError``) when nothing can be analyzed.
@@ -625,12 +772,16 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
     lines += ["  " + x for x in harm_prediction(result).splitlines()]
     if "length_scaling" in result:
         lines.append("  length scaling: " + format_length_scaling(result["length_scaling"]))
+    if "persistence" in result:
+        lines.append("  " + format_persistence(result))
     if result["per_step"]:
-        short = [c.split("/")[1] for c in STEP_COLUMNS]
-        lines.append("  " + f"{'step':>6} {'seqs':>5} {'tokens':>7} " + " ".join(f"{c:>14}" for c in short))
+        columns = step_columns(result)
+        short = [c.split("/")[1] for c in columns]
+        widths = [max(14, len(c)) for c in short]
+        lines.append("  " + f"{'step':>6} {'seqs':>5} {'tokens':>7} " + " ".join(f"{c:>{w}}" for c, w in zip(short, widths)))
         for s in result["per_step"]:
             lines.append("  " + f"{s['step']:>6} {s['num_sequences']:>5} {s['num_tokens']:>7} "
-                         + " ".join(f"{_fmt(s['metrics'][c]):>14}" for c in STEP_COLUMNS))
+                         + " ".join(f"{_fmt(s['metrics'][c]):>{w}}" for c, w in zip(columns, widths)))
     if result["errors"]:
         lines.append(f"  {result['num_invalid']} invalid row(s) left out:")
         for e in result["errors"][:max_errors]:
@@ -640,6 +791,28 @@ def format_analysis(result: dict, *, max_errors: int = 10) -> str:
     if result.get("report"):
         lines.append(f"  report: {result['report']}")
     return "\n".join(lines)
+
+
+def step_columns(result: dict) -> tuple[str, ...]:
+    """The metrics of the per-step table: ``STEP_COLUMNS``, then ``PERSISTENCE_KEYS`` when the
+    file's persistence is available."""
+    return STEP_COLUMNS + (PERSISTENCE_KEYS if (result.get("persistence") or {}).get("available") else ())
+
+
+def format_persistence(result: dict) -> str:
+    """One line: the file's ``mismatch/persistence_*`` (the mean over the steps where each is
+    defined, and how many steps that is), or why persistence is unavailable."""
+    info = result["persistence"]
+    if not info["available"]:
+        return f"persistence: unavailable ({info['reason']})"
+    m, n = result["metrics"], info["num_steps"]
+    parts = [f"{key.split('_', 1)[1]} {_fmt(m[key])} ({info['num_defined'][key]} of {n} steps)"
+             for key in PERSISTENCE_KEYS]
+    left_out = info["rows_without_tokens"]
+    return ("persistence of the per-token-id bias across steps (mean over the steps where defined; ~1: it keeps "
+            "its direction, ~0: redrawn every step): " + ", ".join(parts)
+            + f"; vocabulary {info['vocab_size']} (max token id + 1)"
+            + (f"; {left_out} row(s) without tokens left out" if left_out else ""))
 
 
 HARM_NEEDS_ADVANTAGES = ("the advantage-weighted harm statistics (mismatch/adv_diff_mean, mismatch/adv_diff_corr) "
@@ -784,6 +957,9 @@ def write_report(result: dict, out_html: str | Path) -> Path:
         "</details>",
         "<h2>Harm statistics</h2>",
         f"<p>{esc(format_harm(result).removeprefix('harm: '))}. Definitions: docs/metrics.md, harm section.</p>",
+        "<h2>Persistence</h2>",
+        f"<p>{esc(format_persistence(result).removeprefix('persistence: '))}. Definitions: docs/metrics.md, "
+        "persistence section.</p>",
         "<h2>Histogram of r</h2>",
         '<p class="note">Symmetric log-spaced bins; the middle bin [-1e-06, 1e-06) holds the (near-)equal tokens. '
         "Values beyond +-20 are counted in the outer bins.</p>",
@@ -811,7 +987,7 @@ def write_report(result: dict, out_html: str | Path) -> Path:
         rows = [{"step": s["step"], "sequences": s["num_sequences"], "tokens": s["num_tokens"],
                  "mean length": s["response_length_mean"],
                  **({"mean reward": s["reward_mean"]} if result["reward_mean"] is not None else {}),
-                 **{k: s["metrics"][k] for k in STEP_COLUMNS}} for s in result["per_step"]]
+                 **{k: s["metrics"][k] for k in step_columns(result)}} for s in result["per_step"]]
         parts += ["<h2>Per step</h2>", img(_steps_uri(result["per_step"]), "metrics per step"),
                   table(pd.DataFrame(rows))]
     if result["errors"]:

@@ -47,6 +47,11 @@ TRL's own correction *before* its truncation or masking (``is/ratio_{mean,max,mi
 ratios only after truncation), and the advantage-weighted harm statistics of the batch's
 ``advantages`` (``mismatch/adv_diff_mean``, ``mismatch/adv_diff_corr``; ``timlab.metrics.harm``:
 TRL computes token entropies only inside its loss, so the decision-token split is not logged).
+On training batches it also logs the persistence of the mismatch's per-token-id bias across
+generation batches (``mismatch/persistence_lag1``, ``_ema``, ``_reliability``;
+``timlab.metrics.persistence``) from ``completion_ids``, with one ``PersistenceTracker`` per
+trainer sized to the model's vocabulary (its config's ``vocab_size``); NaN at the first batch (the
+reliability excepted). Its state is not in TRL's checkpoints: a resumed run starts it afresh.
 When TRL did not compute
 ``old_per_token_logps`` itself, the mixin runs one extra no-grad forward of the current policy.
 Tokens whose sampler log-prob is NaN (vLLM could not score them) are left out of the mask.
@@ -64,6 +69,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from timlab.metrics import advantage_metrics, all_metrics
+from timlab.metrics.persistence import PersistenceTracker
 from timlab.remedies import RAW_RATIO_KEYS, is_weights
 from timlab.schedulers import LengthDecayLR
 from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
@@ -215,6 +221,22 @@ def raw_ratio_metrics(trainer_logp: torch.Tensor, sampling_logp: torch.Tensor, m
     return {k: m[k] for k in RAW_RATIO_KEYS}
 
 
+def persistence_metrics(trainer, batch: dict, trainer_logp: torch.Tensor, sampling_logp: torch.Tensor,
+                        mask: torch.Tensor) -> dict[str, float]:
+    """``PERSISTENCE_KEYS`` of a training generation batch against the trainer's earlier ones, from
+    its ``completion_ids`` (B, C); one ``PersistenceTracker`` per trainer (``_timlab_persistence``,
+    made at the first batch, sized to the model's vocabulary). Nothing for an evaluation batch
+    (``trainer.model`` not in training mode) or a batch without ``completion_ids``."""
+    model = getattr(trainer, "model", None)
+    if "completion_ids" not in batch or model is None or not model.training:
+        return {}
+    tracker = getattr(trainer, "_timlab_persistence", None)
+    if tracker is None:
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        tracker = trainer._timlab_persistence = PersistenceTracker(int(config.vocab_size))
+    return tracker.update(trainer_logp, sampling_logp, mask, batch["completion_ids"])
+
+
 class TimlabMetricsMixin:
     """Adds timlab's mismatch metrics to a ``GRPOTrainer`` (list it before ``GRPOTrainer``).
 
@@ -260,6 +282,7 @@ class TimlabMetricsMixin:
         if advantages is not None:
             metrics.update(advantage_metrics(trainer_logp, sampling_logp, mask, advantages))
         metrics.update(raw_ratio_metrics(trainer_logp, sampling_logp, mask, self.args))
+        metrics.update(persistence_metrics(self, batch, trainer_logp, sampling_logp, mask))
         if self.accelerator.num_processes == 1:
             return metrics
         keys = list(metrics)
@@ -284,4 +307,5 @@ class TimlabGRPOTrainer(TimlabMetricsMixin, GRPOTrainer):
     """``GRPOTrainer`` that logs timlab's mismatch metrics (``TimlabMetricsMixin``)."""
 
 
-__all__ = ["LENGTH_KEY", "SCHEDULER_KEYS", "TimlabCallback", "TimlabMetricsMixin", "TimlabGRPOTrainer", "raw_ratio_metrics"]
+__all__ = ["LENGTH_KEY", "SCHEDULER_KEYS", "TimlabCallback", "TimlabMetricsMixin", "TimlabGRPOTrainer", "raw_ratio_metrics",
+           "persistence_metrics"]

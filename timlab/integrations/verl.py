@@ -26,6 +26,14 @@ truncated / masked shares of tokens and sequences) and ``rs/*`` for verl's own r
 settings; timlab's ``is_weights`` and ``rejection_mask`` give verl's weights and masks (tested
 against verl's functions in tests/test_rejection.py).
 
+``MismatchPersistence(vocab_size)``: the persistence of the mismatch's per-token-id bias across
+training steps (``timlab.metrics.persistence``: ``mismatch/persistence_lag1``, ``_ema``,
+``_reliability``). Its ``update(batch)``, called once per training step where ``compute_metrics``
+is, reads the token ids from ``responses`` (B, T) besides the log-probs and the mask, and keeps
+one ``PersistenceTracker`` across steps (``state_dict`` / ``load_state_dict`` for verl's
+checkpoints). ``vocab_size`` is the model's (its HF config's ``vocab_size``, which can exceed the
+tokenizer's length): the ids the rollout can sample.
+
 ``LengthDecayHook``: Beyond-Precision Algorithm 1 for verl. In verl the LR scheduler lives in the
 actor workers while the mean response length (``response_length/mean``) is computed by the
 driver, so the hook runs on the driver and sends the workers a factor:
@@ -53,6 +61,7 @@ from torch.optim import Optimizer
 from timlab.errors import UsageError
 from timlab.metrics import all_metrics, harm_metrics
 from timlab.metrics import advantage_metrics as _advantage_metrics
+from timlab.metrics.persistence import PersistenceTracker
 from timlab.remedies import is_weights, rejection_mask
 from timlab.schedulers import LengthDecayLR
 from timlab.schedulers.length_decay import METRIC_KEYS as SCHEDULER_KEYS, LengthDecayView
@@ -64,6 +73,8 @@ ADVANTAGES_KEY = "advantages"
 """verl's per-token advantages (B, T), in the batch after ``compute_advantage``."""
 ENTROPY_KEY = "entropys"
 """verl's name for the actor's token entropies (B, T) (``compute_log_prob``'s output)."""
+TOKENS_KEY = "responses"
+"""verl's response token ids (B, T), right-padded like the log-probs."""
 LENGTH_KEY = "response_length/mean"
 """verl's metric for the batch's mean response length (``compute_data_metrics``)."""
 
@@ -171,6 +182,30 @@ def correction_metrics(batch: Any, rollout_correction: Mapping[str, Any]) -> dic
     return out
 
 
+class MismatchPersistence:
+    """``mismatch/persistence_*`` over verl's training steps: one ``PersistenceTracker`` fed verl's
+    batch once per step (see the module docstring)."""
+
+    def __init__(self, vocab_size: int):
+        self.tracker = PersistenceTracker(int(vocab_size))
+
+    def update(self, batch: Any) -> dict[str, float]:
+        """This step's ``PERSISTENCE_KEYS`` (NaN at the first step, the reliability excepted) from
+        ``old_log_probs``, ``rollout_log_probs``, ``responses`` and the response mask; then take it in."""
+        data = _tensors(batch)
+        train, rollout = _log_probs(data)
+        if not _has(data, TOKENS_KEY):
+            raise KeyError(f"batch has no {TOKENS_KEY!r} (the response token ids persistence needs); "
+                           f"keys: {sorted(data.keys())}")
+        return self.tracker.update(train, rollout, response_mask(batch), data[TOKENS_KEY])
+
+    def state_dict(self) -> dict:
+        return self.tracker.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tracker.load_state_dict(state)
+
+
 def make_length_decay_scheduler(optimizer: Optimizer, **schedule_kwargs) -> LengthDecayLR:
     """``LengthDecayLR`` on ``optimizer`` (``schedule_kwargs``: its keyword arguments), for a loop
     that has both the optimizer and the batch.
@@ -275,6 +310,6 @@ def length_decay_from_config(config: Any) -> LengthDecayHook | None:
 __all__ = [
     "OLD_LOGP_KEY", "ROLLOUT_LOGP_KEY", "RESPONSE_MASK_KEY", "ADVANTAGES_KEY", "ENTROPY_KEY", "LENGTH_KEY",
     "SCHEDULER_KEYS", "response_mask", "response_length_mean", "compute_metrics", "advantage_metrics",
-    "correction_metrics",
+    "correction_metrics", "TOKENS_KEY", "MismatchPersistence",
     "make_length_decay_scheduler", "apply_lr_factor", "LengthDecayHook", "length_decay_from_config",
 ]
