@@ -356,17 +356,27 @@ def d16_300(R: pd.DataFrame) -> str:
     return md_table(rows)
 
 
+def step_k3(name: str, window: tuple[int, int]) -> dict[tuple[str, str], list[pd.Series]]:
+    """{(group, arm): each run's per-step realized k3 over the steps of ``window``} of the study file
+    ``name`` (every block's runs; group "" in an ungrouped study), read from its committed runs."""
+    from timlab.experiments.study.blocks import block_dirs
+
+    study = load_study(STUDIES / name)
+    dirs = block_dirs(study, root=ROOT)
+    per = {}
+    for run in planned_runs(study):
+        df = read_metrics(dirs[run.block] / run.run_id)
+        k3 = df.loc[(df["step"] >= window[0]) & (df["step"] <= window[1]), "rollout_corr/k3_kl"].dropna()
+        per.setdefault((run.group, run.arm), []).append(k3)
+    return per
+
+
 def l1_k3_steps(R: pd.DataFrame) -> str:
     """Study L1's realized k3 step by step (descriptive, not a registered endpoint): per run over
     steps 10-40 its median, mean, largest step and share of steps above 1e-2, then the mean over
     seeds of each (the median's median beside it). The registered mechanism table has the mean only."""
-    study = load_study(STUDIES / "l1.yaml")
-    per = {}
-    for run in planned_runs(study):
-        df = read_metrics(ROOT / study.out / run.run_id)
-        k3 = df.loc[(df["step"] >= 10) & (df["step"] <= 40), "rollout_corr/k3_kl"].dropna()
-        per.setdefault((int(run.group), run.arm), []).append(
-            (k3.median(), k3.mean(), k3.max(), float((k3 > 1e-2).mean())))
+    per = {(int(g), a): [(k3.median(), k3.mean(), k3.max(), float((k3 > 1e-2).mean())) for k3 in runs]
+           for (g, a), runs in step_k3("l1.yaml", (10, 40)).items()}
     rows = []
     for (restate, arm), v in sorted(per.items()):
         if arm == "control":
@@ -451,6 +461,99 @@ def p2_amd(R: pd.DataFrame) -> str:
             f"{r.p:.4f} ({r.n_relabelings:,} relabelings).")
 
 
+# ------------------------------------------------------------------------------- re-analysis (issue 56, item 4)
+# Descriptive numbers an independent re-analysis asked FINDINGS to state beside three verdicts (E3c, L1, H1);
+# none is a registered test.
+def _grouped_cells(name: str) -> tuple[dict, list]:
+    """A grouped study's registered endpoints keyed by (group, arm), and its treated cells in order."""
+    study = load_study(STUDIES / name)
+    cols = endpoint_values(study, root=ROOT)
+    col = {(g, a): v for g, per in cols.items() for a, v in per.items()}
+    return col, [(g, a) for g, a in col if a != study.control]
+
+
+def e3c_reading(R: pd.DataFrame) -> str:
+    """What E3c's shape test turned on: E3b's three fits (the registered free fit and one power of
+    each dose, ``fits.predictors``) at E3c's realized k3, at E3b's longest T (in sample) and at
+    E3c's T; and the exponent of T that carries the registered fit's cost at E3b's longest T to
+    E3c's measured cost, b = beta + log(measured / predicted) / log(T_E3c / T_longest), over the
+    registered test's 2,000 joint resamples of both studies' seeds (``fits.prediction_test``'s draws)."""
+    from timlab.experiments.study import fits as F
+
+    colf, fitted = _grouped_cells("e3b.yaml")
+    col, test = _grouped_cells("e3c.yaml")
+    kf, Tf, exf, gf = F.length_cells(colf, fitted, "acc_level")
+    k, T, ex, _ = (float(x[0]) for x in F.length_cells(col, test, "acc_level"))
+    longest = float(Tf.max())
+    pred = F.predictors(kf, Tf, exf, gf)
+    law = {F.FREE: tuple(F.fit_length(kf, Tf, exf, gf)[1:])}  # (k3's exponent, T's)
+    for rho in (1.0, 2.0):
+        g = F.fit_shape(kf, Tf, exf, gf, rho)[1]
+        law[F.dose_name(rho)] = (g, rho * g)
+
+    def exponent(kf, Tf, exf, gf, k, T, loss):
+        a, alpha, beta = F.fit_length(kf, Tf, exf, gf)
+        t0 = float(Tf.max())
+        return beta + math.log(loss / math.exp(a + alpha * math.log(k) + beta * math.log(T))) / math.log(T / t0)
+
+    rng = np.random.default_rng(0)  # the registered test's draws: E3b's cells, then E3c's, per resample
+    bs = []
+    for _ in range(F.N_BOOT):
+        cells = F.length_cells(colf, fitted, "acc_level", rng=rng)
+        kt, Tt, et, _ = F.length_cells(col, test, "acc_level", rng=rng)
+        if F.fit_length(*cells) is not None and -et[0] > 0:
+            bs.append(exponent(*cells, float(kt[0]), float(Tt[0]), float(-et[0])))
+    rows = [{"hypothesis (E3b's cells)": h, "cost as": f"k3^{law[h][0]:.2f} T^{law[h][1]:.2f}",
+             f"at T = {longest:.1f} (E3b's longest, in sample)": fmt(f(k, longest), 4),
+             f"at T = {T:.1f} (E3c)": fmt(f(k, T), 4)} for h, f in pred.items()]
+    r = {t: pred["T^2 * k3"](k, t) / pred["T * k3"](k, t) for t in (longest, T)}
+    lo, hi = (float(np.percentile(bs, q)) for q in (2.5, 97.5))
+    return (f"At E3c's realized k3 {study_fmt(k)} (E3b's cells realized {study_fmt(float(kf.min()))} to "
+            f"{study_fmt(float(kf.max()))}):\n\n" + md_table(rows) + "\n\n"
+            f"T^2 * k3's prediction over T * k3's: {r[longest]:.2f}x at T = {longest:.1f}, {r[T]:.2f}x at T = {T:.1f}.\n\n"
+            f"The exponent of T that carries the registered fit's cost at T = {longest:.1f} (at k3 {study_fmt(k)}) to "
+            f"E3c's measured {fmt(-ex, 4)} at T = {T:.1f}: b = {exponent(kf, Tf, exf, gf, k, T, -ex):.2f} "
+            f"[95% bootstrap {lo:.2f}, {hi:.2f}] ({len(bs)} of {F.N_BOOT} joint resamples of both studies' seeds).")
+
+
+def l1_against_e3b(R: pd.DataFrame) -> str:
+    """E3b's three fits (``fits.predictions_table``, as E3c's predictions were written) at L1's
+    longest length, its control's mean response length T, and at each of two summaries of the
+    spread arm's realized k3 over steps 10-40: the median per step (per run, then the mean over
+    seeds; block l1-k3-steps) and the mean (the registered ``k3`` endpoint, E3b's own summary of
+    its cells' k3), beside what L1 measured there. L1's registration compares its costs within L1;
+    this comparison is descriptive."""
+    from timlab.experiments.study.fits import arm_cost, cost_ci, predictions_table
+
+    colf, fitted = _grouped_cells("e3b.yaml")
+    col, _ = _grouped_cells("l1.yaml")
+    ctrl, spread = col["109", "control"], col["109", "spread"]
+    T = float(ctrl["length"].mean())
+    median = float(np.mean([k3.median() for k3 in step_k3("l1.yaml", (10, 40))["109", "spread"]]))
+    mean = float(spread["k3"].mean())
+    lo, hi = cost_ci(ctrl["acc_level"], spread["acc_level"])
+    table = predictions_table(colf, fitted, "acc_level", T=T, k3_at=(median, mean))
+    return (f"At T = {T:.1f} (L1, restate 109, its control's mean response length); spread's realized k3 over "
+            f"steps 10-40: median {study_fmt(median)}, mean {study_fmt(mean)}\n\n" + "\n".join(table) + "\n\n"
+            f"Measured (L1, spread, restate 109, steps 10-40): "
+            f"{fmt(arm_cost(ctrl['acc_level'], spread['acc_level']), 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}].")
+
+
+def h1_k3_steps(R: pd.DataFrame) -> str:
+    """Study H1's realized k3 step by step over the late window (steps 1500-2000; descriptive, not a
+    registered endpoint): per run its median, mean and share of steps above 0.1 and above 1 nat per
+    token, then the mean over seeds of each."""
+    rows = []
+    for (_, arm), runs in step_k3("h1.yaml", (1500, 2000)).items():
+        if arm == "control":
+            continue
+        rows.append({"arm": arm, "seeds": len(runs), "median k3": fmt(np.mean([k.median() for k in runs]), 3),
+                     "mean k3": fmt(np.mean([k.mean() for k in runs]), 3),
+                     "share of steps above 0.1": f"{np.mean([(k > 0.1).mean() for k in runs]):.3f}",
+                     "share of steps above 1": f"{np.mean([(k > 1).mean() for k in runs]):.3f}"})
+    return md_table(rows)
+
+
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
           "d16-300": d16_300, "l1-k3-steps": l1_k3_steps, "p1-pairs": p1_pairs, "p2-persistence": p2_persistence,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
@@ -470,6 +573,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "p2-amd": p2_amd,
           "harm2-pilot": lambda R: harm2_sweeps.pilot_table(SWEEPS / "harm2_pilot")}
 """The generated blocks of docs/FINDINGS.md, by marker name (with ``study_blocks``)."""
+BLOCKS.update({"e3c-reading": e3c_reading, "l1-e3b": l1_against_e3b, "h1-k3-steps": h1_k3_steps})
 
 
 def study_blocks() -> dict:

@@ -324,3 +324,170 @@ def test_h1_verdict_row_quotes_its_block():
     assert "Verdict grow: **erodes, still falling at step 2000**" in block
     ew = text.split("<!-- findings:early-warning-h1 -->\n")[1].split("<!-- /findings:early-warning-h1 -->")[0]
     assert "**grad_norm_change**: **cries wolf on long runs**, false alarms 56/56" in ew and "fired in 56/56 runs" in row
+
+
+# ------------------------------------------------------------------------------- the re-analysis' corrections
+# An independent re-analysis (issue 56, item 4) found six statements the committed data do not support; the
+# corrected prose quotes generated blocks (e3c-reading, l1-e3b, h1-k3-steps, harm-insample, held-k3,
+# early-warning-h1) or bench/RESULTS.md, and these tests keep it in step with them.
+def _text_and_flat() -> tuple[str, str]:
+    """FINDINGS as committed, and the same with every run of whitespace made one space (prose wraps)."""
+    text = load_script("findings_tables").FINDINGS.read_text()
+    return text, " ".join(text.split())
+
+
+def _block(text: str, name: str) -> str:
+    return text.split(f"<!-- findings:{name} -->\n")[1].split(f"<!-- /findings:{name} -->")[0]
+
+
+def _flat(path: str) -> str:
+    return " ".join((REPO / path).read_text().split())
+
+
+def _e(x: str) -> str:
+    """A block's e-notation as the prose writes it: "6.1e-04" -> "6.1e-4"."""
+    return x.replace("e-0", "e-")
+
+
+def test_e3c_prose_says_what_its_shape_test_turned_on():
+    """E3c's "T^2 * k3 over-predicts" is stated with what it rests on (block e3c-reading): the two
+    one-dose fits already differ ~2x at E3b's own longest T at E3c's k3, which lay below E3b's cells',
+    and E3c's one cell leaves the exponent of T between 160 and 325 wide open."""
+    import math
+    import re
+
+    text, flat = _text_and_flat()
+    block = _block(text, "e3c-reading")
+    lo_k3, hi_k3 = re.search(r"E3b's cells realized (\S+) to (\S+)\)", block).groups()
+    k3 = re.search(r"At E3c's realized k3 (\S+) ", block).group(1)
+    assert float(k3) < float(lo_k3)  # the test extrapolated in k3, below every fitted cell
+    r160, r325 = (float(x) for x in re.search(r"(\S+)x at T = 160\.3, (\S+)x at T = 325\.4", block).groups())
+    assert math.log(r160) / math.log(r325) > 0.85  # most of the separation is there at an in-sample T
+    b, lo, hi = (float(x) for x in re.search(r"b = (\S+) \[95% bootstrap (\S+), (\S+)\]", block).groups())
+    assert lo < 0 < 1 < hi  # holds 0 and 1
+    laws = dict(re.findall(r"\| (T \* k3|T\^2 \* k3) \| (k3\^\S+ T\^\S+) \|", block))
+    row = next(line for line in text.splitlines() if line.startswith("| E3c |"))
+    exp = f"{b:.2f} [{lo:.2f}, {hi:.2f}]"
+    assert f"differ {r160:.2f}x already at E3b's own T = 160 and {r325:.2f}x at T = 325" in row
+    assert f"(cost as {laws['T * k3']} and {laws['T^2 * k3']})" in row and exp in row
+    assert f"below every E3b cell's, {_e(lo_k3)} to {_e(hi_k3)}" in row
+    for where in (flat.split("## Verdicts")[0], flat.split("**Verdict E3c**")[1].split("## Study E3d")[0]):
+        assert f"{r160:.2f}x" in where and exp in where
+    assert "over-predicts 2.6x" not in flat and "over-predicted 2.6x" not in flat
+    readme = _flat("README.md")
+    assert readme.count(f"{r160:.2f}x") == 2 and readme.count(exp) == 2
+
+
+def test_l1_prose_sets_e3b_fit_against_both_summaries_of_its_k3():
+    """L1's cost matches E3b's fit only on L1's median per-step k3; at its mean k3 (E3b's own summary)
+    the fit predicts about 3x the measured cost (block l1-e3b), and the prose says both."""
+    import re
+
+    text, flat = _text_and_flat()
+    block = _block(text, "l1-e3b")
+    med, mean = re.search(r"median (\S+), mean (\S+)\n", block).groups()
+    fit = next(r for r in block.splitlines() if r.startswith("| the registered fit")).split(" | ")
+    at_med, at_mean = fit[1], fit[2].rstrip(" |")
+    measured = re.search(r"steps 10-40\): (\S+ \[\S+ \S+\])\.", block).group(1)
+    assert 0.3 < float(measured.split()[0]) / float(at_mean.split()[0]) < 0.4  # "a third"
+    row = next(line for line in text.splitlines() if line.startswith("| L1 |"))
+    assert (f"E3b's registered fit predicts {at_med} at T = 1,038 and L1's median per-step k3 ({_e(med)}), but "
+            f"{at_mean} at its mean k3 ({_e(mean)})") in row
+    results = flat.split("**Against E3b's extrapolation**")[1].split("**Verdict L1**")[0]
+    assert f"cost {measured} at T = 1,038" in results and at_med in results and at_mean in results
+    for where in (flat.split("## Verdicts")[0], _flat("README.md")):
+        assert f"at L1's mean, {_e(mean)}, the same fit predicts {float(at_mean.split()[0]):.2f}" in where or \
+            f"at L1's mean k3 ({_e(mean)}) the same fit predicts {float(at_mean.split()[0]):.2f}" in where
+    assert "the size E3b's T * k3 fit predicted" not in flat and "had predicted for T = 1,000" not in _flat("README.md")
+
+
+def test_h_in_sample_prose_says_no_candidate_but_k3_decision_beat_k3_there():
+    """Study H in sample: tv and adv_diff had the smallest errors, but neither's paired interval
+    against k3 excludes 0; only k3_decision's does (block harm-insample). The prose quotes them."""
+    text, flat = _text_and_flat()
+    block = _block(text, "harm-insample")
+    gain = {r.split(" (")[0].lstrip("| "): _numbers(r.split(" | ")[4]) for r in block.splitlines()
+            if r.startswith("| ") and "(`" in r and r.split(" | ")[4] != "-"}
+    assert gain["tv"][1] <= 0 and gain["adv_diff"][1] <= 0 < gain["k3_decision"][1]
+    row = next(line for line in text.splitlines() if line.startswith("| H |"))
+
+    def ci(k, d):
+        return f"{gain[k][0]:+.{d}f} [{gain[k][1]:+.{d}f}, {gain[k][2]:+.{d}f}]".replace("+-", "-")
+
+    assert f"({ci('tv', 3)}, {ci('adv_diff', 3)}); only k3_decision's did ({ci('k3_decision', 3)})" in row
+    results = flat.split("### RESULTS of Study H ")[1].split("## Study L1")[0]
+    assert f"({ci('tv', 4)} and {ci('adv_diff', 4)}, block harm-insample" in results
+    assert f"only k3_decision's did ({ci('k3_decision', 4)})" in results
+    assert f"tv's reached it, {ci('tv', 3)}" in _flat("README.md")
+    assert "predicted a held-out kind better than k3" not in _flat("README.md")
+
+
+def test_h1_prose_states_the_tails_with_the_dose():
+    """H1's held dose is a median: wherever the prose gives the dose it gives the late mean and the
+    share of late steps above 1 nat per token (block h1-k3-steps), and hold_3e-3's own accuracy beside
+    the control's (block held-k3)."""
+    text, flat = _text_and_flat()
+    steps = {r.split(" | ")[0].lstrip("| "): r.strip("| ").split(" | ")
+             for r in _block(text, "h1-k3-steps").splitlines() if r.startswith("| hold") or r.startswith("| grow")}
+    mean, share = steps["hold_3e-3"][3], f"{100 * float(steps['hold_3e-3'][5]):.1f}%"
+    shares = [f"{100 * float(steps[a][5]):.1f}%" for a in ("hold_3e-3", "hold_1e-2", "grow")]
+    windows = _block(text, "held-k3").split("**Early (steps 50-500) and late (steps 1500-2000) windows**")[1]
+    early = {r.split(" | ")[0].lstrip("| "): r.split(" | ") for r in windows.split("\n\n")[1].splitlines()
+             if r.startswith("| control |") or r.startswith("| hold_3e-3 |")}
+    acc = {a: (float(c[3].split()[0]), float(c[4].split()[0])) for a, c in early.items()}
+    row = next(line for line in text.splitlines() if line.startswith("| H1 |"))
+    assert f"late mean k3 was {mean} and {share} of late steps exceeded 1 nat per token" in row
+    assert f"{shares[0][:-1]}-{shares[2]} of late steps exceeded 1 nat per token" in row
+    flat_acc = "stayed flat ({:.3f} over steps 50-500, {:.3f} over 1500-2000) while the control improved ({:.3f} -> {:.3f})"
+    assert flat_acc.format(*acc["hold_3e-3"], *acc["control"]) in row
+    h1 = flat.split("### RESULTS of Study H1")[1].split("## Study P1")[0]
+    assert f"{', '.join(shares[:2])} and {shares[2]} of the late steps exceed 1 nat per token" in h1
+    assert (f"at a median per-token k3 of 3e-3 with heavy tails (a late mean of {mean}, and {share} of late steps "
+            f"above 1 nat per token)") in h1
+    assert "the real dense range" not in h1 and '"held at 3e-3"' not in h1
+    readme = _flat("README.md")
+    assert f"{mean} at the 3e-3 level, where {share} of steps exceeded 1 nat per token" in readme
+    assert "stayed flat ({:.3f} -> {:.3f}) while the control improved ({:.3f} -> {:.3f})".format(
+        *acc["hold_3e-3"], *acc["control"]) in readme
+
+
+def test_p1_prose_quotes_the_persistence_of_staleness():
+    """P1's "What it means" no longer lets persistence explain staleness's cost: it quotes the
+    persistence statistics of one step of staleness, a run-long and a fresh head direction as
+    bench/RESULTS.md records them ("Persistence statistics by kind of mismatch")."""
+    _, flat = _text_and_flat()
+    bench = (REPO / "bench" / "RESULTS.md").read_text().split("## Persistence statistics by kind of mismatch")[1]
+    rows = {r.split(" | ")[0].lstrip("| "): [float(x) for x in r.strip("| ").split(" | ")[2:]]
+            for r in bench.split("\n\n")[2].splitlines()[3:]}  # past the header and zero mismatch (NaN)
+    stale, one, fresh = rows["stale 1"], rows["head_perturb 0.6, one direction"], rows["head_perturb 0.6, redrawn every step"]
+    p1 = flat.split("### RESULTS of Study P1")[1].split("## Study P2")[0].split("**What it means.**")[1]
+    assert (f"`mismatch/persistence_lag1` {stale[0]:.2f} and `persistence_ema` {stale[1]:.2f}, near a head direction "
+            f"redrawn every step ({fresh[0]:.2f}, {fresh[1]:.2f}) and far from a run-long one ({one[0]:.2f}, "
+            f"{one[1]:.2f}), while its bias is plain within a step (`persistence_reliability` {stale[2]:.2f})") in p1
+    assert "whose bias follows the policy's own recent updates" not in flat
+
+
+def test_early_warning_h1_registration_discloses_the_earlier_look():
+    """The registration of H1 as the alarm rules' second test set carries a dated disclosure of the
+    commit that read one H1 run's k3 before it: the k3 rules' counts it names come from the block,
+    and, where the repository's history is at hand, the two commits' times are the ones it states."""
+    import subprocess
+
+    text, flat = _text_and_flat()
+    part = flat.split("### Study H1 as a second test set of the alarm rules")[1].split("## Study H1:")[0]
+    ew = _block(text, "early-warning-h1")
+    fired = [next(r for r in ew.splitlines() if r.startswith(f"| {a} |")).split(" | ")[6].split("/")[0]
+             for a in ("k3_change", "k3_level")]
+    assert f"they fired on {fired[0]} and {fired[1]} of the 56 runs" in part
+    assert "commit 1245151 (2026-11-26 09:20 UTC), 10 h 52 min before this registration's commit 3a6eaf6 " \
+           "(2026-11-26 20:12 UTC)" in part
+    try:
+        when = subprocess.run(["git", "-C", str(REPO), "show", "-s", "--format=%at", "1245151", "3a6eaf6"],
+                              capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("the commits are not in this checkout's history")
+    import datetime as dt
+
+    look, reg = (dt.datetime.fromtimestamp(int(t), dt.timezone.utc) for t in when)
+    assert look.strftime("%Y-%m-%d %H:%M") == "2026-11-26 09:20" and reg.strftime("%Y-%m-%d %H:%M") == "2026-11-26 20:12"
+    assert divmod(int((reg - look).total_seconds() + 30) // 60, 60) == (10, 52)

@@ -153,7 +153,7 @@ def test_persistence_and_size_enter_the_answer():
 def test_analyze_cli_prints_the_answer(tmp_path, capsys):
     assert main(["analyze", str(SAMPLE)]) == 0
     out = capsys.readouterr().out
-    assert "  is this mismatch a problem? k3 5.5e-13 per token, answers of 15 tokens\n    verdict: below any cost" in out
+    assert "  is this mismatch a problem? k3 5.5e-13 per token, answers of 15 tokens, persistence 0.12\n    verdict: below any cost" in out
     assert out.count("    nearest: ") == 3 and "predicted accuracy cost" not in out
     # a planted file: 16 answers of 23 tokens whose log-ratio alternates +-0.14 (k3 ~ 0.0098), stated as head
     rows = [{"trainer_logprobs": [-1.0] * 23, "rollout_logprobs": [-1.0 + 0.14 * (-1) ** j for j in range(23)]}
