@@ -215,3 +215,18 @@ def test_the_first_screen_is_what_timlab_is_then_the_two_commands_then_what_they
     assert text.index("| `make test`") < text.index("**What it has found so far**")  # the findings come after
     assert "`$TIMLAB_CACHE` (default `~/.cache/timlab`)" in " ".join(text.split())
     assert (ROOT / "docs" / "timings.md").is_file() and "[docs/timings.md](docs/timings.md)" in first
+
+
+def test_make_test_ends_on_a_summary_line():
+    """Each pytest run in `make test` prints its own "N passed" line: pyproject's addopts already
+    say -q, and a second -q (-qq) would end the output on a lone "." from the FINDINGS pass."""
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    recipe = re.search(r"^test:\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), flags=re.M).group(1)
+    runs = [" ".join(line.split()) for line in recipe.replace("\\\n", " ").splitlines() if "-m pytest" in line]
+    assert len(runs) == 2 and "tests/test_findings.py" in runs[1]
+    for run in runs:
+        quiet = sum(arg.count("q") for arg in (shlex.split(addopts) + run.split()) if re.fullmatch(r"-q+", arg))
+        assert quiet <= 1, run
+    assert "about 1,650 tests" in " ".join(README.read_text().split())
