@@ -230,3 +230,17 @@ def test_make_test_ends_on_a_summary_line():
         quiet = sum(arg.count("q") for arg in (shlex.split(addopts) + run.split()) if re.fullmatch(r"-q+", arg))
         assert quiet <= 1, run
     assert "about 1,650 tests" in " ".join(README.read_text().split())
+
+
+def test_the_quickstart_study_costs_the_same_everywhere():
+    """README, the quickstart's own file, docs/studies.md and docs/timings.md give one measured cost."""
+    def costs(text: str) -> set[str]:
+        return set(re.findall(r"(\d+) CPU-s", " ".join(text.split())))
+
+    quickstart = ROOT / "docs/examples/study_quickstart.yaml"
+    studies = [line for line in (ROOT / "docs/studies.md").read_text().split(". ") if "study_quickstart" in line]
+    readme = [line for line in README.read_text().splitlines() if "study run docs/examples/study_quickstart" in line]
+    timings = [line for line in (ROOT / "docs/timings.md").read_text().splitlines() if "study_quickstart" in line]
+    found = [costs(quickstart.read_text().replace("\n#", "\n")), costs(" ".join(studies)), costs(" ".join(readme)),
+             set(re.findall(r"\| (\d+) s \|$", " ".join(timings)))]
+    assert found == [{"16"}] * 4
