@@ -150,6 +150,8 @@ def test_report_of_run_dirs(runs, tmp_path):
     assert "mismatch.injector=none, mismatch.magnitude=0.0" in text
     assert "mismatch.injector=head_perturb, mismatch.magnitude=2.0" in text
     assert "2/2" in text  # head: both complete runs collapsed
+    assert ">collapsed (peak rule)</th>" in text
+    assert "steps to collapse (peak rule)" in text  # the runs table names the rule too (issue 60)
     assert "falls below 0.5 x its running peak" in text
     noted = build_report(runs, tmp_path / "n.html", note="Computed with torch 9 <x>").path.read_text()
     assert '<p class="note">Computed with torch 9 &lt;x&gt;</p>' in noted and "Computed with" not in text

@@ -473,20 +473,28 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from timlab.experiments.collapse import DEFAULT_RULE, rule_options
     from timlab.experiments.demo import HEADLINE_RULE
 
+    from timlab.experiments.sweep_index import RUNS_WIDTH, compact_runs, format_runs
+
     rule = rule_options(**_given(args, ("rule", "learned_at")))
     sweep_dir = find_sweep_dir(args.dir)
     df = query_index(sweep_dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
     total = len(read_index(sweep_dir))
     name = rule.get("rule", DEFAULT_RULE)
-    judged = f"collapsed: the {name} rule" + ("" if rule else f", the default (the demo's headline uses the "
-                                                             f"{HEADLINE_RULE} rule: --rule {HEADLINE_RULE})")
+    judged = f"collapsed: the {name} rule" + ("" if rule else f", the default (the demo's headline and the study "
+                                                             f"tables use the {HEADLINE_RULE} rule: --rule {HEADLINE_RULE})")
     if df.empty:
         print(f"no runs match (of {total}; {judged})")
         return 0
-    with __import__("pandas").option_context("display.width", 250, "display.max_columns", None,
-                                             "display.max_colwidth", 60):
-        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
-    print(f"({len(df)} of {total} runs; {judged})")
+    notes = []
+    if not (columns or args.wide):
+        df, notes = compact_runs(df)
+    with __import__("pandas").option_context("display.max_columns", None, "display.max_colwidth", 60):
+        print(format_runs(df, name, wide=args.wide))
+    import textwrap
+
+    print(textwrap.fill(f"({len(df)} of {total} runs; {judged})", RUNS_WIDTH))
+    if notes:
+        print(textwrap.fill(f"(not shown: {'; '.join(notes)}; --wide shows them, one line a run)", RUNS_WIDTH))
     return 0
 
 
@@ -506,6 +514,9 @@ def _add_runs(sub) -> None:
     p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
     p.add_argument("--sort", metavar="COL", help="sort by this column (--sort -COL or --desc: descending)")
     p.add_argument("--desc", action="store_true", help="sort descending")
+    p.add_argument("--wide", action="store_true", help="one line a run with every default column (the table is "
+                                                       "otherwise wrapped at 120 characters, columns that say nothing "
+                                                       "new left out and named below it)")
     _add_rule_args(p)
     p.set_defaults(func=cmd_runs)
 

@@ -367,15 +367,16 @@ def _pm(mean: float, std: float) -> str:
     return f"{mean:.3g}" + (f" \u00b1 {std:.2g}" if np.isfinite(std) else "")
 
 
-def _condition_view(table: pd.DataFrame) -> pd.DataFrame:
-    """The condition table as shown: mean +- std (over seeds) in one cell."""
+def _condition_view(table: pd.DataFrame, rule: str) -> pd.DataFrame:
+    """The condition table as shown: mean +- std (over seeds) in one cell; the collapse columns
+    name the rule that judged them."""
     return pd.DataFrame({
         "condition": table["group"],
         "runs": table["n"],
         "incomplete": table["n_incomplete"],
-        "collapsed": [f"{c}/{n}" for c, n in zip(table["n_collapsed"], table["n"])],
+        f"collapsed ({rule} rule)": [f"{c}/{n}" for c, n in zip(table["n_collapsed"], table["n"])],
         "collapse frac": table["collapse_frac"],
-        "median steps to collapse": table["median_steps_to_collapse"],
+        f"median steps to collapse ({rule} rule)": table["median_steps_to_collapse"],
         "peak accuracy": [_pm(m, s) for m, s in zip(table["peak_accuracy_mean"], table["peak_accuracy_std"])],
         "final accuracy": [_pm(m, s) for m, s in zip(table["final_accuracy_mean"], table["final_accuracy_std"])],
         "late accuracy": [_pm(m, s) for m, s in zip(table["late_accuracy_mean"], table["late_accuracy_std"])],
@@ -426,7 +427,7 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         "steps to collapse over the runs that collapsed; accuracies are greedy val/accuracy, mean \u00b1 std over "
         "seeds (late: the mean of a run's last 3 evaluations; AUC: the average accuracy over the run); realized mismatch = each run's mean over steps of "
         "rollout_corr/k3_kl and rollout_corr/log_ppl_abs_diff, averaged over seeds.</p>",
-        page.table(_condition_view(table), left=("condition",)),
+        page.table(_condition_view(table, rule), left=("condition",)),
         "<h2>Dose-response</h2>",
         '<p class="note">Collapse fraction and median steps-to-collapse of each condition against its realized '
         "K3 KL. Claim P2: the larger the mismatch, the more often and the sooner runs collapse.</p>",
@@ -459,8 +460,11 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
                       "median over runs in 10-step bins (bold): relative gradient bias, gradient SNR under the "
                       "injector (log scale; checks with a zero estimate left out), and the realized K3 KL. A rise "
                       "before 0 is the early warning claims P3 and P7 describe.</p>", page.img(aligned, "aligned on collapse")]
-    parts += ["<h2>Runs</h2>", page.table(index_df[[c for c in run_cols if c in index_df.columns]],
-                                          left=("run", "group", "state"), fit=True)]
+    from timlab.experiments.sweep_index import RULE_COLUMNS
+
+    shown = index_df[[c for c in run_cols if c in index_df.columns]]
+    shown = shown.rename(columns={c: f"{c} ({rule} rule)" for c in RULE_COLUMNS})
+    parts += ["<h2>Runs</h2>", page.table(shown, left=("run", "group", "state"), fit=True)]
     parts.append("<h2>Runs with missing metrics</h2>")
     if missing:
         parts.append('<p class="note">These runs lack the metrics listed (absent or never finite); the plots '
