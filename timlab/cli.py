@@ -10,6 +10,7 @@ traceback in every case.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -329,9 +330,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":
         return 0  # data parallel: rank 0 reports
     print("done: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last) + f"  ({args.run_dir})")
+    if (note := _no_surge_note(cfg, last)) is not None:
+        print(note)
     if args.resume and not any(trained) and "step" in last:
         print(_finished_note(args.run_dir, int(last["step"]), cfg.run.steps))
     return 0
+
+
+def _no_surge_note(cfg, last: dict) -> str | None:
+    """What a run says when scheduler.name=length_decay in its automatic mode never saw a surge:
+    its LR never changed (None for any other run)."""
+    s = cfg.scheduler
+    if s.name != "length_decay" or s.decay_period or not math.isnan(last.get("scheduler/surge_step", 0.0)):
+        return None
+    return (f"note: scheduler length_decay never changed the LR ({last.get('train/lr', cfg.optim.lr):.4g}): no "
+            f"response-length surge was detected in {int(last.get('step', 0))} steps (the mean length never grew "
+            f"{s.surge_ratio:g}x within {s.surge_window} updates); set scheduler.decay_period=P to halve it every P "
+            "updates regardless")
 
 
 def _finished_note(run_dir: str, step: int, steps: int) -> str:
