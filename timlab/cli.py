@@ -647,6 +647,8 @@ def cmd_study(args: argparse.Namespace) -> int:
 
     if args.trajectories and args.action != "figure":
         raise CLIError(f"study {args.action}: --trajectories is an option of `study figure`")
+    if args.markdown and args.action != "analyze":
+        raise CLIError(f"study {args.action}: --markdown is an option of `study analyze`")
     pst = P.load_predictor(args.file)
     if pst is not None:
         return _predictor_study(args, pst)
@@ -735,8 +737,13 @@ def cmd_study(args: argparse.Namespace) -> int:
         check_output_file(args.png, "--png")
         print(f"wrote {S.figure(st, args.png, args.out, trajectories=args.trajectories)}")
         return 0
-    res = S.analyze(st, args.out)
-    print(res.text)
+    from dataclasses import replace
+
+    from timlab.experiments.study.text import plain_text
+
+    terminal = not (args.markdown or args.write)  # the block's own bytes when it is written or asked for
+    res = S.analyze(replace(st, clip_bounded=True) if terminal else st, args.out)
+    print(plain_text(res.text) if not args.markdown else res.text)
     print(f"\n{st.name}: {res.status}; {res.freeze}")
     if args.write:
         if res.status != "complete":
@@ -775,9 +782,12 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
         raise CLIError(f"study {args.action}: not defined for a predictor study (valid: check, recompute, analyze)")
     from timlab.experiments.study.oos import analyze_and_write
 
+    from timlab.experiments.study.text import plain_text
+
     res = analyze_and_write(st, write=args.write)
-    print(res.insample)
-    print(f"\nOut of sample:\n{res.oos}")
+    shown = (lambda text: text) if args.markdown else plain_text  # noqa: E731
+    print(shown(res.insample))
+    print(f"\nOut of sample:\n{shown(res.oos)}")
     print(f"\n{st.name}: {res.status}" + (f"; wrote the blocks of {st.findings[0]}" if args.write and st.findings else ""))
     return 0 if res.status == "complete" else 1
 
@@ -795,7 +805,9 @@ def _add_study(sub) -> None:
     p.add_argument("file", help="study file (YAML)")
     p.add_argument("--out", help="sweep directory (default: the file's out)")
     p.add_argument("--workers", type=int, help="run: parallel runs (default: the spec's workers, else the cores)")
-    p.add_argument("--write", action="store_true", help="analyze: rewrite the file's findings block")
+    p.add_argument("--write", action="store_true", help="analyze: rewrite the file's findings block (Markdown)")
+    p.add_argument("--markdown", action="store_true", help="analyze: print the Markdown the findings block holds "
+                                                           "(default: the same as plain text, tables aligned)")
     p.add_argument("--png", help="figure: the PNG to write")
     p.add_argument("--trajectories", action="store_true",
                    help="figure: instead, each arm's mean course over training (95%% t band) of every metric its "
