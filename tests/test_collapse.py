@@ -225,13 +225,14 @@ def test_plateau_rule_rejudges_a_committed_sweep(capsys):
 
     from timlab.cli import main
     from timlab.experiments.sweep import query_index
-    from timlab.experiments.threshold import threshold_study
+    from timlab.experiments.threshold import format_threshold, threshold_study
 
     sweep = Path(__file__).resolve().parents[1] / "sweeps" / "threshold_d16"
     stored = query_index(sweep, columns=["run_id", "collapsed"])
     plateau = query_index(sweep, columns=["run_id", "collapsed"], rule={"rule": "plateau"})
     assert int(stored["collapsed"].sum()) == 10 and int(plateau["collapsed"].sum()) == 0
     res = threshold_study(sweep, rule="plateau")
+    assert res.rule == "plateau" and "collapsed[plateau]" in format_threshold(res)
     assert all(d == 0 for c in res.cells for d in c.doses["n_collapsed"])
     assert main(["runs", str(sweep), "--rule", "plateau", "--where", "collapsed"]) == 0
     assert "no runs match (of 20; collapsed: the plateau rule)" in capsys.readouterr().out

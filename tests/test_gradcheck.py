@@ -174,3 +174,37 @@ def test_cli_on_a_run_directory_and_its_errors(tmp_path, capsys):
     ]:
         code, _, err = _cli(["gradcheck", *argv, "--quiet"], capsys)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_the_summary_explains_the_plain_cosine_and_every_na_bucket():
+    """Issue 60: `1.0000 [0.9425, 1.0000] (plug-in 0.9401)` read as an interval excluding its own
+    estimate, and 3 of 4 length buckets printed a bare `nan`."""
+    from timlab.gradcheck.command import format_gradcheck
+    from timlab.gradcheck.estimator import GradcheckResult
+
+    nan = float("nan")
+    stats = {"rel_bias": 0.3, "bias_norm": 0.2, "grad_norm_exact": 0.7, "snr_exact": 0.01, "snr_tim": 0.01}
+    pooled = {**{f"{k}{e}": v for k, v in stats.items() for e in ("", "_lo", "_hi")},
+              "cosine": 1.0, "cosine_lo": 0.9425, "cosine_hi": 1.0, "cosine_plugin": 0.9401,
+              "rel_bias_plugin": 0.4, "noise_floor_rel": 0.2}
+    row = {"answer_len_min": 3, "answer_len_max": 4, "T_mean": 4.0, "T_max": 5, "tv_max": 0.1,
+           "same_response_frac": 0.5, **stats, "cosine": 0.99, "bound": nan, "tightness": nan}  # rloo: no bound
+    rows = [row, {**row, "cosine": nan}, {**row, "cosine": nan, "rel_bias": nan}]
+    res = GradcheckResult(
+        settings={"injector": "head_perturb", "magnitude": 1.0, "estimator": "reinforce", "samples": 256,
+                  "micro_batches": 32, "micro_batch": 8, "params": 1000},
+        pooled=pooled, buckets=rows, mismatch={"rollout_corr/k3_kl": 0.1, "mismatch/max_abs_diff": 1.0},
+        bound={"delta_max": 0.1, "delta_mean": 0.01, "applies": False},
+        cost={"total_s": 1.0, "rollout_s": 0.5, "gradient_s": 0.4, "score_norm_s": 0.1, "vector_bytes": 0})
+    text = format_gradcheck(res)
+    assert "cosine(g_tim, g_exact)      1.0000 [0.9425, 1.0000]  (noise-corrected; its estimate passed 1 and is " \
+           "clamped)" in text
+    assert "  plug-in                   0.9401  (the plain cosine of the mean gradients: noise pulls it toward 0; " \
+           "here below the noise-corrected interval, which removes that pull)" in text
+    assert "nan" not in text.replace("n/a", "")
+    table = text.split("ratio\n")[1].splitlines()[:5]
+    assert [line.split().count("n/a") for line in table[:3]] == [2, 3, 4]  # bound + ratio, then cosine, rel bias
+    why = [line for line in text.splitlines() if line.startswith("n/a: ")]
+    assert len(why) == 3 and why[0].startswith("n/a: 2BΔT², ratio: the T^2 bound is not evaluated")
+    assert why[1].startswith("n/a: cosine: the bucket's g_exact or g_tim is not resolved")
+    assert why[2].startswith("n/a: rel bias: the bucket's noise-corrected ||g_exact||^2 came out <= 0")

@@ -108,7 +108,7 @@ def test_runs_table_fits_the_page(twin_runs, tmp_path):
     runs_table = text[text.index("<h2>Runs</h2>"):]
     assert runs_table.split("<table", 1)[1].startswith(' class="fit"')
     assert "table.fit { table-layout: fixed; width: 100%;" in page.STYLE
-    assert '<th class="">steps to collapse</th>' in runs_table  # headers wrap at words
+    assert '<th class="">steps to collapse (peak rule)</th>' in runs_table  # headers wrap at words, name the rule
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium not installed (apt-get install -y chromium)")

@@ -215,3 +215,32 @@ def test_the_first_screen_is_what_timlab_is_then_the_two_commands_then_what_they
     assert text.index("| `make test`") < text.index("**What it has found so far**")  # the findings come after
     assert "`$TIMLAB_CACHE` (default `~/.cache/timlab`)" in " ".join(text.split())
     assert (ROOT / "docs" / "timings.md").is_file() and "[docs/timings.md](docs/timings.md)" in first
+
+
+def test_make_test_ends_on_a_summary_line():
+    """Each pytest run in `make test` prints its own "N passed" line: pyproject's addopts already
+    say -q, and a second -q (-qq) would end the output on a lone "." from the FINDINGS pass."""
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    recipe = re.search(r"^test:\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), flags=re.M).group(1)
+    runs = [" ".join(line.split()) for line in recipe.replace("\\\n", " ").splitlines() if "-m pytest" in line]
+    assert len(runs) == 2 and "tests/test_findings.py" in runs[1]
+    for run in runs:
+        quiet = sum(arg.count("q") for arg in (shlex.split(addopts) + run.split()) if re.fullmatch(r"-q+", arg))
+        assert quiet <= 1, run
+    assert "about 1,650 tests" in " ".join(README.read_text().split())
+
+
+def test_the_quickstart_study_costs_the_same_everywhere():
+    """README, the quickstart's own file, docs/studies.md and docs/timings.md give one measured cost."""
+    def costs(text: str) -> set[str]:
+        return set(re.findall(r"(\d+) CPU-s", " ".join(text.split())))
+
+    quickstart = ROOT / "docs/examples/study_quickstart.yaml"
+    studies = [line for line in (ROOT / "docs/studies.md").read_text().split(". ") if "study_quickstart" in line]
+    readme = [line for line in README.read_text().splitlines() if "study run docs/examples/study_quickstart" in line]
+    timings = [line for line in (ROOT / "docs/timings.md").read_text().splitlines() if "study_quickstart" in line]
+    found = [costs(quickstart.read_text().replace("\n#", "\n")), costs(" ".join(studies)), costs(" ".join(readme)),
+             set(re.findall(r"\| (\d+) s \|$", " ".join(timings)))]
+    assert found == [{"16"}] * 4

@@ -150,6 +150,8 @@ def test_report_of_run_dirs(runs, tmp_path):
     assert "mismatch.injector=none, mismatch.magnitude=0.0" in text
     assert "mismatch.injector=head_perturb, mismatch.magnitude=2.0" in text
     assert "2/2" in text  # head: both complete runs collapsed
+    assert ">collapsed (peak rule)</th>" in text
+    assert "steps to collapse (peak rule)" in text  # the runs table names the rule too (issue 60)
     assert "falls below 0.5 x its running peak" in text
     noted = build_report(runs, tmp_path / "n.html", note="Computed with torch 9 <x>").path.read_text()
     assert '<p class="note">Computed with torch 9 &lt;x&gt;</p>' in noted and "Computed with" not in text
@@ -217,3 +219,24 @@ def test_report_renders_in_headless_chromium(runs, tmp_path):
     assert (gray < 128).mean() > 0.005  # text and plot lines were drawn
     colors = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3)
     assert len(np.unique(colors[::97], axis=0)) > 50  # the embedded plots rendered (not only text)
+
+
+def test_report_reads_like_the_terminal(runs, tmp_path):
+    """Issue 60: run names broke mid-word, claims were cited by number only, means read
+    `0.5 ± 0.075` where the terminal prints `0.500 +- 0.075`, and markers at one point hid each other."""
+    import re
+
+    from timlab.experiments.report import _dose_points
+
+    text = build_report(runs, tmp_path / "r.html").path.read_text()
+    runs_table = text[text.index("<h2>Runs</h2>"):]
+    assert '<td class="l">head_<wbr>s0</td>' in runs_table and '<td class="l">ctl_<wbr>s1</td>' in runs_table
+    prose = re.sub(r'src="data:[^"]*"', "", text)
+    cited = re.findall(r"\bP\d\b", prose)
+    assert cited and re.findall(r"\bP\d\b(?! \()", prose) == []  # every claim says what it claims
+    assert "P2 (the larger the mismatch, the sooner and the more often runs collapse)" in prose
+    assert "\u00b1" not in prose and re.search(r"<td class=\"\">0\.\d{3} \+- 0\.\d{3}</td>", prose)
+    table = pd.DataFrame({"group": ["a", "b", "c"], "k3_kl_mean": [0.0, 0.0, 0.4],
+                          "collapse_frac": [0.0, 0.0, 0.5], "median_steps_to_collapse": [math.nan, math.nan, 30.0]})
+    assert _dose_points(table, "collapse_frac") == [("a", 0.0, 0.0, 150.0), ("b", 0.0, 0.0, 90.0), ("c", 0.4, 0.5, 150.0)]
+    assert _dose_points(table, "median_steps_to_collapse") == [("c", 0.4, 30.0, 150.0)]

@@ -310,3 +310,23 @@ def test_config_section_defaults_are_the_schedules_defaults():
         for key, p in inspect.signature(cls.__init__).parameters.items():
             if hasattr(section, key) and p.default is not inspect.Parameter.empty:
                 assert getattr(section, key) == (0 if p.default is None else p.default), (cls.__name__, key)
+
+
+def test_train_says_when_length_decay_never_saw_a_surge(tmp_path, capsys):
+    """Issue 60: on a task with no response-length surge the automatic length_decay schedule never
+    changes the LR, and `timlab train` says so at the end of the run."""
+    from timlab import cli
+    from timlab.config import resolve
+
+    argv = ["train", "--preset", "smoke", "--set", "run.steps=2", "--set", "run.eval_every=2", "--quiet"]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "a"), "--set", "scheduler.name=length_decay"]) == 0
+    out = capsys.readouterr().out
+    lr = resolve(preset="smoke").optim.lr
+    assert f"note: scheduler length_decay never changed the LR ({lr:.4g}): no response-length surge was " \
+           "detected in 2 steps (the mean length never grew 2x within 10 updates)" in out
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "b")]) == 0
+    assert "note: scheduler" not in capsys.readouterr().out  # a constant LR is what was asked for
+    fired = resolve(preset="smoke", overrides={"scheduler": {"name": "length_decay"}})
+    assert cli._no_surge_note(fired, {"scheduler/surge_step": 12.0, "step": 40}) is None
+    fixed = resolve(preset="smoke", overrides={"scheduler": {"name": "length_decay", "decay_period": 5}})
+    assert cli._no_surge_note(fixed, {"scheduler/surge_step": float("nan"), "step": 40}) is None

@@ -262,8 +262,12 @@ def test_study_command_checks_analyzes_and_writes_a_block(tmp_path, capsys):
     assert "runs not finished: none" in text
     assert cli.main(["study", "analyze", str(path), "--out", str(out), "--write"]) == 0
     text = capsys.readouterr().out
-    assert "| head | 0.100 |" in text and "planted: complete; frozen registration" in text
+    assert "| head |" not in text and "**" not in text and "planted: complete; frozen registration" in text
+    assert any(line.startswith("head ") and " 0.100 " in line for line in text.splitlines())  # plain text
     body = (tmp_path / "FINDINGS.md").read_text()
+    assert "| head | 0.100 |" in body  # the block keeps its Markdown, and --markdown prints it
+    assert cli.main(["study", "analyze", str(path), "--out", str(out), "--markdown"]) == 0
+    assert "| head | 0.100 |" in capsys.readouterr().out
     assert body.startswith("x\n<!-- findings:planted -->\nValidity: ") and body.endswith("<!-- /findings:planted -->\ny\n")
     d = yaml.safe_load(path.read_text())
     d["endpoints"][0]["window"] = [25, None]  # changed after the first run, no amendment
@@ -734,3 +738,33 @@ def test_a_grouped_study_compares_within_groups_and_leaves_a_void_group_out(tmp_
            "evaluation the same in all its runs (accuracy 0.500, gold log-prob -0.300), below the bar 0.8: VOID (left out " \
            "of every table and fit)." in b
     assert "| 0 | head |" in b and "| 1 |" not in b
+
+
+def test_plain_text_aligns_tables_and_drops_markdown_marks():
+    """Issue 60: `study analyze` printed raw Markdown to a terminal."""
+    from timlab.experiments.study.text import plain_text
+
+    md = ("Validity: held.\n\n**mean accuracy**\n\n| arm | k3 | p |\n|---|---:|---|\n| control | 0 | - |\n"
+          "| head_2 | 1.334 | `0.5` \\| 0.6 |\n\nend")
+    assert plain_text(md) == ("Validity: held.\n\nmean accuracy\n\narm         k3  p\n-------  -----  ---------\n"
+                              "control      0  -\nhead_2   1.334  0.5 | 0.6\n\nend")
+
+
+def test_an_accuracy_level_interval_stays_within_0_and_1():
+    """Issue 60: `0.083 [-0.154, 0.321]` for an accuracy; a slope or a difference keeps its sign."""
+    from timlab.experiments.study.endpoints import endpoint_bounds
+    from timlab.experiments.study.text import mean_cells, t_cells
+
+    x = [0.0, 0.0, 0.25]
+    assert t_cells(x) == "0.083 [-0.275, 0.442]"
+    assert t_cells(x, bounds=(0.0, 1.0)) == "0.083 [0.000, 0.442]"
+    assert mean_cells(x, (0.0, 1.0)).startswith("+0.0833 [+0.0000, +0.4419] [")
+    assert endpoint_bounds("val/accuracy", "final") == endpoint_bounds("val/accuracy", "level") == (0.0, 1.0)
+    assert endpoint_bounds("val/accuracy", "slope") is None and endpoint_bounds("val/accuracy", "level", "logit") is None
+    assert endpoint_bounds("rollout_corr/k3_kl", "level") is None
+    from dataclasses import replace
+
+    quickstart = load_study(Path(__file__).resolve().parents[1] / "docs/examples/study_quickstart.yaml")
+    assert quickstart.bounds("final_acc") is None  # the FINDINGS blocks keep the intervals they were published with
+    shown = replace(quickstart, clip_bounded=True)  # what `study analyze` prints to a terminal
+    assert shown.bounds("final_acc") == shown.bounds("acc_level") == (0.0, 1.0) and shown.bounds("acc_slope") is None

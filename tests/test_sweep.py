@@ -248,8 +248,8 @@ def test_runs_cli_filters_with_sql(sweep, capsys):
     assert cli.main(["runs", str(out), "--where", "mismatch.magnitude > 0.5"]) == 0
     text = capsys.readouterr().out
     assert "head_2__seed0" in text and "head_2__seed1" in text and "control__" not in text
-    assert "(2 of 4 runs; collapsed: the peak rule, the default (the demo's headline uses the plateau rule: " \
-           "--rule plateau))" in text
+    assert "(2 of 4 runs; collapsed: the peak rule, the default (the demo's headline and the study tables use the " \
+           "plateau rule: --rule plateau))" in " ".join(text.split())
     assert cli.main(["runs", str(out), "--where", "condition = 'control' AND \"run.seed\" = 1",
                      "--columns", "run_id,state", "--sort", "run_id"]) == 0
     text = capsys.readouterr().out
@@ -257,6 +257,22 @@ def test_runs_cli_filters_with_sql(sweep, capsys):
     assert cli.main(["runs", str(out), "--where", "no_such_column > 1"]) == 2
     assert "timlab: error: --where" in capsys.readouterr().err
     assert cli.main(["runs", str(out), "--columns", "nope"]) == 2
+
+
+def test_runs_cli_fits_120_columns_and_names_the_rule_in_the_header(sweep, capsys):
+    """Issue 60: `timlab runs` printed 185-296 character lines and a bare "collapsed" column whose
+    verdicts (peak rule) disagreed with the study tables' (plateau rule)."""
+    _, out, df, _ = sweep
+    assert cli.main(["runs", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 120 and "collapsed[peak]" in text and "steps_to_collapse[peak]" in text
+    assert " condition " not in lines[0] and "condition: the run_id before '__'" in " ".join(text.split())
+    assert sum(line.startswith("head_2__seed0") for line in lines) >= 1
+    assert cli.main(["runs", str(out), "--wide", "--rule", "plateau"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert len(wide) == 1 + 4 + 1 and "condition" in wide[0] and "collapsed[plateau]" in wide[0]
+    assert max(map(len, wide[:5])) > 120  # the whole row on one line
 
 
 def test_ray_executor_runs_a_sweep(tmp_path):

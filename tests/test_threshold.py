@@ -66,6 +66,7 @@ def test_threshold_cli_prints_writes_and_plots(tmp_path, capsys):
     assert main(["threshold", str(tmp_path / "sw"), "--json", str(out_json), "--plot", str(out_png)]) == 0
     text = capsys.readouterr().out
     assert "k3* ~ T^-2.00 over 3 cells" in text and "at T ~ 100" in text
+    assert " collapsed[peak] " in text.splitlines()[1]  # the header names the rule its counts use (issue 60)
     assert json.loads(out_json.read_text())["fits"][0]["slope"] == pytest.approx(-2.0)
     assert out_png.stat().st_size > 10_000
 

@@ -10,6 +10,7 @@ traceback in every case.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -329,9 +330,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":
         return 0  # data parallel: rank 0 reports
     print("done: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last) + f"  ({args.run_dir})")
+    if (note := _no_surge_note(cfg, last)) is not None:
+        print(note)
     if args.resume and not any(trained) and "step" in last:
         print(_finished_note(args.run_dir, int(last["step"]), cfg.run.steps))
     return 0
+
+
+def _no_surge_note(cfg, last: dict) -> str | None:
+    """What a run says when scheduler.name=length_decay in its automatic mode never saw a surge:
+    its LR never changed (None for any other run)."""
+    s = cfg.scheduler
+    if s.name != "length_decay" or s.decay_period or not math.isnan(last.get("scheduler/surge_step", 0.0)):
+        return None
+    return (f"note: scheduler length_decay never changed the LR ({last.get('train/lr', cfg.optim.lr):.4g}): no "
+            f"response-length surge was detected in {int(last.get('step', 0))} steps (the mean length never grew "
+            f"{s.surge_ratio:g}x within {s.surge_window} updates); set scheduler.decay_period=P to halve it every P "
+            "updates regardless")
 
 
 def _finished_note(run_dir: str, step: int, steps: int) -> str:
@@ -473,20 +488,28 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from timlab.experiments.collapse import DEFAULT_RULE, rule_options
     from timlab.experiments.demo import HEADLINE_RULE
 
+    from timlab.experiments.sweep_index import RUNS_WIDTH, compact_runs, format_runs
+
     rule = rule_options(**_given(args, ("rule", "learned_at")))
     sweep_dir = find_sweep_dir(args.dir)
     df = query_index(sweep_dir, where=args.where, columns=columns or None, sort=sort, descending=desc, rule=rule)
     total = len(read_index(sweep_dir))
     name = rule.get("rule", DEFAULT_RULE)
-    judged = f"collapsed: the {name} rule" + ("" if rule else f", the default (the demo's headline uses the "
-                                                             f"{HEADLINE_RULE} rule: --rule {HEADLINE_RULE})")
+    judged = f"collapsed: the {name} rule" + ("" if rule else f", the default (the demo's headline and the study "
+                                                             f"tables use the {HEADLINE_RULE} rule: --rule {HEADLINE_RULE})")
     if df.empty:
         print(f"no runs match (of {total}; {judged})")
         return 0
-    with __import__("pandas").option_context("display.width", 250, "display.max_columns", None,
-                                             "display.max_colwidth", 60):
-        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
-    print(f"({len(df)} of {total} runs; {judged})")
+    notes = []
+    if not (columns or args.wide):
+        df, notes = compact_runs(df)
+    with __import__("pandas").option_context("display.max_columns", None, "display.max_colwidth", 60):
+        print(format_runs(df, name, wide=args.wide))
+    import textwrap
+
+    print(textwrap.fill(f"({len(df)} of {total} runs; {judged})", RUNS_WIDTH))
+    if notes:
+        print(textwrap.fill(f"(not shown: {'; '.join(notes)}; --wide shows them, one line a run)", RUNS_WIDTH))
     return 0
 
 
@@ -506,6 +529,9 @@ def _add_runs(sub) -> None:
     p.add_argument("--columns", action="append", metavar="COL[,COL...]", help="columns to show (repeatable)")
     p.add_argument("--sort", metavar="COL", help="sort by this column (--sort -COL or --desc: descending)")
     p.add_argument("--desc", action="store_true", help="sort descending")
+    p.add_argument("--wide", action="store_true", help="one line a run with every default column (the table is "
+                                                       "otherwise wrapped at 120 characters, columns that say nothing "
+                                                       "new left out and named below it)")
     _add_rule_args(p)
     p.set_defaults(func=cmd_runs)
 
@@ -636,6 +662,8 @@ def cmd_study(args: argparse.Namespace) -> int:
 
     if args.trajectories and args.action != "figure":
         raise CLIError(f"study {args.action}: --trajectories is an option of `study figure`")
+    if args.markdown and args.action != "analyze":
+        raise CLIError(f"study {args.action}: --markdown is an option of `study analyze`")
     pst = P.load_predictor(args.file)
     if pst is not None:
         return _predictor_study(args, pst)
@@ -729,8 +757,13 @@ def cmd_study(args: argparse.Namespace) -> int:
         check_output_file(args.png, "--png")
         print(f"wrote {S.figure(st, args.png, args.out, trajectories=args.trajectories)}")
         return 0
-    res = S.analyze(st, args.out)
-    print(res.text)
+    from dataclasses import replace
+
+    from timlab.experiments.study.text import plain_text
+
+    terminal = not (args.markdown or args.write)  # the block's own bytes when it is written or asked for
+    res = S.analyze(replace(st, clip_bounded=True) if terminal else st, args.out)
+    print(plain_text(res.text) if not args.markdown else res.text)
     print(f"\n{st.name}: {res.status}; {res.freeze}")
     if args.write:
         if res.status != "complete":
@@ -769,9 +802,12 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
         raise CLIError(f"study {args.action}: not defined for a predictor study (valid: check, recompute, analyze)")
     from timlab.experiments.study.oos import analyze_and_write
 
+    from timlab.experiments.study.text import plain_text
+
     res = analyze_and_write(st, write=args.write)
-    print(res.insample)
-    print(f"\nOut of sample:\n{res.oos}")
+    shown = (lambda text: text) if args.markdown else plain_text  # noqa: E731
+    print(shown(res.insample))
+    print(f"\nOut of sample:\n{shown(res.oos)}")
     print(f"\n{st.name}: {res.status}" + (f"; wrote the blocks of {st.findings[0]}" if args.write and st.findings else ""))
     return 0 if res.status == "complete" else 1
 
@@ -824,7 +860,9 @@ def _add_study(sub) -> None:
     p.add_argument("file", help="study file (YAML)")
     p.add_argument("--out", help="sweep directory (default: the file's out)")
     p.add_argument("--workers", type=int, help="run: parallel runs (default: the spec's workers, else the cores)")
-    p.add_argument("--write", action="store_true", help="analyze: rewrite the file's findings block")
+    p.add_argument("--write", action="store_true", help="analyze: rewrite the file's findings block (Markdown)")
+    p.add_argument("--markdown", action="store_true", help="analyze: print the Markdown the findings block holds "
+                                                           "(default: the same as plain text, tables aligned)")
     p.add_argument("--png", help="figure: the PNG to write")
     p.add_argument("--trajectories", action="store_true",
                    help="figure: instead, each arm's mean course over training (95%% t band) of every metric its "

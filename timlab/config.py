@@ -202,7 +202,9 @@ class SchedulerSection:
     name: str = "constant"
     """LR schedule: constant, cosine (with a floor), length_decay (Beyond-Precision Algorithm 1)."""
     decay_period: int = 0
-    """length_decay: halve the LR every P updates; 0 = automatic (P = surge_factor x surge step)."""
+    """length_decay: halve the LR every P updates; 0 = automatic (P = surge_factor x surge step): the
+    LR stays at optim.lr until a response-length surge is detected, so on a task whose answers do
+    not surge it never changes (timlab train says so at the end of such a run)."""
     min_lr_ratio: float = 0.1
     """cosine, length_decay: the LR never goes below this fraction of optim.lr."""
     surge_factor: float = 1.8

@@ -235,13 +235,11 @@ def run_demo(out_dir: str | Path = "demo_out", *, quick: bool = False, seeds: in
     return DemoResult(out, Path(report.path), effects, table, index, machine)
 
 
-def _pm(mean: float, std: float) -> str:
-    return "-" if mean != mean else f"{mean:.3f}" + (f" +- {std:.3f}" if std == std else "")
-
-
 def conditions_view(table) -> "object":
     """The condition table as the demo prints it (secondary to the effects)."""
     import pandas as pd
+
+    from timlab.experiments.report import mean_pm_std as _pm
 
     return pd.DataFrame({
         "condition": table["condition"],

@@ -121,13 +121,22 @@ def cell(v) -> str:
     return html.escape(str(v))
 
 
+def breakable(text: str) -> str:
+    """Escaped cell text with a line-break opportunity (``<wbr>``) after each run of ``_``, and after
+    ``= , +`` and a ``.`` before a letter, so that a narrow cell breaks a run name between its parts
+    (``hold_``/``3e-3_``/``tis_``/``s0__``/``f38214``), not mid-word or mid-number."""
+    return re.sub(r"(_+|[=,+]|\.(?=[A-Za-z]))(?=[A-Za-z0-9])", r"\1<wbr>", text)
+
+
 def table(df: pd.DataFrame, left: tuple[str, ...] = (), *, fit: bool = False) -> str:
     """An HTML table of ``df`` (columns named in ``left`` left-aligned), scrolling when wide; with
-    ``fit`` as wide as the page, its cells wrapping (long run names, many columns)."""
+    ``fit`` as wide as the page, its cells wrapping (long run names, many columns: the text of a
+    ``left`` column between its parts, ``breakable``)."""
     name = (lambda c: str(c).replace("_", " ")) if fit else str
+    text = lambda c, v: breakable(cell(v)) if fit and c in left else cell(v)  # noqa: E731
     head = "".join(f'<th class="{"l" if c in left else ""}">{html.escape(name(c))}</th>' for c in df.columns)
     body = "".join(
-        "<tr>" + "".join(f'<td class="{"l" if c in left else ""}">{cell(v)}</td>' for c, v in zip(df.columns, row))
+        "<tr>" + "".join(f'<td class="{"l" if c in left else ""}">{text(c, v)}</td>' for c, v in zip(df.columns, row))
         + "</tr>" for row in df.itertuples(index=False))
     cls = ' class="fit"' if fit else ""
     return f'<div class="wide"><table{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'

@@ -38,6 +38,20 @@ from timlab.experiments.collapse import (
     run_summary,
 )
 
+CLAIMS = {
+    "P2": "the larger the mismatch, the sooner and the more often runs collapse",
+    "P3": "the mismatch and the gradient norm rise together before a collapse",
+    "P7": "mismatch grows with response length, and a length surge precedes instability",
+}
+"""What each claim the report cites says, in a few words (docs/claims.md has them in full)."""
+
+
+def claim(*names: str) -> str:
+    """Claims cited with what they claim: ``claim P3 (the mismatch and ...)``."""
+    said = " and ".join(f"{n} ({CLAIMS[n]})" for n in names)
+    return f"claim{'s' if len(names) > 1 else ''} {said}"
+
+
 PLOTS: tuple[tuple[str, str, str], ...] = (
     ("train/reward_mean", "Training reward",
      "Mean reward of the sampled rollouts. These come from the rollout side, so with an injected mismatch "
@@ -52,9 +66,9 @@ PLOTS: tuple[tuple[str, str, str], ...] = (
      "Token-mean of exp(r) - r - 1 with r = log pi - log mu: the realized training-inference mismatch."),
     ("train/grad_norm_ema", "Gradient norm (smoothed)",
      "Exponential moving average of the global gradient norm before clipping. A rise together with the "
-     "mismatch indicators before a collapse is claim P3."),
+     f"mismatch indicators before a collapse would support {claim('P3')}."),
     ("train/response_length_mean", "Mean response length",
-     "Mean sampled response length in tokens. A surge in length tends to precede instability (claim P7); "
+     f"Mean sampled response length in tokens. A surge in length tends to precede instability: {claim('P7')}; "
      "dashed lines mark the length-decay scheduler's detected surge."),
     ("train/lr", "Learning rate",
      "LR used for each update. Dashed lines mark the detected response-length surge, dotted lines the "
@@ -67,7 +81,8 @@ _MARK_SURGE = ("train/response_length_mean", "train/lr")
 GRAD_PLOTS: tuple[tuple[str, str, str], ...] = (
     ("gradcheck/rel_bias", "Relative gradient bias",
      "||g_tim - g_exact|| / ||g_exact|| at the run's current weights (timlab gradcheck, run.gradcheck_every): how far "
-     "the injected mismatch moves the policy gradient, noise-corrected. Claim P3/P7: does it rise before a collapse?"),
+     f"the injected mismatch moves the policy gradient, noise-corrected. Does it rise before a collapse, as "
+     f"{claim('P3', 'P7')} would have it?"),
     ("gradcheck/cosine_plugin", "Cosine(g_tim, g_exact), plug-in",
      "Cosine between the mean gradients from mismatched and from exact rollouts. Sampling noise alone pulls it "
      "below 1 (compare conditions at equal run.gradcheck_samples); the noise-corrected gradcheck/cosine is logged "
@@ -330,6 +345,23 @@ def _collapse_aligned_plot(runs: list[_Run], colors: dict) -> str | None:
     return page.png_uri(fig)
 
 
+DOSE_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+"""Each condition's marker in the dose-response plot (hollow, so that markers at one point nest)."""
+
+
+def _dose_points(t: pd.DataFrame, col: str) -> list[tuple[str, float, float, float]]:
+    """(condition, x, y, marker size) of each finite point; a condition at (or within 5% in x and
+    3% of the y range of) an earlier one's point gets a smaller marker, drawn inside it instead
+    of over it."""
+    pts = [(str(r["group"]), float(r["k3_kl_mean"]), float(r[col])) for _, r in t.iterrows() if np.isfinite(r[col])]
+    span = max((abs(y) for *_, y in pts), default=1.0) or 1.0
+    out = []
+    for i, (g, x, y) in enumerate(pts):
+        k = sum(abs(x - px) <= 0.05 * max(abs(x), abs(px)) and abs(y - py) <= 0.03 * span for _, px, py in pts[:i])
+        out.append((g, x, y, max(20.0, 150.0 * 0.6 ** k)))
+    return out
+
+
 def _dose_response_plot(table: pd.DataFrame, colors: dict) -> str | None:
     t = table[np.isfinite(table["k3_kl_mean"].to_numpy(dtype=float))]
     if t.empty:
@@ -337,48 +369,55 @@ def _dose_response_plot(table: pd.DataFrame, colors: dict) -> str | None:
     fig = page.new_figure(11, 3.8)
     x = t["k3_kl_mean"].to_numpy(dtype=float)
     pos = x[x > 0]
+    marker = {g: DOSE_MARKERS[i % len(DOSE_MARKERS)] for i, g in enumerate(t["group"])}
     axes = fig.subplots(1, 2, sharex=True)
     for ax, (col, ylabel) in zip(axes, (("collapse_frac", "fraction of seeds collapsed"),
                                         ("median_steps_to_collapse", "median steps to collapse"))):
-        for _, row in t.iterrows():
-            y = row[col]
-            if not np.isfinite(y):
-                continue
-            ax.scatter(row["k3_kl_mean"], y, color=colors.get(row["group"], "k"), s=40, zorder=3)
+        points = _dose_points(t, col)
+        for g, px, py, size in points:
+            ax.scatter(px, py, s=size, marker=marker[g], facecolors="none", edgecolors=colors.get(g, "k"),
+                       linewidths=1.6, zorder=3)
         if pos.size:
             ax.set_xscale("symlog", linthresh=float(pos.min()))
         if col == "collapse_frac":
             ax.set_ylim(-0.05, 1.05)
+        else:  # steps from 0: one collapsed condition is one point at its height, not an axis of +-0.05
+            top = max((py for *_, py, _ in points), default=1.0)
+            ax.set_ylim(0, top * 1.15 + 1)
+            ax.set_title("conditions with no collapse have no point" if len(points) != 1
+                         else f"only {points[0][0]} collapsed (median step {points[0][2]:g})", fontsize=8)
         ax.set_xlabel("realized K3 KL (mean over steps, then seeds)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    fig.axes[1].set_title("conditions with no collapse have no point", fontsize=8)
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], marker="o", ls="", color=colors.get(g, "k")) for g in t["group"]]
+    handles = [Line2D([], [], marker=marker[g], ls="", mfc="none", mec=colors.get(g, "k"), mew=1.6)
+               for g in t["group"]]
     fig.axes[1].legend(handles, [str(g) for g in t["group"]], fontsize=7, **page.LEGEND_OUTSIDE)
     return page.png_uri(fig)
 
 
 # ------------------------------------------------------------------------------- html
-def _pm(mean: float, std: float) -> str:
+def mean_pm_std(mean: float, std: float) -> str:
+    """A mean +- std over seeds as the report and the demo's terminal table print it: ``0.500 +- 0.075``."""
     if not np.isfinite(mean):
         return "-"
-    return f"{mean:.3g}" + (f" \u00b1 {std:.2g}" if np.isfinite(std) else "")
+    return f"{mean:.3f}" + (f" +- {std:.3f}" if np.isfinite(std) else "")
 
 
-def _condition_view(table: pd.DataFrame) -> pd.DataFrame:
-    """The condition table as shown: mean +- std (over seeds) in one cell."""
+def _condition_view(table: pd.DataFrame, rule: str) -> pd.DataFrame:
+    """The condition table as shown: mean +- std (over seeds) in one cell; the collapse columns
+    name the rule that judged them."""
     return pd.DataFrame({
         "condition": table["group"],
         "runs": table["n"],
         "incomplete": table["n_incomplete"],
-        "collapsed": [f"{c}/{n}" for c, n in zip(table["n_collapsed"], table["n"])],
+        f"collapsed ({rule} rule)": [f"{c}/{n}" for c, n in zip(table["n_collapsed"], table["n"])],
         "collapse frac": table["collapse_frac"],
-        "median steps to collapse": table["median_steps_to_collapse"],
-        "peak accuracy": [_pm(m, s) for m, s in zip(table["peak_accuracy_mean"], table["peak_accuracy_std"])],
-        "final accuracy": [_pm(m, s) for m, s in zip(table["final_accuracy_mean"], table["final_accuracy_std"])],
-        "late accuracy": [_pm(m, s) for m, s in zip(table["late_accuracy_mean"], table["late_accuracy_std"])],
+        f"median steps to collapse ({rule} rule)": table["median_steps_to_collapse"],
+        "peak accuracy": [mean_pm_std(m, s) for m, s in zip(table["peak_accuracy_mean"], table["peak_accuracy_std"])],
+        "final accuracy": [mean_pm_std(m, s) for m, s in zip(table["final_accuracy_mean"], table["final_accuracy_std"])],
+        "late accuracy": [mean_pm_std(m, s) for m, s in zip(table["late_accuracy_mean"], table["late_accuracy_std"])],
         "accuracy AUC": table["auc_accuracy_mean"],
         "K3 KL": table["k3_kl_mean"],
         "|log ppl diff|": table["log_ppl_abs_diff_mean"],
@@ -423,13 +462,13 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
         "<h2>Conditions</h2>",
         '<p class="note">Per condition: runs = runs that finished or diverged (incomplete: failed, guard_failed, '
         "running or pending runs, left out of the statistics); collapsed = how many of those collapsed; median "
-        "steps to collapse over the runs that collapsed; accuracies are greedy val/accuracy, mean \u00b1 std over "
+        "steps to collapse over the runs that collapsed; accuracies are greedy val/accuracy, mean +- std over "
         "seeds (late: the mean of a run's last 3 evaluations; AUC: the average accuracy over the run); realized mismatch = each run's mean over steps of "
         "rollout_corr/k3_kl and rollout_corr/log_ppl_abs_diff, averaged over seeds.</p>",
-        page.table(_condition_view(table), left=("condition",)),
+        page.table(_condition_view(table, rule), left=("condition",)),
         "<h2>Dose-response</h2>",
         '<p class="note">Collapse fraction and median steps-to-collapse of each condition against its realized '
-        "K3 KL. Claim P2: the larger the mismatch, the more often and the sooner runs collapse.</p>",
+        f"K3 KL, a test of {claim('P2')}. Markers of conditions at the same point are drawn one inside the other.</p>",
         page.img(_dose_response_plot(table, colors), "dose-response"),
         "<h2>Training curves</h2>",
     ]
@@ -458,9 +497,12 @@ def build_report(inputs: list[str | Path] | str | Path, out_html: str | Path, *,
                       '<p class="note">Each collapsed run (faint), aligned on its collapse step (dashed line), and the '
                       "median over runs in 10-step bins (bold): relative gradient bias, gradient SNR under the "
                       "injector (log scale; checks with a zero estimate left out), and the realized K3 KL. A rise "
-                      "before 0 is the early warning claims P3 and P7 describe.</p>", page.img(aligned, "aligned on collapse")]
-    parts += ["<h2>Runs</h2>", page.table(index_df[[c for c in run_cols if c in index_df.columns]],
-                                          left=("run", "group", "state"), fit=True)]
+                      f"before 0 is the early warning of {claim('P3', 'P7')}.</p>", page.img(aligned, "aligned on collapse")]
+    from timlab.experiments.sweep_index import RULE_COLUMNS
+
+    shown = index_df[[c for c in run_cols if c in index_df.columns]]
+    shown = shown.rename(columns={c: f"{c} ({rule} rule)" for c in RULE_COLUMNS})
+    parts += ["<h2>Runs</h2>", page.table(shown, left=("run", "group", "state"), fit=True)]
     parts.append("<h2>Runs with missing metrics</h2>")
     if missing:
         parts.append('<p class="note">These runs lack the metrics listed (absent or never finite); the plots '

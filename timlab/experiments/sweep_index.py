@@ -168,6 +168,44 @@ def default_columns(df: pd.DataFrame) -> list[str]:
     return base[:4] + config_cols + base[4:]
 
 
+RUNS_WIDTH = 120
+"""``timlab runs`` wraps its table at this many characters (``--wide``: one line a run)."""
+RULE_COLUMNS = ("collapsed", "steps_to_collapse")
+"""Index columns whose values depend on the collapse rule: shown with the rule in the header."""
+
+
+def compact_runs(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """The default ``timlab runs`` table with the columns that add no information left out, and
+    a note for each: ``condition`` where every run_id starts with it, and ``state`` or
+    ``last_step`` where every run has the same (``--wide`` shows them)."""
+    dropped, notes = [], []
+    if {"run_id", "condition"} <= set(df.columns) and all(
+            str(r).startswith(f"{c}__") for r, c in zip(df["run_id"], df["condition"])):
+        dropped.append("condition")
+        notes.append("condition: the run_id before '__'")
+    for col in ("state", "last_step"):
+        if col in df.columns and len(df) > 1 and df[col].astype(str).nunique() == 1:
+            dropped.append(col)
+            value = df[col].iloc[0]
+            notes.append(f"{col} {int(value) if isinstance(value, float) and value.is_integer() else value} in every run")
+    return df.drop(columns=dropped), notes
+
+
+def format_runs(df: pd.DataFrame, rule: str, *, wide: bool = False, width: int = RUNS_WIDTH) -> str:
+    """The ``timlab runs`` table: the collapse columns headed with the rule that judged them
+    (``collapsed[peak]``); wrapped at ``width`` characters with the run_id repeated at the left
+    of each block, unless ``wide`` (one line a run, however long)."""
+    shown = df.rename(columns={c: f"{c}[{rule}]" for c in RULE_COLUMNS})
+    fmt = dict(float_format=lambda v: f"{v:.4g}", na_rep="-")
+    if wide:
+        return shown.to_string(index=False, **fmt)
+    if "run_id" in shown.columns and len(shown.columns) > 1:
+        shown = shown.set_index("run_id")
+        shown.index = [str(v) for v in shown.index]  # left-aligned
+        return shown.to_string(line_width=width, **fmt)
+    return shown.to_string(index=False, line_width=width, **fmt)
+
+
 def rejudge(index: pd.DataFrame, sweep_dir: str | Path, **rule) -> pd.DataFrame:
     """The index with ``collapsed`` and ``steps_to_collapse`` recomputed from each run's metrics
     under another collapse rule (``rule`` as ``collapse.run_summary`` takes it, e.g.

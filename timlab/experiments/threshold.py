@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from timlab.errors import UsageError
-from timlab.experiments.collapse import COMPLETE_STATES, rule_options, run_summary
+from timlab.experiments.collapse import COMPLETE_STATES, DEFAULT_RULE, rule_options, run_summary
 from timlab.experiments.stats import line_fit
 from timlab.experiments.sweep import read_index
 
@@ -88,6 +88,8 @@ class ThresholdResult:
     scale: str
     cells: list[Cell]
     fits: list[Fit] = field(default_factory=list)
+    rule: str = DEFAULT_RULE
+    """The collapse rule the counts use (``collapse.RULES``), named in the printed table's header."""
 
     def table(self) -> pd.DataFrame:
         rows = []
@@ -181,7 +183,7 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
         doses = pd.DataFrame(rows)
         lo, hi = bracket(doses, bar)
         cells.append(Cell(str(family), float(lr), sc, doses, lo, hi))
-    result = ThresholdResult(scale, cells)
+    result = ThresholdResult(scale, cells, rule=options.get("rule", DEFAULT_RULE))
     for (family, lr), group in pd.Series(cells).groupby([[c.family for c in cells], [c.lr for c in cells]]):
         pts = [(c.T, c.k3_star) for c in group if math.isfinite(c.k3_star) and c.T > 0]
         if len(pts) < 2:
@@ -194,7 +196,8 @@ def threshold_study(sweep_dirs: str | Path | list[str | Path], *, scale: str = "
 
 def format_threshold(result: ThresholdResult) -> str:
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["per dose:", result.table().to_string(index=False, float_format=fmt, na_rep="-"), "",
+    table = result.table().rename(columns={"collapsed": f"collapsed[{result.rule}]"})
+    lines = ["per dose:", table.to_string(index=False, float_format=fmt, na_rep="-"), "",
              f"k3* (smallest realized K3 at which >= {BAR:g} of the seeds collapse):",
              result.summary().to_string(index=False, float_format=fmt, na_rep="-")]
     if result.fits:

@@ -17,6 +17,29 @@ from timlab.gradcheck.estimator import GradcheckResult, gradcheck
 from timlab.progress import Progress
 
 # ------------------------------------------------------------------------------------ output
+BUCKET_NA = {
+    "rel_bias": "rel bias: the bucket's noise-corrected ||g_exact||^2 came out <= 0 (its noise exceeds its "
+                "gradient); draw more samples per bucket",
+    "cosine": "cosine: the bucket's g_exact or g_tim is not resolved (the interval of its norm reaches 0); "
+              "draw more samples per bucket",
+    "snr_exact": "SNR: a bucket's gradients did not vary between micro-batches",
+    "snr_tim": "SNR: a bucket's gradients did not vary between micro-batches",
+    "bias_norm": "||bias||: not computed for this bucket",
+    "bound": "2BΔT², ratio: the T^2 bound is not evaluated (see the notes)",
+    "tightness": "2BΔT², ratio: the T^2 bound is not evaluated (see the notes)",
+}
+"""Why a length bucket's column reads n/a (the value is NaN), printed under the bucket table."""
+
+
+def _plugin_cosine_note(p: dict) -> str:
+    """What the plain cosine beside the noise-corrected one is, and why it may lie below that
+    interval: sampling noise in the two mean gradients pulls it toward 0."""
+    note = "the plain cosine of the mean gradients: noise pulls it toward 0"
+    if p["cosine_plugin"] < p["cosine_lo"]:  # False for a NaN interval
+        note += "; here below the noise-corrected interval, which removes that pull"
+    return f"({note})"
+
+
 def format_gradcheck(res: GradcheckResult) -> str:
     """A console summary: settings, pooled statistics, the per-bucket table and the bound."""
     s, p, b = res.settings, res.pooled, res.bound
@@ -27,13 +50,16 @@ def format_gradcheck(res: GradcheckResult) -> str:
         return f"{d[key]:{fmt}} [{d[key + '_lo']:{fmt}}, {d[key + '_hi']:{fmt}}]"
 
     flag = "  [g_exact not resolved: noise]" if not p["grad_norm_exact_lo"] > 0 else ""
+    clamped = "  (noise-corrected; its estimate passed 1 and is clamped)" if abs(p["cosine"]) == 1.0 else \
+        "  (noise-corrected)" if p["cosine"] == p["cosine"] else ""
     lines = [
         f"gradcheck: injector {s['injector']} (magnitude {s['magnitude']:g}), estimator {s['estimator']}, "
         f"{s['samples']} samples in {s['micro_batches']} micro-batches of {s['micro_batch']}, {s['params']:,} parameters",
         f"mismatch on mu's samples: k3 {res.mismatch.get('rollout_corr/k3_kl', float('nan')):.3g}, "
         f"max |log pi - log mu| {res.mismatch.get('mismatch/max_abs_diff', float('nan')):.3g}, "
         f"per-token TV max {b['delta_max']:.3g} / mean {b['delta_mean']:.3g}",
-        f"cosine(g_tim, g_exact)      {ci('cosine', p, '.4f')}  (plug-in {p['cosine_plugin']:.4f}){flag}",
+        f"cosine(g_tim, g_exact)      {ci('cosine', p, '.4f')}{clamped}{flag}",
+        f"  plug-in                   {p['cosine_plugin']:.4f}  {_plugin_cosine_note(p)}",
         f"relative bias               {ci('rel_bias', p)}  (plug-in {p['rel_bias_plugin']:.3g}, noise floor "
         f"{p['noise_floor_rel']:.3g}){flag}",
         f"||g_tim - g_exact||         {ci('bias_norm', p)}",
@@ -47,11 +73,21 @@ def format_gradcheck(res: GradcheckResult) -> str:
         f"{'T range':>9} {'T_mean':>7} {'T_max':>5} {'TV max':>8} {'same y':>6} {'rel bias':>9} {'cosine':>7} {'SNR ex':>8} "
         f"{'SNR tim':>8} {'||bias||':>9} {'2BΔT²':>9} {'ratio':>8}",
     ]
+    unavailable: dict[str, None] = {}
+
+    def cell(r: dict, key: str, width: int, fmt: str) -> str:
+        if r[key] == r[key]:
+            return f"{r[key]:>{width}{fmt}}"
+        unavailable[BUCKET_NA[key]] = None
+        return f"{'n/a':>{width}}"
+
     for r in res.buckets:
         lines.append(
             f"{r['answer_len_min']:>4}-{r['answer_len_max']:<4} {r['T_mean']:>7.1f} {r['T_max']:>5d} {r['tv_max']:>8.3g} {r['same_response_frac']:>6.2f} "
-            f"{r['rel_bias']:>9.3g} {r['cosine']:>7.4f} {r['snr_exact']:>8.3g} {r['snr_tim']:>8.3g} "
-            f"{r['bias_norm']:>9.3g} {r['bound']:>9.3g} {r['tightness']:>8.2g}")
+            f"{cell(r, 'rel_bias', 9, '.3g')} {cell(r, 'cosine', 7, '.4f')} {cell(r, 'snr_exact', 8, '.3g')} "
+            f"{cell(r, 'snr_tim', 8, '.3g')} {cell(r, 'bias_norm', 9, '.3g')} {cell(r, 'bound', 9, '.3g')} "
+            f"{cell(r, 'tightness', 8, '.2g')}")
+    lines += [f"n/a: {why}" for why in unavailable]
     if b["applies"]:
         lines.append(
             f"bound: B (max token score norm over {b['score_tokens']} tokens) {b['score_norm_max']:.3g}, Delta {b['delta_max']:.3g}"

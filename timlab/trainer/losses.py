@@ -14,6 +14,8 @@ IS weights, when a remedy is on, multiply the per-token loss and are detached.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from timlab.errors import UsageError
@@ -65,46 +67,36 @@ def _kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, kl_coef: float, ref
     return per_token
 
 
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    loss_agg: str = "token_mean",
-    is_weights: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    ref_logp: torch.Tensor | None = None,
-    denom: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped policy loss.
-
-    logp: (B, T) differentiable log pi_theta; old_logp: (B, T) detached log pi_old;
-    advantages: (B,) per sequence; mask: (B, T) float 0/1; is_weights: (B, T) detached or None;
-    ref_logp: (B, T) for the optional k3 KL penalty. Returns (loss, metrics).
-    """
-    mask = mask.to(logp.dtype)
-    adv = advantages[:, None].to(logp.dtype)  # (B, 1)
+def ppo_clip_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_low: float,
+                       clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with
+    r = pi_theta / pi_old, and log r (clamped to +-20) for the ratio statistics: both (B, T)."""
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)  # (B, T)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)  # (B, T)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    per_token = _kl_penalty(per_token, logp, kl_coef, ref_logp)
-    loss = aggregate(per_token, mask, loss_agg, denom=denom)
-    return loss, _metrics(ratio, log_ratio, adv, mask, clip_low, clip_high, clipped=True)
+    return torch.maximum(unclipped, clipped), log_ratio
 
 
-def reinforce_loss(
+def reinforce_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_low: float,
+                        clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE per token, -A log pi_theta, no clipping; ``old_logp`` (and the clip bounds) only
+    feed the ratio statistics, through the detached log r. Its gradient at pi_theta = pi_old
+    equals PPO-clip's."""
+    return -adv * logp, (logp.detach() - old_logp).clamp(-20.0, 20.0)
+
+
+SURROGATES = {"ppo_clip": ppo_clip_surrogate, "reinforce": reinforce_surrogate}
+"""``algorithm.loss_type`` -> its per-token surrogate (``policy_loss`` does the rest)."""
+
+
+def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    loss_type: str = "ppo_clip",
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     loss_agg: str = "token_mean",
@@ -113,21 +105,30 @@ def reinforce_loss(
     ref_logp: torch.Tensor | None = None,
     denom: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """REINFORCE: per token -A * w * log pi_theta (w detached IS weights or 1), no clipping.
+    """The policy loss of ``loss_type`` (``SURROGATES``), IS-weighted, with the optional k3 KL penalty.
 
-    Same arguments as ``ppo_clip_loss``; ``old_logp`` and the clip bounds only feed the
-    ``train/*`` ratio statistics (the clip fractions are 0). Its gradient at pi_theta = pi_old
-    equals PPO-clip's.
+    logp: (B, T) differentiable log pi_theta; old_logp: (B, T) detached log pi_old;
+    advantages: (B,) per sequence; mask: (B, T) float 0/1; is_weights: (B, T) detached or None;
+    ref_logp: (B, T) for the optional k3 KL penalty. Returns (loss, metrics); the clip fractions
+    are 0 for a loss that does not clip.
     """
+    if loss_type not in SURROGATES:
+        raise UsageError(f"unknown algorithm.loss_type {loss_type!r}; valid choices: {', '.join(SURROGATES)}")
     mask = mask.to(logp.dtype)
     adv = advantages[:, None].to(logp.dtype)  # (B, 1)
-    per_token = -adv * logp  # (B, T)
+    per_token, log_ratio = SURROGATES[loss_type](logp, old_logp, adv, clip_low=clip_low, clip_high=clip_high)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
     per_token = _kl_penalty(per_token, logp, kl_coef, ref_logp)
     loss = aggregate(per_token, mask, loss_agg, denom=denom)
-    log_ratio = (logp.detach() - old_logp).clamp(-20.0, 20.0)
-    return loss, _metrics(torch.exp(log_ratio), log_ratio, adv, mask, clip_low, clip_high, clipped=False)
+    return loss, _metrics(torch.exp(log_ratio), log_ratio, adv, mask, clip_low, clip_high,
+                          clipped=loss_type == "ppo_clip")
+
+
+ppo_clip_loss = partial(policy_loss, loss_type="ppo_clip")
+"""``policy_loss`` with PPO's clipped surrogate (``ppo_clip_surrogate``)."""
+reinforce_loss = partial(policy_loss, loss_type="reinforce")
+"""``policy_loss`` with REINFORCE's (``reinforce_surrogate``)."""
 
 
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "reinforce": reinforce_loss}

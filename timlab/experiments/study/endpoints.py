@@ -46,8 +46,16 @@ SCALES = {"logit": logit}
 SCALED_STATS = ("level", "first", "last", "start", "final", "max", "min")
 """The statistics whose value is a level of the metric (a proportion, for ``logit``): the only ones a
 ``scale`` applies to (the log-odds of a slope or a sum means nothing)."""
+BOUNDED_METRICS = {"val/accuracy": (0.0, 1.0)}
+"""Metrics whose every value lies within these bounds: the t-interval of a level of one (a
+``SCALED_STATS`` endpoint on no ``scale``) is clipped to them (``endpoint_bounds``)."""
 K3 = "rollout_corr/k3_kl"
 BITWISE = "mismatch/frac_bitwise_equal"
+
+
+def endpoint_bounds(metric: str, stat: str, scale: str = "") -> tuple[float, float] | None:
+    """The bounds an endpoint's values and their means lie within (``BOUNDED_METRICS``), or None."""
+    return BOUNDED_METRICS.get(metric) if stat in SCALED_STATS and not scale else None
 
 
 def window_stat(m: pd.DataFrame, metric: str, stat: str, window: tuple[int | None, int | None] = (None, None), *,

@@ -54,7 +54,7 @@ from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, of
 from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError,
                                                    first_case)
 from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
-from timlab.experiments.study.text import ci_text, fmt, mean_cells, p_text, t_cells
+from timlab.experiments.study.text import ci_text, clip, fmt, mean_cells, p_text, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
 
@@ -330,6 +330,7 @@ def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, 
         return fam.zero if col[a][fam.show].mean() == 0 else fmt(float(col[a][fam.show].mean()))
     if kind == "show_t":
         m, lo, hi = t_ci(col[a][fam.show]) if np.isfinite(col[a][fam.show]).all() else (math.nan,) * 3
+        lo, hi = clip((lo, hi), study.bounds(fam.show))
         return f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
     if kind == "geo":  # the values are logs: their mean and bootstrap interval back on the ratio scale
         x = col[a][key]
@@ -338,7 +339,7 @@ def _cell(kind: str, c, a: str, b: str, key: str, study: Study, fam, col: dict, 
     if kind == "ratio_exp":
         return f"{math.exp(c.diff):.3f} [{math.exp(c.diff_ci[0]):.3f}, {math.exp(c.diff_ci[1]):.3f}]"
     if kind == "mean":
-        return f"{c.mean:+.4f} {ci_text(c.t_ci)} {ci_text(c.boot_ci)}"
+        return f"{c.mean:+.4f} {ci_text(clip(c.t_ci, study.bounds(key)))} {ci_text(c.boot_ci)}"
     if kind == "diff":
         return f"{c.diff:+.4f} {ci_text(c.diff_ci)}"
     if kind == "diff_fmt":
@@ -413,7 +414,7 @@ def _family_rows(study: Study, fam, key: str, g: str, col: dict, pairs: list, ru
 
     def reference(ref: str) -> str:
         cells = {"comparison": fam.reference_label.format(against=fam.shown(ref), arm=fam.shown(ref)),
-                 "endpoint": study.label(key), "mean": mean_cells(col[ref][key]),
+                 "endpoint": study.label(key), "mean": mean_cells(col[ref][key], study.bounds(key)),
                  "show": _cell("show", None, ref, ref, key, study, fam, col, "") if fam.show else "-",
                  **{k: _cell(k, None, ref, ref, key, study, fam, col, "") for k in ("geo", "show_t") if k in columns}}
         return lead + "| " + " | ".join(cells.get(c, "-") for c in columns) + " |"
@@ -448,9 +449,9 @@ def _ranged(x, ranges, otherwise: str) -> str:
     return next((t for t, a, b in ranges if (a is None or a <= lo) and (b is None or hi <= b)), otherwise)
 
 
-def _column(c, a: str, col: dict, control: str, label=str) -> str:
+def _column(c, a: str, col: dict, control: str, label=str, bounds=lambda name: None) -> str:
     """One cell of a descriptive table (``registration.Column``); ``label(endpoint)`` names an
-    endpoint (``nonzero``)."""
+    endpoint (``nonzero``), ``bounds(endpoint)`` the range its t-intervals are clipped to."""
     if c.control is not None and a == control:
         return c.control
     x = col[a][c.endpoints[0]]
@@ -474,9 +475,10 @@ def _column(c, a: str, col: dict, control: str, label=str) -> str:
     if c.show in ("change", "pair"):
         return f"{f(float(x.mean()))} {'->' if c.show == 'change' else '/'} {f(float(col[a][c.endpoints[1]].mean()))}"
     if c.show == "t":
-        return t_cells(x, c.digits)
+        return t_cells(x, c.digits, bounds(c.endpoints[0]))
     if c.show == "t_boot":
         mu, lo, hi = t_ci(x)
+        lo, hi = clip((lo, hi), bounds(c.endpoints[0]))
         blo, bhi = bootstrap_ci(x)
         return f"{fmt(mu)} [{fmt(lo)}, {fmt(hi)}] [{fmt(blo)}, {fmt(bhi)}]"
     if c.show == "boot":
@@ -502,7 +504,7 @@ def _table(study: Study, t, cols: dict) -> list[str]:
     out += [grouped + f"| {t.arm_header} | " + " | ".join(c.header for c in t.columns) + " |",
             "|---:" * bool(study.groups) + "|---|" + "".join(f"{cell(c)}|" for c in t.columns)]
     out += [(f"| {g} " if g else "") + f"| {names.get(a, a)} | "
-            + " | ".join(_column(c, a, col, study.control, study.label) for c in t.columns) + " |"
+            + " | ".join(_column(c, a, col, study.control, study.label, study.bounds) for c in t.columns) + " |"
             for g, col in cols.items() for a in col]
     return out + [""] + ([t.after, ""] if t.after else [])
 

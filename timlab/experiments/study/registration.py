@@ -708,6 +708,10 @@ class Study:
     blocks: tuple[Block, ...] = ()
     """Machine blocks (``Block``): each seed's runs in one block's sweep directory; empty: every run
     in ``out``."""
+    clip_bounded: bool = False
+    """Not registered: clip the t-intervals of bounded endpoints (an accuracy level: [0, 1];
+    ``bounds``). ``timlab study analyze`` sets it for the terminal only: the FINDINGS blocks
+    (``--write``, ``--markdown``) keep the unclipped intervals they were published with."""
 
     def endpoint(self, name: str) -> Endpoint:
         return {e.name: e for e in self.endpoints}[name]
@@ -715,6 +719,14 @@ class Study:
     def label(self, name: str) -> str:
         e = self.endpoint(name)
         return e.label or e.name
+
+    def bounds(self, name: str) -> tuple[float, float] | None:
+        """The range an endpoint's t-intervals are clipped to (an accuracy level: [0, 1]), or None
+        (always, unless ``clip_bounded``)."""
+        from timlab.experiments.study.endpoints import endpoint_bounds
+
+        e = self.endpoint(name)
+        return endpoint_bounds(e.metric, e.stat, e.scale) if self.clip_bounded else None
 
 
 STUDY_KEYS = ("study", "sweep", "out", "steps", "control", "arm_pattern", "groups", "validity", "repeats", "endpoints",

@@ -4,11 +4,13 @@ tests/test_findings.py says so).
 
 - ``fmt(x)``: 3 decimals (or ``digits``), or 2 significant digits in e-notation below 0.01; ``-``
   for NaN/None.
-- ``ci_text((lo, hi))``: ``[-0.0123, +0.0045]``.
+- ``ci_text((lo, hi))``: ``[-0.0123, +0.0045]``; ``clip(ci, bounds)``: an interval within a
+  bounded metric's range (an accuracy's t-interval never below 0).
 - ``mean_cells(x)``: a group's mean with its 95% t- and seed-bootstrap intervals.
 - ``comparison_cells(c)``: a ``stats.Comparison`` as ``mean [t] [bootstrap] | difference
   [bootstrap] | permutation p | Holm p``.
 - ``splice_block(text, name, body)``: a FINDINGS file with one generated block replaced.
+- ``plain_text(markdown)``: a block as a terminal shows it (tables aligned, no Markdown marks).
 """
 
 from __future__ import annotations
@@ -34,13 +36,20 @@ def ci_text(x: tuple[float, float]) -> str:
     return f"[{x[0]:+.4f}, {x[1]:+.4f}]"
 
 
-def mean_cells(x) -> str:
+def clip(ci: tuple[float, float], bounds: tuple[float, float] | None) -> tuple[float, float]:
+    """``ci`` within ``bounds`` (None: unchanged): a t-interval of an accuracy stops at 0 and 1."""
+    if bounds is None:
+        return ci
+    return max(ci[0], bounds[0]), min(ci[1], bounds[1])
+
+
+def mean_cells(x, bounds: tuple[float, float] | None = None) -> str:
     """A group's mean with its 95% t- and seed-bootstrap intervals, as the study tables print it
-    (NaN where a run has no value)."""
+    (NaN where a run has no value); the t-interval clipped to ``bounds``."""
     x = np.asarray(x, dtype=float)
     mu, lo, hi = t_ci(x) if np.isfinite(x).all() else (math.nan,) * 3
     b = bootstrap_ci(x) if np.isfinite(x).all() else (math.nan, math.nan)
-    return f"{mu:+.4f} {ci_text((lo, hi))} {ci_text(b)}"
+    return f"{mu:+.4f} {ci_text(clip((lo, hi), bounds))} {ci_text(b)}"
 
 
 def p_text(p: float) -> str:
@@ -56,9 +65,10 @@ def comparison_cells(c) -> str:
             f"{p_text(c.p)} | {p_text(c.p_holm)}")
 
 
-def t_cells(x, digits: int = 3) -> str:
-    """A mean with its 95% t-interval: ``0.978 [0.965, 0.990]``."""
+def t_cells(x, digits: int = 3, bounds: tuple[float, float] | None = None) -> str:
+    """A mean with its 95% t-interval, clipped to ``bounds``: ``0.978 [0.965, 0.990]``."""
     m, lo, hi = t_ci(x)
+    lo, hi = clip((lo, hi), bounds)
     return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
@@ -68,3 +78,51 @@ def splice_block(text: str, name: str, body: str, *, where: str = "FINDINGS") ->
     if not pat.search(text):
         raise BadFileError(f"{where}: no block <!-- findings:{name} -->")
     return pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+
+
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")
+_RULE_CELL = re.compile(r":?-{3,}:?")
+
+
+def _inner(row: str) -> str:
+    """A table row without its outer pipes."""
+    row = row.strip().removeprefix("|")
+    return row[:-1] if row.endswith("|") and not row.endswith("\\|") else row
+
+
+def _text_table(rows: list[str]) -> list[str]:
+    """A Markdown table's lines as aligned plain-text columns (a ``---:`` column right-aligned)."""
+    cells = [[c.strip().replace("\\|", "|") for c in _CELL_SPLIT.split(_inner(r))] for r in rows]
+    rule = next((i for i, r in enumerate(cells) if r and all(_RULE_CELL.fullmatch(c) for c in r)), None)
+    right = [c.endswith(":") for c in cells[rule]] if rule is not None else []
+    body = [[_plain_inline(c) for c in r] for i, r in enumerate(cells) if i != rule]
+    n = max(len(r) for r in body)
+    body = [r + [""] * (n - len(r)) for r in body]
+    width = [max(len(r[j]) for r in body) for j in range(n)]
+    lines = ["  ".join(c.rjust(w) if j < len(right) and right[j] else c.ljust(w)
+                       for j, (c, w) in enumerate(zip(r, width))).rstrip() for r in body]
+    if rule is not None:
+        lines.insert(rule, "  ".join("-" * w for w in width))
+    return lines
+
+
+def _plain_inline(text: str) -> str:
+    return re.sub(r"\*\*(.+?)\*\*", r"\1", text).replace("`", "")
+
+
+def plain_text(markdown: str) -> str:
+    """A generated block as a terminal shows it: each table's columns aligned, with a dashed rule
+    under its header, and no ``**`` or backticks (``study analyze --markdown``, and ``--write``
+    into FINDINGS, keep the Markdown)."""
+    out: list[str] = []
+    table: list[str] = []
+    for line in markdown.splitlines() + [""]:
+        if line.lstrip().startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            out += _text_table(table)
+            table = []
+        out.append(_plain_inline(line))
+    return "\n".join(out[:-1])
+
