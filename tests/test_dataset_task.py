@@ -102,6 +102,33 @@ def test_42_4_a_catastrophic_regex_pattern_stops_in_bounded_time_with_one_line()
     assert build_verifier("regex", pattern=r"(a+)+b").extract("a" * 40 + "b") == "a" * 40
 
 
+@pytest.mark.parametrize("pattern, size", [
+    ("abc", 3), (r"\d{1,3}(,\d{3})*", 7), ("(a|bc){2}", 6), ("[a-z{}]{2,64}", 64), ("a{,5}", 5), ("a{5,}", 5),
+    ("(ab)+", 2), (r"\p{L}{10}", 10), ("[]a]{3}", 3), ("x{abc}", 6), ("a{100000}", 100_000),
+    ("((((a{100}){100}){100}){100})", 100_001), ("a{99999999999999999999}", 100_001),  # counted up to the limit
+])
+def test_59_7_regex_size_unrolls_counted_repeats(pattern, size):
+    from timlab.tasks.verifiers import REGEX_MAX_SIZE, regex_size
+
+    assert REGEX_MAX_SIZE == 100_000
+    assert regex_size(pattern) == size
+
+
+def test_59_7_a_pattern_whose_repeats_unroll_past_the_limit_is_refused_before_compiling():
+    """Issue 59, finding 7: ``((((a{100}){100}){100}){100})`` made the compile allocate 3.4 GB; the
+    time limit covers matching only. ``((a{1000}){1000})`` (10^6 atoms, about 300 MB and 0.4 s to
+    compile unbounded) is refused at once; ``a{100000}``, at the limit, compiles."""
+    import time
+
+    for pattern in ("((a{1000}){1000})", "((((a{100}){100}){100}){100})"):
+        t0 = time.perf_counter()
+        with pytest.raises(TimlabError) as e:
+            build_verifier("regex", pattern=pattern)
+        assert time.perf_counter() - t0 < 0.05
+        assert str(e.value).startswith(f"task.kwargs.pattern {pattern!r} repeats too much") and "100,000" in str(e.value)
+    assert build_verifier("regex", pattern="a{100000}").extract("a" * 100_000) == "a" * 100_000
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"name": "regex"}, "verifier 'regex' needs task.kwargs.pattern"),
     ({"name": "regex", "pattern": "(unclosed"}, "task.kwargs.pattern '(unclosed' is not a valid regular expression"),
