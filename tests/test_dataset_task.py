@@ -327,6 +327,59 @@ def test_42_14_float32_parquet_answers_read_as_their_shortest_decimal(tmp_path):
     assert get_task("dataset", path=str(f), answer_key="half", verifier="exact").examples()[0].answer == "1.1"
 
 
+def _repeated_parquet(path: Path, n: int, question: str) -> Path:
+    """``n`` rows of the same question (and answer 3), dictionary-encoded: a small file."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    idx = pa.array(np.zeros(n, dtype=np.int32))
+    pq.write_table(pa.table({"question": pa.DictionaryArray.from_arrays(idx, pa.array([question])),
+                             "answer": pa.DictionaryArray.from_arrays(idx, pa.array(["3"]))}), path)
+    return path
+
+
+def test_59_8_a_parquet_file_past_the_row_limit_is_refused_from_its_metadata(tmp_path):
+    """Issue 59, finding 8: 60 million repeated rows in 416 KB were read whole (2 GB) before any
+    limit applied. The row count comes from the metadata: MAX_ROWS + 1 rows are refused at once."""
+    import time
+
+    from timlab.tasks.dataset import MAX_ROWS
+
+    assert MAX_ROWS == 1_000_000
+    f = _repeated_parquet(tmp_path / "many.parquet", MAX_ROWS + 1, "What is 1+2?")
+    assert f.stat().st_size < 100_000
+    t0 = time.perf_counter()
+    with pytest.raises(TimlabError, match=rf"many.parquet: 1,000,001 rows or more; the limit for a dataset file is "
+                                          rf"1,000,000 rows"):
+        get_task("dataset", path=str(f))
+    assert time.perf_counter() - t0 < 0.5
+    g = _jsonl(tmp_path / "many.jsonl", [{"question": f"q{i}", "answer": "1"} for i in range(3)])
+    import timlab.tasks.dataset as dataset
+
+    with pytest.MonkeyPatch.context() as mp:  # the same limit, counted while reading, for JSONL and CSV
+        mp.setattr(dataset, "MAX_ROWS", 2)
+        with pytest.raises(TimlabError, match="many.jsonl: 3 rows or more; the limit for a dataset file is 2 rows"):
+            get_task("dataset", path=str(g))
+
+
+def test_59_8_parquet_text_is_counted_a_batch_at_a_time_before_it_becomes_python_text(tmp_path, monkeypatch):
+    """Dictionary-encoded repeats decode to many times the file's size: the characters of the prompt
+    and answer columns are counted per batch of PARQUET_BATCH_ROWS rows against MAX_PARQUET_CHARS
+    (here 10,000), so the read stops in the batch that crosses it (100 characters x 256 rows + 256
+    answers = 25,856 characters in the first), not at the file's end."""
+    import timlab.tasks.dataset as dataset
+
+    assert dataset.MAX_PARQUET_CHARS == 1 << 28 and dataset.PARQUET_BATCH_ROWS == 256
+    monkeypatch.setattr(dataset, "MAX_PARQUET_CHARS", 10_000)
+    f = _repeated_parquet(tmp_path / "wide.parquet", 100_000, "x" * 99 + "?")
+    with pytest.raises(TimlabError, match=r"wide.parquet: the columns 'question', 'answer' hold more than 10,000 "
+                                          r"characters by row 256 \(the limit for a Parquet file's prompts and answers\)"):
+        get_task("dataset", path=str(f))
+    monkeypatch.setattr(dataset, "MAX_PARQUET_CHARS", 100_000 * 101)  # at the limit: read, the repeats dropped
+    assert [e.prompt for e in get_task("dataset", path=str(f)).examples()] == ["x" * 99 + "?"]
+
+
 def test_bad_file_through_the_cli_is_one_line(tmp_path, capsys, tiny_qwen3):
     args = ["train", "--run-dir", str(tmp_path / "r"), "--quiet", "--set", "task.name=dataset",
             "--set", f"model.path={tiny_qwen3}", "--set", f"task.kwargs.path={tmp_path / 'missing.csv'}"]
