@@ -87,6 +87,38 @@ def test_watch_fires_once_and_resumes_bitwise():
     assert w.update(math.nan, step=26) == (pytest.approx(math.nan, nan_ok=True), False)
 
 
+@pytest.mark.parametrize("sets, needle", [
+    (["run.alarm_threshold=-1"], "run.alarm_threshold must be 0 (the rule's measured threshold) or a positive number, got -1"),
+    (["run.alarm=grad_norm_change", "run.alarm_threshold=-1"], "run.alarm_threshold must be 0"),
+    (["run.alarm=grad_norm_change", "run.alarm_threshold=1"],
+     "run.alarm_threshold 1 of a change rule must be above 1: its statistic is a fold change (1 = no change), so the "
+     "alarm would fire on every step it watches (run.alarm=grad_norm_change)"),
+    (["run.alarm=k3_change", "run.alarm_threshold=0.5"], "of a change rule must be above 1"),
+])
+def test_59_23_an_alarm_threshold_at_or_below_the_statistics_floor_is_refused(sets, needle):
+    """Issue 59, finding 23: run.alarm_threshold=-1 was accepted and the alarm fired at "1x" on every
+    armed step (an either-way fold change is never below 1)."""
+    from timlab.config import ConfigError, resolve, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(resolve(preset="smoke", overrides=sets))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_59_23_thresholds_above_the_floor_and_the_measured_default_pass():
+    from timlab.config import resolve, validate
+
+    for sets in (["run.alarm=grad_norm_change", "run.alarm_threshold=1.5"], ["run.alarm=k3_level", "run.alarm_threshold=0.1"],
+                 ["run.alarm=grad_norm_change"], ["run.alarm_threshold=0.5"]):  # the last: alarm off, unused
+        validate(resolve(preset="smoke", overrides=sets))
+    with pytest.raises(UsageError, match="alarm threshold 0 of a level rule must be above 0"):
+        AlarmWatch(rule="level", direction="up", threshold=0.0)
+    # why: a flat indicator's either-way fold change is exactly 1, so any threshold below 1 fires every step
+    assert alarm_statistic([3.0] * 15, rule="change", direction="either") == 1.0
+    with pytest.raises(UsageError, match="alarm threshold -1 of a change rule must be above 1"):
+        AlarmWatch(rule="change", direction="either", threshold=-1.0)
+
+
 def test_fisher_greater_by_hand():
     assert fisher_greater(2, 2, 0, 2) == pytest.approx(1 / 6)  # both events in a: 1 of C(4,2) draws
     assert fisher_greater(1, 2, 1, 3) == pytest.approx(1 - 3 / 10)  # P(X >= 1), 2 events among 5, draw 2

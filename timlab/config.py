@@ -362,8 +362,8 @@ class RunSection:
     its held-out test (its lead time and false alarms: docs/metrics.md, "Early-warning alarm"). Logs
     alarm/above_threshold (0/1) and alarm/statistic each step and warns once, the first time it fires."""
     alarm_threshold: float = 0.0
-    """run.alarm: fire when the statistic exceeds this (a mean for a level rule, a fold change for a change
-    rule); 0 = the threshold measured for the rule (ALARMS)."""
+    """run.alarm: fire when the statistic exceeds this (a mean for a level rule, above 0; a fold change for
+    a change rule, above 1); 0 = the threshold measured for the rule (ALARMS)."""
     alarm_armed_at: float = 0.5
     """run.alarm: watch only the steps after an evaluation reached this val/accuracy (as measured: the
     plateau rule's learned_at); 0 = from the first step."""
@@ -374,6 +374,9 @@ class RunSection:
             raise ConfigError(f"run.gradcheck_every must be >= 0, got {self.gradcheck_every}")
         if not 0 <= self.alarm_armed_at <= 1:
             raise ConfigError(f"run.alarm_armed_at must be in [0, 1] (a val/accuracy), got {self.alarm_armed_at}")
+        if not (math.isfinite(self.alarm_threshold) and self.alarm_threshold >= 0):  # the rule's floor: validate()
+            raise ConfigError(f"run.alarm_threshold must be 0 (the rule's measured threshold) or a positive number, "
+                              f"got {self.alarm_threshold}")
 
 
 @dataclass(frozen=True)
@@ -781,7 +784,7 @@ def validate(cfg: Config) -> Task:
     from timlab.engines.device_loop import loop_for
     from timlab.injectors import check_section
     from timlab.kernels import check_device
-    from timlab.metrics.alarm import ALARMS
+    from timlab.metrics.alarm import ALARMS, check_threshold
     from timlab.remedies import IS_LEVELS, IS_MODES
     from timlab.schedulers import SCHEDULERS
     from timlab.tasks import TASKS, build_task
@@ -808,6 +811,12 @@ def validate(cfg: Config) -> Task:
     validate_correction(cfg)
     if cfg.run.alarm != "off" and cfg.run.alarm not in ALARMS:
         raise ConfigError(f"unknown run.alarm {cfg.run.alarm!r}; valid choices: off, {', '.join(ALARMS.names())}")
+    if cfg.run.alarm != "off" and cfg.run.alarm_threshold:
+        rule = ALARMS.get(cfg.run.alarm)
+        try:
+            check_threshold(rule.rule, rule.direction, cfg.run.alarm_threshold)
+        except UsageError as e:
+            raise ConfigError(f"run.{e} (run.alarm={cfg.run.alarm})".replace("alarm threshold", "alarm_threshold", 1)) from None
     if cfg.model.dtype not in PRECISIONS:
         raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
     try:
