@@ -255,10 +255,12 @@ def _read_csv(path: Path) -> list[tuple[str, dict]]:
     return rows
 
 
-def _check_rows(path: Path, n: int) -> None:
+def _check_rows(path: Path, n: int, *, counted: bool = True) -> None:
+    """``n``: the rows read so far (``counted``: reading stops at the first past the limit) or the
+    file's row count from its metadata."""
     if n > MAX_ROWS:
-        raise BadFileError(f"{path}: {n:,} rows or more; the limit for a dataset file is {MAX_ROWS:,} rows "
-                           "(take a sample of it)")
+        rows = f"more than {MAX_ROWS:,} rows" if counted else f"{n:,} rows"
+        raise BadFileError(f"{path}: {rows}; the limit for a dataset file is {MAX_ROWS:,} rows (take a sample of it)")
 
 
 def _read_parquet(path: Path, *keys: tuple[str, str]) -> list[tuple[str, dict]]:
@@ -281,7 +283,7 @@ def _read_parquet(path: Path, *keys: tuple[str, str]) -> list[tuple[str, dict]]:
         schema = f.schema_arrow
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # the last: a column name not UTF-8
         raise unreadable(e) from None
-    _check_rows(path, f.metadata.num_rows)
+    _check_rows(path, f.metadata.num_rows, counted=False)
     columns = [key for key, _ in dict.fromkeys(keys)]
     for key, field in keys:
         if key not in schema.names:
