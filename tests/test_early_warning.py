@@ -292,7 +292,7 @@ def _alarm_run(tmp_path, name: str, *sets: str) -> pd.DataFrame:
 
 def test_trainer_alarm_logs_each_step_and_warns_once(tmp_path):
     with pytest.warns(UserWarning, match=r"step 5: early-warning alarm grad_norm_level: train/grad_norm at") as rec:
-        t = _alarm_run(tmp_path, "run", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
+        t = _alarm_run(tmp_path, "run", "run.steps=7", "run.alarm_threshold=1e-9", "run.alarm_armed_at=0")
     assert sum("early-warning alarm" in str(w.message) for w in rec) == 1
     assert t["alarm/above_threshold"].tolist() == [0.0] * 4 + [1.0] * 3  # a level rule needs 5 values
     g = t["train/grad_norm"].tolist()
@@ -302,19 +302,19 @@ def test_trainer_alarm_logs_each_step_and_warns_once(tmp_path):
 
 
 def test_trainer_alarm_waits_until_armed_and_resumes(tmp_path):
-    t = _alarm_run(tmp_path, "never", "run.steps=6", "run.alarm_threshold=-1", "run.alarm_armed_at=1")
+    t = _alarm_run(tmp_path, "never", "run.steps=6", "run.alarm_threshold=1e-9", "run.alarm_armed_at=1")
     m = pd.read_parquet(tmp_path / "never" / "metrics.parquet")
     assert m["val/accuracy"].max() < 1  # so the alarm never armed
     assert (t["alarm/above_threshold"] == 0).all() and t["alarm/statistic"].isna().all()
     # stopped at step 4 and resumed to 7: the watch carries its last values across the checkpoint
     with pytest.warns(UserWarning, match="step 5: early-warning alarm"):
-        ref = _alarm_run(tmp_path, "ref", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
+        ref = _alarm_run(tmp_path, "ref", "run.steps=7", "run.alarm_threshold=1e-9", "run.alarm_armed_at=0")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*early-warning alarm")  # steps 1-4: the rule is not defined yet
-        _alarm_run(tmp_path, "resumed", "run.steps=4", "run.alarm_threshold=-1", "run.alarm_armed_at=0",
+        _alarm_run(tmp_path, "resumed", "run.steps=4", "run.alarm_threshold=1e-9", "run.alarm_armed_at=0",
                    "run.checkpoint_every=4")
     cfg = resolve(preset="smoke", overrides=["rollout.samples_per_prompt=8", "run.alarm=grad_norm_level", "run.steps=7",
-                                             "run.alarm_threshold=-1", "run.alarm_armed_at=0", "run.checkpoint_every=4"])
+                                             "run.alarm_threshold=1e-9", "run.alarm_armed_at=0", "run.checkpoint_every=4"])
     with pytest.warns(UserWarning, match="step 5: early-warning alarm") as rec:
         train(cfg, tmp_path / "resumed", resume=True)
     assert sum("early-warning alarm" in str(w.message) for w in rec) == 1
