@@ -18,8 +18,13 @@
    surrogates, CSV rows longer than the header, float32 Parquet answers), chat templates with
    nested loops, MoE config.json fields, a sweep folder of another instruction set,
    ``mismatch.start_step`` past the last step, and ``timlab config --set`` values ``train`` refuses.
+5. Issue 59's findings outside the study engine (``attack_issue59a``): ``scripts/keep_runs.py``
+   through symlinks and with folders the index does not name, safetensors index shards outside the
+   model folder (or a FIFO, or /dev/zero), a regex compile bomb, 60 million Parquet rows, a chat
+   template printing 3e8 characters, an unreachable ``mismatch.target_k3``, a negative
+   ``run.alarm_threshold``, ``analyze RUN_DIR`` and a run resumed after its last checkpoint.
 
-Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR] [--only hostile|issue42]``;
+Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR] [--only hostile|issue42|issue59a]``;
 prints one line per attack and a summary, exit code 1 if anything failed.
 """
 
@@ -795,14 +800,178 @@ def attack_issue42_check(t: Tally, work: Path) -> None:
     _timed(t, "check --gate-metric k3_kl without --fail-above", [*base, "--gate-metric", "k3_kl"], 60)
 
 
+# ------------------------------------------------------------------------------------ issue 59 (a)
+def _sharded_model(src: Path, out: Path) -> Path:
+    """A copy of the model folder ``src`` with its weights split into two shards and an index."""
+    shutil.copytree(src, out)
+    p = _py("import json, sys\nfrom pathlib import Path\nfrom safetensors.torch import load_file, save_file\n"
+            f"d = Path({str(out)!r})\nw = load_file(str(d / 'model.safetensors'))\nkeys = sorted(w)\n"
+            "names = {k: f'model-0000{1 + i % 2}-of-00002.safetensors' for i, k in enumerate(keys)}\n"
+            "for s in sorted(set(names.values())):\n    save_file({k: w[k].contiguous() for k in keys if names[k] == s}, str(d / s))\n"
+            "(d / 'model.safetensors').unlink()\n"
+            "(d / 'model.safetensors.index.json').write_text(json.dumps({'weight_map': names}))\n")
+    assert p is not None and p.returncode == 0, (p.stderr if p else "timeout")[-500:]
+    return out
+
+
+def _point_shard(folder: Path, name: str) -> None:
+    """The index's second shard named ``name`` instead."""
+    index = folder / "model.safetensors.index.json"
+    wm = json.loads(index.read_text())["weight_map"]
+    first = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps({"weight_map": {k: v if v == first else name for k, v in wm.items()}}))
+
+
+def attack_issue59a(t: Tally, work: Path) -> None:
+    """Issue 59's findings 1, 2, 5-8, 10 and 21-25 (keep_runs, model-folder shards, the regex
+    verifier's compile, Parquet rows, chat-template output, the k3 controller's cap, the alarm
+    threshold, analyze on a folder, a resumed run's columns). The other findings (the study engine)
+    are attacked in their own section."""
+    w = work / "issue59a"
+    w.mkdir()
+    ref = work / "train_ref"
+    if not ref.exists():
+        assert sh(["train", "--preset", "smoke", "--run-dir", str(ref), "--quiet", *TRAIN_SETS]).returncode == 0
+    last = sorted((ref / "checkpoints").glob("step_*"))[-1]
+
+    # ---- security: keep_runs through symlinks (1), folders that are not the index's runs (21)
+    t.kind = "security"
+    (SNAPSHOT / "scripts").mkdir(exist_ok=True)
+    shutil.copy(REPO / "scripts" / "keep_runs.py", SNAPSHOT / "scripts" / "keep_runs.py")
+    keep = [sys.executable, str(SNAPSHOT / "scripts" / "keep_runs.py")]
+    src, dst, outside = w / "work_sweep", w / "repo_sweep", w / "outside"
+    src.mkdir()
+    outside.mkdir()
+    victim, secret = outside / "victim.txt", outside / "secret.txt"
+    victim.write_text("precious\n")
+    secret.write_text("SECRET\n")
+    for name in ("a_s0__x", "b_s0__x"):
+        shutil.copytree(ref, src / name, ignore=shutil.ignore_patterns("checkpoints", "*.jsonl", "run.lock"))
+    pd.DataFrame({"run_id": ["a_s0__x", "b_s0__x", "c\nfake__x"]}).to_parquet(src / "index.parquet", index=False)
+    shutil.copytree(src / "a_s0__x", src / "stray__x")  # a finished run the index does not name
+    (src / "other__x").symlink_to(ref)  # another sweep's run, linked in
+    dst.mkdir()
+    (dst / "a_s0__x").symlink_to(outside)
+    (outside / "config.yaml").symlink_to(victim)
+    p = subprocess.run([*keep, str(src), str(dst)], capture_output=True, text=True, cwd=SNAPSHOT)
+    t.add("keep_runs: a repository run folder that is a symlink out of it", p.returncode != 0
+          and "is a symlink" in p.stderr and victim.read_text() == "precious\n" and "Traceback" not in p.stderr,
+          f"rc {p.returncode}: {p.stderr.strip()[-140:]}")
+    (dst / "a_s0__x").unlink()
+    (src / "b_s0__x" / "config.yaml").unlink()
+    (src / "b_s0__x" / "config.yaml").symlink_to(secret)
+    p = subprocess.run([*keep, str(src), str(dst)], capture_output=True, text=True, cwd=SNAPSHOT)
+    leaked = [f.name for f in dst.rglob("*") if f.is_file() and "SECRET" in f.read_text(errors="ignore")]
+    t.add("keep_runs: a work-sweep config.yaml that is a symlink to a secret", p.returncode != 0
+          and "is a symlink" in p.stderr and not leaked, f"rc {p.returncode}, leaked {leaked}: {p.stderr.strip()[-120:]}")
+    (src / "b_s0__x" / "config.yaml").unlink()
+    shutil.copy(ref / "config.yaml", src / "b_s0__x" / "config.yaml")
+    p = subprocess.run([*keep, str(src), str(dst)], capture_output=True, text=True, cwd=SNAPSHOT)
+    t.kind = "wrong"
+    kept = sorted(x.name for x in dst.iterdir())
+    t.add("keep_runs: keeps only the index's runs, a newline in a name is escaped",
+          p.returncode == 0 and kept == ["a_s0__x", "b_s0__x", "index.parquet"] and p.stdout == "a_s0__x\nb_s0__x\n"
+          and "'c\\nfake__x'" in p.stderr, f"kept {kept}, out {p.stdout!r}, err {p.stderr.strip()[-100:]!r}")
+
+    # ---- security and hangs: safetensors index shards (2, 5, 6)
+    t.kind = "security"
+    other = _sharded_model(last, w / "m_other")
+    cases = [("../m_other/model-00002-of-00002.safetensors", "security"),
+             (str(other / "model-00002-of-00002.safetensors"), "security"), ("/dev/zero", "hang")]
+    models = []
+    for i, (name, kind) in enumerate(cases):
+        m = _sharded_model(last, w / f"m_shard{i}")
+        _point_shard(m, name)
+        models.append((m, name, kind))
+    fifo = _sharded_model(last, w / "m_fifo")
+    os.mkfifo(fifo / "fifo.safetensors")
+    _point_shard(fifo, "fifo.safetensors")
+    models.append((fifo, "a FIFO", "hang"))
+    for m, name, kind in models:
+        t.kind = kind
+        _timed(t, f"probe --model: an index shard {name[:50]}", ["probe", "--model", str(m), "--task", "reverse"], 120)
+    t.kind = "hang"
+    zero = w / "m_shard2"
+    _timed(t, "train: model.pretrain_init whose index names /dev/zero",
+           ["train", "--preset", "smoke", "--run-dir", str(w / "t_zero"), "--set", f"model.pretrain_init={zero}"], 120)
+
+    # ---- hangs and memory: a regex compile bomb (7), 60 million Parquet rows (8)
+    t0 = time.time()
+    p = _py("import resource\nfrom timlab.tasks.verifiers import build_verifier\nfrom timlab.errors import TimlabError\n"
+            "try:\n    build_verifier('regex', pattern='((((a{100}){100}){100}){100})')\n    print('no error')\n"
+            "except TimlabError as e:\n    print('timlab: error:', e)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n", timeout=120)
+    out = p.stdout.strip().splitlines() if p is not None else []
+    t.add(f"regex verifier ((((a{{100}}){{100}}){{100}}){{100}}) ({time.time() - t0:.1f}s with Python's start)",
+          len(out) == 2 and out[0].startswith("timlab: error: task.kwargs.pattern") and int(out[1]) < 1000,
+          "still running after 120s" if p is None else f"{(p.stdout + p.stderr).strip()[-140:]} MB")
+    t0 = time.time()
+    many = w / "many.parquet"
+    p = _py("import numpy as np, pyarrow as pa, pyarrow.parquet as pq, resource\n"
+            "from timlab.tasks import get_task\nfrom timlab.errors import TimlabError\n"
+            "idx = pa.array(np.zeros(60_000_000, dtype=np.int32))\n"
+            "pq.write_table(pa.table({'question': pa.DictionaryArray.from_arrays(idx, pa.array(['What is 1+2?'])),"
+            "'answer': pa.DictionaryArray.from_arrays(idx, pa.array(['3']))}), " + repr(str(many)) + ")\n"
+            "del idx\nbase = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "try:\n    get_task('dataset', path=" + repr(str(many)) + ")\n    print('no error')\n"
+            "except TimlabError as e:\n    print('timlab: error:', e)\n", timeout=300)
+    t.add(f"dataset: a {many.stat().st_size // 1024 if many.exists() else '?'} KB Parquet file of 60 million repeated "
+          f"rows ({time.time() - t0:.1f}s)", p is not None and "60,000,000 rows; the limit for a dataset file is" in p.stdout,
+          "still running after 300s" if p is None else (p.stdout + p.stderr).strip()[-160:])
+
+    # ---- crash: a chat template printing 3e8 characters (10)
+    qwen = w / "qwen"
+    mk = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_chat_model.py"), str(qwen)],
+                        capture_output=True, text=True, cwd=SNAPSHOT)
+    if mk.returncode != 0:
+        t.add("make_tiny_chat_model (needs transformers) for the chat-template attack", False, mk.stderr.strip()[-160:])
+    else:
+        (qwen / "chat_template.jinja").write_text("{% for i in range(99999) %}{{ 'x' * 3000 }}{% endfor %}"
+                                                  "{{ messages[0]['content'] }}")
+        _timed(t, "a chat template printing 3e8 characters", _dataset_args(w / "t_print", qwen), 180)
+
+    # ---- wrong: an unreachable k3 target (22), a negative alarm threshold (23), analyze on a run folder (24)
+    t.kind = "wrong"
+    run = w / "t_k3"
+    p = sh(["train", "--preset", "smoke", "--run-dir", str(run), "--quiet", "--set", "run.steps=3", "--set",
+            "run.checkpoint_every=3", "--set", "run.eval_every=3", "--set", "mismatch.injector=logit_noise", "--set",
+            "mismatch.target_k3=1e6", "--set", "mismatch.magnitude=60"])
+    st = _status(run) if (run / "status.json").exists() else {}
+    mags = pd.read_parquet(run / "metrics.parquet")["mismatch/magnitude"].max() if (run / "metrics.parquet").exists() else None
+    t.add("mismatch.target_k3=1e6 (unreachable): finished, magnitude capped, 'target not reached'",
+          p.returncode == 0 and st.get("state") == "finished" and mags == 100.0
+          and st.get("message", "").startswith("target not reached"), f"rc {p.returncode}, {st}, max magnitude {mags}")
+    ps = sh_batch([["train", "--preset", "smoke", "--run-dir", str(w / "t_alarm"), "--set", "run.alarm=grad_norm_change",
+                    "--set", "run.alarm_threshold=-1"],
+                   ["train", "--preset", "smoke", "--run-dir", str(w / "t_alarm1"), "--set", "run.alarm=grad_norm_change",
+                    "--set", "run.alarm_threshold=0.5"],
+                   ["analyze", str(ref)]])
+    t.one_line("run.alarm_threshold=-1", ps[0])
+    t.one_line("run.alarm_threshold=0.5 on a change rule (a fold change below 1)", ps[1])
+    t.one_line("analyze RUN_DIR without --alarm", ps[2])
+    t.add("  ... says it is a folder and what a run folder needs", "is a folder" in ps[2].stderr
+          and "--alarm" in ps[2].stderr, ps[2].stderr.strip()[-140:])
+
+    # ---- wrong: a run resumed at its last checkpoint writes the columns of an uninterrupted one (25)
+    resumed = w / "t_resumed"
+    shutil.copytree(ref, resumed)
+    st = _status(resumed)
+    (resumed / "status.json").write_text(json.dumps({**st, "state": "running"}))  # kill -9 after the last checkpoint
+    p = sh(["train", "--run-dir", str(resumed), "--resume", "--quiet"])
+    a, b = (pd.read_parquet(r / "metrics.parquet").columns.tolist() for r in (ref, resumed))
+    t.add("a run resumed after its last checkpoint: the columns of the uninterrupted run",
+          p.returncode == 0 and a == b, f"rc {p.returncode}, missing {sorted(set(a) - set(b))}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5, help="kill-and-resume attacks per command (train; sweep and "
                                                           "pretrain get about half)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="work folder (default: a temporary one, removed)")
-    ap.add_argument("--only", choices=("hostile", "issue42"), help="run only issue 22's hostile-input attacks, or "
-                                                                  "only issue 42's")
+    ap.add_argument("--only", choices=("hostile", "issue42", "issue59a"),
+                    help="run only issue 22's hostile-input attacks, only issue 42's, or only issue 59's findings "
+                         "outside the study engine (issue59a)")
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="timlab-attack-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -825,6 +994,8 @@ def main() -> int:
     if args.only in (None, "issue42"):
         attack_issue42(t, work)
         attack_issue42_check(t, work)
+    if args.only in (None, "issue59a"):
+        attack_issue59a(t, work)
     failed = [r for r in t.results if not r[1]]
     tracebacks = sum("TRACEBACK" in r[2] for r in t.results)
     by_kind = {k: sum(1 for kind, r in zip(t.kinds, t.results) if kind == k and not r[1])

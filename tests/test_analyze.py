@@ -401,6 +401,18 @@ def test_cli_exit_codes(tmp_path, capsys):
         assert err.startswith("timlab: error:") and fragment in err and "\n" not in err
 
 
+def test_59_24_a_folder_without_alarm_says_what_a_run_folder_needs(tmp_path, capsys):
+    """Issue 59, finding 24: ``timlab analyze RUN_DIR`` without --alarm said "RUN_DIR: no such file"
+    for a folder that exists."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["analyze", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"timlab: error: {run} is a folder, not a Parquet or JSONL file of per-sequence log-probs; a run "
+                   "folder is read with --alarm RULE (`timlab analyze RUN_DIR --alarm grad_norm_change`: its "
+                   "metrics.parquet)")
+
+
 # ------------------------------------------------------------------------------ converters
 def _verl_batch(B: int = 4, P: int = 3, T: int = 6, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

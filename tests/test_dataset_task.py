@@ -102,6 +102,33 @@ def test_42_4_a_catastrophic_regex_pattern_stops_in_bounded_time_with_one_line()
     assert build_verifier("regex", pattern=r"(a+)+b").extract("a" * 40 + "b") == "a" * 40
 
 
+@pytest.mark.parametrize("pattern, size", [
+    ("abc", 3), (r"\d{1,3}(,\d{3})*", 7), ("(a|bc){2}", 6), ("[a-z{}]{2,64}", 64), ("a{,5}", 5), ("a{5,}", 5),
+    ("(ab)+", 2), (r"\p{L}{10}", 10), ("[]a]{3}", 3), ("x{abc}", 6), ("a{100000}", 100_000),
+    ("((((a{100}){100}){100}){100})", 100_001), ("a{99999999999999999999}", 100_001),  # counted up to the limit
+])
+def test_59_7_regex_size_unrolls_counted_repeats(pattern, size):
+    from timlab.tasks.verifiers import REGEX_MAX_SIZE, regex_size
+
+    assert REGEX_MAX_SIZE == 100_000
+    assert regex_size(pattern) == size
+
+
+def test_59_7_a_pattern_whose_repeats_unroll_past_the_limit_is_refused_before_compiling():
+    """Issue 59, finding 7: ``((((a{100}){100}){100}){100})`` made the compile allocate 3.4 GB; the
+    time limit covers matching only. ``((a{1000}){1000})`` (10^6 atoms, about 300 MB and 0.4 s to
+    compile unbounded) is refused at once; ``a{100000}``, at the limit, compiles."""
+    import time
+
+    for pattern in ("((a{1000}){1000})", "((((a{100}){100}){100}){100})"):
+        t0 = time.perf_counter()
+        with pytest.raises(TimlabError) as e:
+            build_verifier("regex", pattern=pattern)
+        assert time.perf_counter() - t0 < 0.05
+        assert str(e.value).startswith(f"task.kwargs.pattern {pattern!r} repeats too much") and "100,000" in str(e.value)
+    assert build_verifier("regex", pattern="a{100000}").extract("a" * 100_000) == "a" * 100_000
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"name": "regex"}, "verifier 'regex' needs task.kwargs.pattern"),
     ({"name": "regex", "pattern": "(unclosed"}, "task.kwargs.pattern '(unclosed' is not a valid regular expression"),
@@ -298,6 +325,59 @@ def test_42_14_float32_parquet_answers_read_as_their_shortest_decimal(tmp_path):
         get_task("dataset", path=str(f), answer_key="half", verifier="exact")  # a null float16 cell
     pq.write_table(pa.table({"question": ["a"], "half": pa.array([1.1], pa.float16())}), f)
     assert get_task("dataset", path=str(f), answer_key="half", verifier="exact").examples()[0].answer == "1.1"
+
+
+def _repeated_parquet(path: Path, n: int, question: str) -> Path:
+    """``n`` rows of the same question (and answer 3), dictionary-encoded: a small file."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    idx = pa.array(np.zeros(n, dtype=np.int32))
+    pq.write_table(pa.table({"question": pa.DictionaryArray.from_arrays(idx, pa.array([question])),
+                             "answer": pa.DictionaryArray.from_arrays(idx, pa.array(["3"]))}), path)
+    return path
+
+
+def test_59_8_a_parquet_file_past_the_row_limit_is_refused_from_its_metadata(tmp_path):
+    """Issue 59, finding 8: 60 million repeated rows in 416 KB were read whole (2 GB) before any
+    limit applied. The row count comes from the metadata: MAX_ROWS + 1 rows are refused at once."""
+    import time
+
+    from timlab.tasks.dataset import MAX_ROWS
+
+    assert MAX_ROWS == 1_000_000
+    f = _repeated_parquet(tmp_path / "many.parquet", MAX_ROWS + 1, "What is 1+2?")
+    assert f.stat().st_size < 100_000
+    t0 = time.perf_counter()
+    with pytest.raises(TimlabError, match=rf"many.parquet: 1,000,001 rows; the limit for a dataset file is "
+                                          rf"1,000,000 rows"):
+        get_task("dataset", path=str(f))
+    assert time.perf_counter() - t0 < 0.5
+    g = _jsonl(tmp_path / "many.jsonl", [{"question": f"q{i}", "answer": "1"} for i in range(3)])
+    import timlab.tasks.dataset as dataset
+
+    with pytest.MonkeyPatch.context() as mp:  # the same limit, counted while reading, for JSONL and CSV
+        mp.setattr(dataset, "MAX_ROWS", 2)
+        with pytest.raises(TimlabError, match="many.jsonl: more than 2 rows; the limit for a dataset file is 2 rows"):
+            get_task("dataset", path=str(g))
+
+
+def test_59_8_parquet_text_is_counted_a_batch_at_a_time_before_it_becomes_python_text(tmp_path, monkeypatch):
+    """Dictionary-encoded repeats decode to many times the file's size: the characters of the prompt
+    and answer columns are counted per batch of PARQUET_BATCH_ROWS rows against MAX_PARQUET_CHARS
+    (here 10,000), so the read stops in the batch that crosses it (100 characters x 256 rows + 256
+    answers = 25,856 characters in the first), not at the file's end."""
+    import timlab.tasks.dataset as dataset
+
+    assert dataset.MAX_PARQUET_CHARS == 1 << 28 and dataset.PARQUET_BATCH_ROWS == 256
+    monkeypatch.setattr(dataset, "MAX_PARQUET_CHARS", 10_000)
+    f = _repeated_parquet(tmp_path / "wide.parquet", 100_000, "x" * 99 + "?")
+    with pytest.raises(TimlabError, match=r"wide.parquet: the columns 'question', 'answer' hold more than 10,000 "
+                                          r"characters by row 256 \(the limit for a Parquet file's prompts and answers\)"):
+        get_task("dataset", path=str(f))
+    monkeypatch.setattr(dataset, "MAX_PARQUET_CHARS", 100_000 * 101)  # at the limit: read, the repeats dropped
+    assert [e.prompt for e in get_task("dataset", path=str(f)).examples()] == ["x" * 99 + "?"]
 
 
 def test_bad_file_through_the_cli_is_one_line(tmp_path, capsys, tiny_qwen3):

@@ -87,6 +87,38 @@ def test_watch_fires_once_and_resumes_bitwise():
     assert w.update(math.nan, step=26) == (pytest.approx(math.nan, nan_ok=True), False)
 
 
+@pytest.mark.parametrize("sets, needle", [
+    (["run.alarm_threshold=-1"], "run.alarm_threshold must be 0 (the rule's measured threshold) or a positive number, got -1"),
+    (["run.alarm=grad_norm_change", "run.alarm_threshold=-1"], "run.alarm_threshold must be 0"),
+    (["run.alarm=grad_norm_change", "run.alarm_threshold=1"],
+     "run.alarm_threshold 1 of a change rule must be above 1: its statistic is a fold change (1 = no change), so the "
+     "alarm would fire on every step it watches (run.alarm=grad_norm_change)"),
+    (["run.alarm=k3_change", "run.alarm_threshold=0.5"], "of a change rule must be above 1"),
+])
+def test_59_23_an_alarm_threshold_at_or_below_the_statistics_floor_is_refused(sets, needle):
+    """Issue 59, finding 23: run.alarm_threshold=-1 was accepted and the alarm fired at "1x" on every
+    armed step (an either-way fold change is never below 1)."""
+    from timlab.config import ConfigError, resolve, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(resolve(preset="smoke", overrides=sets))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_59_23_thresholds_above_the_floor_and_the_measured_default_pass():
+    from timlab.config import resolve, validate
+
+    for sets in (["run.alarm=grad_norm_change", "run.alarm_threshold=1.5"], ["run.alarm=k3_level", "run.alarm_threshold=0.1"],
+                 ["run.alarm=grad_norm_change"], ["run.alarm_threshold=0.5"]):  # the last: alarm off, unused
+        validate(resolve(preset="smoke", overrides=sets))
+    with pytest.raises(UsageError, match="alarm threshold 0 of a level rule must be above 0"):
+        AlarmWatch(rule="level", direction="up", threshold=0.0)
+    # why: a flat indicator's either-way fold change is exactly 1, so any threshold below 1 fires every step
+    assert alarm_statistic([3.0] * 15, rule="change", direction="either") == 1.0
+    with pytest.raises(UsageError, match="alarm threshold -1 of a change rule must be above 1"):
+        AlarmWatch(rule="change", direction="either", threshold=-1.0)
+
+
 def test_fisher_greater_by_hand():
     assert fisher_greater(2, 2, 0, 2) == pytest.approx(1 / 6)  # both events in a: 1 of C(4,2) draws
     assert fisher_greater(1, 2, 1, 3) == pytest.approx(1 - 3 / 10)  # P(X >= 1), 2 events among 5, draw 2
@@ -260,7 +292,7 @@ def _alarm_run(tmp_path, name: str, *sets: str) -> pd.DataFrame:
 
 def test_trainer_alarm_logs_each_step_and_warns_once(tmp_path):
     with pytest.warns(UserWarning, match=r"step 5: early-warning alarm grad_norm_level: train/grad_norm at") as rec:
-        t = _alarm_run(tmp_path, "run", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
+        t = _alarm_run(tmp_path, "run", "run.steps=7", "run.alarm_threshold=1e-9", "run.alarm_armed_at=0")
     assert sum("early-warning alarm" in str(w.message) for w in rec) == 1
     assert t["alarm/above_threshold"].tolist() == [0.0] * 4 + [1.0] * 3  # a level rule needs 5 values
     g = t["train/grad_norm"].tolist()
@@ -270,19 +302,19 @@ def test_trainer_alarm_logs_each_step_and_warns_once(tmp_path):
 
 
 def test_trainer_alarm_waits_until_armed_and_resumes(tmp_path):
-    t = _alarm_run(tmp_path, "never", "run.steps=6", "run.alarm_threshold=-1", "run.alarm_armed_at=1")
+    t = _alarm_run(tmp_path, "never", "run.steps=6", "run.alarm_threshold=1e-9", "run.alarm_armed_at=1")
     m = pd.read_parquet(tmp_path / "never" / "metrics.parquet")
     assert m["val/accuracy"].max() < 1  # so the alarm never armed
     assert (t["alarm/above_threshold"] == 0).all() and t["alarm/statistic"].isna().all()
     # stopped at step 4 and resumed to 7: the watch carries its last values across the checkpoint
     with pytest.warns(UserWarning, match="step 5: early-warning alarm"):
-        ref = _alarm_run(tmp_path, "ref", "run.steps=7", "run.alarm_threshold=-1", "run.alarm_armed_at=0")
+        ref = _alarm_run(tmp_path, "ref", "run.steps=7", "run.alarm_threshold=1e-9", "run.alarm_armed_at=0")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*early-warning alarm")  # steps 1-4: the rule is not defined yet
-        _alarm_run(tmp_path, "resumed", "run.steps=4", "run.alarm_threshold=-1", "run.alarm_armed_at=0",
+        _alarm_run(tmp_path, "resumed", "run.steps=4", "run.alarm_threshold=1e-9", "run.alarm_armed_at=0",
                    "run.checkpoint_every=4")
     cfg = resolve(preset="smoke", overrides=["rollout.samples_per_prompt=8", "run.alarm=grad_norm_level", "run.steps=7",
-                                             "run.alarm_threshold=-1", "run.alarm_armed_at=0", "run.checkpoint_every=4"])
+                                             "run.alarm_threshold=1e-9", "run.alarm_armed_at=0", "run.checkpoint_every=4"])
     with pytest.warns(UserWarning, match="step 5: early-warning alarm") as rec:
         train(cfg, tmp_path / "resumed", resume=True)
     assert sum("early-warning alarm" in str(w.message) for w in rec) == 1

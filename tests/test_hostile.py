@@ -19,7 +19,7 @@ import torch
 
 from timlab import cli
 from timlab.config import ConfigError, resolve, validate
-from timlab.errors import TimlabError
+from timlab.errors import TimlabError, UsageError
 from timlab.files import ForeignFilesError, atomic_write_text, held_folder_lock, take_lock
 from timlab.model.hf_io import ModelLoadError, config_from_hf
 from timlab.rundir.checkpoint import CheckpointError, checkpoints_newest_first, load_state, verify_checkpoint
@@ -331,6 +331,70 @@ def test_tracebacks_model_folder_non_utf8_deep_json_and_fifo(tmp_path):
     os.mkfifo(tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match="not a regular file"):
         load_model(tmp_path)
+
+
+def _sharded(folder: Path) -> Path:
+    """A two-shard model folder (config.json ``_GOOD_HF``, model.safetensors.index.json, shards
+    model-00001-of-00002.safetensors and model-00002-of-00002.safetensors) of a seeded tiny model."""
+    from safetensors.torch import save_file
+
+    from timlab.model.hf_io import config_from_hf
+    from timlab.model.llama import CausalLM
+
+    torch.manual_seed(0)
+    state = {k: v.contiguous() for k, v in CausalLM(config_from_hf(_GOOD_HF)).state_dict().items()}
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(_GOOD_HF))
+    keys = sorted(state)
+    names = {k: f"model-0000{1 + (i % 2)}-of-00002.safetensors" for i, k in enumerate(keys)}
+    for shard in sorted(set(names.values())):
+        save_file({k: state[k] for k in keys if names[k] == shard}, str(folder / shard))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    return folder
+
+
+def _rename_shard(folder: Path, new: str) -> None:
+    """Point the index's second shard (whatever it names now) at ``new`` instead."""
+    index = folder / "model.safetensors.index.json"
+    first = "model-00001-of-00002.safetensors"
+    wm = json.loads(index.read_text())["weight_map"]
+    index.write_text(json.dumps({"weight_map": {k: v if v == first else new for k, v in wm.items()}}))
+
+
+def test_issue59_2_shard_names_outside_the_folder_are_refused_for_model_path_and_pretrain_init(tmp_path):
+    from timlab.model.hf_io import load_model, weight_files
+    from timlab.trainer.pretrain_init import init_digest
+
+    other = _sharded(tmp_path / "other")
+    assert len(load_model(other).state_dict()) > 2  # the folder loads as it is
+    for i, name in enumerate(["../other/model-00002-of-00002.safetensors",
+                              str(other / "model-00002-of-00002.safetensors"), "/dev/zero", "..", 7]):
+        m = _sharded(tmp_path / f"m{i}")
+        _rename_shard(m, name)
+        with pytest.raises(ModelLoadError, match="is not a plain file name"):
+            weight_files(m)
+        with pytest.raises(ModelLoadError, match="is not a plain file name"):  # model.path
+            load_model(m)
+        with pytest.raises(UsageError, match=r"^model.pretrain_init .*is not a plain file name"):
+            init_digest(str(m))
+
+
+def test_issue59_5_6_a_fifo_or_device_shard_is_refused_before_it_is_opened(tmp_path):
+    from timlab.model.hf_io import weight_files
+    from timlab.trainer.pretrain_init import init_digest
+
+    m = _sharded(tmp_path / "m")
+    os.mkfifo(m / "fifo.safetensors")  # opened, it would block safetensors' native read forever
+    (m / "zero.safetensors").symlink_to("/dev/zero")  # hashed, it would never end
+    for name in ("fifo.safetensors", "zero.safetensors"):
+        _rename_shard(m, name)
+        with pytest.raises(ModelLoadError, match=rf"{name}: not a regular file"):
+            weight_files(m)
+        with pytest.raises(UsageError, match=rf"^model.pretrain_init .*{name}: not a regular file"):
+            init_digest(str(m))
+    _rename_shard(m, "gone.safetensors")
+    with pytest.raises(ModelLoadError, match="shard 'gone.safetensors' is missing"):
+        weight_files(m)
 
 
 # ------------------------------------------------------------------------- 4. corruption / hangs

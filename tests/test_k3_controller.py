@@ -200,6 +200,50 @@ def test_the_target_follows_the_schedule():
     assert c.magnitude(3) == 0.1
 
 
+def test_59_22_an_unreachable_target_holds_the_magnitude_at_the_cap_and_says_so():
+    """Issue 59, finding 22: a target the injector cannot reach doubled the magnitude every step (to
+    about 1e38, then a non-finite rollout recorded as a divergence). Plant k3 = 1e-6 for every
+    magnitude, target 1: from 0.1 the magnitude doubles to 51.2 at step 10, whose move is capped at
+    MAX_MAGNITUDE = 100, where it stays; the note counts the 31 steps 10-40 held back by the cap."""
+    from timlab.injectors.controller import MAX_MAGNITUDE
+
+    assert MAX_MAGNITUDE == 100.0
+    for adapt in (False, True):
+        c = controller(target_k3=1.0, adapt=adapt)
+        seen = []
+        for step in range(1, 41):
+            seen.append(c.magnitude(step))
+            c.observe(1e-6)
+        assert seen[:10] == pytest.approx([0.1 * 2 ** k for k in range(10)], rel=1e-12)
+        assert seen[10:] == [100.0] * 30 and c.current == 100.0
+        assert c.note() == ("target not reached: k3 stayed below mismatch.target_k3 with the magnitude at its cap 100 "
+                            "on 31 steps from step 10")
+        d = controller(target_k3=1.0, adapt=adapt)
+        d.load_state_dict(c.state_dict())
+        assert d.note() == c.note()
+    reached = controller()  # a reachable target leaves no note, and its checkpoint keeps its layout
+    reached.magnitude(1)
+    reached.observe(1e-3)
+    assert reached.note() == "" and "short" not in reached.state_dict()
+
+
+def test_59_22_a_run_whose_target_is_out_of_reach_finishes_and_records_it(tmp_path):
+    """In the trainer: logit_noise held at a target k3 of 1e6 from magnitude 60: step 2 rolls out at
+    the cap (100, not 120), the run finishes (not diverged) and its status message says the target
+    was not reached."""
+    import json
+
+    cfg = smoke(**{"run.steps": 3, "run.checkpoint_every": 3, "run.eval_every": 3, "mismatch.injector": "logit_noise",
+                   "mismatch.target_k3": 1e6, "mismatch.magnitude": 60})
+    train(cfg, tmp_path / "run")
+    df = pd.read_parquet(tmp_path / "run" / "metrics.parquet").set_index("step")
+    assert df.loc[[1, 2, 3], "mismatch/magnitude"].tolist() == [60.0, 100.0, 100.0]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "finished"
+    assert status["message"] == ("target not reached: k3 stayed below mismatch.target_k3 with the magnitude at its cap "
+                                 "100 on 3 steps from step 1")
+
+
 def smoke(**sets):
     return resolve(preset="smoke", overrides=[f"{k}={v}" for k, v in sets.items()])
 
@@ -215,6 +259,7 @@ def smoke(**sets):
     ({"mismatch.target_gain": 0}, r"mismatch.target_gain must be in \(0, 1\], got 0"),
     ({"mismatch.target_max_change": 1.0}, "mismatch.target_max_change must be a finite number > 1"),
     ({"mismatch.target_k3": -1}, "mismatch.target_k3 must be a finite number >= 0"),
+    ({"mismatch.magnitude": 101}, r"must be a number in \[0, 100\] \(the controller's cap\), got 101"),
     ({"mismatch.target_k3": 0, "mismatch.target_adapt": "true"},
      r"mismatch.target_adapt=true adapts the k3 controller's step, but mismatch.target_k3 is 0 \(off\)"),
 ])

@@ -222,3 +222,29 @@ def test_42_5_template_wall_time_backstop(tmp_path, monkeypatch):
     with pytest.raises(tokenizer_mod.TemplateBudgetError, match=r"work budget \(more than 0.5 s\)"):
         tok.render_chat(MSGS)
     assert time.perf_counter() - t0 < 3
+
+
+@pytest.mark.parametrize("template, chunks", [
+    ("{% for i in range(99999) %}{{ 'x' * 3000 }}{% endfor %}", "many"),  # 3e8 characters, 10^5 lines
+    ("{{ 'x' * 600000 }}", "one"),  # one chunk past the limit
+])
+def test_59_10_a_template_that_prints_past_the_output_limit_stops_before_the_tokenizer(tmp_path, template, chunks):
+    """Issue 59, finding 10: a template printing ~3e8 characters rendered them all, then the
+    tokenizer's native code aborted the process (exit 134). Output is counted as the template
+    yields it: past TEMPLATE_MAX_CHARS (524,288) a one-line error, and nothing reaches the tokenizer."""
+    import time
+
+    import timlab.tokenizer as tokenizer_mod
+
+    pytest.importorskip("transformers")
+    assert tokenizer_mod.TEMPLATE_MAX_CHARS == 524_288
+    at_limit = _templated(tmp_path / "ok", "{{ 'a' * 524288 }}")
+    assert len(at_limit.render_chat(MSGS)) == 524_288  # (and transformers imported before the clock starts)
+    tok = _templated(tmp_path / "big", template)
+    t0 = time.perf_counter()
+    with pytest.raises(tokenizer_mod.TemplateBudgetError) as e:
+        tok.render_chat(MSGS)
+    assert time.perf_counter() - t0 < 2
+    msg = str(e.value)
+    assert "\n" not in msg and msg.endswith("ran past its work budget (more than 524,288 characters of output) "
+                                            "rendering one prompt: a prompt too long to tokenize")

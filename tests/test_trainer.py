@@ -6,6 +6,7 @@ import json
 import math
 import random
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -374,3 +375,35 @@ def test_smoke_run_logs_gold_logprob_at_each_evaluation(tmp_path):
     gold = df["val/gold_logprob"]
     assert gold.notna().tolist() == df["val/accuracy"].notna().tolist()
     assert (gold.dropna() < 0).all() and gold.dropna().map(math.isfinite).all()
+
+
+def test_59_25_a_run_resumed_at_its_last_checkpoint_writes_the_columns_of_an_uninterrupted_one(tmp_path):
+    """Issue 59, finding 25: killed after its last checkpoint (before its status said finished), a
+    run resumed there rewrote metrics.parquet from rows whose NaN values had been dropped, so the
+    three mismatch/persistence_* columns (NaN at every step at zero mismatch) were gone."""
+    from timlab.rundir import RunDir
+    from timlab.rundir.metrics_log import MetricsLog
+
+    ref = tmp_path / "ref"
+    train(smoke(**{"run.steps": 2, "run.checkpoint_every": 1, "run.eval_every": 1}), ref)
+    full = pd.read_parquet(ref / "metrics.parquet")
+    persistence = ["mismatch/persistence_ema", "mismatch/persistence_lag1", "mismatch/persistence_reliability"]
+    assert set(persistence) <= set(full.columns) and full[persistence].isna().all().all()
+    killed = tmp_path / "killed"
+    shutil.copytree(ref, killed)
+    RunDir(killed).write_status("running", step=2, total_steps=2)  # as kill -9 after the last checkpoint leaves it
+    assert main(["train", "--run-dir", str(killed), "--resume", "--quiet"]) == 0
+    pd.testing.assert_frame_equal(_metrics(ref), _metrics(killed), check_exact=True)
+    # the writer itself: a resume that keeps rows keeps every column of the file, even an all-NaN one
+    log = MetricsLog(tmp_path / "log")
+    log.path.parent.mkdir()
+    for step in (1, 2, 3):
+        log.append({"step": step, "a": float(step), "b": math.nan})
+    log = MetricsLog(tmp_path / "log")
+    log.load(2)
+    assert list(pd.read_parquet(log.path).columns) == ["step", "a", "b"]
+    log.append({"step": 3, "a": 3.0, "b": math.nan})
+    assert pd.read_parquet(log.path)["a"].tolist() == [1.0, 2.0, 3.0]
+    log.load(-1)  # a resume from the warm start keeps nothing, and no column
+    log.append({"step": 1, "a": 1.0})
+    assert list(pd.read_parquet(log.path).columns) == ["step", "a"]

@@ -278,7 +278,9 @@ class MismatchSection:
     """> 0: hold the realized k3 at this target (0 = off): a feedback controller sets each step's
     magnitude from the k3 the previous step realized (timlab.injectors.controller); magnitude is the
     first step's value (0: 0.1), and the schedule moves the target (to target_k3_end) instead of the magnitude.
-    Continuous parts only (head_perturb, logit_noise, temperature)."""
+    Continuous parts only (head_perturb, logit_noise, temperature). The magnitude is capped at 100, where
+    each part has saturated: a target k3 still above the realized k3 there is not reached, and the
+    finished run's status says "target not reached"."""
     target_k3_end: float = 0.0
     """linear / geometric schedule with target_k3: the target at the end of the ramp."""
     target_gain: float = 0.5
@@ -364,8 +366,8 @@ class RunSection:
     its held-out test (its lead time and false alarms: docs/metrics.md, "Early-warning alarm"). Logs
     alarm/above_threshold (0/1) and alarm/statistic each step and warns once, the first time it fires."""
     alarm_threshold: float = 0.0
-    """run.alarm: fire when the statistic exceeds this (a mean for a level rule, a fold change for a change
-    rule); 0 = the threshold measured for the rule (ALARMS)."""
+    """run.alarm: fire when the statistic exceeds this (a mean for a level rule, above 0; a fold change for
+    a change rule, above 1); 0 = the threshold measured for the rule (ALARMS)."""
     alarm_armed_at: float = 0.5
     """run.alarm: watch only the steps after an evaluation reached this val/accuracy (as measured: the
     plateau rule's learned_at); 0 = from the first step."""
@@ -376,6 +378,9 @@ class RunSection:
             raise ConfigError(f"run.gradcheck_every must be >= 0, got {self.gradcheck_every}")
         if not 0 <= self.alarm_armed_at <= 1:
             raise ConfigError(f"run.alarm_armed_at must be in [0, 1] (a val/accuracy), got {self.alarm_armed_at}")
+        if not (math.isfinite(self.alarm_threshold) and self.alarm_threshold >= 0):  # the rule's floor: validate()
+            raise ConfigError(f"run.alarm_threshold must be 0 (the rule's measured threshold) or a positive number, "
+                              f"got {self.alarm_threshold}")
 
 
 @dataclass(frozen=True)
@@ -783,7 +788,7 @@ def validate(cfg: Config) -> Task:
     from timlab.engines.device_loop import loop_for
     from timlab.injectors import check_section
     from timlab.kernels import check_device
-    from timlab.metrics.alarm import ALARMS
+    from timlab.metrics.alarm import ALARMS, check_threshold
     from timlab.remedies import IS_LEVELS, IS_MODES
     from timlab.schedulers import SCHEDULERS
     from timlab.tasks import TASKS, build_task
@@ -810,6 +815,12 @@ def validate(cfg: Config) -> Task:
     validate_correction(cfg)
     if cfg.run.alarm != "off" and cfg.run.alarm not in ALARMS:
         raise ConfigError(f"unknown run.alarm {cfg.run.alarm!r}; valid choices: off, {', '.join(ALARMS.names())}")
+    if cfg.run.alarm != "off" and cfg.run.alarm_threshold:
+        rule = ALARMS.get(cfg.run.alarm)
+        try:
+            check_threshold(rule.rule, rule.direction, cfg.run.alarm_threshold)
+        except UsageError as e:
+            raise ConfigError(f"run.{e} (run.alarm={cfg.run.alarm})".replace("alarm threshold", "alarm_threshold", 1)) from None
     if cfg.model.dtype not in PRECISIONS:
         raise ConfigError(f"unknown model.dtype {cfg.model.dtype!r}; valid choices: {', '.join(PRECISIONS)}")
     try:

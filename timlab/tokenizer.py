@@ -19,9 +19,10 @@ variables), and without one joins the messages' contents with a blank line (``PL
 A folder's template is code from the folder: transformers runs it in Jinja's sandbox, which blocks
 escapes and caps one ``range()`` at 100,000 items but not nested loops (``range(99999)`` inside
 ``range(99999)`` would run 10^10 times). So each render has a work budget: at most
-``TEMPLATE_MAX_LINES`` lines of template code (the template's own and Jinja's filters and runtime)
-and ``TEMPLATE_MAX_SECONDS`` of wall time (a backstop for lines that each do much work inside C);
-past either it stops with a one-line error. The line count is the same on every machine. For a
+``TEMPLATE_MAX_LINES`` lines of template code (the template's own and Jinja's filters and runtime),
+``TEMPLATE_MAX_SECONDS`` of wall time (a backstop for lines that each do much work inside C) and
+``TEMPLATE_MAX_CHARS`` characters of output (counted as the template yields it, so a prompt the
+tokenizer could not take is never built whole); past any of them it stops with a one-line error. The line count is the same on every machine. For a
 3,000-character chat, the chat templates TRL ships run 100 to 2,000 lines, and the few that walk
 the text character by character (SmolVLM's, Idefics3's) up to about 25 lines per character.
 
@@ -55,31 +56,43 @@ TEMPLATE_MAX_LINES = 10_000_000
 ordinary templates use)."""
 TEMPLATE_MAX_SECONDS = 10.0
 """Wall-clock seconds one chat-template render may take (an ordinary one: under a millisecond)."""
+TEMPLATE_MAX_CHARS = 1 << 19
+"""Characters one chat-template render may produce (524,288: four times a dataset field's limit of
+131,072, room for a system prompt and a prompt at that limit and the template's own text). A
+template can print far more within its line budget (``{{ "x" * 3000 }}`` in a loop), and a
+tokenizer handed 3e8 characters aborts the process in native code."""
 
 
 class TemplateBudgetError(UsageError):
-    """A chat template ran past its work budget (``TEMPLATE_MAX_LINES``, ``TEMPLATE_MAX_SECONDS``)."""
+    """A chat template ran past its work budget (``TEMPLATE_MAX_LINES``, ``TEMPLATE_MAX_SECONDS``,
+    ``TEMPLATE_MAX_CHARS``)."""
 
 
 @contextlib.contextmanager
-def template_budget(max_lines: int | None = None, max_seconds: float | None = None):
+def template_budget(max_lines: int | None = None, max_seconds: float | None = None, max_chars: int | None = None):
     """Bound the Jinja code run inside the block: every line of a template's compiled code and of
-    Jinja's own modules (its filters, runtime and sandbox) counts, and past ``max_lines`` lines or
-    ``max_seconds`` (checked every 1,000 lines; None: ``TEMPLATE_MAX_LINES``,
-    ``TEMPLATE_MAX_SECONDS``) a ``TemplateBudgetError`` is raised inside the template. A trace
-    function of this thread only; the one in place before (a debugger, coverage) is suspended
-    while the block runs and put back afterwards."""
+    Jinja's own modules (its filters, runtime and sandbox) counts, and past ``max_lines`` lines,
+    ``max_seconds`` (checked every 1,000 lines) or ``max_chars`` characters of text yielded by the
+    template's own code (its output, chunk by chunk; None: ``TEMPLATE_MAX_LINES``,
+    ``TEMPLATE_MAX_SECONDS``, ``TEMPLATE_MAX_CHARS``) a ``TemplateBudgetError`` is raised inside
+    the template. A trace function of this thread only; the one in place before (a debugger,
+    coverage) is suspended while the block runs and put back afterwards."""
     import jinja2
 
     max_lines = TEMPLATE_MAX_LINES if max_lines is None else max_lines
     max_seconds = TEMPLATE_MAX_SECONDS if max_seconds is None else max_seconds
+    max_chars = TEMPLATE_MAX_CHARS if max_chars is None else max_chars
     jinja_dir = str(Path(jinja2.__file__).parent)
     deadline = time.monotonic() + max_seconds
-    lines = 0
+    lines = chars = 0
 
     def count(frame, event, arg):
-        nonlocal lines
-        if event == "line":
+        nonlocal lines, chars
+        if event == "return" and isinstance(arg, str) and frame.f_code.co_filename == "<template>":
+            chars += len(arg)  # a chunk the template yields (or a macro returns): its output
+        elif event == "line":
+            if chars > max_chars:  # raised at a line, inside the template (from a "return" it is lost)
+                raise TemplateBudgetError(f"more than {max_chars:,} characters of output")
             lines += 1
             if lines > max_lines:
                 raise TemplateBudgetError(f"more than {max_lines:,} lines of template code")
@@ -201,10 +214,14 @@ class Tokenizer:
             self._hf = _hf_tokenizer(self.folder, "to apply its chat template")
         try:
             with template_budget():
-                return self._hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+                text = self._hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            if len(text) > TEMPLATE_MAX_CHARS:  # output the count above did not see; never to the tokenizer
+                raise TemplateBudgetError(f"more than {TEMPLATE_MAX_CHARS:,} characters of output")
+            return text
         except TemplateBudgetError as e:
+            why = "a prompt too long to tokenize" if "characters" in str(e) else "nested loops?"
             raise TemplateBudgetError(f"the chat template of {str(self.folder)!r} ran past its work budget ({e}) "
-                                      "rendering one prompt: nested loops?") from None
+                                      f"rendering one prompt: {why}") from None
         except Exception as e:  # jinja2 raises its own types from a user's template; keep it one line
             raise UsageError(f"the chat template of {str(self.folder)!r} failed to render "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

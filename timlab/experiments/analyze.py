@@ -172,6 +172,9 @@ def iter_records(path: str | Path) -> tuple[Iterator[tuple[dict | None, dict | N
     Raises ``AnalyzeError`` for a missing or empty file; an unreadable one raises while iterating.
     """
     path = Path(path)
+    if path.is_dir():
+        raise AnalyzeError(f"{path} is a folder, not a Parquet or JSONL file of per-sequence log-probs; a run folder is "
+                           "read with --alarm RULE (`timlab analyze RUN_DIR --alarm grad_norm_change`: its metrics.parquet)")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     if path.stat().st_size == 0:

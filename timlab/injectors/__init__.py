@@ -277,6 +277,11 @@ class RolloutInjector:
         if self.controller is not None:
             self.controller.observe(k3)
 
+    def note(self) -> str:
+        """What the run's status should say of the injector: the k3 controller's "target not
+        reached" (``K3Controller.note``), or ""."""
+        return self.controller.note() if self.controller is not None else ""
+
     def metrics(self) -> dict:
         """The step's magnitude (0 while the rollout is exact, before start_step) and, under
         mismatch.target_k3, the step's target."""

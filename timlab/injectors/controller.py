@@ -43,6 +43,11 @@ median and mean over steps bracket the target rather than meet it.
 
 A batch with k3 exactly 0 counts as far below the target (the clamp applies), under both laws.
 
+The magnitude never exceeds ``MAX_MAGNITUDE``, where every continuous part has saturated. A target
+still above k3 there cannot be reached: the magnitude stays at the cap, and the run, which goes on,
+records it (``note``: "target not reached ... on N steps from step S" in its status message)
+instead of overflowing to a non-finite magnitude that read as a divergence.
+
 The target follows the mismatch schedule (``mismatch.schedule``, ``start_step``,
 ``ramp_steps``: constant, linear or geometric from ``target_k3`` to ``target_k3_end``), so a
 mismatch can be held or grown as in real runs. Before ``start_step`` nothing acts (k3 exactly 0,
@@ -73,6 +78,11 @@ ADAPT_GROW = 1.2
 """target_adapt: the factor on L when the log error keeps its sign (Rprop's eta+)."""
 ADAPT_FLOOR = math.log(1.02)
 """target_adapt: the smallest L, in log m (a 2% move; it bounds how fast a drift is caught up)."""
+MAX_MAGNITUDE = 100.0
+"""The largest magnitude the controller sets. Each continuous part saturates well below it (logit
+noise of sd 100, a head that is 99% noise, a temperature of 101: sampling is near uniform), so a
+target not reached there is not reached at all; without the cap an unreachable target doubled the
+magnitude each step to about 1e38, and the overflow was recorded as a divergence."""
 
 
 def check_target(*, target_k3: float, target_k3_end: float, target_gain: float, target_max_change: float,
@@ -94,9 +104,9 @@ def check_target(*, target_k3: float, target_k3_end: float, target_gain: float, 
                          "temperature to mismatch.injector (stale's lag is an integer)")
     if "integer" in kinds:
         raise UsageError("mismatch.target_k3 cannot control the integer lag of stale; remove stale from mismatch.injector")
-    if not (math.isfinite(magnitude) and magnitude >= 0):
-        raise UsageError(f"mismatch.magnitude (the controller's first value; 0 = {START_MAGNITUDE}) must be a finite "
-                         f"number >= 0, got {magnitude}")
+    if not (math.isfinite(magnitude) and 0 <= magnitude <= MAX_MAGNITUDE):
+        raise UsageError(f"mismatch.magnitude (the controller's first value; 0 = {START_MAGNITUDE}) must be a number "
+                         f"in [0, {MAX_MAGNITUDE:g}] (the controller's cap), got {magnitude}")
     if magnitude_end:
         raise UsageError("mismatch.magnitude_end is set with mismatch.target_k3: the schedule moves the target, "
                          "so set mismatch.target_k3_end instead")
@@ -127,6 +137,9 @@ class K3Controller:
         """Adaptive law: the sign of the last nonzero log error (0 before the first)."""
         self.clipped = False
         """Adaptive law: whether the last move was cut to L."""
+        self.short: tuple[int, int] | None = None
+        """(first step, number of steps) at which k3 was below the target with the magnitude at
+        ``MAX_MAGNITUDE``; None while the cap has not held it back."""
 
     def target(self, step: int) -> float | None:
         """The target k3 of training step ``step`` (from 1); None before start_step."""
@@ -151,7 +164,18 @@ class K3Controller:
         limit = self.limit if self.adapt else cap
         want = self.gain * err / K3_EXPONENT
         self.clipped = abs(want) >= limit
-        self.current = self.current * math.exp(max(-limit, min(limit, want)))
+        self.current = min(MAX_MAGNITUDE, self.current * math.exp(max(-limit, min(limit, want))))
+        if self.current >= MAX_MAGNITUDE and err > 0:  # at the cap and still below the target
+            self.short = (self.short[0] if self.short else self.step, (self.short[1] if self.short else 0) + 1)
+
+    def note(self) -> str:
+        """"" when the target was reached at every step, else what the run's status says: the
+        steps at which k3 stayed below the target with the magnitude at ``MAX_MAGNITUDE``."""
+        if self.short is None:
+            return ""
+        first, n = self.short
+        return (f"target not reached: k3 stayed below mismatch.target_k3 with the magnitude at its cap "
+                f"{MAX_MAGNITUDE:g} on {n} step{'s' if n != 1 else ''} from step {first}")
 
     def _adapt_limit(self, err: float) -> None:
         """Rprop's rule on L, from the sign of this step's log error against the last one's."""
@@ -176,6 +200,8 @@ class K3Controller:
         state = {"current": self.current, "step": self.step}
         if self.adapt:  # the fixed law's checkpoints keep the layout they had before target_adapt
             state["adapt"] = {"limit": self.limit, "last_sign": self.last_sign, "clipped": self.clipped}
+        if self.short is not None:  # (and before the cap: only a run the cap held back has it)
+            state["short"] = list(self.short)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -185,10 +211,11 @@ class K3Controller:
                              f"mismatch.target_adapt={str(self.adapt).lower()} asks for the {now} one; "
                              "the law cannot change within a run, start a new run")
         self.current, self.step = float(state["current"]), int(state["step"])
+        self.short = (int(state["short"][0]), int(state["short"][1])) if state.get("short") else None
         if self.adapt:
             a = state["adapt"]
             self.limit, self.last_sign, self.clipped = float(a["limit"]), int(a["last_sign"]), bool(a["clipped"])
 
 
-__all__ = ["ADAPT_FLOOR", "ADAPT_GROW", "ADAPT_SHRINK", "K3Controller", "K3_EXPONENT", "START_MAGNITUDE",
+__all__ = ["ADAPT_FLOOR", "ADAPT_GROW", "ADAPT_SHRINK", "K3Controller", "K3_EXPONENT", "MAX_MAGNITUDE", "START_MAGNITUDE",
            "check_target"]

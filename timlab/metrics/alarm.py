@@ -57,6 +57,21 @@ def check_rule(rule: str, direction: str, *, window: int = WINDOW, baseline: int
         raise UsageError(f"alarm window and baseline must be >= 1, got {window} and {baseline}")
 
 
+def check_threshold(rule: str, direction: str, threshold: float) -> None:
+    """A one-line error unless ``threshold`` is one the statistic can stay under: finite, and above
+    the floor of ``rule`` (a fold change is never below 1 watched ``either`` way and 1 means no
+    change, so a change rule needs more than 1; a level rule watched ``up`` reads a mean of a
+    nonnegative indicator, so it needs more than 0). At or below the floor the alarm fires on every
+    step it watches."""
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold):
+        raise UsageError(f"alarm threshold must be a finite number, got {threshold!r}")
+    floor = 1.0 if rule == "change" else 0.0 if direction == "up" else None
+    if floor is not None and threshold <= floor:
+        what = "a fold change (1 = no change)" if rule == "change" else "a mean of a nonnegative indicator"
+        raise UsageError(f"alarm threshold {threshold:g} of a {rule} rule must be above {floor:g}: its statistic is "
+                         f"{what}, so the alarm would fire on every step it watches")
+
+
 def _mean(xs: Sequence[float]) -> float:
     return math.fsum(xs) / len(xs)  # correctly rounded: the same bits in any order, on any machine
 
@@ -155,8 +170,7 @@ class AlarmWatch:
     def __init__(self, *, rule: str, direction: str, threshold: float, window: int = WINDOW,
                  baseline: int = BASELINE):
         check_rule(rule, direction, window=window, baseline=baseline)
-        if not math.isfinite(threshold):
-            raise UsageError(f"alarm threshold must be finite, got {threshold}")
+        check_threshold(rule, direction, threshold)
         self.rule, self.direction, self.threshold = rule, direction, float(threshold)
         self.window, self.baseline = window, baseline
         self.values: deque[float] = deque(maxlen=window + (baseline if rule == "change" else 0))
@@ -182,5 +196,5 @@ class AlarmWatch:
         self.fired_step = state["fired_step"]
 
 
-__all__ = ["RULES", "DIRECTIONS", "WINDOW", "BASELINE", "EPS", "check_rule", "alarm_statistic", "statistic_series",
+__all__ = ["RULES", "DIRECTIONS", "WINDOW", "BASELINE", "EPS", "check_rule", "check_threshold", "alarm_statistic", "statistic_series",
            "first_alarm", "AlarmRule", "ALARMS", "AlarmWatch"]

@@ -252,10 +252,27 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+def _shard_file(folder: Path, index: Path, name) -> Path:
+    """The shard ``name`` of a safetensors index in ``folder``: a plain file name (no folder, no
+    ``..``, not absolute), naming a regular file (not a FIFO, which would block the read forever,
+    nor a device such as /dev/zero, which would be hashed forever); else a one-line error. A shard
+    that is a symlink to a regular file is followed, as the Hugging Face cache's snapshots are."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ModelLoadError(f"{index}: shard {name!r} is not a plain file name in {folder} (an index names "
+                             "shards beside it, e.g. model-00001-of-00002.safetensors)")
+    file = folder / name
+    if not file.exists():
+        raise ModelLoadError(f"{index}: shard {name!r} is missing")
+    if not file.is_file():
+        raise ModelLoadError(f"{file}: not a regular file")
+    return file
+
+
 def weight_files(path: str | Path) -> list[Path]:
     """The files that hold a model folder's weights, in the order they are read: ``model.safetensors``;
-    else ``model.safetensors.index.json`` and its shards (sorted); else ``pytorch_model.bin``. A folder
-    with none of them, or with one that is not a regular file, is a one-line error naming it."""
+    else ``model.safetensors.index.json`` and its shards (sorted; each a plain name of a regular file
+    in the folder, ``_shard_file``); else ``pytorch_model.bin``. A folder with none of them, or with
+    one that is not a regular file, is a one-line error naming it."""
     path = Path(path)
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
@@ -266,10 +283,10 @@ def weight_files(path: str | Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__})") from None
-        return [index, *(path / shard for shard in shards)]
+        return [index, *(_shard_file(path, index, shard) for shard in sorted(shards, key=str))]
     if (path / "pytorch_model.bin").exists():
         return [path / "pytorch_model.bin"]
     raise ModelLoadError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")

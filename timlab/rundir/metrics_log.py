@@ -64,6 +64,10 @@ class MetricsLog:
         self.dist_path = self.run_dir.distributions_file
         self.samples_path = self.run_dir.samples_file
         self.rows: list[dict] = []
+        self.columns: list[str] = []
+        """The columns of the file a resume kept: written even where no row holds a value (a column
+        that is NaN at every step, such as mismatch/persistence_* at zero mismatch), so a resumed run's
+        file has the columns of an uninterrupted one."""
         self._tb = None
         if tensorboard:
             try:
@@ -74,8 +78,10 @@ class MetricsLog:
 
     def load(self, up_to_step: int) -> None:
         """On resume: keep the rows of steps <= up_to_step (later ones will be recomputed) and cut
-        both files back to them (``up_to_step=-1``: a resume from the warm start keeps nothing)."""
+        both files back to them (``up_to_step=-1``: a resume from the warm start keeps nothing). The
+        file's columns are kept too (``columns``), even one that is NaN in every kept row."""
         df = self.run_dir.read_metrics()
+        self.columns = [] if df is None or up_to_step < 0 else list(df.columns)
         self.rows = [] if df is None else [
             {k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))}
             for r in df[df["step"] <= up_to_step].to_dict("records")
@@ -121,6 +127,9 @@ class MetricsLog:
         if not self.rows:
             return
         df = pd.DataFrame(self.rows)
+        for c in self.columns:
+            if c not in df.columns:  # NaN in every kept row (the rows hold no NaN), as the file had it
+                df[c] = float("nan")
         cols = ["step"] + sorted(c for c in df.columns if c != "step")
         atomic_write_with(self.path, lambda tmp: df[cols].to_parquet(tmp, index=False))
 

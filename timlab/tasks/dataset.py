@@ -17,7 +17,9 @@ Limits, so that a hostile or careless file fails at once with a one-line error n
 the line or row instead of stalling training: a JSONL line holds at most ``MAX_LINE_BYTES`` bytes
 (read at most that far, never the whole line), and a prompt or answer (and the system prompt) at
 most ``MAX_TEXT_CHARS`` characters (the ``csv`` module's own default cell limit, about 32k
-tokens). Text must be valid Unicode (JSON can spell a lone surrogate, ``"\\ud800"``, which no
+tokens); a file holds at most ``MAX_ROWS`` rows, and a Parquet file's prompt and answer columns
+at most ``MAX_PARQUET_CHARS`` characters in all (compressed, dictionary-encoded pages make its size
+on disk no bound), read a batch at a time. Text must be valid Unicode (JSON can spell a lone surrogate, ``"\\ud800"``, which no
 tokenizer can encode), JSON nested too deeply to parse is refused, a CSV row needs as many fields
 as the header (pandas would read a longer row's first fields as an index), and a float32 or
 float16 Parquet cell reads as its own shortest decimal (``1.1``, not ``1.100000023841858``).
@@ -54,6 +56,15 @@ MAX_LINE_BYTES = 1 << 20
 """Longest JSONL line read (1 MiB): a longer one is an error naming the line."""
 MAX_TEXT_CHARS = 1 << 17
 """Longest prompt, answer or system prompt (131,072 characters; also the csv module's cell limit)."""
+MAX_ROWS = 1_000_000
+"""Most rows a dataset file may hold (any format; a Parquet file's count is read from its metadata
+before any row is)."""
+MAX_PARQUET_CHARS = 1 << 28
+"""Most characters a Parquet file's prompt and answer columns may decode to in all (268,435,456):
+its pages are compressed and its strings dictionary-encoded, so 400 KB on disk can decode to
+gigabytes; it is read ``PARQUET_BATCH_ROWS`` rows at a time and counted before a batch becomes
+Python text."""
+PARQUET_BATCH_ROWS = 256
 
 
 @TASKS.register("dataset")
@@ -156,7 +167,10 @@ def read_examples(path: Path, *, prompt_key: str, answer_key: str, verifier: Ver
     if suffix not in FORMATS:
         raise UsageError(f"task.kwargs.path {str(path)!r}: unknown file type {suffix or '(none)'!r}; "
                          f"valid choices: {', '.join(FORMATS)}")
-    rows = _read_jsonl(path) if suffix == ".jsonl" else _read_table(path, suffix)
+    if suffix == ".parquet":
+        rows = _read_parquet(path, (prompt_key, "prompt_key"), (answer_key, "answer_key"))
+    else:
+        rows = _read_jsonl(path) if suffix == ".jsonl" else _read_csv(path)
     if not rows:
         raise BadFileError(f"{path}: no rows")
     columns = {k for _, row in rows for k in row}
@@ -203,6 +217,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
                 raise BadFileError(f"{path}: line {n}: JSON nested too deeply to read") from None
             if not isinstance(row, dict):
                 raise BadFileError(f"{path}: line {n}: expected a JSON object, got a {type(row).__name__}")
+            _check_rows(path, len(rows) + 1)
             rows.append((f"line {n}", row))
     return rows
 
@@ -227,6 +242,7 @@ def _read_csv(path: Path) -> list[tuple[str, dict]]:
                 if len(cells) != len(header):
                     raise BadFileError(f"{path}: {where}: {len(cells)} fields, but the header has {len(header)} "
                                        f"({', '.join(header)}); quote a field that holds a comma")
+                _check_rows(path, len(rows) + 1)
                 rows.append((where, dict(zip(header, cells))))
     except UnicodeDecodeError as e:
         raise BadFileError(f"{path}: not UTF-8 text ({e.reason})") from None
@@ -239,21 +255,73 @@ def _read_csv(path: Path) -> list[tuple[str, dict]]:
     return rows
 
 
-def _read_table(path: Path, suffix: str) -> list[tuple[str, dict]]:
-    if suffix == ".csv":
-        return _read_csv(path)
-    import pandas as pd
+def _check_rows(path: Path, n: int, *, counted: bool = True) -> None:
+    """``n``: the rows read so far (``counted``: reading stops at the first past the limit) or the
+    file's row count from its metadata."""
+    if n > MAX_ROWS:
+        rows = f"more than {MAX_ROWS:,} rows" if counted else f"{n:,} rows"
+        raise BadFileError(f"{path}: {rows}; the limit for a dataset file is {MAX_ROWS:,} rows (take a sample of it)")
+
+
+def _read_parquet(path: Path, *keys: tuple[str, str]) -> list[tuple[str, dict]]:
+    """The rows of a Parquet file, only its columns ``keys`` ((column, task.kwargs field) pairs):
+    the row count is checked against ``MAX_ROWS`` from the metadata, then ``PARQUET_BATCH_ROWS``
+    rows are read at a time (repeated strings stay dictionary-encoded) and their characters counted
+    against ``MAX_PARQUET_CHARS`` before they become Python text. A float32 or float16 cell reads
+    as its own shortest decimal (``1.1``, not ``1.100000023841858``)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    def unreadable(e: Exception) -> BadFileError:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return BadFileError(f"{path}: cannot be read as PARQUET ({first})")
 
     try:
-        df = pd.read_parquet(path)
-    except Exception as e:  # pandas / pyarrow raise many types for a malformed file; keep it one line
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise BadFileError(f"{path}: cannot be read as {suffix[1:].upper()} ({first})") from None
-    for column in df.columns:  # float32/16 cells as their own shortest decimal: 1.1, not 1.100000023841858
-        if df[column].dtype.kind == "f" and df[column].dtype.itemsize < 8:
-            df[column] = pd.Series([None if math.isnan(v) else str(v) for v in df[column].to_numpy()],
-                                   index=df.index, dtype=object)
-    return [(f"row {i + 1}", row) for i, row in enumerate(df.to_dict(orient="records"))]
+        f = pq.ParquetFile(path)
+        schema = f.schema_arrow
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # the last: a column name not UTF-8
+        raise unreadable(e) from None
+    _check_rows(path, f.metadata.num_rows, counted=False)
+    columns = [key for key, _ in dict.fromkeys(keys)]
+    for key, field in keys:
+        if key not in schema.names:
+            raise BadFileError(f"{path}: no column {key!r} (task.kwargs.{field}); columns: "
+                               f"{', '.join(sorted(map(str, schema.names)))}")
+        t = schema.field(key).type
+        t = t.value_type if pa.types.is_dictionary(t) else t
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+                or pa.types.is_floating(t) or pa.types.is_null(t)):
+            raise BadFileError(f"{path}: column {key!r} (task.kwargs.{field}) holds {t}, not text")
+    texts = [k for k in columns if pa.types.is_string(t := schema.field(k).type) or pa.types.is_large_string(t)
+             or pa.types.is_dictionary(t)]
+    rows, chars = [], 0
+    try:
+        f = pq.ParquetFile(path, read_dictionary=texts)  # repeated strings stay one dictionary entry
+        for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            cols = {}
+            for key in columns:
+                col = batch.column(key)
+                if pa.types.is_dictionary(col.type):
+                    lengths = pc.utf8_length(col.dictionary).take(col.indices) if col.type.value_type != pa.null() else None
+                else:
+                    lengths = pc.utf8_length(col) if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) else None
+                chars += (pc.sum(lengths).as_py() or 0) if lengths is not None else 0
+                if chars > MAX_PARQUET_CHARS:
+                    raise BadFileError(f"{path}: the columns {', '.join(map(repr, columns))} hold more than "
+                                       f"{MAX_PARQUET_CHARS:,} characters by row {len(rows) + batch.num_rows:,} "
+                                       "(the limit for a Parquet file's prompts and answers)")
+                if pa.types.is_floating(col.type) and col.type.bit_width < 64:  # float32/16: the shortest decimal
+                    cols[key] = [None if math.isnan(v) else str(v) for v in col.to_numpy(zero_copy_only=False)
+                                 .astype(np.float32 if col.type.bit_width == 32 else np.float16)]
+                else:
+                    cols[key] = col.to_pylist()
+            first = len(rows) + 1
+            rows.extend((f"row {first + i}", {k: cols[k][i] for k in columns}) for i in range(batch.num_rows))
+    except (pa.ArrowException, OSError) as e:
+        raise unreadable(e) from None
+    return rows
 
 
 def _lone_surrogate(text: str) -> str | None:

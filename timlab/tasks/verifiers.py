@@ -19,7 +19,9 @@ whether the two agree (``matches``). Registered:
   takes seconds on 30 characters, doubling with each more) stops scoring with a one-line error
   naming it, instead of stalling training. Python's ``re`` has no such limit, and no length cap
   would do: such patterns blow up on a few dozen characters. A completion the limit stops is an
-  error, never a reward of 0, so a run's rewards never depend on the machine's speed.
+  error, never a reward of 0, so a run's rewards never depend on the machine's speed. Compiling is
+  bounded too: a pattern whose counted repeats unroll to more than ``REGEX_MAX_SIZE`` atoms
+  (``regex_size``) is refused before the engine unrolls it.
 
 Pure string code: imports nothing of timlab but the registry and the errors.
 """
@@ -44,6 +46,67 @@ BOXED = "\\boxed{"
 
 REGEX_TIMEOUT_S = 0.5
 """Seconds one completion's ``regex`` verifier match may take (ordinary patterns: microseconds)."""
+REGEX_MAX_SIZE = 100_000
+"""The most atoms a ``regex`` verifier pattern may expand to with each counted repeat ``{m,n}``
+unrolled (``regex_size``): the regex engine unrolls them when it compiles, about 400 bytes an atom
+(``a{100000}``: 40 MB), and the time limit covers matching only. ``((((a{100}){100}){100}){100})``
+would be 10^8 (3.4 GB, then a MemoryError); ordinary patterns are a few hundred."""
+
+_COUNTED = re.compile(r"\{(\d*)(,?)(\d*)\}")
+"""A counted repeat: ``{m}``, ``{m,}``, ``{,n}`` or ``{m,n}``."""
+
+
+def regex_size(pattern: str) -> int:
+    """How many atoms (characters, escapes, classes) ``pattern`` holds with every counted repeat
+    unrolled to its largest finite bound (``{m,}``: m), nested repeats multiplied, alternatives
+    added; ``*``, ``+`` and ``?`` are loops and add nothing. An upper bound, not the engine's exact
+    count (a ``{`` in a comment counts too); it stops counting past ``REGEX_MAX_SIZE``."""
+    cap = REGEX_MAX_SIZE + 1
+    frames = [[0, 0]]  # per open group: [size of its finished items, size of its last item]
+    i, n = 0, len(pattern)
+
+    def atom(size: int) -> None:
+        f = frames[-1]
+        f[0], f[1] = min(cap, f[0] + f[1]), size
+
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            j = i + 2
+            if pattern[i + 1:i + 2] in ("p", "P", "N", "x", "u", "U") and pattern[j:j + 1] == "{":  # \p{L}, \N{...}
+                j = pattern.find("}", j) + 1 or n
+            atom(1)
+            i = j
+        elif c == "[":
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"  # a ] first is a literal
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            atom(1)
+            i = j + 1
+        elif c == "(":
+            frames.append([0, 0])
+            i += 1
+        elif c == ")" and len(frames) > 1:
+            total, last = frames.pop()
+            atom(min(cap, total + last))
+            i += 1
+        elif c == "|":
+            atom(0)
+            i += 1
+        elif (m := _COUNTED.match(pattern, i)) and (m.group(1) or m.group(3)):
+            bound = int(m.group(3) or m.group(1)) if (m.group(3) or not m.group(2)) else int(m.group(1))
+            frames[-1][1] = min(cap, frames[-1][1] * max(bound, 1))
+            i = m.end()
+        elif c in "*+?":
+            i += 1
+        else:
+            atom(1)
+            i += 1
+    while len(frames) > 1:  # an unclosed group: the compiler refuses it anyway
+        total, last = frames.pop()
+        atom(min(cap, total + last))
+    return min(cap, sum(frames[0]))
 
 
 def normalize(text: str) -> str:
@@ -168,6 +231,11 @@ class RegexVerifier(Verifier):
         except ImportError:  # pragma: no cover (a dependency of timlab)
             raise UsageError("verifier 'regex' needs the 'regex' package, which bounds a match's time: "
                              "pip install regex") from None
+        size = regex_size(self.pattern)
+        if size > REGEX_MAX_SIZE:  # refused before the compiler unrolls it
+            raise UsageError(f"task.kwargs.pattern {self.pattern!r} repeats too much: with its counted repeats "
+                             f"{{m,n}} unrolled it holds over {REGEX_MAX_SIZE:,} atoms (the limit; compiling it "
+                             "would take that many times 400 bytes); use * or + for long runs")
         try:
             compiled = regex.compile(self.pattern, flags=regex.VERSION0)  # VERSION0: Python re's semantics
         except regex.error as e:

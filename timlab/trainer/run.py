@@ -755,7 +755,7 @@ class RLRun:
                 last = row
                 if self.progress is not None:
                     self.progress("train", self.step, cfg.steps, row)
-            self.write_status(FINISHED)
+            self.write_status(FINISHED, self.injector.note())  # e.g. the k3 controller's target not reached
         except (NonFiniteError, ZeroMismatchViolation) as e:
             self.write_status(DIVERGED if isinstance(e, NonFiniteError) else GUARD_FAILED, str(e))
             raise
