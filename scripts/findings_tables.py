@@ -38,7 +38,7 @@ from timlab.experiments.stats import bootstrap_diff_ci, clopper_pearson, line_fi
 from timlab.experiments.study import analyze, endpoint_values, load_study, planned_runs, predictions  # noqa: E402
 from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
 from timlab.experiments.study.predictor import load_predictor  # noqa: E402
-from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
+from timlab.experiments.study.text import fmt as study_fmt, splice_block, write_blocks  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
 
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     text = FINDINGS.read_text()
     new = splice(text, blocks)
     if args.write:
-        FINDINGS.write_text(new)
+        write_blocks(FINDINGS, blocks)  # atomically: a failed write leaves FINDINGS as it was
         print(f"wrote {len(blocks)} blocks to {FINDINGS}")
     elif args.check:
         if new != text:

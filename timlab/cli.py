@@ -717,11 +717,10 @@ def cmd_study(args: argparse.Namespace) -> int:
             raise CLIError(f"--write: the analysis is {res.status}; nothing written")
         if st.findings is None:
             raise CLIError(f"--write: {args.file} names no findings block (findings: {{file, block}})")
-        from timlab.experiments.study.text import splice_block
+        from timlab.experiments.study.text import write_blocks
 
         path, name = st.findings
-        Path(path).write_text(splice_block(Path(path).read_text(encoding="utf-8"), name, res.text, where=path),
-                              encoding="utf-8")
+        write_blocks(path, {name: res.text})
         print(f"wrote block {name} of {path}")
     return 0 if res.status == "complete" else 1
 

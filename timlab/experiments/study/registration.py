@@ -103,6 +103,26 @@ class StudyError(TimlabError, ValueError):
     """A bad study file, or a study that may not be run or analysed as it stands; one line."""
 
 
+def refuse_markers(obj: Any, source: str, path: str = "") -> None:
+    """Refuse any text (or mapping key) in a study file's mapping that holds a FINDINGS block
+    marker (``text.MARKER``): written into its block, it would end the block early, and every
+    ``--write`` would then duplicate the text after it. The error names the field by its path in
+    the file (e.g. ``notes[0]``, ``families[1].note``)."""
+    from timlab.experiments.study.text import MARKER
+
+    if isinstance(obj, str):
+        if m := MARKER.search(obj):
+            raise StudyError(f"{source}: {path or 'a key'}: holds a FINDINGS block marker ({m.group(0)!r}); study "
+                             f"text may not contain <!-- findings: or <!-- /findings:")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            refuse_markers(k, source, f"{path}: key" if path else "key")
+            refuse_markers(v, source, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            refuse_markers(v, source, f"{path}[{i}]")
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One number per run, compared between arms (``endpoints.window_stat``)."""
@@ -1237,6 +1257,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     """Validate a study mapping (``root``: the folder its relative paths start from)."""
     w = source
     d = _keys(d, STUDY_KEYS, ("study", "sweep", "steps", "endpoints", "families"), w)
+    refuse_markers(d, w)
     sweep = d["sweep"]
     if isinstance(sweep, str):
         p = Path(root) / sweep

@@ -1,0 +1,70 @@
+"""Hostile and careless study files and sweep folders (issue 59, the study engine's findings): each
+is refused in one line naming the field, or handled without losing data; the FINDINGS file is
+written atomically and never with a block marker inside a block."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from study_sweep import write_sweep
+from test_study import STEPS, make, metrics, registration
+from timlab import cli
+from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, study_from_dict
+from timlab.experiments.study.text import splice_block
+
+REPO = Path(__file__).resolve().parents[1]
+FINDINGS = {"findings": {"file": "FINDINGS.md", "block": "planted"}}
+PROSE = "".join(f"prose line {i} written by hand after the block\n" for i in range(60))
+
+
+def one_line_error(change: dict, match: str, **kw) -> str:
+    """The ``StudyError`` that the registration with ``change`` raises (it must hold ``match`` and be one line)."""
+    with pytest.raises(StudyError) as e:
+        study_from_dict(registration(**change), source="s.yaml", **kw)
+    assert match in str(e.value) and "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+# ------------------------------------------------------------------------------- 3: atomic writes
+def test_a_findings_write_over_a_file_size_limit_leaves_the_file_whole(tmp_path):
+    study, out = make(tmp_path, over=FINDINGS)
+    path = tmp_path / "planted.yaml"
+    path.write_text(yaml.safe_dump(registration(**FINDINGS)))
+    findings = tmp_path / "FINDINGS.md"
+    findings.write_text("x\n<!-- findings:planted -->\nold\n<!-- /findings:planted -->\n" + PROSE)
+    before = findings.read_bytes()
+    limit = len(before) + 200  # the new block is some 2 KB longer: the write passes the limit mid-file
+    code = ("import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\nfrom timlab import cli\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+            f"sys.exit(cli.main(['study', 'analyze', {str(path)!r}, '--out', {str(out)!r}, '--write']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2, p.stderr[-500:]
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("timlab: error: ") and "the file is unchanged" in err[0]
+    assert findings.read_bytes() == before  # not truncated: every line of prose after the block is there
+    assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".FINDINGS")] == []  # no temporary file left
+
+
+# ------------------------------------------------------------------------------- 4: block markers
+@pytest.mark.parametrize("change, field", [
+    ({"notes": ["see above", "ends here <!-- /findings:planted --> and goes on"]}, "notes[1]"),
+    ({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "note": "<!-- findings:other -->"}]},
+     "families[0].note"),
+    ({"rules": [{"name": "lowers", "fails": "no <!--/findings:planted-->"}]}, "rules[0].fails"),
+])
+def test_study_text_holding_a_findings_marker_is_refused_naming_the_field(change, field):
+    one_line_error(change, f"s.yaml: {field}: holds a FINDINGS block marker")
+
+
+def test_a_block_body_holding_a_marker_is_never_spliced():
+    text = "a\n<!-- findings:b -->\nold\n<!-- /findings:b -->\ntail\n"
+    assert splice_block(text, "b", "new") == "a\n<!-- findings:b -->\nnew\n<!-- /findings:b -->\ntail\n"
+    with pytest.raises(Exception, match="holds a FINDINGS block marker"):
+        splice_block(text, "b", "x\n<!-- /findings:b -->\ny")
