@@ -68,3 +68,35 @@ def test_a_block_body_holding_a_marker_is_never_spliced():
     assert splice_block(text, "b", "new") == "a\n<!-- findings:b -->\nnew\n<!-- /findings:b -->\ntail\n"
     with pytest.raises(Exception, match="holds a FINDINGS block marker"):
         splice_block(text, "b", "x\n<!-- /findings:b -->\ny")
+
+
+# ------------------------------------------------------------------------------- 9: format widths
+WIDE = "10000000"  # 1e7 characters: refused before any is built (issue 59 found 1e10 in a label)
+TABLE = [{"title": "t", "columns": [{"header": "h", "show": "mean", "endpoint": "acc", "format": f">{WIDE}.3f"}]}]
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "label": f"{{arm:>{WIDE}}}"}]},
+     "families[0]: label"),
+    ({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "reference_label": f"{{against:^{WIDE}}}"}]},
+     "families[0]: reference_label"),
+    ({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "columns": ["comparison", f"diff:+.{WIDE}f"],
+                    "headers": ["a", "b"]}]}, f"families[0]: columns: diff:+.{WIDE}f"),
+    ({"tables": TABLE}, "tables[0]: columns[0]: format"),
+    ({"tables": [{"columns": [{"header": "h", "show": "mean", "endpoint": "acc", "partial": f"{{k:{WIDE}}}"}]}]},
+     "tables[0]: columns[0]: partial"),
+    ({"families": [{"name": "cost", "endpoints": ["acc"]}],
+      "verdicts": [{"name": "v", "family": "cost", "cases": [{"when": {"acc": "below"}, "then": "y"}], "otherwise": "n",
+                    "line": f"{{arm}} {{acc.diff:{WIDE}.4f}}"}]}, "verdicts[0]: line"),
+    ({"paragraphs": [f"top {{runs[acc].max:0{WIDE}.3f}}"]}, "paragraphs[0]: field {runs[acc].max}"),
+    ({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "label": "{arm:>{against}}"}]},
+     "families[0]: label: format spec '>{against}': a nested {field} is not allowed"),
+])
+def test_format_widths_a_study_file_gives_are_capped(change, field):
+    err = one_line_error(change, f"s.yaml: {field}")
+    assert "above the limit of 100" in err or "nested" in err
+
+
+def test_a_width_at_the_cap_is_accepted():
+    fam = [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "label": "{arm:>100}"}]
+    assert study_from_dict(registration(families=fam)).families[0].label == "{arm:>100}"

@@ -91,6 +91,10 @@ comparison not made because its group is void)."""
 TEST_STATES = ("yes", "no", "undecided")
 """What an outcome's condition may require of a ``length_exponent`` fit's test: it passed, it
 failed, or it decided nothing ("no decision")."""
+MAX_FORMAT_WIDTH = 100
+"""The largest width or precision a format spec in a study file may give (``{arm:>12}``, ``.3f``,
+``diff:+.3f``): a larger one would make even a read-only ``timlab study check`` build a string that
+long (``{arm:>10000000000}``: 10 GB)."""
 PLACEHOLDER = re.compile(r"\{([A-Za-z][A-Za-z0-9_]*)\}")
 """A scale's placeholder in an outcome's condition, e.g. ``{endpoint}``."""
 INTERVAL_TESTS = ("holds", "excludes", "below", "above")
@@ -744,6 +748,31 @@ UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
 
+def bounded_spec(spec: str, where: str) -> str:
+    """A format spec a study file gives, checked before anything is formatted with it: no nested
+    field, and no width or precision above ``MAX_FORMAT_WIDTH``."""
+    if "{" in spec or "}" in spec:
+        raise StudyError(f"{where}: format spec {spec!r}: a nested {{field}} is not allowed")
+    for n in re.findall(r"\d+", spec):
+        if len(n) > 6 or int(n) > MAX_FORMAT_WIDTH:
+            raise StudyError(f"{where}: format spec {spec!r}: width or precision {n[:12]}"
+                             f"{'...' if len(n) > 12 else ''} is above the limit of {MAX_FORMAT_WIDTH}")
+    return spec
+
+
+def bounded_fields(text: str, where: str) -> str:
+    """A format string a study file gives (a label, a verdict's line, a paragraph), each of its
+    fields' specs checked by ``bounded_spec`` before it is ever formatted."""
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as e:
+        raise StudyError(f"{where}: not a format string ({e})") from None
+    for _, f, spec, _ in parsed:
+        if f is not None and spec:
+            bounded_spec(spec, where)
+    return text
+
+
 def _keys(d: Any, allowed: tuple, required: tuple, where: str) -> dict:
     if not isinstance(d, dict):
         raise StudyError(f"{where}: expected a mapping, got {type(d).__name__}")
@@ -836,7 +865,7 @@ def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
                       tuple(_choice(t, CASE_TESTS, f"{cw}: when: {e}") for t in (v if isinstance(v, list) else [v])))
                      for e, v in c["when"].items())
         cases.append(Case(when, str(c["then"])))
-    line = str(d["line"])
+    line = bounded_fields(str(d["line"]), f"{where}: line")
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(line) if f is not None]
     except ValueError as e:
@@ -987,6 +1016,7 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
                  str(f.get("zero", "0")), tuple((str(a), str(t)) for a, t in shown.items()), bool(f.get("table", True)),
                  bool(f.get("heading", True)), _choice(f.get("align", "auto"), ALIGNS, f"{where}: align"))
     for key, text in (("label", fam.label), ("reference_label", fam.reference_label)):
+        bounded_fields(text, f"{where}: {key}")
         try:
             text.format(arm="a", against="b")
         except (KeyError, IndexError, ValueError) as e:
@@ -1004,6 +1034,7 @@ def _spec(c: str, where: str) -> str:
     """A ``CELL:SPEC`` column (``FORMATTED``), checked: the cell and its Python format spec."""
     cell, spec = c.split(":", 1)
     _choice(cell, FORMATTED, f"{where}: {c}")
+    bounded_spec(spec, f"{where}: {c}")
     try:
         format(1.0, spec)
     except ValueError:
@@ -1036,6 +1067,7 @@ def _paragraph(text: Any, where: str, families: list[Family], names: list[str], 
             raise StudyError(f"{where}: field {{{f}}}; valid: {{FAMILY[ENDPOINT][COMPARISON].FIELD}} (families: "
                              f"{', '.join(fams)}; fields: {', '.join(COMPARISON_FIELDS)}) or {{runs[ENDPOINT].FIELD}} "
                              f"(fields: {', '.join(RUN_FIELDS)})")
+        bounded_spec(spec or "", f"{where}: field {{{f}}}")
         try:
             format(1 if m.group("field") == "n" else 1.0, spec or "")
         except ValueError:
@@ -1336,7 +1368,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             digits = c.get("digits", 3)
             if isinstance(digits, bool) or not isinstance(digits, int) or not 0 <= digits <= 8:
                 raise StudyError(f"{cw}: digits must be an integer from 0 to 8, got {digits!r}")
-            spec = str(c.get("format", ""))
+            spec = bounded_spec(str(c.get("format", "")), f"{cw}: format")
             try:
                 format(1.0, spec)
             except ValueError:
@@ -1344,6 +1376,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             if show == "scaled" and "by" not in c:
                 raise StudyError(f"{cw}: show scaled needs by: the endpoint whose control mean scales the mean")
             by = _names(c["by"], names, f"{cw}: by")[0] if show == "scaled" else ""
+            bounded_fields(str(c.get("partial", "")), f"{cw}: partial")
             try:
                 str(c.get("partial", "")).format(k=1, n=2)
             except (KeyError, IndexError, ValueError) as e:
