@@ -100,3 +100,32 @@ def test_format_widths_a_study_file_gives_are_capped(change, field):
 def test_a_width_at_the_cap_is_accepted():
     fam = [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", "label": "{arm:>100}"}]
     assert study_from_dict(registration(families=fam)).families[0].label == "{arm:>100}"
+
+
+# ------------------------------------------------------------------------------- 15, 16: names and arms
+@pytest.mark.parametrize("change, match", [
+    ({"rules": [{"name": "lowers"}, {"name": "lowers", "test": "above"}]},
+     "s.yaml: rules: two named 'lowers'; each needs its own name"),
+    ({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers"},
+                   {"name": "cost", "endpoints": ["slope"], "rule": "lowers", "arms": ["tiny"]}]},
+     "s.yaml: families: two named 'cost'; each needs its own name"),
+    ({"families": [{"name": "cost", "endpoints": ["acc"]}],
+      "verdicts": [{"name": "v", "family": "cost", "cases": [{"when": {"acc": "below"}, "then": "y"}], "otherwise": "n",
+                    "line": "{arm}"}] * 2}, "s.yaml: verdicts: two named 'v'"),
+    ({"tables": [{"name": "t", "columns": [{"header": "h", "show": "mean", "endpoint": "acc"}]}] * 2},
+     "s.yaml: tables: two named 't'"),
+])
+def test_a_name_given_twice_is_refused(change, match):
+    one_line_error(change, match)
+
+
+@pytest.mark.parametrize("family, match", [
+    ({"arms": ["head", "head"]}, "families[0]: arms: 'head' listed twice"),
+    ({"arms": ["control"]}, "families[0]: arms: 'control' is the reference (against: control); an arm is not compared"),
+    ({"arms": ["tiny"], "against": "tiny"}, "families[0]: arms: 'tiny' is the reference (against: tiny)"),
+    ({"comparisons": [{"arm": "head"}, {"arm": "head"}]},
+     "families[0]: comparisons[1]: head against control is already compared"),
+    ({"comparisons": [{"arm": "head", "against": "head"}]}, "families[0]: comparisons[0]: arm 'head' against itself"),
+])
+def test_a_family_compares_each_arm_once_and_never_with_itself(family, match):
+    one_line_error({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", **family}]}, match)

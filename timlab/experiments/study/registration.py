@@ -785,6 +785,13 @@ def _keys(d: Any, allowed: tuple, required: tuple, where: str) -> dict:
     return d
 
 
+def _unique(names: list, where: str, what: str = "named") -> None:
+    """Refuse a name given twice (a later entry would silently replace the first)."""
+    twice = [n for n in names if names.count(n) > 1]
+    if twice:
+        raise StudyError(f"{where}: two {what} {twice[0]!r}; each needs its own name")
+
+
 def _choice(v: Any, choices: tuple, where: str) -> str:
     if v not in choices:
         raise StudyError(f"{where}: {v!r}; valid choices: {', '.join(choices)}")
@@ -981,12 +988,24 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
     elif rule:
         rule = _choice(rule, rule_names, f"{where}: rule")
     against = str(f.get("against", control))
+    for a in f.get("arms") or []:
+        if f["arms"].count(a) > 1:
+            raise StudyError(f"{where}: arms: {a!r} listed twice (it would count twice in the Holm family)")
+        if a == against:
+            raise StudyError(f"{where}: arms: {a!r} is the reference (against: {against}); an arm is not compared "
+                             f"with itself")
     comparisons, bounds = [], []
     for j, c in enumerate(f.get("comparisons") or []):
         cw = f"{where}: comparisons[{j}]"
         c = _keys(c, ("arm", "against", "rule", "bound"), ("arm",), cw)
         r = _choice(c["rule"], rule_names, f"{cw}: rule") if c.get("rule") else ""
-        comparisons.append((str(c["arm"]), str(c.get("against", against)), r))
+        pair = (str(c["arm"]), str(c.get("against", against)))
+        if pair[0] == pair[1]:
+            raise StudyError(f"{cw}: arm {pair[0]!r} against itself; an arm is not compared with itself")
+        if any(pair == (a, b) for a, b, _ in comparisons):
+            raise StudyError(f"{cw}: {pair[0]} against {pair[1]} is already compared (it would count twice in the "
+                             f"Holm family)")
+        comparisons.append((*pair, r))
         bounds.append(_number(c["bound"], f"{cw}: bound") if "bound" in c else None)
     for j, (a, b, r) in enumerate(comparisons):
         for key in eps:
@@ -1340,6 +1359,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                           _number(r["margin"], f"{where}: margin") if test in MARGIN_TESTS else 0.0,
                           str(r.get("margin_of", ""))))
     rule_names = [r.name for r in rules]
+    _unique(rule_names, f"{w}: rules")
     for i, r in enumerate(rules):
         if r.requires:
             _choice(r.requires, tuple(n for n in rule_names if n != r.name), f"{w}: rules[{i}]: requires")
@@ -1348,6 +1368,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     for i, f in enumerate(d["families"] if isinstance(d["families"], list) and d["families"] else [None]):
         where = f"{w}: families[{i}]"
         families.append(_family(f, where, names, tuple(rule_names), control, {r.name: r for r in rules}))
+    _unique([f.name for f in families], f"{w}: families")
     tables = []
     for i, t in enumerate(d.get("tables") or []):
         where = f"{w}: tables[{i}]"
@@ -1475,6 +1496,8 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{w}: repeats: last_step must be an integer from 0 to steps ({steps}), got {last!r}")
         repeats = Repeats(str(r["sweep"]), last)
     verdicts = tuple(_verdict(x, f"{w}: verdicts[{i}]", families) for i, x in enumerate(d.get("verdicts") or []))
+    _unique([v.name for v in verdicts], f"{w}: verdicts")
+    _unique([t.name for t in tables if t.name], f"{w}: tables")
     if not isinstance(d.get("outcomes") or [], list):
         raise StudyError(f"{w}: outcomes: expected a list")
     outcomes = tuple(_outcome(x, f"{w}: outcomes[{i}]", families, fits, bool(groups))
