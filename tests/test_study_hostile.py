@@ -129,3 +129,40 @@ def test_a_name_given_twice_is_refused(change, match):
 ])
 def test_a_family_compares_each_arm_once_and_never_with_itself(family, match):
     one_line_error({"families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers", **family}]}, match)
+
+
+# ------------------------------------------------------------------------------- 13, 18, 20: machine blocks
+AMD = {"name": "amd", "isa": "avx2", "seeds": [0, 1, 2, 3, 4]}
+INTEL = {"name": "intel", "isa": "avx2-intel", "seeds": [7], "out": "sweep_intel"}
+SPLIT = [{**AMD, "seeds": [0, 1, 2, 3]}, {**INTEL, "seeds": [4]}]
+
+
+def test_a_block_that_holds_none_of_the_sweeps_seeds_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    from timlab.experiments.study.blocks import block_spec
+    from timlab.experiments.sweep_spec import spec_from_dict
+
+    st = study_from_dict(registration(out="sweep", blocks=[AMD, INTEL]), root=tmp_path, source="b.yaml")
+    with pytest.raises(StudyError, match=r"b.yaml: blocks: block intel holds none of the sweep's seeds \(its seeds: 7; "
+                                         r"the sweep's: 0-4\); each block needs runs"):
+        planned_runs(st)
+    ok = study_from_dict(registration(out="sweep", blocks=SPLIT), root=tmp_path)
+    with pytest.raises(StudyError, match="block gpu: holds none of the sweep's runs; nothing to run"):
+        block_spec(spec_from_dict(ok.sweep, root=ok.sweep_root), planned_runs(ok), "gpu")
+    f = tmp_path / "b.yaml"
+    f.write_text(yaml.safe_dump(registration(out="sweep", blocks=[AMD, INTEL])))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("timlab.machine.bits", lambda: "avx2-intel")
+    for action in ("run", "check"):  # run: no unregistered base run trained; check: no KeyError (finding 20)
+        assert cli.main(["study", action, str(f), "--quiet"] if action == "run" else ["study", action, str(f)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "block intel holds none of the sweep's seeds" in err[0]
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "sweep_intel").exists()  # nothing written
+
+
+def test_a_fingerprint_yaml_reads_as_a_number_is_refused():
+    blocks = yaml.safe_load("- {name: amd, isa: avx2, seeds: [0, 1, 2, 3]}\n"
+                            "- {name: intel, isa: avx2-intel, seeds: [4], fingerprint: 000000000000}\n")
+    assert blocks[1]["fingerprint"] == 0  # what YAML makes of it
+    one_line_error({"blocks": blocks}, "s.yaml: blocks[1]: fingerprint: expected text, the 12 hex digits "
+                                       "machine.fingerprint() gives, in quotes (e.g. '000000000000'), got int 0")
+    one_line_error({"frozen": 123}, "s.yaml: frozen: expected text, the 64-hex-digit registration hash in quotes")

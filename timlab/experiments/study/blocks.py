@@ -80,6 +80,8 @@ def machine_block(study: Study) -> Block:
 def block_spec(spec, planned: list[PlannedRun], block: str):
     """The sweep spec cut to one block's runs (its named conditions, or its seeds of a seed grid)."""
     keep = [p for p in planned if p.block == block]
+    if not keep:  # an empty cut would run the spec's bare base condition, a run nobody registered
+        raise StudyError(f"block {block}: holds none of the sweep's runs; nothing to run")
     if SEED in spec.grid:
         seeds = {int(p.name.rsplit("_s", 1)[1]) for p in keep}
         return replace(spec, grid={**spec.grid, SEED: [x for x in spec.grid[SEED] if int(x) in seeds]})

@@ -1289,7 +1289,10 @@ def _blocks(d: Any, w: str) -> tuple[Block, ...]:
             if x in seen:
                 raise StudyError(f"{where}: seeds: seed {x} is already in block {seen[x]!r}; a seed runs in one block")
             seen[x] = str(b["name"])
-        fp = str(b.get("fingerprint") or "")
+        fp = b.get("fingerprint", "")
+        if not isinstance(fp, str):  # YAML reads 000000000000 as the integer 0, 123456789012 as a number
+            raise StudyError(f"{where}: fingerprint: expected text, the 12 hex digits machine.fingerprint() gives, in "
+                             f"quotes (e.g. '000000000000'), got {type(fp).__name__} {fp!r}")
         if fp and not re.fullmatch(r"[0-9a-f]{12}", fp):
             raise StudyError(f"{where}: fingerprint: expected the 12 hex digits machine.fingerprint() gives, got {fp!r}")
         out.append(Block(str(b["name"]), isa, tuple(seeds), str(b.get("out") or ""), fp))
@@ -1512,7 +1515,10 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     paragraphs = tuple(_paragraph(x, f"{w}: paragraphs[{i}]", families, names, bool(groups))
                        for i, x in enumerate(d.get("paragraphs") or []))
     amendments = tuple(_amendment(a, f"{w}: amendments[{i}]") for i, a in enumerate(d.get("amendments") or []))
-    frozen = d.get("frozen") or ""
+    frozen = d.get("frozen", "")
+    if not isinstance(frozen, str):  # YAML reads a hash of decimal digits alone as a number
+        raise StudyError(f"{w}: frozen: expected text, the 64-hex-digit registration hash in quotes, got "
+                         f"{type(frozen).__name__} {frozen!r}")
     if frozen and not re.fullmatch(r"[0-9a-f]{64}", str(frozen)):
         raise StudyError(f"{w}: frozen must be a 64-hex-digit registration hash, got {frozen!r}")
     predicted_by = None
