@@ -166,3 +166,16 @@ def test_a_fingerprint_yaml_reads_as_a_number_is_refused():
     one_line_error({"blocks": blocks}, "s.yaml: blocks[1]: fingerprint: expected text, the 12 hex digits "
                                        "machine.fingerprint() gives, in quotes (e.g. '000000000000'), got int 0")
     one_line_error({"frozen": 123}, "s.yaml: frozen: expected text, the 64-hex-digit registration hash in quotes")
+
+
+# ------------------------------------------------------------------------------- 14: steps
+def test_the_studys_steps_must_be_the_runs_steps(tmp_path, capsys):
+    st = study_from_dict(registration(steps=5), source="s.yaml")  # its runs train run.steps = 100
+    with pytest.raises(StudyError, match=r"s.yaml: steps: 5, but run control_s0__\w+ of the sweep stops at run.steps "
+                                         r"100; every run must train the study's steps"):
+        planned_runs(st)
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump(registration(steps=5)))
+    assert cli.main(["study", "check", str(f), "--out", str(tmp_path / "sweep")]) == 2
+    assert "steps: 5, but run control_s0__" in capsys.readouterr().err
+    assert len(planned_runs(study_from_dict(registration()))) == 15

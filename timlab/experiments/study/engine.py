@@ -120,8 +120,12 @@ def planned_runs(study: Study) -> list[PlannedRun]:
 
     spec = spec_from_dict(study.sweep, root=study.sweep_root, source=study.sweep_source)
     seeded = SEED in spec.grid
+    expanded = expand(spec)
+    for r in (r for r in expanded if r.config.run.steps != study.steps):  # a run must be able to count
+        raise StudyError(f"{study.source}: steps: {study.steps}, but run {r.run_id} of the sweep stops at run.steps "
+                         f"{r.config.run.steps}; every run must train the study's steps")
     planned = [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
-                          arm_of(study, r.spec_condition), group_of(study, r.spec_condition)) for r in expand(spec)]
+                          arm_of(study, r.spec_condition), group_of(study, r.spec_condition)) for r in expanded]
     if study.blocks:
         planned = [replace(p, block=block_of(study, p.name)) for p in planned]
         for b in (b for b in study.blocks if not any(p.block == b.name for p in planned)):
