@@ -179,3 +179,23 @@ def test_the_studys_steps_must_be_the_runs_steps(tmp_path, capsys):
     assert cli.main(["study", "check", str(f), "--out", str(tmp_path / "sweep")]) == 2
     assert "steps: 5, but run control_s0__" in capsys.readouterr().err
     assert len(planned_runs(study_from_dict(registration()))) == 15
+
+
+# ------------------------------------------------------------------------------- 12: runs without an index
+def test_run_folders_count_as_runs_when_the_index_and_the_freeze_are_deleted(tmp_path, capsys):
+    study, out = make(tmp_path)
+    for run in (p for p in out.iterdir() if p.is_dir()):
+        (run / "config.yaml").write_text("run: {steps: 100}\n")  # every run writes its config.yaml first
+    (out / "study.json").unlink()
+    (out / "index.parquet").unlink()
+    changed = registration()
+    changed["endpoints"][0]["window"] = [30, None]
+    with pytest.raises(StudyError, match=f"{out} holds runs but no frozen registration"):
+        freeze(study_from_dict(changed, root=tmp_path, source="planted.yaml"), out)
+    assert not (out / "study.json").exists()  # nothing frozen over the finished runs
+    f = tmp_path / "planted.yaml"
+    f.write_text(yaml.safe_dump(changed))
+    assert cli.main(["study", "check", str(f), "--out", str(out)]) == 2
+    assert "holds runs but no frozen registration" in capsys.readouterr().err
+    fresh = tmp_path / "fresh"
+    assert freeze(study, fresh) and (fresh / "study.json").exists()  # an empty directory is frozen as before

@@ -663,11 +663,11 @@ def cmd_study(args: argparse.Namespace) -> int:
                 d, (n, m) = dirs[b.name], counts[b.name]
                 print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
                       + f"; seeds {seed_ranges(b.seeds)}; {n} of {m} runs finished): {d}: "
-                      + S.check_freeze(st, d, has_runs=(d / "index.parquet").exists()))
+                      + S.check_freeze(st, d, has_runs=S.registration.holds_runs(d)))
             print(f"  runs not finished: {S.missing_runs(st)}")
         else:
             out = dirs[""]
-            states = (out / "index.parquet").exists()
+            states = S.registration.holds_runs(out)
             print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
         if st.predicted_by is not None:
             from timlab.experiments.study.oos import probe_k3

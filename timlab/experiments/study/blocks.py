@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from timlab.experiments.study.registration import Block, Study, StudyError, check_freeze
+from timlab.experiments.study.registration import Block, Study, StudyError, check_freeze, holds_runs
 from timlab.experiments.study.sweep_runs import seed_ranges
 
 if TYPE_CHECKING:
@@ -102,8 +102,8 @@ def study_states(planned: list[PlannedRun], dirs: dict[str, Path]) -> dict[str, 
 def check_freezes(study: Study, dirs: dict[str, Path], run_states) -> str:
     """``check_freeze`` in each block's directory (one line; "block NAME: ..." per block)."""
     if list(dirs) == [""]:
-        return check_freeze(study, dirs[""], has_runs=run_states is not None)
-    return "; ".join(f"block {b}: {check_freeze(study, d, has_runs=(d / 'index.parquet').exists())}"
+        return check_freeze(study, dirs[""], has_runs=run_states is not None or holds_runs(dirs[""]))
+    return "; ".join(f"block {b}: {check_freeze(study, d, has_runs=holds_runs(d))}"
                      for b, d in dirs.items())
 
 

@@ -1582,6 +1582,23 @@ def frozen_record(out: str | Path) -> dict | None:
     return rec
 
 
+def holds_runs(out: str | Path) -> bool:
+    """Whether a sweep directory holds runs: its index, or any run folder (a folder holding a
+    config.yaml and a status.json, as every run leaves from its first step), so a sweep whose index
+    was deleted still counts as run and no registration is frozen over its runs."""
+    from timlab.experiments.sweep_index import INDEX_FILE
+    from timlab.rundir import CONFIG, STATUS
+
+    d = Path(out)
+    if (d / INDEX_FILE).exists():
+        return True
+    try:
+        children = list(d.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return any((c / CONFIG).is_file() and (c / STATUS).is_file() for c in children if c.is_dir())
+
+
 def check_freeze(study: Study, out: str | Path, *, has_runs: bool) -> str:
     """Raise ``StudyError`` unless ``study``'s registration is the one frozen at its first run (or
     the last amendment's); return a line saying which. ``has_runs``: the sweep has runs, so a
@@ -1609,7 +1626,7 @@ def freeze(study: Study, out: str | Path) -> bool:
     """Record ``study``'s registration in ``<out>/study.json`` before the first run; once a record
     exists (or the file names ``frozen``), check against it instead; a sweep that already holds runs
     without either is refused (its registration was never frozen). Returns whether it wrote one."""
-    if frozen_record(out) is not None or study.frozen or (Path(out) / "index.parquet").exists():
+    if frozen_record(out) is not None or study.frozen or holds_runs(out):
         check_freeze(study, out, has_runs=True)  # runs made without a freeze: refused unless frozen: is set
         return False
     from timlab.files import atomic_write_with
