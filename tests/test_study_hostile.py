@@ -199,3 +199,20 @@ def test_run_folders_count_as_runs_when_the_index_and_the_freeze_are_deleted(tmp
     assert "holds runs but no frozen registration" in capsys.readouterr().err
     fresh = tmp_path / "fresh"
     assert freeze(study, fresh) and (fresh / "study.json").exists()  # an empty directory is frozen as before
+
+
+# ------------------------------------------------------------------------------- 19: a study that reads itself
+def test_a_study_whose_place_fit_reads_itself_or_a_cycle_is_named(tmp_path):
+    def place(other):
+        return registration(fits=[{"kind": "place", "study": other, "endpoint": ["slope"], "arms": "head"}])
+
+    (tmp_path / "self.yaml").write_text(yaml.safe_dump(place("self.yaml")))
+    with pytest.raises(StudyError) as e:
+        load_study(tmp_path / "self.yaml")
+    assert str(e.value) == (f"{tmp_path}/self.yaml: fits[0]: study: {tmp_path}/self.yaml references this study itself "
+                            f"({tmp_path}/self.yaml -> {tmp_path}/self.yaml); a place fit reads another study")
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(place("b.yaml")))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(place("a.yaml")))
+    with pytest.raises(StudyError, match=r"b.yaml: fits\[0\]: study: .*a.yaml references this study itself \(.*a.yaml -> "
+                                         r".*b.yaml -> .*a.yaml\)"):
+        load_study(tmp_path / "a.yaml")

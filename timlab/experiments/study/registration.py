@@ -1307,8 +1307,9 @@ def registration_hash(registration: dict) -> str:
     return hashlib.sha256(canonical(registration).encode()).hexdigest()
 
 
-def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -> Study:
-    """Validate a study mapping (``root``: the folder its relative paths start from)."""
+def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>", loading: tuple[str, ...] = ()) -> Study:
+    """Validate a study mapping (``root``: the folder its relative paths start from; ``loading``: the
+    study files whose fits are reading this one, so a cycle of ``study`` references is named)."""
     w = source
     d = _keys(d, STUDY_KEYS, ("study", "sweep", "steps", "endpoints", "families"), w)
     refuse_markers(d, w)
@@ -1442,7 +1443,11 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                 raise StudyError(f"{where}: kind {kind} needs study: the file of the study whose "
                                  + ("law it places arms against" if kind == "place" else "length fit it tests"))
             other = str(Path(root) / f["study"])
-            o = load_study(other)
+            chain = (*loading, source)
+            if any(Path(x).resolve() == Path(other).resolve() for x in chain if Path(x).is_file()):
+                raise StudyError(f"{where}: study: {other} references this study itself ("
+                                 f"{' -> '.join((*chain, other))}); a {kind} fit reads another study")
+            o = load_study(other, loading=chain)
             if bool(o.groups) != (kind == "predict"):
                 raise StudyError(f"{where}: study: {other} is {'an ungrouped' if kind == 'predict' else 'a grouped'} "
                                  f"study; {kind} needs {'a grouped' if kind == 'predict' else 'an ungrouped'} one")
@@ -1545,13 +1550,13 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                  registration=registration, predicted_by=predicted_by, blocks=_blocks(d.get("blocks"), w))
 
 
-def load_study(path: str | Path) -> Study:
-    """Read and validate a study file."""
+def load_study(path: str | Path, *, loading: tuple[str, ...] = ()) -> Study:
+    """Read and validate a study file (``loading``: see ``study_from_dict``)."""
     p = Path(path)
     if not p.is_file():
         raise StudyError(f"study file not found: {p}")
     return study_from_dict(load_yaml(read_text(p, what="study file"), str(p), StudyError) or {}, root=p.parent,
-                           source=str(p))
+                           source=str(p), loading=loading)
 
 
 # ------------------------------------------------------------------------------ the freeze
