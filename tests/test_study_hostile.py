@@ -216,3 +216,57 @@ def test_a_study_whose_place_fit_reads_itself_or_a_cycle_is_named(tmp_path):
     with pytest.raises(StudyError, match=r"b.yaml: fits\[0\]: study: .*a.yaml references this study itself \(.*a.yaml -> "
                                          r".*b.yaml -> .*a.yaml\)"):
         load_study(tmp_path / "a.yaml")
+
+
+# ------------------------------------------------------------------------------- 17: amendments
+def test_amendments_are_dated_after_the_freeze_and_recorded_when_first_used(tmp_path):
+    import datetime
+    import json
+
+    study, out = make(tmp_path)
+    today = datetime.date.today().isoformat()
+    assert json.loads((out / "study.json").read_text())["frozen_at"] == today
+    d1 = registration()
+    d1["endpoints"][0]["window"] = [30, None]
+    h1 = study_from_dict(d1, root=tmp_path).hash
+    old = {"date": "1990-01-01", "reason": "a later window", "hash": h1}
+    with pytest.raises(StudyError, match=f"amendments\\[0\\]: dated 1990-01-01, before the registration was frozen at "
+                                         f"the first run \\({today}, {out}/study.json\\)"):
+        analyze(study_from_dict({**d1, "amendments": [old]}, root=tmp_path, source="planted.yaml"), out)
+    a1 = {**old, "date": today}
+    amended = study_from_dict({**d1, "amendments": [a1]}, root=tmp_path, source="planted.yaml")
+    assert analyze(amended, out).status == "complete"
+    assert not freeze(amended, out)  # `study run` resuming: the amendment is recorded at its first use
+    rec = json.loads((out / "study.json").read_text())
+    assert rec["hash"] == study.hash and rec["amendments"] == [{**a1, "first_used": today}]
+    assert not freeze(amended, out) and json.loads((out / "study.json").read_text()) == rec  # once
+    edited = {**a1, "reason": "another story"}
+    with pytest.raises(StudyError, match=f"the amendment of {today} \\(hash {h1[:12]}\\) that {out}/study.json recorded "
+                                         f"when it was first used is no longer in the file as it was"):
+        analyze(study_from_dict({**d1, "amendments": [edited]}, root=tmp_path), out)
+    d2 = registration()
+    d2["endpoints"][0]["window"] = [40, None]
+    a2 = {"date": today, "reason": "later still", "hash": study_from_dict(d2, root=tmp_path).hash}
+    assert analyze(study_from_dict({**d2, "amendments": [a1, a2]}, root=tmp_path), out).status == "complete"
+    with pytest.raises(StudyError, match="no longer in the file as it was"):  # the first one dropped unseen
+        analyze(study_from_dict({**d2, "amendments": [a2]}, root=tmp_path), out)
+    one_line_error({"amendments": [a1, {**a2, "date": "2000-01-01"}]},
+                   "amendments[1]: dated 2000-01-01, before amendments[0]")
+
+
+def test_analyze_write_records_the_amendment_it_used(tmp_path, capsys):
+    import datetime
+    import json
+
+    study, out = make(tmp_path, over=FINDINGS)
+    (tmp_path / "FINDINGS.md").write_text("<!-- findings:planted -->\n<!-- /findings:planted -->\n")
+    d = registration(**FINDINGS)
+    d["endpoints"][0]["window"] = [30, None]
+    a = {"date": datetime.date.today().isoformat(), "reason": "a later window",
+         "hash": study_from_dict(d, root=tmp_path).hash}
+    f = tmp_path / "planted.yaml"
+    f.write_text(yaml.safe_dump({**d, "amendments": [a]}))
+    assert cli.main(["study", "analyze", str(f), "--out", str(out)]) == 0
+    assert "amendments" not in json.loads((out / "study.json").read_text())  # a read-only analysis records nothing
+    assert cli.main(["study", "analyze", str(f), "--out", str(out), "--write"]) == 0
+    assert [x["hash"] for x in json.loads((out / "study.json").read_text())["amendments"]] == [a["hash"]]

@@ -721,6 +721,8 @@ def cmd_study(args: argparse.Namespace) -> int:
 
         path, name = st.findings
         write_blocks(path, {name: res.text})
+        for d in dirs.values():  # the amendments this analysis used, recorded at their first use
+            S.registration.record_amendments(st, d)
         print(f"wrote block {name} of {path}")
     return 0 if res.status == "complete" else 1
 

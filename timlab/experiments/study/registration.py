@@ -1520,6 +1520,10 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>", l
     paragraphs = tuple(_paragraph(x, f"{w}: paragraphs[{i}]", families, names, bool(groups))
                        for i, x in enumerate(d.get("paragraphs") or []))
     amendments = tuple(_amendment(a, f"{w}: amendments[{i}]") for i, a in enumerate(d.get("amendments") or []))
+    for i in range(1, len(amendments)):
+        if amendments[i].date < amendments[i - 1].date:
+            raise StudyError(f"{w}: amendments[{i}]: dated {amendments[i].date}, before amendments[{i - 1}] "
+                             f"({amendments[i - 1].date}); amendments are listed oldest first")
     frozen = d.get("frozen", "")
     if not isinstance(frozen, str):  # YAML reads a hash of decimal digits alone as a number
         raise StudyError(f"{w}: frozen: expected text, the 64-hex-digit registration hash in quotes, got "
@@ -1616,15 +1620,60 @@ def check_freeze(study: Study, out: str | Path, *, has_runs: bool) -> str:
                              f"frozen:); start runs with `timlab study run`, or record the hash they were registered "
                              f"with as frozen: {study.hash}")
         return "not frozen yet (no run)"
+    _check_recorded(study, rec, out)
     if study.hash == frozen:
         return f"frozen registration {frozen[:12]} unchanged"
     last = study.amendments[-1] if study.amendments else None
     if last is not None and study.hash == last.hash:
+        at = (rec or {}).get("frozen_at")
+        for i, a in applied_amendments(study, frozen):
+            if at and a.date < str(at):
+                raise StudyError(f"{study.source}: amendments[{i}]: dated {a.date}, before the registration was frozen "
+                                 f"at the first run ({at}, {Path(out) / FREEZE_FILE}); an amendment is made after it")
         return f"frozen registration {frozen[:12]}, amended {last.date} ({len(study.amendments)} amendment(s)): {last.reason}"
     what = _first_difference(rec["registration"], study.registration) if rec and "registration" in rec else \
         "no frozen copy to compare"
     raise StudyError(f"{study.source}: the registration changed after its first run (frozen {frozen[:12]}, now "
                      f"{study.hash[:12]}; {what}); record an amendment with date, reason and hash: {study.hash}")
+
+
+def applied_amendments(study: Study, frozen: str) -> list[tuple[int, Amendment]]:
+    """The (index, amendment) pairs that amend the registration frozen as ``frozen``: those after
+    the last amendment whose hash is ``frozen`` (a block frozen at an amended registration), else all."""
+    k = max((i for i, a in enumerate(study.amendments) if a.hash == frozen), default=-1)
+    return list(enumerate(study.amendments))[k + 1:]
+
+
+def _check_recorded(study: Study, rec: dict | None, out: str | Path) -> None:
+    """Each amendment the freeze record holds (``record_amendments``: recorded when first used) must
+    still be in the study file as it was then: an amendment once used is never edited or removed."""
+    listed = {(a.date, a.reason, a.hash) for a in study.amendments}
+    for i, r in enumerate((rec or {}).get("amendments") or []):
+        if not isinstance(r, dict) or (str(r.get("date")), str(r.get("reason")), str(r.get("hash"))) not in listed:
+            what = f"{r.get('date')} (hash {str(r.get('hash'))[:12]})" if isinstance(r, dict) else repr(r)
+            raise StudyError(f"{study.source}: amendments: the amendment of {what} that {Path(out) / FREEZE_FILE} "
+                             f"recorded when it was first used is no longer in the file as it was; an amendment once "
+                             f"used is not edited or removed (add a new one)")
+
+
+def record_amendments(study: Study, out: str | Path) -> int:
+    """Record in ``<out>/study.json`` each amendment that amends its frozen registration (its date,
+    reason, hash and the day it was first used) and is not recorded yet, once ``check_freeze``
+    passed; returns how many it added. Without a ``study.json`` (a sweep frozen by ``frozen:`` in
+    the file) nothing is recorded."""
+    rec = frozen_record(out)
+    if rec is None or study.hash == rec["hash"]:
+        return 0
+    from timlab.files import atomic_write_text
+
+    have = rec.get("amendments") or []
+    seen = {(r.get("date"), r.get("reason"), r.get("hash")) for r in have if isinstance(r, dict)}
+    new = [{"date": a.date, "reason": a.reason, "hash": a.hash, "first_used": datetime.date.today().isoformat()}
+           for _, a in applied_amendments(study, rec["hash"]) if (a.date, a.reason, a.hash) not in seen]
+    if new:
+        rec["amendments"] = [*have, *new]
+        atomic_write_text(Path(out) / FREEZE_FILE, json.dumps(rec, indent=1, default=str) + "\n")
+    return len(new)
 
 
 def freeze(study: Study, out: str | Path) -> bool:
@@ -1633,6 +1682,7 @@ def freeze(study: Study, out: str | Path) -> bool:
     without either is refused (its registration was never frozen). Returns whether it wrote one."""
     if frozen_record(out) is not None or study.frozen or holds_runs(out):
         check_freeze(study, out, has_runs=True)  # runs made without a freeze: refused unless frozen: is set
+        record_amendments(study, out)
         return False
     from timlab.files import atomic_write_with
 
