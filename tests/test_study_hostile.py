@@ -270,3 +270,50 @@ def test_analyze_write_records_the_amendment_it_used(tmp_path, capsys):
     assert "amendments" not in json.loads((out / "study.json").read_text())  # a read-only analysis records nothing
     assert cli.main(["study", "analyze", str(f), "--out", str(out), "--write"]) == 0
     assert [x["hash"] for x in json.loads((out / "study.json").read_text())["amendments"]] == [a["hash"]]
+
+
+# ------------------------------------------------------------------------------- 11: what the sweep reads
+def with_config(tmp_path, every: int) -> dict:
+    """The planted registration with its evaluation interval in a base.config file (cfg.yaml)."""
+    (tmp_path / "cfg.yaml").write_text(f"run: {{eval_every: {every}}}\n")
+    d = registration()
+    d["sweep"]["base"]["config"] = "cfg.yaml"
+    return d
+
+
+def test_a_change_inside_the_sweeps_base_config_changes_the_registration(tmp_path):
+    first = study_from_dict(with_config(tmp_path, 10), root=tmp_path, source="s.yaml")
+    out = tmp_path / "sweep"
+    freeze(first, out)
+    same = study_from_dict(with_config(tmp_path, 10), root=tmp_path, source="s.yaml")
+    assert same.hash == first.hash and first.registration["sweep"]["base"]["config"] == {"run": {"eval_every": 10}}
+    changed = study_from_dict(with_config(tmp_path, 20), root=tmp_path, source="s.yaml")
+    assert changed.hash != first.hash
+    with pytest.raises(StudyError, match=r"changed after its first run .*sweep\.base\.config\.run\.eval_every: 10 -> 20"):
+        freeze(changed, out)
+    # a spec without base.config is hashed as written: the committed studies keep their hashes
+    assert study_from_dict(registration()).registration["sweep"] == registration()["sweep"]
+
+
+def test_study_run_refuses_a_start_whose_files_changed_since_the_freeze(tmp_path):
+    import json
+
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"weights v1")
+    (start / "config.json").write_text("{}")
+    d = registration()
+    d["sweep"]["base"]["set"]["model.path"] = str(start)
+    study = study_from_dict(d, root=tmp_path, source="s.yaml")
+    out = tmp_path / "sweep"
+    assert freeze(study, out)
+    rec = json.loads((out / "study.json").read_text())
+    assert sorted(rec["inputs"][study.hash]) == [str(start / "config.json"), str(start / "model.safetensors")]
+    assert not freeze(study, out)  # unchanged: `study run` resumes
+    (start / "model.safetensors").write_bytes(b"weights v2")
+    with pytest.raises(StudyError, match=f"s.yaml: input {start}/model.safetensors changed \\(SHA-256 \\w{{12}} -> "
+                                         f"\\w{{12}}\\) since the registration was frozen in {out}/study.json"):
+        freeze(study, out)
+    (start / "model.safetensors").unlink()
+    with pytest.raises(StudyError, match="model.safetensors is gone since"):
+        freeze(study, out)

@@ -14,12 +14,16 @@ working directory, like every ``--out`` of timlab.
 
 Freeze by hash. ``registration_hash`` is the SHA-256 of the registration (the file's mapping
 without ``amendments``, ``frozen`` and ``out``, with a referenced sweep spec's own mapping in place of its
-path), in canonical JSON. ``timlab study run`` records it in ``<out>/study.json`` before the first
-run starts. From then on the hash must stay that one, or equal the ``hash`` of the last entry of
-``amendments`` (each with its ``date`` and ``reason``): ``check_freeze`` refuses anything else, so a
-registration cannot change after the data exist without saying when and why. A sweep run before
-``timlab study run`` existed has no ``study.json``; its study file then names the hash it was
-registered with in ``frozen``.
+path, and the spec's ``base.config`` file's mapping in place of its path), in canonical JSON.
+``timlab study run`` records it in ``<out>/study.json`` before the first run starts. From then on
+the hash must stay that one, or equal the ``hash`` of the last entry of ``amendments`` (each with
+its ``date`` and ``reason``, dated no earlier than the freeze): ``check_freeze`` refuses anything
+else, so a registration cannot change after the data exist without saying when and why; each
+amendment is recorded in ``study.json`` when first used (``record_amendments``) and may not be
+edited or removed after. The files the runs read by path only (model folders, a dataset file:
+``input_digests``) are recorded there by content too, and ``study run`` refuses to go on when one
+changed (``check_inputs``). A sweep run before ``timlab study run`` existed has no ``study.json``;
+its study file then names the hash it was registered with in ``frozen``.
 """
 
 from __future__ import annotations
@@ -1543,7 +1547,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>", l
         predicted_by = PredictedBy(str(Path(root) / str(pb["study"])), {str(k): v for k, v in kinds.items()},
                                    str(pb["probe"]))
     registration = {k: v for k, v in d.items() if k not in UNHASHED}
-    registration["sweep"] = sweep
+    registration["sweep"] = _with_config(sweep, sweep_root, w)
     return Study(name=str(d["study"]), sweep=sweep, sweep_root=str(sweep_root), sweep_source=sweep_source, steps=steps,
                  endpoints=tuple(endpoints), families=tuple(families),
                  rules=tuple(rules), control=control, groups=groups, out=str(d.get("out") or ""), validity=validity,
@@ -1552,6 +1556,20 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>", l
                  amendments=amendments,
                  notes=tuple(notes), paragraphs=paragraphs, source=source, hash=registration_hash(registration),
                  registration=registration, predicted_by=predicted_by, blocks=_blocks(d.get("blocks"), w))
+
+
+def _with_config(sweep: dict, root: Path, w: str) -> dict:
+    """The sweep spec as the registration hashes it: with its ``base.config`` file's content (its
+    YAML mapping) in place of the file's name, so a change inside that file is a change of the
+    registration (a spec without ``base.config`` is hashed as written, as before)."""
+    base = sweep.get("base")
+    if not (isinstance(base, dict) and isinstance(base.get("config"), str)):
+        return sweep
+    p = Path(base["config"]) if Path(base["config"]).is_absolute() else Path(root) / base["config"]
+    if not p.is_file():
+        raise StudyError(f"{w}: sweep: base.config file not found: {p}")
+    content = load_yaml(read_text(p, what="base config"), str(p), StudyError) or {}
+    return {**sweep, "base": {**base, "config": content}}
 
 
 def load_study(path: str | Path, *, loading: tuple[str, ...] = ()) -> Study:
@@ -1676,6 +1694,59 @@ def record_amendments(study: Study, out: str | Path) -> int:
     return len(new)
 
 
+def input_digests(study: Study) -> dict[str, str]:
+    """{file: SHA-256} of the files the sweep's runs read that the registration names only by their
+    path: each regular file directly in a run's ``model.path`` and ``model.pretrain_init`` folder
+    (config.json, the weights, the tokenizer), and the dataset task's ``task.kwargs.path``. A path
+    that does not exist (yet) is left out."""
+    import stat
+
+    from timlab.experiments.sweep_spec import expand, spec_from_dict
+    from timlab.files import sha256_file
+
+    def regular(p: Path) -> bool:  # never a FIFO or a device: reading one could block or never end
+        try:
+            return stat.S_ISREG(p.stat().st_mode)
+        except OSError:
+            return False
+
+    spec = spec_from_dict(study.sweep, root=study.sweep_root, source=study.sweep_source)
+    files: set[Path] = set()
+    for r in expand(spec):
+        m, task = r.config.model, r.config.task
+        for folder in (Path(x) for x in (m.path, m.pretrain_init) if x):
+            if folder.is_dir():
+                files.update(f for f in folder.iterdir() if regular(f))
+        if task.name == "dataset" and task.kwargs.get("path") and regular(Path(task.kwargs["path"])):
+            files.add(Path(task.kwargs["path"]))
+    return {str(f): sha256_file(f) for f in sorted(files)}
+
+
+def check_inputs(study: Study, out: str | Path) -> str:
+    """Compare ``input_digests`` with those ``<out>/study.json`` recorded for this registration
+    (keyed by its hash: an amendment may name other inputs), raising ``StudyError`` at the first
+    that changed, or record them when none are recorded yet (their first use); a line saying which.
+    Run by ``timlab study run`` only: the inputs are local files (a start in ``runs/`` is not
+    committed, and each machine block makes its own), which an analysis never reads."""
+    rec = frozen_record(out)
+    if rec is None:
+        return "inputs not recorded (no study.json)"
+    now, have = input_digests(study), (rec.get("inputs") or {}).get(study.hash)
+    if have is None:
+        from timlab.files import atomic_write_text
+
+        rec["inputs"] = {**(rec.get("inputs") or {}), study.hash: now}
+        atomic_write_text(Path(out) / FREEZE_FILE, json.dumps(rec, indent=1, default=str) + "\n")
+        return f"{len(now)} input file(s) recorded"
+    for f in sorted(set(have) | set(now)):
+        if have.get(f) != now.get(f):
+            what = ("is gone" if f not in now else "is new" if f not in have else
+                    f"changed (SHA-256 {have[f][:12]} -> {now[f][:12]})")
+            raise StudyError(f"{study.source}: input {f} {what} since the registration was frozen in "
+                             f"{Path(out) / FREEZE_FILE}; its runs would read other data than the runs made so far")
+    return f"{len(now)} input file(s) as frozen"
+
+
 def freeze(study: Study, out: str | Path) -> bool:
     """Record ``study``'s registration in ``<out>/study.json`` before the first run; once a record
     exists (or the file names ``frozen``), check against it instead; a sweep that already holds runs
@@ -1683,11 +1754,12 @@ def freeze(study: Study, out: str | Path) -> bool:
     if frozen_record(out) is not None or study.frozen or holds_runs(out):
         check_freeze(study, out, has_runs=True)  # runs made without a freeze: refused unless frozen: is set
         record_amendments(study, out)
+        check_inputs(study, out)
         return False
     from timlab.files import atomic_write_with
 
     Path(out).mkdir(parents=True, exist_ok=True)
     rec = {"study": study.name, "hash": study.hash, "frozen_at": datetime.date.today().isoformat(),
-           "source": study.source, "registration": study.registration}
+           "source": study.source, "registration": study.registration, "inputs": {study.hash: input_digests(study)}}
     atomic_write_with(Path(out) / FREEZE_FILE, lambda tmp: Path(tmp).write_text(json.dumps(rec, indent=1, default=str) + "\n"))
     return True
