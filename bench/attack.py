@@ -24,7 +24,13 @@
    template printing 3e8 characters, an unreachable ``mismatch.target_k3``, a negative
    ``run.alarm_threshold``, ``analyze RUN_DIR`` and a run resumed after its last checkpoint.
 
-Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR] [--only hostile|issue42|issue59a]``;
+6. Issue 59's study-engine findings (``attack_issue59_study``): a FINDINGS write past a file-size
+   limit, study text holding a block marker, huge format widths, a base.config changed after the
+   freeze, a sweep whose index and freeze were deleted, a block of no seed, steps the runs do not
+   train, names and arms given twice, an amendment dated before the freeze, a fingerprint YAML
+   reads as a number, a study that names itself.
+
+Usage: ``OMP_NUM_THREADS=1 python bench/attack.py [--kills N] [--seed S] [--out DIR] [--only hostile|issue42|issue59a|issue59-study]``;
 prints one line per attack and a summary, exit code 1 if anything failed.
 """
 
@@ -963,15 +969,162 @@ def attack_issue59a(t: Tally, work: Path) -> None:
           p.returncode == 0 and a == b, f"rc {p.returncode}, missing {sorted(set(a) - set(b))}")
 
 
+# ------------------------------------------------------------------------------------ issue 59: studies
+_STUDY59 = r"""
+import json, sys
+from pathlib import Path
+import numpy as np, pandas as pd
+from timlab.experiments.study import freeze, load_study, planned_runs
+from timlab.rundir import RunDir
+path, out = Path(sys.argv[1]), Path(sys.argv[2])
+st = load_study(path)
+freeze(st, out)
+rows = []
+for p in planned_runs(st):
+    arm, seed = p.name.rsplit("_s", 1)
+    steps = np.arange(st.steps + 1)
+    acc = 0.9 - (0.1 if arm != "control" else 0.0) * (steps > 0) + 1e-3 * int(seed) * (steps > 0)
+    k3 = np.where(steps > 0, 0.0 if arm == "control" else 0.05, np.nan)
+    m = pd.DataFrame({"step": steps, "val/accuracy": acc, "val/gold_logprob": -0.3, "rollout_corr/k3_kl": k3,
+                      "mismatch/frac_bitwise_equal": np.where(steps > 0, 1.0 if arm == "control" else 0.4, np.nan)})
+    rd = RunDir(out / p.run_id)
+    rd.path.mkdir(parents=True)
+    m.to_parquet(rd.metrics_file, index=False)
+    rd.config.write_text("run: {steps: %d}\n" % st.steps)
+    rd.write_status("finished", step=st.steps, total_steps=st.steps)
+    rows.append({"run_id": p.run_id, "run_dir": p.run_id, "spec_condition": p.name, "condition": p.name,
+                 "state": "finished", "last_step": st.steps})
+pd.DataFrame(rows).to_parquet(out / "index.parquet", index=False)
+"""
+
+
+def _study59(**over) -> dict:
+    """A small study (control and head, 3 seeds, 4 steps on the smoke preset) as a mapping, with ``over``."""
+    conds = [{"name": f"{a}_s{s}", "set": {"mismatch.injector": "none" if a == "control" else "head_perturb",
+                                           "run.seed": s, "mismatch.seed": s}} for s in range(3) for a in ("control", "head")]
+    d = {"study": "s59", "sweep": {"base": {"preset": "smoke", "set": {"run.steps": 4}}, "conditions": conds},
+         "steps": 4, "endpoints": [{"name": "acc", "metric": "val/accuracy", "stat": "level", "window": [1, None]}],
+         "families": [{"name": "cost", "endpoints": ["acc"], "rule": "lowers"}],
+         "rules": [{"name": "lowers", "test": "below"}],
+         "findings": {"file": "FINDINGS.md", "block": "s59"}}
+    d.update(over)
+    return d
+
+
+def attack_issue59_study(t: Tally, work: Path) -> None:
+    """Issue 59's study-engine findings (3, 4, 9, 11-20): hostile or careless study files and sweep
+    folders, each refused in one line (exit 2) without a traceback or a file written, and a FINDINGS
+    write under a file-size limit that leaves the file whole."""
+    import yaml
+
+    w = work / "issue59_study"
+    w.mkdir()
+
+    def study(name: str, d: dict) -> str:
+        (w / name).write_text(yaml.safe_dump(d, sort_keys=False))
+        return str(w / name)
+
+    done = study("done.yaml", _study59())
+    p = _py(_STUDY59.replace("sys.argv[1]", repr(done)).replace("sys.argv[2]", repr(str(w / "sw"))))
+    assert p is not None and p.returncode == 0, p.stderr[-2000:] if p else "timed out"
+    findings = w / "FINDINGS.md"
+    findings.write_text("# F\n<!-- findings:s59 -->\nold\n<!-- /findings:s59 -->\n"
+                        + "".join(f"hand-written prose, line {i}\n" for i in range(80)))
+
+    # ---- loss: a FINDINGS write past a file-size limit (finding 3)
+    t.kind = "loss"
+    before = findings.read_bytes()
+    limit = len(before) + 100
+    p = _py("import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\nfrom timlab import cli\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+            f"sys.exit(cli.main(['study', 'analyze', {done!r}, '--out', {str(w / 'sw')!r}, '--write']))\n")
+    t.add("study analyze --write past a file-size limit: FINDINGS left whole, one line says so",
+          p is not None and p.returncode == 2 and findings.read_bytes() == before
+          and "the file is unchanged" in p.stderr and "Traceback" not in p.stderr,
+          (p.stderr.strip().splitlines() or [""])[-1][:140] if p else "timed out")
+
+    # ---- corruption, hangs and wrong results: each a one-line refusal (findings 4, 9, 13-20)
+    fam = _study59()["families"][0]
+    place = {"kind": "place", "study": "self.yaml", "endpoint": ["acc"], "k3": "acc", "arms": "head"}
+    intel = [{"name": "amd", "isa": "avx2", "seeds": [0, 1, 2]}, {"name": "intel", "isa": "avx2-intel", "seeds": [7]}]
+    fp = [{"name": "amd", "isa": "avx2", "seeds": [0, 1]}, {"name": "intel", "isa": "avx2-intel", "seeds": [2],
+                                                            "fingerprint": 0}]
+    bad = [  # (class, what, study file, command, words the error must hold)
+        ("corruption", "a note holding the block's end marker (4)", study("marker.yaml", _study59(
+            notes=["x <!-- /findings:s59 --> y"])), "check", "notes[0]: holds a FINDINGS block marker"),
+        ("hang", "a family label {arm:>10000000000} (9)", study("wide.yaml", _study59(
+            families=[{**fam, "label": "{arm:>10000000000}"}])), "check", "above the limit of 100"),
+        ("hang", "a paragraph field {runs[acc].max:.999999999f} (9)", study("prec.yaml", _study59(
+            paragraphs=["{runs[acc].max:.999999999f}"])), "check", "above the limit of 100"),
+        ("wrong", "a block holding none of the sweep's seeds, study run (13)", study("noseed.yaml", _study59(
+            blocks=intel, out=str(w / "sw13"))), "run", "holds none of the sweep's seeds"),
+        ("wrong", "steps 5 over runs of run.steps 4 (14)", study("steps.yaml", _study59(steps=5)), "check",
+         "every run must train the study's steps"),
+        ("wrong", "two rules of one name (15)", study("rules.yaml", _study59(
+            rules=[{"name": "lowers"}, {"name": "lowers", "test": "above"}])), "check", "two named 'lowers'"),
+        ("wrong", "two families of one name (15)", study("fams.yaml", _study59(families=[fam, fam])), "check",
+         "two named 'cost'"),
+        ("wrong", "a family's arms [head, head] (16)", study("twice.yaml", _study59(
+            families=[{**fam, "arms": ["head", "head"]}])), "check", "listed twice"),
+        ("wrong", "a family's arms [control] (16)", study("self_arm.yaml", _study59(
+            families=[{**fam, "arms": ["control"]}])), "check", "is the reference"),
+        ("wrong", "a block fingerprint 000000000000 (YAML: 0) (18)", study("fp.yaml", _study59(blocks=fp)), "check",
+         "fingerprint: expected text"),
+        ("wrong", "a place fit naming its own study (19)", study("self.yaml", _study59(fits=[place])), "check",
+         "references this study itself"),
+        ("traceback", "study check of a block holding no run (20)", str(w / "noseed.yaml"), "check",
+         "holds none of the sweep's seeds"),
+    ]
+    # (11, 12, 17): changes after the freeze, against the frozen sweep
+    conf = w / "cfg.yaml"
+    conf.write_text("run: {eval_every: 1}\n")
+    based = _study59(out=str(w / "sw11"))
+    based["sweep"]["base"]["config"] = "cfg.yaml"
+    p = _py(_STUDY59.replace("sys.argv[1]", repr(study("based.yaml", based))).replace("sys.argv[2]", repr(str(w / "sw11"))))
+    assert p is not None and p.returncode == 0, p.stderr[-2000:] if p else "timed out"
+    conf.write_text("run: {eval_every: 2}\n")
+    bad.append(("wrong", "a change inside the sweep's base.config after the freeze (11)", str(w / "based.yaml"),
+                "analyze", "sweep.base.config.run.eval_every: 1 -> 2"))
+    gone = w / "sw12"
+    shutil.copytree(w / "sw", gone)
+    (gone / "study.json").unlink()
+    (gone / "index.parquet").unlink()
+    changed = _study59(out=str(gone))
+    changed["endpoints"][0]["window"] = [2, None]
+    bad.append(("wrong", "study run of a changed registration over runs whose index and freeze were deleted (12)",
+                study("gone.yaml", changed), "run", "holds runs but no frozen registration"))
+    moved = _study59()
+    moved["endpoints"][0]["window"] = [2, None]
+    h = _py(f"from timlab.experiments.study import study_from_dict\nimport yaml\n"
+            f"print(study_from_dict(yaml.safe_load(open({study('moved.yaml', moved)!r}))).hash)")
+    bad.append(("wrong", "an amendment dated 1990 over a freeze of today (17)", study("old.yaml", {
+        **moved, "amendments": [{"date": "1990-01-01", "reason": "r", "hash": h.stdout.strip()}]}), "analyze",
+        "before the registration was frozen"))
+    cases = [["study", cmd, f] + (["--out", str(w / "sw")] if cmd != "run" and "out" not in yaml.safe_load(
+        open(f)) and "blocks" not in yaml.safe_load(open(f)) else []) + (["--quiet"] if cmd == "run" else [])
+             for _, _, f, cmd, _ in bad]
+    t0 = time.time()
+    ps = sh_batch(cases, timeout=600)
+    for (kind, what, _, cmd, words), p in zip(bad, ps):
+        t.kind = kind
+        t.one_line(f"study {cmd}: {what}", p)
+        if words not in p.stderr:
+            t.add(f"  ... names it ({words})", False, p.stderr.strip()[-160:])
+    t.kind = "wrong"
+    t.add("  ... nothing frozen over the runs of finding 12, nothing trained for finding 13",
+          not (gone / "study.json").exists() and not (w / "sw13").exists())
+    print(f"  ({len(bad)} study files in {time.time() - t0:.1f}s)", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5, help="kill-and-resume attacks per command (train; sweep and "
                                                           "pretrain get about half)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="work folder (default: a temporary one, removed)")
-    ap.add_argument("--only", choices=("hostile", "issue42", "issue59a"),
-                    help="run only issue 22's hostile-input attacks, only issue 42's, or only issue 59's findings "
-                         "outside the study engine (issue59a)")
+    ap.add_argument("--only", choices=("hostile", "issue42", "issue59a", "issue59-study"),
+                    help="run only issue 22's hostile-input attacks, only issue 42's, only issue 59's findings "
+                         "outside the study engine (issue59a), or only its study-engine findings (issue59-study)")
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="timlab-attack-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -996,6 +1149,8 @@ def main() -> int:
         attack_issue42_check(t, work)
     if args.only in (None, "issue59a"):
         attack_issue59a(t, work)
+    if args.only in (None, "issue59-study"):
+        attack_issue59_study(t, work)
     failed = [r for r in t.results if not r[1]]
     tracebacks = sum("TRACEBACK" in r[2] for r in t.results)
     by_kind = {k: sum(1 for kind, r in zip(t.kinds, t.results) if kind == k and not r[1])

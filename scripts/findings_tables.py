@@ -39,7 +39,7 @@ from timlab.experiments.study import analyze, endpoint_values, load_study, plann
 from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
 from timlab.experiments.study.predictor import load_predictor  # noqa: E402
 from timlab.experiments.study.heldout import analyze_heldout, blocks as heldout_blocks, load_heldout  # noqa: E402
-from timlab.experiments.study.text import fmt as study_fmt, splice_block  # noqa: E402
+from timlab.experiments.study.text import fmt as study_fmt, splice_block, write_blocks  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
 
@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     text = FINDINGS.read_text()
     new = splice(text, blocks)
     if args.write:
-        FINDINGS.write_text(new)
+        write_blocks(FINDINGS, blocks)  # atomically: a failed write leaves FINDINGS as it was
         print(f"wrote {len(blocks)} blocks to {FINDINGS}")
     elif args.check:
         if new != text:

@@ -711,11 +711,11 @@ def cmd_study(args: argparse.Namespace) -> int:
                 d, (n, m) = dirs[b.name], counts[b.name]
                 print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
                       + f"; seeds {seed_ranges(b.seeds)}; {n} of {m} runs finished): {d}: "
-                      + S.check_freeze(st, d, has_runs=(d / "index.parquet").exists()))
+                      + S.check_freeze(st, d, has_runs=S.registration.holds_runs(d)))
             print(f"  runs not finished: {S.missing_runs(st)}")
         else:
             out = dirs[""]
-            states = (out / "index.parquet").exists()
+            states = S.registration.holds_runs(out)
             print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
         if st.predicted_by is not None:
             from timlab.experiments.study.oos import probe_k3
@@ -770,11 +770,12 @@ def cmd_study(args: argparse.Namespace) -> int:
             raise CLIError(f"--write: the analysis is {res.status}; nothing written")
         if st.findings is None:
             raise CLIError(f"--write: {args.file} names no findings block (findings: {{file, block}})")
-        from timlab.experiments.study.text import splice_block
+        from timlab.experiments.study.text import write_blocks
 
         path, name = st.findings
-        Path(path).write_text(splice_block(Path(path).read_text(encoding="utf-8"), name, res.text, where=path),
-                              encoding="utf-8")
+        write_blocks(path, {name: res.text})
+        for d in dirs.values():  # the amendments this analysis used, recorded at their first use
+            S.registration.record_amendments(st, d)
         print(f"wrote block {name} of {path}")
     return 0 if res.status == "complete" else 1
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from timlab.experiments.study.registration import Block, Study, StudyError, check_freeze
+from timlab.experiments.study.registration import Block, Study, StudyError, check_freeze, holds_runs
 from timlab.experiments.study.sweep_runs import seed_ranges
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ def machine_block(study: Study) -> Block:
 def block_spec(spec, planned: list[PlannedRun], block: str):
     """The sweep spec cut to one block's runs (its named conditions, or its seeds of a seed grid)."""
     keep = [p for p in planned if p.block == block]
+    if not keep:  # an empty cut would run the spec's bare base condition, a run nobody registered
+        raise StudyError(f"block {block}: holds none of the sweep's runs; nothing to run")
     if SEED in spec.grid:
         seeds = {int(p.name.rsplit("_s", 1)[1]) for p in keep}
         return replace(spec, grid={**spec.grid, SEED: [x for x in spec.grid[SEED] if int(x) in seeds]})
@@ -100,8 +102,8 @@ def study_states(planned: list[PlannedRun], dirs: dict[str, Path]) -> dict[str, 
 def check_freezes(study: Study, dirs: dict[str, Path], run_states) -> str:
     """``check_freeze`` in each block's directory (one line; "block NAME: ..." per block)."""
     if list(dirs) == [""]:
-        return check_freeze(study, dirs[""], has_runs=run_states is not None)
-    return "; ".join(f"block {b}: {check_freeze(study, d, has_runs=(d / 'index.parquet').exists())}"
+        return check_freeze(study, dirs[""], has_runs=run_states is not None or holds_runs(dirs[""]))
+    return "; ".join(f"block {b}: {check_freeze(study, d, has_runs=holds_runs(d))}"
                      for b, d in dirs.items())
 
 

@@ -53,7 +53,7 @@ from timlab.experiments.study.endpoints import SCALES, guard, rows, window_stat
 from timlab.experiments.study.fits import arm_cost, bootstrap_fit, fit_power, off_fit, power_law_section
 from timlab.experiments.study.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError,
                                                    first_case)
-from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs
+from timlab.experiments.study.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs, seed_ranges
 from timlab.experiments.study.text import ci_text, clip, fmt, mean_cells, p_text, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
@@ -120,10 +120,18 @@ def planned_runs(study: Study) -> list[PlannedRun]:
 
     spec = spec_from_dict(study.sweep, root=study.sweep_root, source=study.sweep_source)
     seeded = SEED in spec.grid
+    expanded = expand(spec)
+    for r in (r for r in expanded if r.config.run.steps != study.steps):  # a run must be able to count
+        raise StudyError(f"{study.source}: steps: {study.steps}, but run {r.run_id} of the sweep stops at run.steps "
+                         f"{r.config.run.steps}; every run must train the study's steps")
     planned = [PlannedRun(r.run_id, f"{r.spec_condition}_s{r.overrides[SEED]}" if seeded else r.spec_condition,
-                          arm_of(study, r.spec_condition), group_of(study, r.spec_condition)) for r in expand(spec)]
+                          arm_of(study, r.spec_condition), group_of(study, r.spec_condition)) for r in expanded]
     if study.blocks:
         planned = [replace(p, block=block_of(study, p.name)) for p in planned]
+        for b in (b for b in study.blocks if not any(p.block == b.name for p in planned)):
+            seeds = sorted({int(p.name.rsplit("_s", 1)[1]) for p in planned})
+            raise StudyError(f"{study.source}: blocks: block {b.name} holds none of the sweep's seeds (its seeds: "
+                             f"{seed_ranges(b.seeds)}; the sweep's: {seed_ranges(seeds)}); each block needs runs")
     arms = list(dict.fromkeys(p.arm for p in planned))
     named = [("control", study.control)] + [("validity: controls", a) for a in study.validity.controls]
     named += [(f"families: {f.name}", a) for f in study.families

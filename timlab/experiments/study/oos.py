@@ -426,15 +426,11 @@ def blocks(st: PredictorStudy, res: PredictorResult | None = None) -> dict[str, 
 
 def analyze_and_write(st: PredictorStudy, *, write: bool) -> PredictorResult:
     """The analysis; with ``write``, its blocks in FINDINGS and (once complete) the calibration record."""
-    from timlab.experiments.study.text import splice_block
+    from timlab.experiments.study.text import write_blocks
 
     res = analyze_study(st)
     if write and st.findings is not None:
-        path = st.findings[0]
-        text = Path(path).read_text(encoding="utf-8")
-        for name, body in blocks(st, res).items():
-            text = splice_block(text, name, body, where=path)
-        Path(path).write_text(text, encoding="utf-8")
+        write_blocks(st.findings[0], blocks(st, res))
     if write and res.status == "complete" and st.calibration:
         write_calibration(st.calibration, calibration_record(st, res.fits, res.cells, res.decision))
     return res

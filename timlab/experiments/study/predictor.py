@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from timlab.experiments.study.registration import StudyError, registration_hash
+from timlab.experiments.study.registration import StudyError, refuse_markers, registration_hash
 from timlab.experiments.study.text import ci_text
 
 VAR_FLOOR = 1e-8
@@ -186,6 +186,7 @@ def predictor_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>
     """Validate a predictor study file's mapping (one-line ``StudyError`` naming the field)."""
     d = _keys(d, TOP, ("study", "kind", "isa", "rerun", "window", "cost", "candidates", "reference", "sources",
                        "table"), source)
+    refuse_markers(d, source)
     if d["kind"] != "predictor":
         raise StudyError(f"{source}: kind: {d['kind']!r} is not a predictor study (valid: predictor)")
     if d["isa"] not in ("avx2", "native"):
@@ -660,11 +661,11 @@ def calibration_record(st: PredictorStudy, fits: dict, cells: Cells, decision: d
 
 
 def write_calibration(path: str | Path, rec: dict) -> Path:
+    from timlab.files import atomic_write_text
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(p)
+    atomic_write_text(p, json.dumps(rec, indent=1, sort_keys=True) + "\n")
     return p
 
 

@@ -14,12 +14,16 @@ working directory, like every ``--out`` of timlab.
 
 Freeze by hash. ``registration_hash`` is the SHA-256 of the registration (the file's mapping
 without ``amendments``, ``frozen`` and ``out``, with a referenced sweep spec's own mapping in place of its
-path), in canonical JSON. ``timlab study run`` records it in ``<out>/study.json`` before the first
-run starts. From then on the hash must stay that one, or equal the ``hash`` of the last entry of
-``amendments`` (each with its ``date`` and ``reason``): ``check_freeze`` refuses anything else, so a
-registration cannot change after the data exist without saying when and why. A sweep run before
-``timlab study run`` existed has no ``study.json``; its study file then names the hash it was
-registered with in ``frozen``.
+path, and the spec's ``base.config`` file's mapping in place of its path), in canonical JSON.
+``timlab study run`` records it in ``<out>/study.json`` before the first run starts. From then on
+the hash must stay that one, or equal the ``hash`` of the last entry of ``amendments`` (each with
+its ``date`` and ``reason``, dated no earlier than the freeze): ``check_freeze`` refuses anything
+else, so a registration cannot change after the data exist without saying when and why; each
+amendment is recorded in ``study.json`` when first used (``record_amendments``) and may not be
+edited or removed after. The files the runs read by path only (model folders, a dataset file:
+``input_digests``) are recorded there by content too, and ``study run`` refuses to go on when one
+changed (``check_inputs``). A sweep run before ``timlab study run`` existed has no ``study.json``;
+its study file then names the hash it was registered with in ``frozen``.
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ comparison not made because its group is void)."""
 TEST_STATES = ("yes", "no", "undecided")
 """What an outcome's condition may require of a ``length_exponent`` fit's test: it passed, it
 failed, or it decided nothing ("no decision")."""
+MAX_FORMAT_WIDTH = 100
+"""The largest width or precision a format spec in a study file may give (``{arm:>12}``, ``.3f``,
+``diff:+.3f``): a larger one would make even a read-only ``timlab study check`` build a string that
+long (``{arm:>10000000000}``: 10 GB)."""
 PLACEHOLDER = re.compile(r"\{([A-Za-z][A-Za-z0-9_]*)\}")
 """A scale's placeholder in an outcome's condition, e.g. ``{endpoint}``."""
 INTERVAL_TESTS = ("holds", "excludes", "below", "above")
@@ -101,6 +109,26 @@ each against one number x: ``holds`` (lo <= x <= hi), ``excludes`` (not holds), 
 
 class StudyError(TimlabError, ValueError):
     """A bad study file, or a study that may not be run or analysed as it stands; one line."""
+
+
+def refuse_markers(obj: Any, source: str, path: str = "") -> None:
+    """Refuse any text (or mapping key) in a study file's mapping that holds a FINDINGS block
+    marker (``text.MARKER``): written into its block, it would end the block early, and every
+    ``--write`` would then duplicate the text after it. The error names the field by its path in
+    the file (e.g. ``notes[0]``, ``families[1].note``)."""
+    from timlab.experiments.study.text import MARKER
+
+    if isinstance(obj, str):
+        if m := MARKER.search(obj):
+            raise StudyError(f"{source}: {path or 'a key'}: holds a FINDINGS block marker ({m.group(0)!r}); study "
+                             f"text may not contain <!-- findings: or <!-- /findings:")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            refuse_markers(k, source, f"{path}: key" if path else "key")
+            refuse_markers(v, source, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            refuse_markers(v, source, f"{path}[{i}]")
 
 
 @dataclass(frozen=True)
@@ -736,6 +764,31 @@ UNHASHED = ("frozen", "amendments", "out")
 """Left out of the hash: the freeze itself, and where the runs live (``--out`` may move them)."""
 
 
+def bounded_spec(spec: str, where: str) -> str:
+    """A format spec a study file gives, checked before anything is formatted with it: no nested
+    field, and no width or precision above ``MAX_FORMAT_WIDTH``."""
+    if "{" in spec or "}" in spec:
+        raise StudyError(f"{where}: format spec {spec!r}: a nested {{field}} is not allowed")
+    for n in re.findall(r"\d+", spec):
+        if len(n) > 6 or int(n) > MAX_FORMAT_WIDTH:
+            raise StudyError(f"{where}: format spec {spec!r}: width or precision {n[:12]}"
+                             f"{'...' if len(n) > 12 else ''} is above the limit of {MAX_FORMAT_WIDTH}")
+    return spec
+
+
+def bounded_fields(text: str, where: str) -> str:
+    """A format string a study file gives (a label, a verdict's line, a paragraph), each of its
+    fields' specs checked by ``bounded_spec`` before it is ever formatted."""
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as e:
+        raise StudyError(f"{where}: not a format string ({e})") from None
+    for _, f, spec, _ in parsed:
+        if f is not None and spec:
+            bounded_spec(spec, where)
+    return text
+
+
 def _keys(d: Any, allowed: tuple, required: tuple, where: str) -> dict:
     if not isinstance(d, dict):
         raise StudyError(f"{where}: expected a mapping, got {type(d).__name__}")
@@ -746,6 +799,13 @@ def _keys(d: Any, allowed: tuple, required: tuple, where: str) -> dict:
         if k not in d:
             raise StudyError(f"{where}: missing key {k!r}")
     return d
+
+
+def _unique(names: list, where: str, what: str = "named") -> None:
+    """Refuse a name given twice (a later entry would silently replace the first)."""
+    twice = [n for n in names if names.count(n) > 1]
+    if twice:
+        raise StudyError(f"{where}: two {what} {twice[0]!r}; each needs its own name")
 
 
 def _choice(v: Any, choices: tuple, where: str) -> str:
@@ -828,7 +888,7 @@ def _verdict(d: Any, where: str, families: list[Family]) -> Verdict:
                       tuple(_choice(t, CASE_TESTS, f"{cw}: when: {e}") for t in (v if isinstance(v, list) else [v])))
                      for e, v in c["when"].items())
         cases.append(Case(when, str(c["then"])))
-    line = str(d["line"])
+    line = bounded_fields(str(d["line"]), f"{where}: line")
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(line) if f is not None]
     except ValueError as e:
@@ -944,12 +1004,24 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
     elif rule:
         rule = _choice(rule, rule_names, f"{where}: rule")
     against = str(f.get("against", control))
+    for a in f.get("arms") or []:
+        if f["arms"].count(a) > 1:
+            raise StudyError(f"{where}: arms: {a!r} listed twice (it would count twice in the Holm family)")
+        if a == against:
+            raise StudyError(f"{where}: arms: {a!r} is the reference (against: {against}); an arm is not compared "
+                             f"with itself")
     comparisons, bounds = [], []
     for j, c in enumerate(f.get("comparisons") or []):
         cw = f"{where}: comparisons[{j}]"
         c = _keys(c, ("arm", "against", "rule", "bound"), ("arm",), cw)
         r = _choice(c["rule"], rule_names, f"{cw}: rule") if c.get("rule") else ""
-        comparisons.append((str(c["arm"]), str(c.get("against", against)), r))
+        pair = (str(c["arm"]), str(c.get("against", against)))
+        if pair[0] == pair[1]:
+            raise StudyError(f"{cw}: arm {pair[0]!r} against itself; an arm is not compared with itself")
+        if any(pair == (a, b) for a, b, _ in comparisons):
+            raise StudyError(f"{cw}: {pair[0]} against {pair[1]} is already compared (it would count twice in the "
+                             f"Holm family)")
+        comparisons.append((*pair, r))
         bounds.append(_number(c["bound"], f"{cw}: bound") if "bound" in c else None)
     for j, (a, b, r) in enumerate(comparisons):
         for key in eps:
@@ -979,6 +1051,7 @@ def _family(f: Any, where: str, names: list[str], rule_names: tuple, control: st
                  str(f.get("zero", "0")), tuple((str(a), str(t)) for a, t in shown.items()), bool(f.get("table", True)),
                  bool(f.get("heading", True)), _choice(f.get("align", "auto"), ALIGNS, f"{where}: align"))
     for key, text in (("label", fam.label), ("reference_label", fam.reference_label)):
+        bounded_fields(text, f"{where}: {key}")
         try:
             text.format(arm="a", against="b")
         except (KeyError, IndexError, ValueError) as e:
@@ -996,6 +1069,7 @@ def _spec(c: str, where: str) -> str:
     """A ``CELL:SPEC`` column (``FORMATTED``), checked: the cell and its Python format spec."""
     cell, spec = c.split(":", 1)
     _choice(cell, FORMATTED, f"{where}: {c}")
+    bounded_spec(spec, f"{where}: {c}")
     try:
         format(1.0, spec)
     except ValueError:
@@ -1028,6 +1102,7 @@ def _paragraph(text: Any, where: str, families: list[Family], names: list[str], 
             raise StudyError(f"{where}: field {{{f}}}; valid: {{FAMILY[ENDPOINT][COMPARISON].FIELD}} (families: "
                              f"{', '.join(fams)}; fields: {', '.join(COMPARISON_FIELDS)}) or {{runs[ENDPOINT].FIELD}} "
                              f"(fields: {', '.join(RUN_FIELDS)})")
+        bounded_spec(spec or "", f"{where}: field {{{f}}}")
         try:
             format(1 if m.group("field") == "n" else 1.0, spec or "")
         except ValueError:
@@ -1230,7 +1305,10 @@ def _blocks(d: Any, w: str) -> tuple[Block, ...]:
             if x in seen:
                 raise StudyError(f"{where}: seeds: seed {x} is already in block {seen[x]!r}; a seed runs in one block")
             seen[x] = str(b["name"])
-        fp = str(b.get("fingerprint") or "")
+        fp = b.get("fingerprint", "")
+        if not isinstance(fp, str):  # YAML reads 000000000000 as the integer 0, 123456789012 as a number
+            raise StudyError(f"{where}: fingerprint: expected text, the 12 hex digits machine.fingerprint() gives, in "
+                             f"quotes (e.g. '000000000000'), got {type(fp).__name__} {fp!r}")
         if fp and not re.fullmatch(r"[0-9a-f]{12}", fp):
             raise StudyError(f"{where}: fingerprint: expected the 12 hex digits machine.fingerprint() gives, got {fp!r}")
         out.append(Block(str(b["name"]), isa, tuple(seeds), str(b.get("out") or ""), fp))
@@ -1245,10 +1323,12 @@ def registration_hash(registration: dict) -> str:
     return hashlib.sha256(canonical(registration).encode()).hexdigest()
 
 
-def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -> Study:
-    """Validate a study mapping (``root``: the folder its relative paths start from)."""
+def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>", loading: tuple[str, ...] = ()) -> Study:
+    """Validate a study mapping (``root``: the folder its relative paths start from; ``loading``: the
+    study files whose fits are reading this one, so a cycle of ``study`` references is named)."""
     w = source
     d = _keys(d, STUDY_KEYS, ("study", "sweep", "steps", "endpoints", "families"), w)
+    refuse_markers(d, w)
     sweep = d["sweep"]
     if isinstance(sweep, str):
         p = Path(root) / sweep
@@ -1299,6 +1379,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                           _number(r["margin"], f"{where}: margin") if test in MARGIN_TESTS else 0.0,
                           str(r.get("margin_of", ""))))
     rule_names = [r.name for r in rules]
+    _unique(rule_names, f"{w}: rules")
     for i, r in enumerate(rules):
         if r.requires:
             _choice(r.requires, tuple(n for n in rule_names if n != r.name), f"{w}: rules[{i}]: requires")
@@ -1307,6 +1388,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     for i, f in enumerate(d["families"] if isinstance(d["families"], list) and d["families"] else [None]):
         where = f"{w}: families[{i}]"
         families.append(_family(f, where, names, tuple(rule_names), control, {r.name: r for r in rules}))
+    _unique([f.name for f in families], f"{w}: families")
     tables = []
     for i, t in enumerate(d.get("tables") or []):
         where = f"{w}: tables[{i}]"
@@ -1327,7 +1409,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             digits = c.get("digits", 3)
             if isinstance(digits, bool) or not isinstance(digits, int) or not 0 <= digits <= 8:
                 raise StudyError(f"{cw}: digits must be an integer from 0 to 8, got {digits!r}")
-            spec = str(c.get("format", ""))
+            spec = bounded_spec(str(c.get("format", "")), f"{cw}: format")
             try:
                 format(1.0, spec)
             except ValueError:
@@ -1335,6 +1417,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             if show == "scaled" and "by" not in c:
                 raise StudyError(f"{cw}: show scaled needs by: the endpoint whose control mean scales the mean")
             by = _names(c["by"], names, f"{cw}: by")[0] if show == "scaled" else ""
+            bounded_fields(str(c.get("partial", "")), f"{cw}: partial")
             try:
                 str(c.get("partial", "")).format(k=1, n=2)
             except (KeyError, IndexError, ValueError) as e:
@@ -1376,7 +1459,11 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                 raise StudyError(f"{where}: kind {kind} needs study: the file of the study whose "
                                  + ("law it places arms against" if kind == "place" else "length fit it tests"))
             other = str(Path(root) / f["study"])
-            o = load_study(other)
+            chain = (*loading, source)
+            if any(Path(x).resolve() == Path(other).resolve() for x in chain if Path(x).is_file()):
+                raise StudyError(f"{where}: study: {other} references this study itself ("
+                                 f"{' -> '.join((*chain, other))}); a {kind} fit reads another study")
+            o = load_study(other, loading=chain)
             if bool(o.groups) != (kind == "predict"):
                 raise StudyError(f"{where}: study: {other} is {'an ungrouped' if kind == 'predict' else 'a grouped'} "
                                  f"study; {kind} needs {'a grouped' if kind == 'predict' else 'an ungrouped'} one")
@@ -1433,6 +1520,8 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
             raise StudyError(f"{w}: repeats: last_step must be an integer from 0 to steps ({steps}), got {last!r}")
         repeats = Repeats(str(r["sweep"]), last)
     verdicts = tuple(_verdict(x, f"{w}: verdicts[{i}]", families) for i, x in enumerate(d.get("verdicts") or []))
+    _unique([v.name for v in verdicts], f"{w}: verdicts")
+    _unique([t.name for t in tables if t.name], f"{w}: tables")
     if not isinstance(d.get("outcomes") or [], list):
         raise StudyError(f"{w}: outcomes: expected a list")
     outcomes = tuple(_outcome(x, f"{w}: outcomes[{i}]", families, fits, bool(groups))
@@ -1447,7 +1536,14 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
     paragraphs = tuple(_paragraph(x, f"{w}: paragraphs[{i}]", families, names, bool(groups))
                        for i, x in enumerate(d.get("paragraphs") or []))
     amendments = tuple(_amendment(a, f"{w}: amendments[{i}]") for i, a in enumerate(d.get("amendments") or []))
-    frozen = d.get("frozen") or ""
+    for i in range(1, len(amendments)):
+        if amendments[i].date < amendments[i - 1].date:
+            raise StudyError(f"{w}: amendments[{i}]: dated {amendments[i].date}, before amendments[{i - 1}] "
+                             f"({amendments[i - 1].date}); amendments are listed oldest first")
+    frozen = d.get("frozen", "")
+    if not isinstance(frozen, str):  # YAML reads a hash of decimal digits alone as a number
+        raise StudyError(f"{w}: frozen: expected text, the 64-hex-digit registration hash in quotes, got "
+                         f"{type(frozen).__name__} {frozen!r}")
     if frozen and not re.fullmatch(r"[0-9a-f]{64}", str(frozen)):
         raise StudyError(f"{w}: frozen must be a 64-hex-digit registration hash, got {frozen!r}")
     predicted_by = None
@@ -1463,7 +1559,7 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
         predicted_by = PredictedBy(str(Path(root) / str(pb["study"])), {str(k): v for k, v in kinds.items()},
                                    str(pb["probe"]))
     registration = {k: v for k, v in d.items() if k not in UNHASHED}
-    registration["sweep"] = sweep
+    registration["sweep"] = _with_config(sweep, sweep_root, w)
     return Study(name=str(d["study"]), sweep=sweep, sweep_root=str(sweep_root), sweep_source=sweep_source, steps=steps,
                  endpoints=tuple(endpoints), families=tuple(families),
                  rules=tuple(rules), control=control, groups=groups, out=str(d.get("out") or ""), validity=validity,
@@ -1474,13 +1570,27 @@ def study_from_dict(d: Any, *, root: str | Path = ".", source: str = "<dict>") -
                  registration=registration, predicted_by=predicted_by, blocks=_blocks(d.get("blocks"), w))
 
 
-def load_study(path: str | Path) -> Study:
-    """Read and validate a study file."""
+def _with_config(sweep: dict, root: Path, w: str) -> dict:
+    """The sweep spec as the registration hashes it: with its ``base.config`` file's content (its
+    YAML mapping) in place of the file's name, so a change inside that file is a change of the
+    registration (a spec without ``base.config`` is hashed as written, as before)."""
+    base = sweep.get("base")
+    if not (isinstance(base, dict) and isinstance(base.get("config"), str)):
+        return sweep
+    p = Path(base["config"]) if Path(base["config"]).is_absolute() else Path(root) / base["config"]
+    if not p.is_file():
+        raise StudyError(f"{w}: sweep: base.config file not found: {p}")
+    content = load_yaml(read_text(p, what="base config"), str(p), StudyError) or {}
+    return {**sweep, "base": {**base, "config": content}}
+
+
+def load_study(path: str | Path, *, loading: tuple[str, ...] = ()) -> Study:
+    """Read and validate a study file (``loading``: see ``study_from_dict``)."""
     p = Path(path)
     if not p.is_file():
         raise StudyError(f"study file not found: {p}")
     return study_from_dict(load_yaml(read_text(p, what="study file"), str(p), StudyError) or {}, root=p.parent,
-                           source=str(p))
+                           source=str(p), loading=loading)
 
 
 # ------------------------------------------------------------------------------ the freeze
@@ -1511,6 +1621,23 @@ def frozen_record(out: str | Path) -> dict | None:
     return rec
 
 
+def holds_runs(out: str | Path) -> bool:
+    """Whether a sweep directory holds runs: its index, or any run folder (a folder holding a
+    config.yaml and a status.json, as every run leaves from its first step), so a sweep whose index
+    was deleted still counts as run and no registration is frozen over its runs."""
+    from timlab.experiments.sweep_index import INDEX_FILE
+    from timlab.rundir import CONFIG, STATUS
+
+    d = Path(out)
+    if (d / INDEX_FILE).exists():
+        return True
+    try:
+        children = list(d.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return any((c / CONFIG).is_file() and (c / STATUS).is_file() for c in children if c.is_dir())
+
+
 def check_freeze(study: Study, out: str | Path, *, has_runs: bool) -> str:
     """Raise ``StudyError`` unless ``study``'s registration is the one frozen at its first run (or
     the last amendment's); return a line saying which. ``has_runs``: the sweep has runs, so a
@@ -1523,10 +1650,16 @@ def check_freeze(study: Study, out: str | Path, *, has_runs: bool) -> str:
                              f"frozen:); start runs with `timlab study run`, or record the hash they were registered "
                              f"with as frozen: {study.hash}")
         return "not frozen yet (no run)"
+    _check_recorded(study, rec, out)
     if study.hash == frozen:
         return f"frozen registration {frozen[:12]} unchanged"
     last = study.amendments[-1] if study.amendments else None
     if last is not None and study.hash == last.hash:
+        at = (rec or {}).get("frozen_at")
+        for i, a in applied_amendments(study, frozen):
+            if at and a.date < str(at):
+                raise StudyError(f"{study.source}: amendments[{i}]: dated {a.date}, before the registration was frozen "
+                                 f"at the first run ({at}, {Path(out) / FREEZE_FILE}); an amendment is made after it")
         return f"frozen registration {frozen[:12]}, amended {last.date} ({len(study.amendments)} amendment(s)): {last.reason}"
     what = _first_difference(rec["registration"], study.registration) if rec and "registration" in rec else \
         "no frozen copy to compare"
@@ -1534,17 +1667,111 @@ def check_freeze(study: Study, out: str | Path, *, has_runs: bool) -> str:
                      f"{study.hash[:12]}; {what}); record an amendment with date, reason and hash: {study.hash}")
 
 
+def applied_amendments(study: Study, frozen: str) -> list[tuple[int, Amendment]]:
+    """The (index, amendment) pairs that amend the registration frozen as ``frozen``: those after
+    the last amendment whose hash is ``frozen`` (a block frozen at an amended registration), else all."""
+    k = max((i for i, a in enumerate(study.amendments) if a.hash == frozen), default=-1)
+    return list(enumerate(study.amendments))[k + 1:]
+
+
+def _check_recorded(study: Study, rec: dict | None, out: str | Path) -> None:
+    """Each amendment the freeze record holds (``record_amendments``: recorded when first used) must
+    still be in the study file as it was then: an amendment once used is never edited or removed."""
+    listed = {(a.date, a.reason, a.hash) for a in study.amendments}
+    for i, r in enumerate((rec or {}).get("amendments") or []):
+        if not isinstance(r, dict) or (str(r.get("date")), str(r.get("reason")), str(r.get("hash"))) not in listed:
+            what = f"{r.get('date')} (hash {str(r.get('hash'))[:12]})" if isinstance(r, dict) else repr(r)
+            raise StudyError(f"{study.source}: amendments: the amendment of {what} that {Path(out) / FREEZE_FILE} "
+                             f"recorded when it was first used is no longer in the file as it was; an amendment once "
+                             f"used is not edited or removed (add a new one)")
+
+
+def record_amendments(study: Study, out: str | Path) -> int:
+    """Record in ``<out>/study.json`` each amendment that amends its frozen registration (its date,
+    reason, hash and the day it was first used) and is not recorded yet, once ``check_freeze``
+    passed; returns how many it added. Without a ``study.json`` (a sweep frozen by ``frozen:`` in
+    the file) nothing is recorded."""
+    rec = frozen_record(out)
+    if rec is None or study.hash == rec["hash"]:
+        return 0
+    from timlab.files import atomic_write_text
+
+    have = rec.get("amendments") or []
+    seen = {(r.get("date"), r.get("reason"), r.get("hash")) for r in have if isinstance(r, dict)}
+    new = [{"date": a.date, "reason": a.reason, "hash": a.hash, "first_used": datetime.date.today().isoformat()}
+           for _, a in applied_amendments(study, rec["hash"]) if (a.date, a.reason, a.hash) not in seen]
+    if new:
+        rec["amendments"] = [*have, *new]
+        atomic_write_text(Path(out) / FREEZE_FILE, json.dumps(rec, indent=1, default=str) + "\n")
+    return len(new)
+
+
+def input_digests(study: Study) -> dict[str, str]:
+    """{file: SHA-256} of the files the sweep's runs read that the registration names only by their
+    path: each regular file directly in a run's ``model.path`` and ``model.pretrain_init`` folder
+    (config.json, the weights, the tokenizer), and the dataset task's ``task.kwargs.path``. A path
+    that does not exist (yet) is left out."""
+    import stat
+
+    from timlab.experiments.sweep_spec import expand, spec_from_dict
+    from timlab.files import sha256_file
+
+    def regular(p: Path) -> bool:  # never a FIFO or a device: reading one could block or never end
+        try:
+            return stat.S_ISREG(p.stat().st_mode)
+        except OSError:
+            return False
+
+    spec = spec_from_dict(study.sweep, root=study.sweep_root, source=study.sweep_source)
+    files: set[Path] = set()
+    for r in expand(spec):
+        m, task = r.config.model, r.config.task
+        for folder in (Path(x) for x in (m.path, m.pretrain_init) if x):
+            if folder.is_dir():
+                files.update(f for f in folder.iterdir() if regular(f))
+        if task.name == "dataset" and task.kwargs.get("path") and regular(Path(task.kwargs["path"])):
+            files.add(Path(task.kwargs["path"]))
+    return {str(f): sha256_file(f) for f in sorted(files)}
+
+
+def check_inputs(study: Study, out: str | Path) -> str:
+    """Compare ``input_digests`` with those ``<out>/study.json`` recorded for this registration
+    (keyed by its hash: an amendment may name other inputs), raising ``StudyError`` at the first
+    that changed, or record them when none are recorded yet (their first use); a line saying which.
+    Run by ``timlab study run`` only: the inputs are local files (a start in ``runs/`` is not
+    committed, and each machine block makes its own), which an analysis never reads."""
+    rec = frozen_record(out)
+    if rec is None:
+        return "inputs not recorded (no study.json)"
+    now, have = input_digests(study), (rec.get("inputs") or {}).get(study.hash)
+    if have is None:
+        from timlab.files import atomic_write_text
+
+        rec["inputs"] = {**(rec.get("inputs") or {}), study.hash: now}
+        atomic_write_text(Path(out) / FREEZE_FILE, json.dumps(rec, indent=1, default=str) + "\n")
+        return f"{len(now)} input file(s) recorded"
+    for f in sorted(set(have) | set(now)):
+        if have.get(f) != now.get(f):
+            what = ("is gone" if f not in now else "is new" if f not in have else
+                    f"changed (SHA-256 {have[f][:12]} -> {now[f][:12]})")
+            raise StudyError(f"{study.source}: input {f} {what} since the registration was frozen in "
+                             f"{Path(out) / FREEZE_FILE}; its runs would read other data than the runs made so far")
+    return f"{len(now)} input file(s) as frozen"
+
+
 def freeze(study: Study, out: str | Path) -> bool:
     """Record ``study``'s registration in ``<out>/study.json`` before the first run; once a record
     exists (or the file names ``frozen``), check against it instead; a sweep that already holds runs
     without either is refused (its registration was never frozen). Returns whether it wrote one."""
-    if frozen_record(out) is not None or study.frozen or (Path(out) / "index.parquet").exists():
+    if frozen_record(out) is not None or study.frozen or holds_runs(out):
         check_freeze(study, out, has_runs=True)  # runs made without a freeze: refused unless frozen: is set
+        record_amendments(study, out)
+        check_inputs(study, out)
         return False
     from timlab.files import atomic_write_with
 
     Path(out).mkdir(parents=True, exist_ok=True)
     rec = {"study": study.name, "hash": study.hash, "frozen_at": datetime.date.today().isoformat(),
-           "source": study.source, "registration": study.registration}
+           "source": study.source, "registration": study.registration, "inputs": {study.hash: input_digests(study)}}
     atomic_write_with(Path(out) / FREEZE_FILE, lambda tmp: Path(tmp).write_text(json.dumps(rec, indent=1, default=str) + "\n"))
     return True

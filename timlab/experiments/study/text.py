@@ -11,6 +11,8 @@ tests/test_findings.py says so).
   [bootstrap] | permutation p | Holm p``.
 - ``splice_block(text, name, body)``: a FINDINGS file with one generated block replaced.
 - ``plain_text(markdown)``: a block as a terminal shows it (tables aligned, no Markdown marks).
+- ``write_blocks(path, blocks)``: those replacements written back atomically (a temporary sibling
+  renamed over the file), so a full disk or a file-size limit leaves the file as it was.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ import re
 
 import numpy as np
 
-from timlab.errors import BadFileError
+from pathlib import Path
+
+from timlab.errors import BadFileError, one_line
 from timlab.experiments.stats import bootstrap_ci, t_ci
+from timlab.files import atomic_write_text, read_text
 
 
 def fmt(x: float, digits: int = 3) -> str:
@@ -72,8 +77,17 @@ def t_cells(x, digits: int = 3, bounds: tuple[float, float] | None = None) -> st
     return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
+MARKER = re.compile(r"<!--\s*/?\s*findings:")
+"""What opens a FINDINGS block marker (``<!-- findings:NAME -->`` / ``<!-- /findings:NAME -->``): a
+block body may not hold one (it would end the block early), so study text holding one is refused."""
+
+
 def splice_block(text: str, name: str, body: str, *, where: str = "FINDINGS") -> str:
-    """``text`` with the body of ``<!-- findings:NAME -->...<!-- /findings:NAME -->`` replaced by ``body``."""
+    """``text`` with the body of ``<!-- findings:NAME -->...<!-- /findings:NAME -->`` replaced by
+    ``body``; a body that holds a block marker is refused (each write would duplicate what follows it)."""
+    if m := MARKER.search(body):
+        raise BadFileError(f"{where}: block {name}: the new text holds a FINDINGS block marker ({m.group(0)!r}); "
+                           f"nothing written")
     pat = re.compile(rf"(<!-- findings:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /findings:{re.escape(name)} -->)", re.S)
     if not pat.search(text):
         raise BadFileError(f"{where}: no block <!-- findings:{name} -->")
@@ -126,3 +140,16 @@ def plain_text(markdown: str) -> str:
         out.append(_plain_inline(line))
     return "\n".join(out[:-1])
 
+def write_blocks(path: str | Path, blocks: dict[str, str]) -> None:
+    """Replace the bodies of the generated blocks ``blocks`` (name -> body) in the FINDINGS file
+    ``path``, atomically: the new text is written to a temporary sibling and renamed over the file,
+    so a write that fails (a full disk, a file-size limit) leaves the file exactly as it was and
+    says so in one line."""
+    path = Path(path)
+    text = read_text(path, what="FINDINGS file")
+    for name, body in blocks.items():
+        text = splice_block(text, name, body, where=str(path))
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        raise BadFileError(f"{path}: not written ({one_line(e)}); the file is unchanged") from None
