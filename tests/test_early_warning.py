@@ -372,7 +372,8 @@ def test_a_sweep_committed_after_registration_is_not_read(committed):
     assert len(ew.REGISTERED_SWEEPS) == 21 and "h1" not in ew.REGISTERED_SWEEPS
     later = tuple(p.name for p in (REPO / "sweeps").iterdir() if p.is_dir() and p.name not in ew.REGISTERED_SWEEPS)
     later_runs = ew.load_runs(REPO / "sweeps", later)  # the runs only: the registered ones are the fixture's
-    assert later_runs and {r.name.split("/")[0] for r in later_runs} <= {"h1", "harm", "harm_oos", "harm_oos_probe", "l1", "e3c", "p1", "p2", "p2_rerun", "h1_intel"}
+    assert later_runs and {r.name.split("/")[0] for r in later_runs} <= {"h1", "harm", "harm_oos", "harm_oos_probe", "l1", "e3c", "p1", "p2", "p2_rerun", "h1_intel",
+                                                                              "p2_amd", "harm2", "harm2_pilot"}
     assert (committed.runs, committed.falls) == (528, 11)  # the later sweeps are there, and left out
 
 

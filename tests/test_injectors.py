@@ -282,7 +282,7 @@ def test_every_module_registers_one_injector_class():
 
     kinds = {name: cls.magnitude_kind for name, cls in classes.items()}
     assert set(kinds.values()) <= set(MAGNITUDE_KINDS)
-    assert {n for n, k in kinds.items() if k != "none"} == {"head_perturb", "logit_noise", "stale", "temperature"}
+    assert {n for n, k in kinds.items() if k != "none"} == {"head_perturb", "kv_cache", "logit_noise", "stale", "temperature"}
 
 
 def test_a_new_injector_is_one_class_and_needs_no_other_edit(model, monkeypatch):

@@ -75,7 +75,7 @@ def _metrics(run_dir):
 
 def test_a_schedule_needs_a_part_with_a_magnitude(tmp_path):
     cfg = smoke(**{"mismatch.injector": "precision", "mismatch.schedule": "linear", "mismatch.ramp_steps": 2})
-    with pytest.raises(UsageError, match="mismatch.schedule=linear moves the magnitude of head_perturb, logit_noise, "
+    with pytest.raises(UsageError, match="mismatch.schedule=linear moves the magnitude of head_perturb, kv_cache, logit_noise, "
                                          "stale, temperature only; add one of them"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before any model or run directory

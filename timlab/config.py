@@ -278,7 +278,7 @@ class MismatchSection:
     """> 0: hold the realized k3 at this target (0 = off): a feedback controller sets each step's
     magnitude from the k3 the previous step realized (timlab.injectors.controller); magnitude is the
     first step's value (0: 0.1), and the schedule moves the target (to target_k3_end) instead of the magnitude.
-    Continuous parts only (head_perturb, logit_noise, temperature). The magnitude is capped at 100, where
+    Continuous parts only (head_perturb, kv_cache, logit_noise, temperature). The magnitude is capped at 100, where
     each part has saturated: a target k3 still above the realized k3 there is not reached, and the
     finished run's status says "target not reached"."""
     target_k3_end: float = 0.0

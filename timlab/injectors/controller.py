@@ -100,7 +100,7 @@ def check_target(*, target_k3: float, target_k3_end: float, target_gain: float, 
                              "(off); set mismatch.target_k3 > 0 or mismatch.target_adapt=false")
         return
     if "continuous" not in kinds:
-        raise UsageError("mismatch.target_k3 controls a continuous magnitude: add one of head_perturb, logit_noise, "
+        raise UsageError("mismatch.target_k3 controls a continuous magnitude: add one of head_perturb, kv_cache, logit_noise, "
                          "temperature to mismatch.injector (stale's lag is an integer)")
     if "integer" in kinds:
         raise UsageError("mismatch.target_k3 cannot control the integer lag of stale; remove stale from mismatch.injector")
