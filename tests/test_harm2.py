@@ -144,6 +144,10 @@ def test_heldout_refuses_before_the_runs_then_picks_the_planted_statistic(tmp_pa
     assert set(dec["beats"]) == {"adv", "kp"} and res.signal[2] < 0.05
     assert "**the held-out costs differ**" in res.test_text and "Verdict: **adv predicts better than k3**" in res.test_text
     assert "| pa_1 | pa | +0.0200 [" in res.fit_text and "held-out answers of 20-20 tokens" in res.test_text
+    rec = H.calibration_record(st, res, 1000)
+    assert rec["winner"] == dec["winner"] and rec["lengths"] == [20.0, 20.0] and rec["params"] == [1000, 1000]
+    assert rec["candidates"]["adv"]["b"] == pytest.approx(4.0) and rec["candidates"]["adv"]["range"] == pytest.approx(
+        [0.005, 0.015])  # the fit cells' adv: cost / 4 over 0.02-0.06
 
 
 def test_heldout_says_no_verdict_when_the_held_out_costs_do_not_differ(tmp_path):
@@ -153,6 +157,7 @@ def test_heldout_says_no_verdict_when_the_held_out_costs_do_not_differ(tmp_path)
     assert res.signal[0] == pytest.approx(0.0, abs=1e-12) and res.signal[2] == pytest.approx(1.0)
     assert res.decision["no_verdict"] and "**no verdict: the held-out cells' costs do not differ**" in res.test_text
     assert "predicts better" not in res.test_text.rsplit("\n", 1)[-1]
+    assert H.calibration_record(st, res, 1000) is None  # rule 4: nothing ships without signal
 
 
 def test_heldout_registration_errors_name_the_field(tmp_path):
@@ -181,3 +186,16 @@ def test_monte_carlo_permutation_p_is_never_zero():
     assert not r.exact and r.p == pytest.approx(1 / 1000)
     r = permutation_test(a, b, max_exact=10, n_mc=499)
     assert not r.exact and r.p == pytest.approx(1 / 500)
+
+
+def test_h2_ships_the_calibration_record_its_analysis_gives():
+    """timlab/data/harm2_calibration.json is what `timlab study analyze docs/examples/studies/harm2.yaml
+    --write` ships from the committed sweep (rule 4: the signal condition held)."""
+    import json
+
+    repo = Path(__file__).resolve().parents[1]
+    st = H.load_heldout(repo / "docs" / "examples" / "studies" / "harm2.yaml")
+    res = H.analyze_heldout(st, root=repo)
+    rec = H.calibration_record(st, res, H.policy_params(st, root=repo))
+    assert rec is not None and rec["winner"] == "max_abs" and rec["params"] == [150336, 150336]
+    assert json.loads(json.dumps(rec, sort_keys=True)) == json.loads(H.CALIBRATION.read_text(encoding="utf-8"))

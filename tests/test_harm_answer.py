@@ -49,7 +49,7 @@ def test_evidence_record_holds_the_studies_cells_with_their_published_costs():
     assert CELLS["E2/ld/stale_2"]["kind"] == "stale 2" and CELLS["E1/fp8"]["family"] == "numerical"
     assert CELLS["MoE/router_bf16_replay"]["remedy"] == "router replay"
     assert CELLS["H1/grow_tis"]["remedy"] == "token IS (truncate)"
-    cal = json.loads(H.CALIBRATION.read_text(encoding="utf-8"))
+    cal = json.loads(H.STUDY_H_CALIBRATION.read_text(encoding="utf-8"))
     assert sorted({c["params"] for c in EV["cells"]}) == cal["params"] == [150336, 483744]
 
 
@@ -114,10 +114,20 @@ def test_no_printed_interval_is_wider_than_ten_points():
 
 
 def test_predicted_cost_only_where_its_interval_is_narrow():
-    cal = json.loads(H.CALIBRATION.read_text(encoding="utf-8"))
+    cal = json.loads(H.STUDY_H_CALIBRATION.read_text(encoding="utf-8"))
     line = H.predicted_line({H.K3: 1e-3}, cal, length=23.0)  # Study H's k3: +-0.215 at 95%
     assert line == ("predicted cost: none (the prediction interval of Study H's calibrated k3 is +-21.5 points here, "
                     "wider than the 10 points timlab prints)")
+    # the record the answer reads is Study H2's (its signal condition held): its winner, max_abs, is +-43 points wide
+    assert H.CALIBRATION == H.CALIBRATIONS[0] and H.CALIBRATION.name == "harm2_calibration.json"
+    h2 = json.loads(H.CALIBRATION.read_text(encoding="utf-8"))
+    assert h2["label"] == "Study H2" and h2["winner"] == "max_abs"
+    half = 1.96 * math.sqrt(3.0 ** 2 * h2["candidates"]["max_abs"]["b_var"] + h2["candidates"]["max_abs"]["loko"] ** 2)
+    assert H.predicted_line({H.K3: 1e-3, "mismatch/max_abs_diff": 3.0}, h2, length=20.0) == (
+        f"predicted cost: none (the prediction interval of Study H2's calibrated max_abs is +-{100 * half:.1f} points "
+        "here, wider than the 10 points timlab prints)") and half > 0.43
+    assert H.predicted_line({H.K3: 1e-3}, h2, length=20.0) == (
+        "predicted cost: none (max_abs = mismatch/max_abs_diff is not measured here)")
     narrow = {"winner": "k3", "lengths": [20.0, 70.0], "candidates": {"k3": {
         "metric": H.K3, "absolute": False, "b": 10.0, "b_var": 0.0, "loko": 0.01, "range": [1e-4, 1e-2]}}}
     half = 1.96 * 0.01

@@ -845,6 +845,13 @@ def _heldout_study(args: argparse.Namespace, st) -> int:
             text = splice_block(text, name, body, where=path)
         atomic_write_text(path, text)
         print(f"wrote blocks {st.findings[1]} and {st.findings[2]} of {path}")
+        rec = H.calibration_record(st, res, H.policy_params(st))
+        if rec is None:
+            print("no calibration record shipped: the signal condition did not hold")
+        else:
+            from timlab.experiments.study.predictor import write_calibration
+
+            print(f"wrote {write_calibration(H.CALIBRATION, rec)} (winner {rec['winner']})")
     return 0 if res.status == "complete" else 1
 
 

@@ -337,7 +337,8 @@ def harm_prediction_line(result: dict) -> str:
     from timlab.experiments.harm_prediction import harm_answer
 
     worst = max(result["cells"], key=lambda c: c["k3_kl"])
-    return (harm_answer({"rollout_corr/k3_kl": worst["k3_kl"]}, length=worst["answer_tokens"],
+    metrics = {"rollout_corr/k3_kl": worst["k3_kl"], "mismatch/max_abs_diff": worst["max_abs_diff"]}
+    return (harm_answer(metrics, length=worst["answer_tokens"],
                         params=result.get("num_params"), kind=result.get("mismatch_kind"))
             + f"\n  (from cell {worst['batch']}/{worst['length']}/{worst['decoding']}, the largest k3 of the matrix)")
 

@@ -5,7 +5,8 @@ Used by ``timlab.experiments.check.format_check`` / ``write_check_html`` and
 the **evidence** (``timlab/data/harm_evidence.json``: every measured cell with its kind, realized
 k3, answer length T, persistence where logged, parameter count and accuracy cost with its 95%
 interval; ``timlab.experiments.study.evidence``, ``python scripts/harm_evidence.py --write``) and
-Study H's **calibration** (``timlab/data/harm_calibration.json``). Given what the caller knows (k3
+the newest **calibration** that shipped (``CALIBRATIONS``: Study H2's held-out winner where its signal
+condition held, else Study H's k3). Given what the caller knows (k3
 per token; optionally T, the kind family the user states with ``--kind``,
 ``mismatch/persistence_ema``, the model's parameter count) it prints a few lines:
 
@@ -49,8 +50,15 @@ from timlab.errors import UsageError
 DATA = Path(__file__).resolve().parents[1] / "data"
 EVIDENCE = DATA / "harm_evidence.json"
 """The committed evidence record (``timlab.experiments.study.evidence`` writes it)."""
-CALIBRATION = DATA / "harm_calibration.json"
+STUDY_H_CALIBRATION = DATA / "harm_calibration.json"
 """Study H's committed calibration record (``timlab study analyze docs/examples/studies/harm.yaml --write``)."""
+
+CALIBRATIONS = (DATA / "harm2_calibration.json", STUDY_H_CALIBRATION)
+"""The calibration records in the order they supersede each other: Study H2's (written by ``timlab study
+analyze docs/examples/studies/harm2.yaml --write`` when its signal condition held), then Study H's."""
+
+CALIBRATION = next((p for p in CALIBRATIONS if p.exists()), STUDY_H_CALIBRATION)
+"""The record the answer reads."""
 
 MAX_WIDTH = 0.10
 """The widest 95% interval (high minus low, in accuracy) that the answer prints."""
@@ -217,12 +225,18 @@ def _persistence_gap(cells: list[dict]) -> str:
     return f"; at one k3 a run-long direction cost {a / b:.1f}x a fresh one, P1" if a and b and b > 0 else ""
 
 
+def _who(calibration: dict | None) -> str:
+    """Whose calibration a record is, as the line names it: "Study H2's" (a record without a label: Study H's)."""
+    return f"{(calibration or {}).get('label') or 'Study H'}'s"
+
+
 def predicted_line(metrics: dict, calibration: dict | None, *, length: float | None) -> str:
     """The calibrated statistic's predicted cost where its 95% interval is narrower than ``MAX_WIDTH``, else why none."""
     from timlab.experiments.study.predictor import prediction
 
     if not calibration or not calibration.get("winner"):
-        return "predicted cost: none (Study H's calibration names no statistic)"
+        return f"predicted cost: none ({_who(calibration)} calibration names no statistic)"
+    who = _who(calibration)
     name = calibration["winner"]
     c = calibration["candidates"][name]
     v = metrics.get(c["metric"])
@@ -232,15 +246,15 @@ def predicted_line(metrics: dict, calibration: dict | None, *, length: float | N
     lo, hi = c["range"]
     lengths = calibration.get("lengths")
     if not lo <= S <= hi:
-        return f"predicted cost: none ({name} {S:.2g} is outside Study H's calibrated {lo:.2g}-{hi:.2g})"
+        return f"predicted cost: none ({name} {S:.2g} is outside {who} calibrated {lo:.2g}-{hi:.2g})"
     if length is not None and lengths and not lengths[0] <= length <= lengths[1]:
-        return (f"predicted cost: none (answers of {length:.0f} tokens are outside Study H's calibrated "
+        return (f"predicted cost: none (answers of {length:.0f} tokens are outside {who} calibrated "
                 f"{lengths[0]:.0f}-{lengths[1]:.0f})")
     pred, a, b = prediction(c["b"], c["b_var"], c["loko"], S)
     if b - a >= MAX_WIDTH:
-        return (f"predicted cost: none (the prediction interval of Study H's calibrated {name} is +-{_pts((b - a) / 2)} "
+        return (f"predicted cost: none (the prediction interval of {who} calibrated {name} is +-{_pts((b - a) / 2)} "
                 f"points here, wider than the {100 * MAX_WIDTH:g} points timlab prints)")
-    return f"predicted cost: {_pts(pred)} points [95% {_pts(a)}, {_pts(b)}] from {name} {S:.3g} (Study H's calibration)"
+    return f"predicted cost: {_pts(pred)} points [95% {_pts(a)}, {_pts(b)}] from {name} {S:.3g} ({who} calibration)"
 
 
 def answer_lines(metrics: dict, *, length: float | None = None, kind: str | None = None, params: int | None = None,

@@ -49,6 +49,10 @@ TOP = ("study", "kind", "runs", "kind_pattern", "kinds", "window", "cost", "cand
 UNHASHED = ("frozen", "notes")
 """Left out of the hash: the freeze itself and prose."""
 
+CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "harm2_calibration.json"
+"""Where ``timlab study analyze FILE --write`` ships the winner's fit when the signal condition holds
+(Study H2's rule 4; ``timlab.experiments.harm_prediction`` reads it before Study H's record)."""
+
 ROLES = ("fit", "heldout")
 """What a kind is to the study: fitted on, or held out for the test."""
 
@@ -282,6 +286,7 @@ class HeldoutResult:
     fits: dict | None = None
     decision: dict | None = None
     signal: tuple | None = None
+    data: HeldoutData | None = None
 
 
 def _g(x: float) -> str:
@@ -380,7 +385,45 @@ def analyze_heldout(st: HeldoutStudy, root: str | Path = ".") -> HeldoutResult:
     test, dec, signal = test_text(st, data, fits)
     fit = f"{head}\n\nRuns ({_shown(_runs_study(st).source)}), their own analysis:\n\n{runs_text.strip()}\n\n" \
           f"{fit_text(st, data, fits)}"
-    return HeldoutResult("complete", fit, f"{head}\n\n{test}", fits, dec, signal)
+    return HeldoutResult("complete", fit, f"{head}\n\n{test}", fits, dec, signal, data)
+
+
+def calibration_record(st: HeldoutStudy, res: HeldoutResult, params: int | None) -> dict | None:
+    """The record ``timlab check`` and ``timlab analyze`` read (``predictor.calibration_record``'s form):
+    each candidate's fit on the fit cells, their answer lengths and the policy's size, and the winner of
+    the held-out test with its error; None when the analysis is not complete or the signal condition
+    did not hold (then nothing ships)."""
+    if res.status != "complete" or res.decision is None or res.decision.get("no_verdict"):
+        return None
+    rec = {"study": st.name, "label": "Study H2" if st.name == "harm2" else f"study {st.name}", "hash": st.hash,
+           "regime": st.regime, "reference": st.reference, "candidates": {}}
+    data = res.data
+    lengths = [data.lengths[c] for c in data.fit.names]
+    rec["lengths"] = [min(lengths), max(lengths)]
+    rec["params"] = [params, params] if params else None
+    for c in st.candidates:
+        S, _ = cell_point(data.fit, c.name)
+        f = res.fits[c.name]
+        rec["candidates"][c.name] = {"metric": c.metric, "absolute": c.absolute, "b": f["b"], "b_var": f["b_var"],
+                                     "loko": f["loko"], "range": [float(np.min(S)), float(np.max(S))]}
+    d = res.decision
+    w = d["winner"]
+    rec["winner"] = w
+    rec["oos"] = {"rmse": d["per"][w]["rmse"], "rmse_ci": list(d["per"][w]["rmse_ci"]),
+                  "beats_reference": w in d["beats"], "miscalibrated": bool(d["per"][w]["miscalibrated"]),
+                  "covered": int(d["per"][w]["covered"]), "cells": d["cells"]}
+    return rec
+
+
+def policy_params(st: HeldoutStudy, root: str | Path = ".") -> int | None:
+    """The parameter count of the runs' policy, from the first run's config (its architecture)."""
+    from timlab.experiments.study.blocks import block_dirs
+    from timlab.experiments.study.engine import planned_runs
+    from timlab.experiments.study.evidence import config_params, run_config
+
+    rs = _runs_study(st)
+    p = planned_runs(rs)[0]
+    return config_params(run_config(block_dirs(rs, None, root)[p.block] / p.run_id))
 
 
 def _shown(path: str | Path) -> str:
