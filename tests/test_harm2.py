@@ -199,3 +199,24 @@ def test_h2_ships_the_calibration_record_its_analysis_gives():
     rec = H.calibration_record(st, res, H.policy_params(st, root=repo))
     assert rec is not None and rec["winner"] == "max_abs" and rec["params"] == [150336, 150336]
     assert json.loads(json.dumps(rec, sort_keys=True)) == json.loads(H.CALIBRATION.read_text(encoding="utf-8"))
+
+
+def test_heldout_cli_check_analyze_and_write(tmp_path, capsys, monkeypatch):
+    from timlab import cli
+
+    st, costs = _planted(tmp_path, {"hc_1": 0.01, "hc_2": 0.08})
+    assert cli.main(["study", "check", str(tmp_path / "h2.yaml")]) == 0
+    assert f"Registration {st.hash[:12]} (frozen): fit kinds pa, pb; held-out kinds hc" in capsys.readouterr().out
+    assert cli.main(["study", "analyze", str(tmp_path / "h2.yaml"), "--write"]) == 2  # incomplete: nothing written
+    assert "--write: the analysis is incomplete; nothing written" in capsys.readouterr().err
+    _write_runs(st, costs)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(H, "CALIBRATION", tmp_path / "cal.json")
+    assert cli.main(["study", "analyze", str(tmp_path / "h2.yaml"), "--write"]) == 0
+    out = capsys.readouterr().out
+    assert "**" not in out and "Verdict: adv predicts better than k3" in out  # plain text on the terminal
+    text = (tmp_path / "FINDINGS.md").read_text()
+    assert "Verdict: **adv predicts better than k3**" in text.split("<!-- findings:t -->")[1]
+    import json
+
+    assert json.loads((tmp_path / "cal.json").read_text())["winner"] == "adv"

@@ -827,24 +827,20 @@ def _heldout_study(args: argparse.Namespace, st) -> int:
     if args.action != "analyze":
         raise CLIError(f"study {args.action}: not defined for a held-out study (valid: check, analyze); its runs: "
                        f"timlab study run {st.runs}")
+    from timlab.experiments.study.text import plain_text, write_blocks
+
     res = H.analyze_heldout(st)
-    print(res.fit_text)
-    print(f"\n{res.test_text}")
+    show = (lambda t: t) if args.markdown else plain_text
+    print(show(res.fit_text))
+    print(f"\n{show(res.test_text)}")
     print(f"\n{st.name}: {res.status}")
     if args.write:
         if res.status != "complete":
             raise CLIError(f"--write: the analysis is {res.status}; nothing written")
         if st.findings is None:
             raise CLIError(f"--write: {args.file} names no findings blocks (findings: {{file, fit, test}})")
-        from timlab.experiments.study.text import splice_block
-        from timlab.files import atomic_write_text
-
-        path = st.findings[0]
-        text = Path(path).read_text(encoding="utf-8")
-        for name, body in H.blocks(st, res).items():
-            text = splice_block(text, name, body, where=path)
-        atomic_write_text(path, text)
-        print(f"wrote blocks {st.findings[1]} and {st.findings[2]} of {path}")
+        write_blocks(st.findings[0], H.blocks(st, res))
+        print(f"wrote blocks {st.findings[1]} and {st.findings[2]} of {st.findings[0]}")
         rec = H.calibration_record(st, res, H.policy_params(st))
         if rec is None:
             print("no calibration record shipped: the signal condition did not hold")

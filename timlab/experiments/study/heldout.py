@@ -416,14 +416,16 @@ def calibration_record(st: HeldoutStudy, res: HeldoutResult, params: int | None)
 
 
 def policy_params(st: HeldoutStudy, root: str | Path = ".") -> int | None:
-    """The parameter count of the runs' policy, from the first run's config (its architecture)."""
+    """The parameter count of the runs' policy, from the first run's config (its architecture); None
+    where that run has no config.yaml."""
     from timlab.experiments.study.blocks import block_dirs
     from timlab.experiments.study.engine import planned_runs
     from timlab.experiments.study.evidence import config_params, run_config
 
     rs = _runs_study(st)
     p = planned_runs(rs)[0]
-    return config_params(run_config(block_dirs(rs, None, root)[p.block] / p.run_id))
+    run = block_dirs(rs, None, root)[p.block] / p.run_id
+    return config_params(run_config(run)) if (run / "config.yaml").is_file() else None
 
 
 def _shown(path: str | Path) -> str:
