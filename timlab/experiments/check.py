@@ -220,13 +220,20 @@ def _cell_metrics(out) -> dict:
     }
 
 
+MIN_TOKENS = 16
+"""A cell with fewer valid tokens gets no "pass": its means say too little to pass a health check
+("too few tokens"); a failed check still fails, and bitwise equality is still stated."""
+
+
 def verdict(cell: dict) -> tuple[str, list[str]]:
-    """("bitwise" | "pass" | "FAIL", the failed checks as 'metric value op limit')."""
+    """("bitwise" | "pass" | "too few tokens" | "FAIL", the failed checks as 'metric value op limit')."""
     failed = [f"{h.metric} {cell[h.metric]:.4g} {'>' if h.op == '<=' else '<'} {h.limit:g}"
               for h in HEALTH_CHECKS if not h.passes(cell[h.metric])]
     if failed:
         return "FAIL", failed
-    return ("bitwise" if cell["frac_bitwise_equal"] == 1.0 else "pass"), []
+    if cell["frac_bitwise_equal"] == 1.0:
+        return "bitwise", []
+    return ("pass" if cell["num_tokens"] >= MIN_TOKENS else "too few tokens"), []
 
 
 def run_check(
@@ -302,15 +309,23 @@ def _fmt(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
+def cell_text(key: str, x: float) -> str:
+    """A cell's number as the terminal table prints it: mean e^|r| to 4 decimals (1.0006 is not "1"),
+    fractions as percents, the rest to 3 significant digits."""
+    if key == "exp_abs_diff_mean":
+        return f"{x:.4f}"
+    if key.startswith("frac_"):
+        return f"{100 * x:.1f}%"
+    return _fmt(x)
+
+
 def format_check(result: dict) -> str:
     """The matrix as a text table, then the health, the gate and the length reading."""
     cols = ("batch", "length", "decoding", "num_tokens", "exp_abs_diff_mean", "mean_abs_diff", "max_abs_diff", "k3_kl",
             "frac_bitwise_equal", "verdict")
     heads = ("batch", "length", "decoding", "tokens", "mean e^|r|", "mean |r|", "max |r|", "k3", "bitwise", "verdict")
-    rows = [[str(c[k]) if not isinstance(c[k], float) else _fmt(c[k]) for k in cols] for c in result["cells"]]
+    rows = [[str(c[k]) if not isinstance(c[k], float) else cell_text(k, c[k]) for k in cols] for c in result["cells"]]
     for row, c in zip(rows, result["cells"]):
-        row[4] = f"{c['exp_abs_diff_mean']:.4f}"
-        row[8] = f"{100 * c['frac_bitwise_equal']:.1f}%"
         if c["failed_checks"]:
             row[9] += " (" + "; ".join(c["failed_checks"]) + ")"
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
@@ -352,12 +367,12 @@ def write_check_html(result: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     e = html.escape
     title = f"timlab check: rollout {result['rollout']} vs score {result['score']} ({result['dtype']})"
-    keys = ("batch", "length", "decoding", *CELL_KEYS, "verdict")
+    keys = ("batch", "length", "decoding", "verdict", *CELL_KEYS)  # the verdict beside the cell it judges
     head = "".join(f"<th>{e(k)}</th>" for k in keys)
     body = ""
     for c in result["cells"]:
-        color = {"FAIL": "#fdd", "bitwise": "#dfd"}.get(c["verdict"], "#fff")
-        tds = "".join(f"<td>{_fmt(c[k]) if isinstance(c[k], float) else e(str(c[k]))}</td>" for k in keys)
+        color = {"FAIL": "#fdd", "bitwise": "#dfd", "too few tokens": "#eee"}.get(c["verdict"], "#fff")
+        tds = "".join(f"<td>{cell_text(k, c[k]) if isinstance(c[k], float) else e(str(c[k]))}</td>" for k in keys)
         note = f" title='{e('; '.join(c['failed_checks']))}'" if c["failed_checks"] else ""
         body += f"<tr style='background:{color}'{note}>{tds}</tr>"
     checks = "".join(f"<li><code>{e(h['metric'])} {e(h['op'])} {h['limit']:g}</code>: {e(h['source'])}</li>"
@@ -369,7 +384,7 @@ def write_check_html(result: dict, path: str | Path) -> Path:
     ls = result["length_scaling"]
     notes = "".join(f"<p>Note: {e(n)}.</p>" for n in result.get("notes", ()))
     parts = [f"<h1>{e(title)}</h1>", f"<p>Model <code>{e(result['model_dir'])}</code>, seed {result['seed']}.</p>", notes,
-             f"<table><tr>{head}</tr>{body}</table>", f"<h2>Thresholds</h2><ul>{checks}</ul>", f"<h2>Gate</h2><p>{gate}</p>",
+             f"<div style='overflow-x:auto'><table><tr>{head}</tr>{body}</table></div>", f"<h2>Thresholds</h2><ul>{checks}</ul>", f"<h2>Gate</h2><p>{gate}</p>",
              f"<h2>Noise or bias?</h2><p>{e(format_length_scaling(ls))}</p>",
              f"<h2>Is this mismatch a problem?</h2><pre>{e(harm_prediction_line(result))}</pre>"]
     if len(ls["lengths"]) >= 2 and any(v > 0 for v in ls["rms_sum"]):
