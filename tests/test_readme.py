@@ -229,7 +229,7 @@ def test_make_test_ends_on_a_summary_line():
     for run in runs:
         quiet = sum(arg.count("q") for arg in (shlex.split(addopts) + run.split()) if re.fullmatch(r"-q+", arg))
         assert quiet <= 1, run
-    assert "about 1,650 tests" in " ".join(README.read_text().split())
+    assert "about 1,750 tests" in " ".join(README.read_text().split())
 
 
 def test_the_quickstart_study_costs_the_same_everywhere():
