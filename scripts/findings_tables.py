@@ -444,19 +444,24 @@ def p2_persistence(R: pd.DataFrame) -> str:
 def p2_amd(R: pd.DataFrame) -> str:
     """Study P2's extension, block amd alone (seeds 8-15, descriptive beside the registered pooled test):
     each seed's persistence_ema, realized k3 (steps 10-150) and cost (the block's control level minus its
-    own), and rule 1's comparison in this block alone (redraw_1 minus persist, exact permutation p)."""
+    own), and rule 1's comparison in this block alone (redraw_1 minus persist, exact permutation p). The
+    registered endpoints as the study's engine computes them, with persistence_ema's level added."""
+    import dataclasses
+
+    from timlab.experiments.study.engine import BLOCK
+    from timlab.experiments.study.registration import Endpoint
+
     study = load_study(STUDIES / "p2_16.yaml")
-    amd = [p for p in planned_runs(study) if p.block == "amd"]
-    vals: dict = {}
-    for p in amd:
-        m = read_metrics(ROOT / "sweeps" / "p2_amd" / p.run_id)
-        acc = m[(m["step"] >= 50) & (m["step"] <= 150)]["val/accuracy"].dropna().mean()
-        w = m[(m["step"] >= 10) & (m["step"] <= 150)]
-        vals.setdefault(p.arm, []).append((acc, w["rollout_corr/k3_kl"].mean(), w["mismatch/persistence_ema"].mean()))
-    control = np.mean([v[0] for v in vals["control"]])
+    study = dataclasses.replace(study, endpoints=(*study.endpoints, Endpoint(
+        "pers", "mismatch/persistence_ema", "level", (10, 150))))
+    amd = float([b.name for b in study.blocks].index("amd"))
+    cols = {arm: {k: v[c[BLOCK] == amd] for k, v in c.items()} for arm, c in endpoint_values(study, root=ROOT)[""].items()}
+    control = cols["control"]["acc_level"].mean()
     rows = [{"arm": arm, "per seed 8-15: persistence_ema / realized k3 (steps 10-150) / cost": ", ".join(
-                 f"{e:.2f} / {k:.4f} / {control - a:.3f}" for a, k, e in vals[arm])} for arm in ("persist", "redraw_1")]
-    r = permutation_test([v[0] for v in vals["redraw_1"]], [v[0] for v in vals["persist"]])
+                 f"{e:.2f} / {k:.4f} / {control - a:.3f}"
+                 for a, k, e in zip(cols[arm]["acc_level"], cols[arm]["k3"], cols[arm]["pers"]))}
+            for arm in ("persist", "redraw_1")]
+    r = permutation_test(cols["redraw_1"]["acc_level"], cols["persist"]["acc_level"])
     return (md_table(rows) + f"\n\nBlock amd alone, redraw_1 minus persist: {r.diff:+.4f}, exact permutation p = "
             f"{r.p:.4f} ({r.n_relabelings:,} relabelings).")
 

@@ -79,15 +79,14 @@ def pilot_yaml() -> str:
 
 def run_means(sweep: str | Path, metric: str = "val/accuracy", window=COST_WINDOW) -> dict[str, list[float]]:
     """condition without its seed -> each finished run's mean ``metric`` over ``window``."""
-    import pandas as pd
+    from timlab.experiments.study.predictor import _window_mean
+    from timlab.rundir import read_metrics
 
     out: dict[str, list[float]] = {}
     for p in sorted(Path(sweep).iterdir()):
-        if not (p / "metrics.parquet").is_file():
-            continue
-        m = pd.read_parquet(p / "metrics.parquet")
-        v = m[(m["step"] >= window[0]) & (m["step"] <= window[1])][metric].dropna()
-        out.setdefault(re.sub(r"_s\d+$", "", p.name.split("__")[0]), []).append(float(v.mean()))
+        if (p / "metrics.parquet").is_file():
+            m = read_metrics(p)
+            out.setdefault(re.sub(r"_s\d+$", "", p.name.split("__")[0]), []).append(_window_mean(m, metric, window))
     return out
 
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from timlab.experiments.stats import chi2_sf, cochran_q
 from timlab.experiments.study.oos import dose_for_cost, pilot_doses, round_sig
 
 
@@ -116,13 +117,13 @@ def _write_runs(st, costs):
 
 
 def test_chi2_sf_and_cochran_q_by_hand():
-    assert H.chi2_sf(2.0, 2) == pytest.approx(math.exp(-1.0), rel=1e-12)  # df 2: exp(-x / 2)
+    assert chi2_sf(2.0, 2) == pytest.approx(math.exp(-1.0), rel=1e-12)  # df 2: exp(-x / 2)
     # df 6: exp(-x / 2) (1 + x / 2 + (x / 2)^2 / 2); Study H's heterogeneity, Q = 1.9: p = 0.93
-    assert H.chi2_sf(1.9, 6) == pytest.approx(math.exp(-0.95) * (1 + 0.95 + 0.95 ** 2 / 2), rel=1e-12)
-    assert H.chi2_sf(11.0705, 5) == pytest.approx(0.05, abs=1e-5)  # the 95% point of chi-square(5)
-    assert H.chi2_sf(30.0, 3) == pytest.approx(1.3801e-6, rel=1e-3)  # continued-fraction branch
-    assert H.chi2_sf(0.0, 4) == 1.0
-    q, df, p = H.cochran_q([0.0, 1.0], [1.0, 1.0])
+    assert chi2_sf(1.9, 6) == pytest.approx(math.exp(-0.95) * (1 + 0.95 + 0.95 ** 2 / 2), rel=1e-12)
+    assert chi2_sf(11.0705, 5) == pytest.approx(0.05, abs=1e-5)  # the 95% point of chi-square(5)
+    assert chi2_sf(30.0, 3) == pytest.approx(1.3801e-6, rel=1e-3)  # continued-fraction branch
+    assert chi2_sf(0.0, 4) == 1.0
+    q, df, p = cochran_q([0.0, 1.0], [1.0, 1.0])
     assert (q, df) == (0.5, 1) and p == pytest.approx(math.erfc(math.sqrt(0.25)), rel=1e-12)
 
 

@@ -664,18 +664,18 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise CLIError(f"study {args.action}: --trajectories is an option of `study figure`")
     if args.markdown and args.action != "analyze":
         raise CLIError(f"study {args.action}: --markdown is an option of `study analyze`")
-    pst = P.load_predictor(args.file)
-    if pst is not None:
-        return _predictor_study(args, pst)
     from timlab.experiments.study import heldout as H
+    from timlab.experiments.study.registration import study_from_dict, study_mapping
 
-    hst = H.load_heldout(args.file)
-    if hst is not None:
-        return _heldout_study(args, hst)
+    path, d = study_mapping(args.file)  # read once; its kind says which engine analyses it
+    if P.is_predictor(d):
+        return _predictor_study(args, P.predictor_from_dict(d, root=path.parent, source=str(path)))
+    if H.is_heldout(d):
+        return _heldout_study(args, H.heldout_from_dict(d, root=path.parent, source=str(path)))
     if args.action == "recompute":
         raise CLIError(f"study recompute: {args.file} is not a predictor study (kind: predictor); "
                        "its runs are made by `timlab study run`")
-    st = S.load_study(args.file)
+    st = study_from_dict(d, root=path.parent, source=str(path))
     dirs = block_dirs(st, args.out)
     if args.action == "check":
         runs = S.planned_runs(st)
@@ -766,10 +766,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     print(plain_text(res.text) if not args.markdown else res.text)
     print(f"\n{st.name}: {res.status}; {res.freeze}")
     if args.write:
-        if res.status != "complete":
-            raise CLIError(f"--write: the analysis is {res.status}; nothing written")
-        if st.findings is None:
-            raise CLIError(f"--write: {args.file} names no findings block (findings: {{file, block}})")
+        _check_writable(args, res.status, st.findings, "block (findings: {file, block})")
         from timlab.experiments.study.text import write_blocks
 
         path, name = st.findings
@@ -813,6 +810,14 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
     return 0 if res.status == "complete" else 1
 
 
+def _check_writable(args: argparse.Namespace, status: str, findings, what: str) -> None:
+    """``study analyze --write`` refuses an analysis that is not complete, or a file that names no block."""
+    if status != "complete":
+        raise CLIError(f"--write: the analysis is {status}; nothing written")
+    if findings is None:
+        raise CLIError(f"--write: {args.file} names no findings {what}")
+
+
 def _heldout_study(args: argparse.Namespace, st) -> int:
     """``timlab study check|analyze`` of a held-out predictor study (docs/studies.md, "Held-out predictor
     studies"); its runs are its ``runs`` study file's, run by ``timlab study run RUNS``."""
@@ -835,10 +840,7 @@ def _heldout_study(args: argparse.Namespace, st) -> int:
     print(f"\n{show(res.test_text)}")
     print(f"\n{st.name}: {res.status}")
     if args.write:
-        if res.status != "complete":
-            raise CLIError(f"--write: the analysis is {res.status}; nothing written")
-        if st.findings is None:
-            raise CLIError(f"--write: {args.file} names no findings blocks (findings: {{file, fit, test}})")
+        _check_writable(args, res.status, st.findings, "blocks (findings: {file, fit, test})")
         write_blocks(st.findings[0], H.blocks(st, res))
         print(f"wrote blocks {st.findings[1]} and {st.findings[2]} of {st.findings[0]}")
         rec = H.calibration_record(st, res, H.policy_params(st))

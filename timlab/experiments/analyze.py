@@ -840,13 +840,10 @@ def harm_prediction(result: dict) -> str:
     """The answer to "is this mismatch a problem?" (``timlab.experiments.harm_prediction``) for the whole
     file: its k3, mean answer length and ``mismatch/persistence_ema`` where the result carries it; the
     kind where ``--kind`` stated it."""
-    from timlab.experiments.harm_prediction import PERSISTENCE, harm_answer
+    from timlab.experiments.harm_prediction import harm_answer
 
-    metrics = dict(result["metrics"])
-    for where in (result, result.get("persistence") if isinstance(result.get("persistence"), dict) else {}):
-        if where.get(PERSISTENCE) is not None:
-            metrics.setdefault(PERSISTENCE, where[PERSISTENCE])
-    return harm_answer(metrics, length=result["response_length_mean"], kind=result.get("mismatch_kind"))
+    # result["metrics"] carries mismatch/persistence_ema where the file gave it (``_add_persistence``)
+    return harm_answer(result["metrics"], length=result["response_length_mean"], kind=result.get("mismatch_kind"))
 
 
 # ------------------------------------------------------------------------------ HTML report

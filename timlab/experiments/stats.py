@@ -7,6 +7,8 @@ intervals. numpy and the standard library only (no scipy).
   fixed seed (the result says which). The observed labeling is one of the relabelings, so p is
   never below 1 / (number of relabelings): the floor ``permutation_floor`` reports (5 vs 5
   two-sided: 2/252 = 0.0079). By Monte Carlo it is (hits + 1) / (n_mc + 1), never 0.
+- ``cochran_q(costs, variances)``: Cochran's heterogeneity Q of estimates with their variances, and
+  its chi-square p (``chi2_sf``: the regularized upper incomplete gamma, in plain floats).
 - ``clopper_pearson(k, n)``: the exact (conservative) binomial interval for k successes in n,
   by bisection on the binomial CDF (the Beta-quantile form needs scipy).
 - ``bootstrap_ci(a)`` / ``bootstrap_diff_ci(a, b)`` / ``bootstrap_ratio_ci(a, b)``: percentile
@@ -128,6 +130,50 @@ def permutation_test(a, b, *, strata=None, max_exact: int = MAX_EXACT, n_mc: int
     p = hits / len(sums) if exact else (hits + 1) / (len(sums) + 1)
     floor = permutation_floor(k, n - k) if strata is None else stratified_floor(strata)
     return PermutationResult(float(observed), p, len(sums), exact, floor)
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(chi-square with ``df`` degrees of freedom > x), the regularized upper incomplete gamma
+    Q(df / 2, x / 2): its series below s + 1, its continued fraction (modified Lentz) above."""
+    if x <= 0:
+        return 1.0
+    s, z = df / 2.0, x / 2.0
+    log_front = s * math.log(z) - z - math.lgamma(s)
+    if z < s + 1:
+        term = total = 1.0 / s
+        a = s
+        for _ in range(10_000):
+            a += 1
+            term *= z / a
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return max(0.0, 1.0 - math.exp(log_front) * total)
+    tiny = 1e-300
+    b, c, dd = z + 1 - s, 1 / tiny, 1 / (z + 1 - s)
+    h = dd
+    for i in range(1, 10_000):
+        an = -i * (i - s)
+        b += 2
+        dd = an * dd + b
+        dd = tiny if abs(dd) < tiny else dd
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        dd = 1 / dd
+        delta = dd * c
+        h *= delta
+        if abs(delta - 1) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def cochran_q(costs, variances) -> tuple[float, int, float]:
+    """Cochran's Q of ``costs`` with weights 1 / ``variances``: (Q, degrees of freedom, chi-square p)."""
+    w = [1.0 / float(v) for v in variances]
+    c = [float(x) for x in costs]
+    mean = math.fsum(wi * ci for wi, ci in zip(w, c)) / math.fsum(w)
+    q = math.fsum(wi * (ci - mean) ** 2 for wi, ci in zip(w, c))
+    return q, len(c) - 1, chi2_sf(q, len(c) - 1)
 
 
 def binom_cdf(k: int, n: int, p: float) -> float:

@@ -31,7 +31,7 @@ VOID line is the blocks' text until then).
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +41,11 @@ import numpy as np
 import pandas as pd
 
 from timlab.experiments.study.predictor import (Candidate, Cells, N_BOOT, _keys, _window, cell_point,
+                                                check_frozen as predictor_check_frozen,
                                                 cost_variances, fit_all, prediction)
-from timlab.experiments.study.registration import StudyError, registration_hash
+from timlab.experiments.stats import cochran_q
+from timlab.experiments.study.oos import OosCells, _shown as shown, decide, results_text
+from timlab.experiments.study.registration import StudyError, registration_hash, study_mapping
 
 TOP = ("study", "kind", "runs", "kind_pattern", "kinds", "window", "cost", "candidates", "reference", "signal", "boot",
        "findings", "regime", "frozen", "notes")
@@ -142,65 +145,12 @@ def is_heldout(d: Any) -> bool:
 
 def load_heldout(path: str | Path) -> HeldoutStudy | None:
     """The held-out study in the study file ``path``, or None when the file is of another kind."""
-    from timlab.files import read_text
-    from timlab.yaml_io import load_yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise StudyError(f"study file not found: {p}")
-    d = load_yaml(read_text(p, what="study file"), str(p), StudyError) or {}
+    p, d = study_mapping(path)
     return heldout_from_dict(d, root=p.parent, source=str(p)) if is_heldout(d) else None
 
 
 def check_frozen(st: HeldoutStudy) -> None:
-    if st.frozen and st.frozen != st.hash:
-        raise StudyError(f"study {st.name}: the registration changed after it was frozen (frozen {st.frozen[:12]}, "
-                         f"now {st.hash[:12]}); a frozen held-out study is not edited")
-
-
-# ------------------------------------------------------------------------------ statistics (pure)
-def chi2_sf(x: float, df: int) -> float:
-    """P(chi-square with ``df`` degrees of freedom > x), the regularized upper incomplete gamma
-    Q(df / 2, x / 2): its series below s + 1, its continued fraction (modified Lentz) above."""
-    if x <= 0:
-        return 1.0
-    s, z = df / 2.0, x / 2.0
-    log_front = s * math.log(z) - z - math.lgamma(s)
-    if z < s + 1:
-        term = total = 1.0 / s
-        a = s
-        for _ in range(10_000):
-            a += 1
-            term *= z / a
-            total += term
-            if abs(term) < abs(total) * 1e-16:
-                break
-        return max(0.0, 1.0 - math.exp(log_front) * total)
-    tiny = 1e-300
-    b, c, dd = z + 1 - s, 1 / tiny, 1 / (z + 1 - s)
-    h = dd
-    for i in range(1, 10_000):
-        an = -i * (i - s)
-        b += 2
-        dd = an * dd + b
-        dd = tiny if abs(dd) < tiny else dd
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        dd = 1 / dd
-        delta = dd * c
-        h *= delta
-        if abs(delta - 1) < 1e-16:
-            break
-    return math.exp(log_front) * h
-
-
-def cochran_q(costs, variances) -> tuple[float, int, float]:
-    """Cochran's Q of ``costs`` with weights 1 / ``variances``: (Q, degrees of freedom, chi-square p)."""
-    w = [1.0 / float(v) for v in variances]
-    c = [float(x) for x in costs]
-    mean = math.fsum(wi * ci for wi, ci in zip(w, c)) / math.fsum(w)
-    q = math.fsum(wi * (ci - mean) ** 2 for wi, ci in zip(w, c))
-    return q, len(c) - 1, chi2_sf(q, len(c) - 1)
+    predictor_check_frozen(st, "held-out study")
 
 
 # ------------------------------------------------------------------------------ the runs
@@ -224,12 +174,11 @@ def _runs_study(st: HeldoutStudy):
 
 @dataclass
 class HeldoutData:
-    """Per cell of the sweep: its kind, per-seed costs and candidate values."""
+    """The fit kinds' cells and the held-out kinds' cells (each with its kind, per-seed costs and candidate
+    values, and answer length)."""
 
     fit: Cells
     held: Cells
-    lengths: dict
-    """cell -> its runs' mean answer length over ``window``."""
 
 
 def collect(st: HeldoutStudy, root: str | Path = ".") -> tuple[str, str, HeldoutData | None]:
@@ -255,7 +204,6 @@ def collect(st: HeldoutStudy, root: str | Path = ".") -> tuple[str, str, Heldout
     ctrl = np.array([x[0] for x in per.pop(rs.control)])
     absolute = {c.name: c.absolute for c in st.candidates}
     fit, held = (Cells([], [], [], [], [], [], absolute, paired=True) for _ in range(2))
-    lengths = {}
     rx = re.compile(st.kind_pattern)
     for arm, runs in per.items():
         m = rx.fullmatch(arm)
@@ -269,12 +217,12 @@ def collect(st: HeldoutStudy, root: str | Path = ".") -> tuple[str, str, Heldout
         cells.control_key.append("control")
         cells.arm.append(np.array([x[0] for x in runs]))
         cells.values.append({c.name: np.array([x[1][c.name] for x in runs]) for c in st.candidates})
-        lengths[arm] = float(np.mean([x[2] for x in runs]))
+        cells.lengths.append(float(np.mean([x[2] for x in runs])))
     for role, cells in (("fit", fit), ("heldout", held)):
         missing = sorted(set(st.role(role)) - set(cells.kinds))
         if missing:
             raise StudyError(f"{st.source}: kinds: {role} kind(s) {', '.join(missing)} have no cell in {rs.source}")
-    return "complete", res.text, HeldoutData(fit, held, lengths)
+    return "complete", res.text, HeldoutData(fit, held)
 
 
 # ------------------------------------------------------------------------------ the analysis
@@ -312,12 +260,12 @@ def fit_text(st: HeldoutStudy, data: HeldoutData, fits: dict) -> str:
              f"{st.window[0]}-{st.window[1]}; {st.boot} joint resamples", "",
              "| cell | kind | cost [95% bootstrap] | " + " | ".join(f"{n}: S" for n in names) + " |",
              "|---|---|---:|" + "---:|" * len(names)]
+    S = {n: cell_point(data.fit, n)[0] for n in names}
+    cost = cell_point(data.fit, names[0])[1]
     for i, (cell, kind) in enumerate(zip(data.fit.names, data.fit.kinds)):
         lo, hi = _cost_ci(data.fit, i, st.boot)
-        S = {n: cell_point(data.fit, n)[0][i] for n in names}
-        cost = cell_point(data.fit, names[0])[1][i]
-        lines.append(f"| {cell} | {kind} | {cost:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
-                     + " | ".join(_g(S[n]) for n in names) + " |")
+        lines.append(f"| {cell} | {kind} | {cost[i]:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
+                     + " | ".join(_g(S[n][i]) for n in names) + " |")
     lines += ["", "| candidate | slope b [95%] | in-sample RMSE | leave-one-kind-out RMSE [95%] | "
                   f"{st.reference}'s LOKO RMSE minus its [95%, paired] |", "|---|---|---:|---|---|"]
     for n in names:
@@ -336,8 +284,6 @@ def _cost_ci(cells: Cells, i: int, boot: int, seed: int = 3) -> tuple[float, flo
 
 def test_text(st: HeldoutStudy, data: HeldoutData, fits: dict) -> tuple[str, dict | None, tuple]:
     """The test block's text after the runs: the signal condition, the predictions and the decision."""
-    from timlab.experiments.study.oos import OosCells, decide, results_text
-
     held = data.held
     names = [c.name for c in st.candidates]
     var = cost_variances(held, boot=st.boot)
@@ -358,16 +304,14 @@ def test_text(st: HeldoutStudy, data: HeldoutData, fits: dict) -> tuple[str, dic
             f"{preds[n][i][1]:+.4f} [{preds[n][i][2]:+.4f}, {preds[n][i][3]:+.4f}]" for n in names) + " |")
     cells = OosCells(list(held.names), list(held.kinds), [], list(held.control_key), list(held.control), list(held.arm))
     dec = decide(cells, preds, st.reference, boot=st.boot)
-    lengths = [data.lengths[c] for c in held.names]
-    regime = (f"{st.regime}; held-out answers of {min(lengths):.0f}-{max(lengths):.0f} tokens "
+    regime = (f"{st.regime}; held-out answers of {min(held.lengths):.0f}-{max(held.lengths):.0f} tokens "
               f"({len(held.names)} cells of {len(set(held.kinds))} kinds)")
-    body = results_text(cells, preds, dec, regime)
+    verdict = None
     if p >= st.alpha:
-        body = body.rsplit("\n", 1)[0] + ("\nVerdict: **no verdict: the held-out cells' costs do not differ** (Cochran's "
-                                          f"Q p = {p:.2g} >= {st.alpha:g}); the errors above decide nothing. "
-                                          f"Regime: {regime}.")
+        verdict = (f"Verdict: **no verdict: the held-out cells' costs do not differ** (Cochran's Q p = {p:.2g} >= "
+                   f"{st.alpha:g}); the errors above decide nothing. Regime: {regime}.")
         dec = {**dec, "no_verdict": True}
-    return "\n".join(lines) + "\n\n" + body, dec, signal
+    return "\n".join(lines) + "\n\n" + results_text(cells, preds, dec, regime, verdict=verdict), dec, signal
 
 
 def analyze_heldout(st: HeldoutStudy, root: str | Path = ".") -> HeldoutResult:
@@ -377,42 +321,28 @@ def analyze_heldout(st: HeldoutStudy, root: str | Path = ".") -> HeldoutResult:
     head = "\n".join(registration_lines(st))
     status, runs_text, data = collect(st, root)
     if data is None:
-        line = f"{head}\n\nRuns ({_shown(_runs_study(st).source)}): {runs_text}"
+        line = f"{head}\n\nRuns ({shown(_runs_study(st).source)}): {runs_text}"
         return HeldoutResult(status, line, f"{head}\n\n{status.upper()}: the test waits for every run of the sweep "
                                                "and for the fit.")
     names = [c.name for c in st.candidates]
     fits = fit_all(data.fit, names, st.reference, boot=st.boot)
     test, dec, signal = test_text(st, data, fits)
-    fit = f"{head}\n\nRuns ({_shown(_runs_study(st).source)}), their own analysis:\n\n{runs_text.strip()}\n\n" \
+    fit = f"{head}\n\nRuns ({shown(_runs_study(st).source)}), their own analysis:\n\n{runs_text.strip()}\n\n" \
           f"{fit_text(st, data, fits)}"
     return HeldoutResult("complete", fit, f"{head}\n\n{test}", fits, dec, signal, data)
 
 
 def calibration_record(st: HeldoutStudy, res: HeldoutResult, params: int | None) -> dict | None:
-    """The record ``timlab check`` and ``timlab analyze`` read (``predictor.calibration_record``'s form):
-    each candidate's fit on the fit cells, their answer lengths and the policy's size, and the winner of
-    the held-out test with its error; None when the analysis is not complete or the signal condition
-    did not hold (then nothing ships)."""
+    """The record ``timlab check`` and ``timlab analyze`` read: ``predictor.calibration_record`` of the fit
+    cells (``params``: the policy's parameter count) and the held-out decision, labelled with the study;
+    None when the analysis is not complete or the signal condition did not hold (then nothing ships)."""
+    from timlab.experiments.study.predictor import calibration_record as record
+
     if res.status != "complete" or res.decision is None or res.decision.get("no_verdict"):
         return None
-    rec = {"study": st.name, "label": "Study H2" if st.name == "harm2" else f"study {st.name}", "hash": st.hash,
-           "regime": st.regime, "reference": st.reference, "candidates": {}}
-    data = res.data
-    lengths = [data.lengths[c] for c in data.fit.names]
-    rec["lengths"] = [min(lengths), max(lengths)]
-    rec["params"] = [params, params] if params else None
-    for c in st.candidates:
-        S, _ = cell_point(data.fit, c.name)
-        f = res.fits[c.name]
-        rec["candidates"][c.name] = {"metric": c.metric, "absolute": c.absolute, "b": f["b"], "b_var": f["b_var"],
-                                     "loko": f["loko"], "range": [float(np.min(S)), float(np.max(S))]}
-    d = res.decision
-    w = d["winner"]
-    rec["winner"] = w
-    rec["oos"] = {"rmse": d["per"][w]["rmse"], "rmse_ci": list(d["per"][w]["rmse_ci"]),
-                  "beats_reference": w in d["beats"], "miscalibrated": bool(d["per"][w]["miscalibrated"]),
-                  "covered": int(d["per"][w]["covered"]), "cells": d["cells"]}
-    return rec
+    cells = dataclasses.replace(res.data.fit, params=[params] * len(res.data.fit.names))
+    return {**record(st, res.fits, cells, res.decision),
+            "label": "Study H2" if st.name == "harm2" else f"study {st.name}"}
 
 
 def policy_params(st: HeldoutStudy, root: str | Path = ".") -> int | None:
@@ -426,12 +356,6 @@ def policy_params(st: HeldoutStudy, root: str | Path = ".") -> int | None:
     p = planned_runs(rs)[0]
     run = block_dirs(rs, None, root)[p.block] / p.run_id
     return config_params(run_config(run)) if (run / "config.yaml").is_file() else None
-
-
-def _shown(path: str | Path) -> str:
-    from timlab.experiments.study.oos import _shown as shown
-
-    return shown(path)
 
 
 def blocks(st: HeldoutStudy, res: HeldoutResult | None = None) -> dict[str, str]:

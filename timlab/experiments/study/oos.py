@@ -277,9 +277,10 @@ def verdict_line(dec: dict, regime: str) -> str:
             + f". Regime: {regime}.")
 
 
-def results_text(cells: OosCells, preds: dict, dec: dict, regime: str) -> str:
+def results_text(cells: OosCells, preds: dict, dec: dict, regime: str, *, verdict: str | None = None) -> str:
     """The results part of the oos block, after the runs: each cell's observed cost, each candidate's
-    error, paired difference and coverage, and the verdict row."""
+    error, paired difference and coverage, and the verdict row (``verdict_line``'s, or ``verdict`` where
+    the caller's registration decides otherwise, e.g. a held-out study's signal condition)."""
     ref = dec["reference"]
     lines = ["**Out-of-sample results** (cost = the group's control minus the cell, each run's mean over the cost "
              "window, every seed; errors against the predictions above, intervals over resamples of the seeds, "
@@ -295,7 +296,7 @@ def results_text(cells: OosCells, preds: dict, dec: dict, regime: str) -> str:
         gain = "-" if k == ref else f"{f['gain']:+.4f} [{f['gain_ci'][0]:+.4f}, {f['gain_ci'][1]:+.4f}]"
         lines.append(f"| {k} | {f['rmse']:.4f} [{f['rmse_ci'][0]:.4f}, {f['rmse_ci'][1]:.4f}] | {gain} "
                      f"| {f['covered']} of {dec['cells']} | {'yes' if f['miscalibrated'] else 'no'} |")
-    return "\n".join([*lines, "", verdict_line(dec, regime)])
+    return "\n".join([*lines, "", verdict or verdict_line(dec, regime)])
 
 
 # ------------------------------------------------------------------------------ the block and the gate

@@ -255,11 +255,12 @@ def is_predictor(d: Any) -> bool:
     return isinstance(d, dict) and d.get("kind") == "predictor"
 
 
-def check_frozen(st: PredictorStudy) -> None:
-    """A frozen registration must still have its hash (no amendment mechanism: change means a new study)."""
+def check_frozen(st, kind: str = "predictor study") -> None:
+    """A frozen registration (``st``: a predictor or held-out study) must still have its hash (no amendment
+    mechanism: change means a new study)."""
     if st.frozen and st.frozen != st.hash:
         raise StudyError(f"study {st.name}: the registration changed after it was frozen (frozen {st.frozen[:12]}, "
-                         f"now {st.hash[:12]}); a frozen predictor study is not edited")
+                         f"now {st.hash[:12]}); a frozen {kind} is not edited")
 
 
 # ------------------------------------------------------------------------------ its runs
@@ -671,13 +672,9 @@ def write_calibration(path: str | Path, rec: dict) -> Path:
 
 def load_predictor(path: str | Path) -> PredictorStudy | None:
     """The predictor study in the study file ``path``, or None when the file is an ordinary study file."""
-    from timlab.files import read_text
-    from timlab.yaml_io import load_yaml
+    from timlab.experiments.study.registration import study_mapping
 
-    p = Path(path)
-    if not p.is_file():
-        raise StudyError(f"study file not found: {p}")
-    d = load_yaml(read_text(p, what="study file"), str(p), StudyError) or {}
+    p, d = study_mapping(path)
     return predictor_from_dict(d, root=p.parent, source=str(p)) if is_predictor(d) else None
 
 

@@ -1584,13 +1584,19 @@ def _with_config(sweep: dict, root: Path, w: str) -> dict:
     return {**sweep, "base": {**base, "config": content}}
 
 
-def load_study(path: str | Path, *, loading: tuple[str, ...] = ()) -> Study:
-    """Read and validate a study file (``loading``: see ``study_from_dict``)."""
+def study_mapping(path: str | Path) -> tuple[Path, dict]:
+    """A study file's path and its YAML mapping, read once (every kind of study file: ``load_study``, the
+    predictor and held-out studies' loaders)."""
     p = Path(path)
     if not p.is_file():
         raise StudyError(f"study file not found: {p}")
-    return study_from_dict(load_yaml(read_text(p, what="study file"), str(p), StudyError) or {}, root=p.parent,
-                           source=str(p), loading=loading)
+    return p, load_yaml(read_text(p, what="study file"), str(p), StudyError) or {}
+
+
+def load_study(path: str | Path, *, loading: tuple[str, ...] = ()) -> Study:
+    """Read and validate a study file (``loading``: see ``study_from_dict``)."""
+    p, d = study_mapping(path)
+    return study_from_dict(d, root=p.parent, source=str(p), loading=loading)
 
 
 # ------------------------------------------------------------------------------ the freeze
