@@ -559,6 +559,24 @@ def h1_k3_steps(R: pd.DataFrame) -> str:
     return md_table(rows)
 
 
+def harm2_k3_steps(R: pd.DataFrame) -> str:
+    """Study H2's realized k3 step by step over the candidates' window (steps 1-25; descriptive, not a
+    registered endpoint): per run its median, mean and share of steps above 1 nat per token, then the
+    mean over seeds of each; each cell's cost per unit of mean k3 (the fit and test blocks' cost)."""
+    study = load_study(STUDIES / "harm2_runs.yaml")
+    cost = endpoint_values(study, root=ROOT)[""]
+    control = cost["control"]["acc"].mean()
+    rows = []
+    for (_, arm), runs in step_k3("harm2_runs.yaml", (1, 25)).items():
+        if arm == "control":
+            continue
+        mean, c = np.mean([k.mean() for k in runs]), control - cost[arm]["acc"].mean()
+        rows.append({"cell": arm, "median k3": fmt(np.mean([k.median() for k in runs]), 3), "mean k3": fmt(mean, 3),
+                     "share of steps above 1": f"{np.mean([(k > 1).mean() for k in runs]):.3f}",
+                     "cost": f"{c:.3f}", "cost per unit of mean k3": fmt(c / mean, 3)})
+    return md_table(rows)
+
+
 BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, "p3": p3, "threshold": threshold,
           "d16-300": d16_300, "l1-k3-steps": l1_k3_steps, "p1-pairs": p1_pairs, "p2-persistence": p2_persistence,
           "erosion-probe": lambda R: erosion_tables.probe(str(SWEEPS / "erosion_probe")),
@@ -576,6 +594,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
           "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),
           "p2-amd": p2_amd,
+          "harm2-k3-steps": harm2_k3_steps,
           "harm2-pilot": lambda R: harm2_sweeps.pilot_table(SWEEPS / "harm2_pilot")}
 """The generated blocks of docs/FINDINGS.md, by marker name (with ``study_blocks``)."""
 BLOCKS.update({"e3c-reading": e3c_reading, "l1-e3b": l1_against_e3b, "h1-k3-steps": h1_k3_steps})
