@@ -4,7 +4,7 @@
 
 For each injector, 512 rollouts of the preset's SFT warm start (cached by `timlab pretrain` /
 `timlab train`) with the injector on the rollout side, rescored by the trainer's forward; prints
-the realized k3 and the one-line reading with the three exponents (README, "Noise or bias?").
+the realized k3 and the one-line reading with the three exponents (docs/cli.md, "Noise or bias?").
 """
 
 from __future__ import annotations

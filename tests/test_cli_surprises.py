@@ -113,5 +113,5 @@ def test_demo_names_the_torch_and_cpu_capability_it_computed_with(tmp_path, monk
                f"fingerprint {fingerprint()}")
     out = capsys.readouterr().out
     assert f"\ncomputed with {machine}: runs repeat bit for bit on machines with the same fingerprint" in out
-    assert "has the demo's tables for AVX2 and for AVX512" in out
+    assert "has the demo's tables for AVX2 and docs/demo.md for AVX512" in out
     assert seen["note"].startswith(f"Computed with {machine}: runs repeat bit for bit")

@@ -1,7 +1,8 @@
-"""The README's commands work as written: every command line of its bash blocks is either run
-here on a tiny budget (the smoke preset, a few steps, a two-run sweep) or skipped for a stated
-reason, and a README command this file does not know fails the test. Also: what those commands
-write is ignored by git, and the docs name every preset and task."""
+"""The README's commands work as written: every command line of the bash blocks of the README and
+of the docs pages its walk-throughs moved to (COMMAND_PAGES) is either run here on a tiny budget
+(the smoke preset, a few steps, a two-run sweep) or skipped for a stated reason, and a command this
+file does not know fails the test. Also: what those commands write is ignored by git, and the docs
+name every preset and task."""
 
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ from timlab.config import PRESETS, VERL_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+COMMAND_PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in ("cli", "surge", "realistic", "own-data")))
+"""The README, then the pages that hold its longer walk-throughs, in the order their commands run."""
+CLI_DOC = ROOT / "docs" / "cli.md"
+"""The CLI walk-through: it holds the prompt formats."""
 
 
 def readme_commands(text: str) -> list[str]:
-    """Every command of the README's ```bash blocks: continuation lines joined, comments and
+    """Every command of a page's ```bash blocks: continuation lines joined, comments and
     blank lines dropped, whitespace collapsed."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
@@ -33,6 +38,12 @@ def readme_commands(text: str) -> list[str]:
             if line and not line.startswith("#"):
                 commands.append(" ".join(line.split()))
     return commands
+
+
+def all_commands() -> list[str]:
+    """The commands of COMMAND_PAGES in order, each once (the README's short CLI repeats lines of
+    docs/cli.md's walk-through)."""
+    return list(dict.fromkeys(c for page in COMMAND_PAGES for c in readme_commands(page.read_text())))
 
 
 @dataclass(frozen=True)
@@ -52,14 +63,14 @@ SMOKE = (("--preset default", "--preset smoke"), ("--preset demo", "--preset smo
 MODEL = ("--set", "model.path=models/reverse")
 """RL from the model the README's pretrain command made (20 SFT steps here), not a fresh warm start."""
 CURRICULUM = ("--set", "model.pretrain_steps=3", "--set", "task.n_val=4", "--quiet")
-"""The README's two-stage curriculum at 3 SFT steps a stage, validated on 4 prompts."""
+"""docs/cli.md's two-stage curriculum at 3 SFT steps a stage, validated on 4 prompts."""
 PLAN = (
     Step(r"make (demo|test)", skip="installs a venv; `make test` runs this suite, `make demo` the demo (minutes)"),
     Step(r"timlab (--isa avx2 )?sweep docs/examples/(surge_claims|threshold|threshold_d16|erosion)\.yaml .*",
          skip="hours on 2 cores; the results are committed under sweeps/"),
     Step(r"python scripts/findings_tables\.py .*", skip="a script, not the CLI; ~15 s over the committed sweep"),
     Step(r"python scripts/make_tiny_chat_model\.py .*", skip="a script, not the CLI; tests/test_dataset_task.py uses it"),
-    Step(r"timlab train wp\.yaml .*", skip="needs the README's wp.yaml and its data file; tests/test_dataset_task.py "
+    Step(r"timlab train wp\.yaml .*", skip="needs docs/own-data.md's wp.yaml and its data file; tests/test_dataset_task.py "
                                            "trains on a dataset"),
     Step(r"timlab demo \[.*", skip="a synopsis; the demo takes minutes (tests/test_cli_surprises.py checks its options)"),
     Step(r"torchrun .*", skip="two processes; tests/test_trainer.py runs data parallel"),
@@ -113,8 +124,9 @@ def _tiny(command: str, step: Step) -> list[str]:
 
 
 def test_every_readme_command_is_planned_and_every_plan_is_used():
-    commands = readme_commands(README.read_text())
+    commands = all_commands()
     assert len(commands) >= 20
+    assert len(readme_commands(README.read_text())) >= 8  # the README keeps a short CLI of its own
     used = {_step(c).pattern for c in commands}
     assert used == {s.pattern for s in PLAN}, "PLAN entries that no README command matches"
 
@@ -128,7 +140,7 @@ def _outputs(argv: list[str]) -> list[str]:
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
 def test_what_readme_commands_write_is_gitignored():
-    outs = sorted({o for c in readme_commands(README.read_text()) if not _step(c).skip for o in _outputs(shlex.split(c))})
+    outs = sorted({o for c in all_commands() if not _step(c).skip for o in _outputs(shlex.split(c))})
     outs += ["demo_out/", "demo_out_quick/", ".timlab_cache/"]
     assert "sweeps/dose/" in outs and "models/reverse/" in outs
     res = subprocess.run(["git", "check-ignore", "--no-index", *outs], cwd=ROOT, capture_output=True, text=True)
@@ -145,7 +157,7 @@ def test_readme_prompt_formats_are_the_tasks_own():
 
     from timlab.tasks import get_task
 
-    table = _prompt_table(README.read_text())
+    table = _prompt_table(CLI_DOC.read_text())
     file_tasks = {"dataset"}  # prompts come from the user's file (docs name its columns)
     assert sorted(table) == sorted(set(catalog.names("task")) - file_tasks)
     for name, prompt in table.items():
@@ -179,15 +191,14 @@ def workdir(tmp_path, monkeypatch):
     spec["grid"] = {"run.seed": [0]}
     spec["workers"] = 1
     (tmp_path / "tiny_dose.yaml").write_text(yaml.safe_dump(spec))
-    text = README.read_text()
-    (tmp_path / "prompts.txt").write_text(_prompt_table(text)["reverse"] + "\n")
+    (tmp_path / "prompts.txt").write_text(_prompt_table(CLI_DOC.read_text())["reverse"] + "\n")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
 def test_readme_commands_run_on_a_tiny_budget(workdir, capsys):
     ran = []
-    for command in readme_commands(README.read_text()):
+    for command in all_commands():
         step = _step(command)
         if step.skip:
             continue

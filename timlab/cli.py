@@ -132,7 +132,7 @@ def _add_probe(sub) -> None:
                        formatter_class=_defaults_of("timlab.experiments.probe:run_probe"))
     p.add_argument("--model", required=True, help="HF-format model folder")
     p.add_argument("--prompts", help="UTF-8 text file, one prompt per line, written as the model's task writes "
-                   "its prompts (e.g. reverse: 'rev:abc='; README, 'Prompt files', lists each task's)")
+                   "its prompts (e.g. reverse: 'rev:abc='; docs/cli.md, 'Prompt files', lists each task's)")
     p.add_argument("--task", help="built-in task to draw prompts from: {names:task}")
     # defaults are run_probe's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--num-prompts", type=int, help="the file's first N prompts (default all), or N from the task")

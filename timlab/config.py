@@ -99,7 +99,7 @@ class ModelSection:
 @dataclass(frozen=True)
 class TaskSection:
     name: str = "reverse"
-    """A registered task (the synthetic ones' prompt formats: README, "Prompt files"), or dataset
+    """A registered task (the synthetic ones' prompt formats: docs/cli.md, "Prompt files"), or dataset
     (a local JSONL/Parquet/CSV file; needs model.path)."""
     kwargs: dict = field(default_factory=dict)
     """Task options, e.g. {min_len: 4, max_len: 24} (each task lists its own)."""

@@ -218,7 +218,7 @@ def summary(described: dict | None = None) -> str:
 
 
 REPEATS_NOTE = ("runs repeat bit for bit on machines with the same fingerprint and torch, not across them; "
-                "README, 'What the demo shows', has the demo's tables for AVX2 and for AVX512 (AMD EPYCs)")
+                "README, 'What the demo shows', has the demo's tables for AVX2 and docs/demo.md for AVX512 (AMD EPYCs)")
 """What the demo says under its machine line: which published table a reader should compare with."""
 
 

@@ -18,7 +18,7 @@ it. A sharp policy is such a plant: its k3 is a few near-deterministic tokens ti
 on Study L1's shortest learned start k3 grows about as m^13 between magnitudes 0.8 and 1.6.
 There the fixed law goes bang-bang: the magnitude alternates between two values a factor
 ``max_change`` apart, one far below the target and one far above, so the median k3 can sit on
-the target while its mean is 100x it (README, "Hold k3 where real runs have it").
+the target while its mean is 100x it (docs/realistic.md, "Hold k3 where real runs have it").
 
 Two laws, chosen by ``mismatch.target_adapt``:
 

@@ -1,7 +1,7 @@
 """``model.pretrain_init``: the SFT warm start continues from a model folder instead of a random init.
 
 A length curriculum is two warm starts: SFT on short answers, then SFT on long answers starting
-from the first model (README, "Pretraining"). Used in ``timlab.trainer.pretrain``:
+from the first model (docs/install.md, "The model cache"). Used in ``timlab.trainer.pretrain``:
 ``init_digest`` goes into the warm start's cache key and its ``pretrain.json``, and ``load_init``
 copies the folder's weights into the freshly built model. ``config.check_warm_start`` calls
 ``check_pretrain_init``, which refuses a folder whose architecture or vocabulary is not the warm
