@@ -30,7 +30,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments import early_warning  # noqa: E402
+from timlab.experiments import early_warning, early_warning2  # noqa: E402
 from timlab.experiments.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.rundir.metrics_log import first_difference  # noqa: E402
@@ -590,6 +590,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "e3c-study": lambda R: analyze(load_study(STUDIES / "e3c.yaml"), root=ROOT).text,
           # Study H1 as the early-warning benchmark's second test set (its INCOMPLETE line until H1 is complete)
           "early-warning-h1": lambda R: early_warning.format_test_set(early_warning.second_test(SWEEPS, "h1")),
+          "early-warning-2": lambda R: early_warning2.report(SWEEPS),  # INCOMPLETE until Study LF is complete
           "moe-learn": lambda R: moe_tables.learn(str(SWEEPS / "surge_moe_learn")),
           "moe-pilot": lambda R: moe_tables.arms(str(SWEEPS / "moe_pilot")),
           "moe-calib": lambda R: moe_tables.arms(str(SWEEPS / "moe_calib")),

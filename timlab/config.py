@@ -364,7 +364,8 @@ class RunSection:
     """Early-warning alarm: off, or a rule of timlab.metrics.alarm.ALARMS, e.g. grad_norm_change (the
     grad norm's mean over the last 5 steps against the 10 before, either way), the one rule that passed
     its held-out test (its lead time and false alarms: docs/metrics.md, "Early-warning alarm"). Logs
-    alarm/above_threshold (0/1) and alarm/statistic each step and warns once, the first time it fires."""
+    alarm/above_threshold (0/1) and alarm/statistic each step and warns once, the first time it fires;
+    a step that updated nothing (train/updated 0, or train/grad_norm exactly 0) is skipped."""
     alarm_threshold: float = 0.0
     """run.alarm: fire when the statistic exceeds this (a mean for a level rule, above 0; a fold change for
     a change rule, above 1); 0 = the threshold measured for the rule (ALARMS)."""

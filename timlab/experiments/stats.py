@@ -11,6 +11,8 @@ intervals. numpy and the standard library only (no scipy).
   its chi-square p (``chi2_sf``: the regularized upper incomplete gamma, in plain floats).
 - ``clopper_pearson(k, n)``: the exact (conservative) binomial interval for k successes in n,
   by bisection on the binomial CDF (the Beta-quantile form needs scipy).
+- ``poisson_ci(k)``: the exact (Garwood, conservative) interval for the mean of a Poisson count k,
+  by bisection on the Poisson CDF written as a chi-square tail (``chi2_sf``).
 - ``bootstrap_ci(a)`` / ``bootstrap_diff_ci(a, b)`` / ``bootstrap_ratio_ci(a, b)``: percentile
   intervals of a mean, of a difference in means and of a ratio of means, resampling seeds with
   replacement (within each group) with a fixed seed.
@@ -205,6 +207,20 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     alpha = 1 - level
     lower = 0.0 if k == 0 else _bisect(lambda p: alpha / 2 - (1 - binom_cdf(k - 1, n, p)))
     upper = 1.0 if k == n else _bisect(lambda p: binom_cdf(k, n, p) - alpha / 2)
+    return lower, upper
+
+
+def poisson_ci(k: int, level: float = 0.95) -> tuple[float, float]:
+    """The exact (Garwood) interval for the mean mu of a Poisson count k: lower = the mu with
+    P(X >= k | mu) = alpha/2 (0 when k = 0), upper = the mu with P(X <= k | mu) = alpha/2. The
+    Poisson CDF is a chi-square tail, P(X <= k | mu) = ``chi2_sf(2 mu, 2 (k + 1))``. A rate of k
+    events in an exposure E has the interval divided by E."""
+    if not (isinstance(k, int) and k >= 0):
+        raise ValueError(f"poisson_ci needs a count k >= 0; got k={k!r}")
+    alpha = 1 - level
+    hi = 2.0 * k + 20.0  # above both bounds: the upper one is k + ~2 sqrt(k) + 4 at most
+    lower = 0.0 if k == 0 else _bisect(lambda mu: alpha / 2 - (1 - chi2_sf(2 * mu, 2 * k)), 0.0, hi, iters=200)
+    upper = _bisect(lambda mu: chi2_sf(2 * mu, 2 * (k + 1)) - alpha / 2, 0.0, hi, iters=200)
     return lower, upper
 
 

@@ -14,7 +14,10 @@ before those:
   of the two (``either``); defined from ``window + baseline`` values. EPS keeps an indicator that is
   exactly 0 (k3 of an exact rollout) at a fold change of 1.
 
-The alarm fires at the first step whose statistic exceeds the threshold. The benchmark registered
+The alarm fires at the first step whose statistic exceeds the threshold. ``AlarmWatch`` skips a
+step that updated nothing (``train/updated`` 0, or a gradient norm of exactly 0): such a step
+neither enters the window nor fires, as the re-registered benchmark removes it before any window
+(``timlab.experiments.early_warning2``). The benchmark registered
 the change rule as a log fold change; thresholding the fold change itself makes the same decisions
 (log is monotone) and needs no ``log``, whose last bit depends on the C library.
 
@@ -161,8 +164,10 @@ for _name, _rule in {
 class AlarmWatch:
     """An alarm on a live run: feed it the indicator once per step after it is armed.
 
-    ``update(value)`` returns ``(statistic, above)``: the statistic after this value (NaN while too
-    few) and whether it exceeds the threshold. ``fired_step`` is the step of the first time it did
+    ``update(value, step=, grad_norm=, updated=)`` returns ``(statistic, above)``: the statistic
+    after this value (NaN while too few) and whether it exceeds the threshold. A step that updated
+    nothing (``updated`` false or ``grad_norm`` exactly 0) is neither added to the window nor able to
+    fire. ``fired_step`` is the step of the first time it did
     (None before), so a caller warns once. Keeps the last ``window + baseline`` values;
     ``state_dict`` / ``load_state_dict`` carry them across a resume.
     """
@@ -176,9 +181,13 @@ class AlarmWatch:
         self.values: deque[float] = deque(maxlen=window + (baseline if rule == "change" else 0))
         self.fired_step: int | None = None
 
-    def update(self, value: float, *, step: int) -> tuple[float, bool]:
-        """Add one step's value; a non-finite value is skipped (statistic NaN, not above)."""
-        if not math.isfinite(value):
+    def update(self, value: float, *, step: int, grad_norm: float | None = None, updated: bool = True
+               ) -> tuple[float, bool]:
+        """Add one step's value. Skipped (statistic NaN, not above, the window unchanged): a
+        non-finite value, and a step that updated nothing (``updated`` false, or ``grad_norm``
+        exactly 0: every reward of every group the same), as the re-registered benchmark removes
+        them (docs/FINDINGS.md, "Early warning, re-registered")."""
+        if not math.isfinite(value) or not updated or grad_norm == 0:
             return math.nan, False
         self.values.append(float(value))
         stat = _statistic(list(self.values), len(self.values), self.rule, self.direction, self.window, self.baseline)

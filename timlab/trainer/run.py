@@ -573,13 +573,15 @@ class RLRun:
 
     def _alarm_metrics(self, metrics: dict) -> dict:
         """alarm/* of the step: the alarm watches the run's indicator once an evaluation before this
-        step reached run.alarm_armed_at, and warns the first time its statistic exceeds the threshold."""
+        step reached run.alarm_armed_at, and warns the first time its statistic exceeds the threshold;
+        a step that updated nothing (train/updated 0, or train/grad_norm exactly 0) is skipped."""
         c = self.cfg.run
         rule = ALARMS.get(c.alarm)
         if c.alarm_armed_at > 0 and not self.peak_val >= c.alarm_armed_at:
             return {"alarm/above_threshold": 0.0, "alarm/statistic": float("nan")}
         first = self.alarm.fired_step is None
-        stat, above = self.alarm.update(float(metrics.get(rule.indicator, float("nan"))), step=self.step)
+        stat, above = self.alarm.update(float(metrics.get(rule.indicator, float("nan"))), step=self.step,
+                                        grad_norm=metrics["train/grad_norm"], updated=metrics["train/updated"] != 0)
         if above and first and self.world.is_main:
             shown = f"{stat:.3g}x its level over the 10 steps before" if rule.rule == "change" else f"{stat:.3g}"
             warnings.warn(f"step {self.step}: early-warning alarm {c.alarm}: {rule.indicator} at {shown} (threshold "
