@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from script_loader import load_script
-from timlab.findings import read_all
+from timlab.findings import opens, read_all
 from timlab.experiments.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,8 @@ def test_blocks_are_found_and_written_across_the_index_and_its_pages(tmp_path):
     from timlab.findings import block_file, block_text, files
 
     index = tmp_path / "FINDINGS.md"
-    index.write_text("# F\n<!-- findings:v -->\nold v\n<!-- /findings:v -->\n")
+    index.write_text("# F\nprose that quotes `<!-- findings:x -->` opens no block\n<!-- findings:v -->\nold v\n"
+                     "<!-- /findings:v -->\n")
     (tmp_path / "findings").mkdir()
     a, b = tmp_path / "findings" / "a.md", tmp_path / "findings" / "b.md"
     a.write_text("# A\n<!-- findings:x -->\nold x\n<!-- /findings:x -->\ntail\n")
@@ -76,7 +77,7 @@ def test_blocks_are_found_and_written_across_the_index_and_its_pages(tmp_path):
     write_blocks(index, {"x": "new x", "y": "new y"})
     assert a.read_text() == "# A\n<!-- findings:x -->\nnew x\n<!-- /findings:x -->\ntail\n"
     assert b.read_text() == "# B\n<!-- findings:y -->\nnew y\n<!-- /findings:y -->\n"
-    assert index.read_text() == "# F\n<!-- findings:v -->\nold v\n<!-- /findings:v -->\n"
+    assert "old v" in index.read_text() and "new" not in index.read_text()
     with pytest.raises(BadFileError, match=f"{index}: no block <!-- findings:z -->"):
         write_blocks(index, {"z": "new z"})
     b.write_text(b.read_text() + "<!-- findings:x -->\n<!-- /findings:x -->\n")
@@ -111,7 +112,7 @@ def test_findings_blocks_match_the_committed_sweeps():
     text = read_all()
     blocks = mod.render()
     for name in mod.BLOCKS:
-        assert text.count(f"<!-- findings:{name} -->") == 1, name
+        assert len(opens(name).findall(text)) == 1, name  # one block of each name across the index and its pages
     for path, (committed, regenerated) in mod.spliced(blocks).items():
         if regenerated != committed:
             import difflib

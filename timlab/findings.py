@@ -9,6 +9,7 @@ frozen registration, so it stays as frozen), and the block is found across the i
 these functions.
 
 - ``files(index)``: the index, then its pages in name order.
+- ``opens(name)``: the line that opens block NAME.
 - ``block_file(index, name)``: the file that holds block NAME (the index itself when none does, so a
   missing block is reported against the file a study names); two files holding it are refused.
 - ``by_file(index, blocks)``: blocks (name -> body) grouped by the file that holds each.
@@ -44,15 +45,17 @@ def files(index: str | Path = INDEX) -> list[Path]:
     return [index] + [p for p in pages if p.resolve() != index.resolve()]
 
 
-def _opens(name: str) -> str:
-    return f"<!-- findings:{name} -->"
+def opens(name: str) -> re.Pattern:
+    """The line that opens block ``name`` (a marker alone on its line; prose that quotes a marker
+    inside a sentence opens nothing)."""
+    return re.compile(rf"^<!-- findings:{re.escape(name)} -->$", re.M)
 
 
 def block_file(index: str | Path, name: str) -> Path:
     """The file among ``files(index)`` whose text holds ``<!-- findings:NAME -->``; ``index`` when none
     does (the caller's "no block" error then names the file the study names). A block opened in two
     files is refused in one line naming both."""
-    holders = [p for p in files(index) if p.exists() and _opens(name) in read_text(p, what="FINDINGS file")]
+    holders = [p for p in files(index) if p.exists() and opens(name).search(read_text(p, what="FINDINGS file"))]
     if len(holders) > 1:
         raise BadFileError(f"block {name}: opened in {holders[0]} and {holders[1]}; a block lives in one file")
     return holders[0] if holders else Path(index)
@@ -72,8 +75,9 @@ def block_text(index: str | Path, name: str) -> str:
     if not path.exists():
         return ""
     text = read_text(path, what="FINDINGS file")
-    m = re.search(rf"{re.escape(_opens(name))}\n(.*?)<!-- /findings:{re.escape(name)} -->", text, re.S)
-    return m.group(1) if m else ""
+    m = opens(name).search(text)
+    end = text.find(f"<!-- /findings:{name} -->", m.end()) if m else -1
+    return text[m.end() + 1:end] if end >= 0 else ""
 
 
 def read_all(index: str | Path = INDEX) -> str:
