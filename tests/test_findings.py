@@ -401,6 +401,11 @@ def _flat(path: str) -> str:
     return " ".join((REPO / path).read_text().split())
 
 
+def _page(name: str) -> str:
+    """A study's page of the findings (docs/findings/NAME.md), its whitespace made single spaces."""
+    return _flat(f"docs/findings/{name}.md")
+
+
 def _e(x: str) -> str:
     """A block's e-notation as the prose writes it: "6.1e-04" -> "6.1e-4"."""
     return x.replace("e-0", "e-")
@@ -428,7 +433,7 @@ def test_e3c_prose_says_what_its_shape_test_turned_on():
     assert f"differ {r160:.2f}x already at E3b's own T = 160 and {r325:.2f}x at T = 325" in row
     assert f"(cost as {laws['T * k3']} and {laws['T^2 * k3']})" in row and exp in row
     assert f"below every E3b cell's, {_e(lo_k3)} to {_e(hi_k3)}" in row
-    for where in (flat.split("## Verdicts")[0], flat.split("**Verdict E3c**")[1].split("## Study E3d")[0]):
+    for where in (flat.split("## Verdicts")[0], _page("e3c").split("**Verdict E3c**")[1]):
         assert f"{r160:.2f}x" in where and exp in where
     assert "over-predicts 2.6x" not in flat and "over-predicted 2.6x" not in flat
     readme = _flat("README.md")
@@ -472,7 +477,7 @@ def test_h_in_sample_prose_says_no_candidate_but_k3_decision_beat_k3_there():
         return f"{gain[k][0]:+.{d}f} [{gain[k][1]:+.{d}f}, {gain[k][2]:+.{d}f}]".replace("+-", "-")
 
     assert f"({ci('tv', 3)}, {ci('adv_diff', 3)}); only k3_decision's did ({ci('k3_decision', 3)})" in row
-    results = flat.split("### RESULTS of Study H ")[1].split("## Study L1")[0]
+    results = _page("harm").split("### RESULTS of Study H ")[1]
     assert f"({ci('tv', 4)} and {ci('adv_diff', 4)}, block harm-insample" in results
     assert f"only k3_decision's did ({ci('k3_decision', 4)})" in results
     assert f"tv's reached it, {ci('tv', 3)}" in _flat("README.md")
@@ -497,7 +502,7 @@ def test_h1_prose_states_the_tails_with_the_dose():
     assert f"{shares[0][:-1]}-{shares[2]} of late steps exceeded 1 nat per token" in row
     flat_acc = "stayed flat ({:.3f} over steps 50-500, {:.3f} over 1500-2000) while the control improved ({:.3f} -> {:.3f})"
     assert flat_acc.format(*acc["hold_3e-3"], *acc["control"]) in row
-    h1 = flat.split("### RESULTS of Study H1")[1].split("## Study P1")[0]
+    h1 = _page("h1").split("### RESULTS of Study H1")[1]
     assert f"{', '.join(shares[:2])} and {shares[2]} of the late steps exceed 1 nat per token" in h1
     assert (f"at a median per-token k3 of 3e-3 with heavy tails (a late mean of {mean}, and {share} of late steps "
             f"above 1 nat per token)") in h1
@@ -517,7 +522,7 @@ def test_p1_prose_quotes_the_persistence_of_staleness():
     rows = {r.split(" | ")[0].lstrip("| "): [float(x) for x in r.strip("| ").split(" | ")[2:]]
             for r in bench.split("\n\n")[2].splitlines()[3:]}  # past the header and zero mismatch (NaN)
     stale, one, fresh = rows["stale 1"], rows["head_perturb 0.6, one direction"], rows["head_perturb 0.6, redrawn every step"]
-    p1 = flat.split("### RESULTS of Study P1")[1].split("## Study P2")[0].split("**What it means.**")[1]
+    p1 = _page("p1").split("### RESULTS of Study P1")[1].split("**What it means.**")[1]
     assert (f"`mismatch/persistence_lag1` {stale[0]:.2f} and `persistence_ema` {stale[1]:.2f}, near a head direction "
             f"redrawn every step ({fresh[0]:.2f}, {fresh[1]:.2f}) and far from a run-long one ({one[0]:.2f}, "
             f"{one[1]:.2f}), while its bias is plain within a step (`persistence_reliability` {stale[2]:.2f})") in p1
@@ -531,7 +536,7 @@ def test_early_warning_h1_registration_discloses_the_earlier_look():
     import subprocess
 
     text, flat = _text_and_flat()
-    part = flat.split("### Study H1 as a second test set of the alarm rules")[1].split(" ## ")[0]
+    part = _page("early-warning").split("### Study H1 as a second test set of the alarm rules")[1].split(" ## ")[0]
     ew = _block(text, "early-warning-h1")
     fired = [next(r for r in ew.splitlines() if r.startswith(f"| {a} |")).split(" | ")[6].split("/")[0]
              for a in ("k3_change", "k3_level")]
