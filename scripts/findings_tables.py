@@ -1,13 +1,14 @@
-"""The numbers behind docs/FINDINGS.md, recomputed from the committed sweeps under sweeps/.
+"""The numbers behind docs/FINDINGS.md and its pages, recomputed from the committed sweeps under sweeps/.
 
     python scripts/findings_tables.py            # print every generated table
-    python scripts/findings_tables.py --write    # rewrite the generated blocks of docs/FINDINGS.md
-    python scripts/findings_tables.py --check    # exit 1 if docs/FINDINGS.md differs from the data
+    python scripts/findings_tables.py --write    # rewrite the generated blocks of the findings
+    python scripts/findings_tables.py --check    # exit 1 if a findings file differs from the data
     python scripts/findings_tables.py DIR...     # the generic per-condition tables of any sweeps
 
-docs/FINDINGS.md holds each table between ``<!-- findings:NAME -->`` and
-``<!-- /findings:NAME -->``; ``tests/test_findings.py`` fails when the committed text differs
-from what this script computes. Statistics (``timlab.experiments.stats``): two-sided exact
+docs/FINDINGS.md (the verdicts) or one of its pages (docs/findings/*.md, one per study) holds each
+table between ``<!-- findings:NAME -->`` and ``<!-- /findings:NAME -->`` (``timlab.findings`` finds
+which); ``tests/test_findings.py`` fails when the committed text differs from what this script
+computes. Statistics (``timlab.experiments.stats``): two-sided exact
 permutation tests of a difference in means (every relabeling enumerated: 252 for 5 vs 5, whose
 smallest possible p is 2/252 = 0.008), and 95% Clopper-Pearson intervals for collapse fractions.
 Collapses follow the sweeps' rule (``timlab.experiments.collapse``) unless a column says
@@ -40,6 +41,7 @@ from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noq
 from timlab.experiments.study.predictor import load_predictor  # noqa: E402
 from timlab.experiments.study.heldout import analyze_heldout, blocks as heldout_blocks, load_heldout  # noqa: E402
 from timlab.experiments.study.text import fmt as study_fmt, splice_block, write_blocks  # noqa: E402
+from timlab.findings import INDEX, by_file  # noqa: E402
 from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
 from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
 
@@ -49,7 +51,8 @@ import harm2_sweeps  # noqa: E402
 import erosion_tables  # noqa: E402
 import moe_tables  # noqa: E402
 
-FINDINGS = ROOT / "docs" / "FINDINGS.md"
+FINDINGS = INDEX
+"""The findings index; its pages (docs/findings/*.md) hold most blocks."""
 SWEEPS = ROOT / "sweeps"
 STUDIES = ROOT / "docs" / "examples" / "studies"
 """The study files (``timlab study``): each writes the FINDINGS block its ``findings`` names."""
@@ -597,7 +600,7 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "p2-amd": p2_amd,
           "harm2-k3-steps": harm2_k3_steps,
           "harm2-pilot": lambda R: harm2_sweeps.pilot_table(SWEEPS / "harm2_pilot")}
-"""The generated blocks of docs/FINDINGS.md, by marker name (with ``study_blocks``)."""
+"""The generated blocks of the findings (docs/FINDINGS.md and its pages), by marker name (with ``study_blocks``)."""
 BLOCKS.update({"e3c-reading": e3c_reading, "l1-e3b": l1_against_e3b, "h1-k3-steps": h1_k3_steps})
 
 
@@ -629,18 +632,28 @@ def render(R: pd.DataFrame | None = None) -> dict[str, str]:
     return {name: fn(R) for name, fn in BLOCKS.items()}
 
 
-def splice(text: str, blocks: dict[str, str]) -> str:
+def splice(text: str, blocks: dict[str, str], where: str | Path = FINDINGS) -> str:
     """``text`` with each ``<!-- findings:NAME -->...<!-- /findings:NAME -->`` body replaced."""
     for name, body in blocks.items():
-        text = splice_block(text, name, body, where=str(FINDINGS))
+        text = splice_block(text, name, body, where=str(where))
     return text
+
+
+def spliced(blocks: dict[str, str]) -> dict[Path, tuple[str, str]]:
+    """{findings file: (its committed text, that text with its blocks replaced by ``blocks``)}, for
+    each file that holds one of ``blocks``."""
+    out = {}
+    for path, its in by_file(FINDINGS, blocks).items():
+        text = path.read_text()
+        out[path] = (text, splice(text, its, where=path))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="*", help="sweep directories for the generic tables (default: FINDINGS' blocks)")
-    ap.add_argument("--write", action="store_true", help="rewrite the generated blocks of docs/FINDINGS.md")
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/FINDINGS.md differs from the data")
+    ap.add_argument("--write", action="store_true", help="rewrite the generated blocks of docs/FINDINGS.md and its pages")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a findings file differs from the data")
     args = ap.parse_args(argv)
     if args.dirs:
         print(generic(args.dirs))
@@ -650,16 +663,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, body in blocks.items():
             print(f"## {name}\n\n{body}\n")
         return 0
-    text = FINDINGS.read_text()
-    new = splice(text, blocks)
+    texts = spliced(blocks)
     if args.write:
-        write_blocks(FINDINGS, blocks)  # atomically: a failed write leaves FINDINGS as it was
-        print(f"wrote {len(blocks)} blocks to {FINDINGS}")
+        write_blocks(FINDINGS, blocks)  # each file atomically: a failed write leaves that file as it was
+        print(f"wrote {len(blocks)} blocks to {len(texts)} files: {', '.join(str(p.relative_to(ROOT)) for p in texts)}")
     elif args.check:
-        if new != text:
-            print(f"{FINDINGS} differs from the committed sweeps; run python scripts/findings_tables.py --write")
+        stale = [p for p, (text, new) in texts.items() if new != text]
+        for p in stale:
+            print(f"{p} differs from the committed sweeps; run python scripts/findings_tables.py --write")
+        if stale:
             return 1
-        print(f"{FINDINGS}: every generated block matches the data")
+        print(f"{FINDINGS} and its pages ({len(texts)} files): every generated block matches the data")
     return 0
 
 

@@ -9,6 +9,7 @@ from typing import Callable
 
 import pandas as pd
 
+from timlab.findings import block_file
 from timlab.rundir import RunDir
 
 
@@ -100,11 +101,12 @@ def write_blocks(study, root: Path, metrics: Callable[[str], pd.DataFrame], name
 
 
 def assert_registered_in_findings(study, heading: str) -> None:
-    """docs/FINDINGS.md's section "## <heading>: ..." (up to the next "## " heading) names the
-    study's registration hash and holds its generated block."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "FINDINGS.md").read_text()
-    start = text.index(f"## {heading}:")
-    end = text.find("\n## ", start)
-    section = text[start:] if end < 0 else text[start:end]
+    """The findings page that holds the study's generated block (``timlab.findings.block_file``) has
+    the section "# <heading>: ..." (its title, up to the page's first "## " heading), which names the
+    study's registration hash and holds the block."""
+    text = block_file(study.findings[0], study.findings[1]).read_text()
+    assert text.startswith(f"# {heading}:"), text[:80]
+    end = text.find("\n## ")
+    section = text if end < 0 else text[:end]
     assert study.hash in section
     assert f"<!-- findings:{study.findings[1]} -->" in section

@@ -24,12 +24,11 @@ from timlab.experiments import early_warning as ew
 from timlab.experiments.collapse import DEFAULT_LEARNED_AT
 from timlab.experiments.stats import clopper_pearson, fisher_greater
 from timlab.experiments.study import load_study, planned_runs
-from timlab.experiments.study.oos import block_text
+from timlab.findings import INDEX as FINDINGS, block_text
 from timlab.metrics.alarm import ALARMS, EPS, AlarmWatch, alarm_statistic, first_alarm, statistic_series
 from timlab.trainer.run import train
 
 REPO = Path(__file__).resolve().parents[1]
-FINDINGS = REPO / "docs" / "FINDINGS.md"
 
 
 # ------------------------------------------------------------------------------- the rule

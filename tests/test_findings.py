@@ -1,8 +1,10 @@
-"""docs/FINDINGS.md against the committed sweeps, and the statistics behind its verdicts.
+"""docs/FINDINGS.md and its pages (docs/findings/*.md) against the committed sweeps, and the
+statistics behind its verdicts.
 
-The generated blocks of FINDINGS (``<!-- findings:NAME -->``) are recomputed from sweeps/ by
-scripts/findings_tables.py; the committed text must equal them, so a number that drifts from
-the data (or data that change under a number) fails here."""
+The generated blocks of the findings (``<!-- findings:NAME -->``, each in the file
+``timlab.findings.block_file`` finds) are recomputed from sweeps/ by scripts/findings_tables.py;
+the committed text must equal them, so a number that drifts from the data (or data that change
+under a number) fails here."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from script_loader import load_script
+from timlab.findings import opens, read_all
 from timlab.experiments.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,18 +55,72 @@ def test_exact_permutation_test_hand_counted():
 
 
 # ------------------------------------------------------------------------------- FINDINGS
+def test_blocks_are_found_and_written_across_the_index_and_its_pages(tmp_path):
+    """A block lives in the index or in one of its pages (docs/findings/ beside docs/FINDINGS.md):
+    ``block_file`` finds it, ``write_blocks`` of the index writes each block into the file holding it
+    and leaves the others byte for byte, a block missing everywhere is reported against the index,
+    and one opened in two files is refused."""
+    from timlab.errors import BadFileError
+    from timlab.experiments.study.text import write_blocks
+    from timlab.findings import block_file, block_text, files
+
+    index = tmp_path / "FINDINGS.md"
+    index.write_text("# F\nprose that quotes `<!-- findings:x -->` opens no block\n<!-- findings:v -->\nold v\n"
+                     "<!-- /findings:v -->\n")
+    (tmp_path / "findings").mkdir()
+    a, b = tmp_path / "findings" / "a.md", tmp_path / "findings" / "b.md"
+    a.write_text("# A\n<!-- findings:x -->\nold x\n<!-- /findings:x -->\ntail\n")
+    b.write_text("# B\n<!-- findings:y -->\n<!-- /findings:y -->\n")
+    assert files(index) == [index, a, b]
+    assert [block_file(index, n) for n in ("v", "x", "y", "z")] == [index, a, b, index]
+    assert block_text(index, "x") == "old x\n" and block_text(index, "z") == ""
+    write_blocks(index, {"x": "new x", "y": "new y"})
+    assert a.read_text() == "# A\n<!-- findings:x -->\nnew x\n<!-- /findings:x -->\ntail\n"
+    assert b.read_text() == "# B\n<!-- findings:y -->\nnew y\n<!-- /findings:y -->\n"
+    assert "old v" in index.read_text() and "new" not in index.read_text()
+    with pytest.raises(BadFileError, match=f"{index}: no block <!-- findings:z -->"):
+        write_blocks(index, {"z": "new z"})
+    b.write_text(b.read_text() + "<!-- findings:x -->\n<!-- /findings:x -->\n")
+    with pytest.raises(BadFileError, match="block x: opened in .*a.md and .*b.md; a block lives in one file"):
+        block_file(index, "x")
+
+
+def test_study_blocks_live_on_their_study_pages():
+    """Each study file's blocks are on a page of docs/findings/, not on the index; the index is an
+    index (the introduction, the verdicts and a link to every page) of at most 600 lines."""
+    from timlab.experiments.study import load_study
+    from timlab.experiments.study.heldout import load_heldout
+    from timlab.experiments.study.predictor import load_predictor
+    from timlab.findings import INDEX, block_file, files
+
+    homes = {}
+    for path in sorted((REPO / "docs/examples/studies").glob("*.yaml")):
+        st = load_heldout(path) or load_predictor(path) or load_study(path)
+        for name in (st.findings or ())[1:]:
+            homes[name] = block_file(st.findings[0], name).relative_to(REPO).as_posix()
+    assert homes["held-k3"] == "docs/findings/h1.md" and homes["harm2-test"] == "docs/findings/h2.md"
+    assert homes["persistence-p2-16"] == "docs/findings/h2.md"  # registered after H2, in its section
+    assert all(h.startswith("docs/findings/") for h in homes.values()), homes
+    index = INDEX.read_text()
+    assert len(index.splitlines()) <= 600 and "<!-- findings:verdict-tests -->" in index
+    for page in files()[1:]:
+        assert f"](findings/{page.name})" in index, page.name
+
+
 def test_findings_blocks_match_the_committed_sweeps():
     mod = load_script("findings_tables")
-    text = mod.FINDINGS.read_text()
+    text = read_all()
     blocks = mod.render()
     for name in mod.BLOCKS:
-        assert f"<!-- findings:{name} -->" in text, name
-    regenerated = mod.splice(text, blocks)
-    if regenerated != text:
-        import difflib
+        assert len(opens(name).findall(text)) == 1, name  # one block of each name across the index and its pages
+    for path, (committed, regenerated) in mod.spliced(blocks).items():
+        if regenerated != committed:
+            import difflib
 
-        diff = "\n".join(difflib.unified_diff(text.splitlines(), regenerated.splitlines(), "committed", "data", lineterm="", n=0))
-        pytest.fail("docs/FINDINGS.md drifted from sweeps/ (python scripts/findings_tables.py --write):\n" + diff[:4000])
+            diff = "\n".join(difflib.unified_diff(committed.splitlines(), regenerated.splitlines(), "committed", "data",
+                                                  lineterm="", n=0))
+            pytest.fail(f"{path.relative_to(REPO)} drifted from sweeps/ (python scripts/findings_tables.py --write):\n"
+                        + diff[:4000])
     # a few anchors the verdicts rest on, independent of the formatting
     assert "p = 0.429" in blocks["verdict-tests"]  # P2 sooner: collapse steps 1.5 vs 2 are not separable
     assert "-2.29 to -1.41" in blocks["threshold"] and "229-1310" in blocks["threshold"]
@@ -85,7 +142,7 @@ def test_e3c_verdict_row_quotes_its_block():
     """The E3c verdict row rounds the out-of-sample table of its generated block: the measured loss,
     and per hypothesis the prediction and its verdict, so the prose cannot drift from the data."""
     mod = load_script("findings_tables")
-    text = mod.FINDINGS.read_text()
+    text = read_all()
     block = text.split("<!-- findings:e3c-study -->")[1].split("<!-- /findings:e3c-study -->")[0]
     row = next(line for line in text.splitlines() if line.startswith("| E3c |"))
     rows = [r.split(" | ") for r in block.splitlines() if r.startswith("| 3 | head_0.72 | 5.1e-04 |")]
@@ -121,7 +178,7 @@ def test_p2_verdict_row_quotes_its_block_and_data():
     its p, the realized k3) and the cost per unit of k3 recomputed from the registered endpoints."""
     from timlab.experiments.study import endpoint_values, load_study
 
-    text = load_script("findings_tables").FINDINGS.read_text()
+    text = read_all()
     block = text.split("<!-- findings:persistence-p2 -->")[1].split("<!-- /findings:persistence-p2 -->")[0]
     row = next(line for line in text.splitlines() if line.startswith("| P2 (persistence) |"))
     acc = block.split("**accuracy level, evaluations at steps 50-150 (primary)**, arm minus control")[1]
@@ -146,7 +203,7 @@ def test_p2_verdict_row_quotes_its_block_and_data():
 def test_p2_verdict_row_quotes_its_16_seed_blocks():
     """The P2 row's 16-seed sentence rounds the extension's block (rule 1 pooled over the two machine
     blocks, its stratified p) and block amd's own comparison (block p2-amd)."""
-    text = load_script("findings_tables").FINDINGS.read_text()
+    text = read_all()
     block = text.split("<!-- findings:persistence-p2-16 -->")[1].split("<!-- /findings:persistence-p2-16 -->")[0]
     amd = text.split("<!-- findings:p2-amd -->")[1].split("<!-- /findings:p2-amd -->")[0]
     row = next(line for line in text.splitlines() if line.startswith("| P2 (persistence) |"))
@@ -161,7 +218,7 @@ def test_h2_verdict_row_quotes_its_blocks():
     """The H2 row rounds its harm2-test block: the signal condition, the winner's and k3's out-of-sample
     errors and their paired difference, the range of held-out costs, the prediction intervals' half
     widths, and k3 x persistence against k3; its verdict names the block's winner."""
-    text = load_script("findings_tables").FINDINGS.read_text()
+    text = read_all()
     block = text.split("<!-- findings:harm2-test -->")[1].split("<!-- /findings:harm2-test -->")[0]
     row = next(line for line in text.splitlines() if line.startswith("| H2 |"))
     q, p = re.search(r"Cochran's Q over the 6 held-out cells' costs = ([0-9.]+) on 5 df, p = ([0-9.e+-]+)", block).groups()
@@ -185,7 +242,7 @@ def test_h2_verdict_row_quotes_its_blocks():
 def test_p1_verdict_row_quotes_its_blocks():
     """The P1 verdict row rounds its generated blocks: each arm's cost (the control's level minus its
     own, so the sign flips), the registered difference and its p, and the descriptive pair table."""
-    text = load_script("findings_tables").FINDINGS.read_text()
+    text = read_all()
     block = text.split("<!-- findings:persistence -->")[1].split("<!-- /findings:persistence -->")[0]
     pairs = text.split("<!-- findings:p1-pairs -->")[1].split("<!-- /findings:p1-pairs -->")[0]
     row = next(line for line in text.splitlines() if line.startswith("| P1 (persistence) |"))
@@ -267,7 +324,7 @@ def test_harm_blocks_match_the_study():
     from timlab.experiments.study import predictor as P
 
     st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
-    text = (REPO / "docs/FINDINGS.md").read_text()
+    text = read_all()
     for name, body in O.blocks(st).items():
         assert f"<!-- findings:{name} -->\n{body}\n<!-- /findings:{name} -->" in text, name
 
@@ -306,7 +363,7 @@ def test_h1_verdict_row_quotes_its_block():
     """The H1 verdict row rounds the held-k3 block: each arm's late-accuracy difference with its
     interval, TIS's gain and the TIS arms' remaining cost, and rule 4's reading ("reduces it") read
     off the block's rule columns as registered."""
-    text = load_script("findings_tables").FINDINGS.read_text()
+    text = read_all()
     block = text.split("<!-- findings:held-k3 -->")[1].split("<!-- /findings:held-k3 -->")[0]
     row = next(line for line in text.splitlines() if line.startswith("| H1 |"))
     erosion = _h1_table(block, "acc_late", "erosion")
@@ -331,8 +388,8 @@ def test_h1_verdict_row_quotes_its_block():
 # corrected prose quotes generated blocks (e3c-reading, l1-e3b, h1-k3-steps, harm-insample, held-k3,
 # early-warning-h1) or bench/RESULTS.md, and these tests keep it in step with them.
 def _text_and_flat() -> tuple[str, str]:
-    """FINDINGS as committed, and the same with every run of whitespace made one space (prose wraps)."""
-    text = load_script("findings_tables").FINDINGS.read_text()
+    """FINDINGS and its pages as committed, and the same with every run of whitespace made one space (prose wraps)."""
+    text = read_all()
     return text, " ".join(text.split())
 
 
@@ -342,6 +399,11 @@ def _block(text: str, name: str) -> str:
 
 def _flat(path: str) -> str:
     return " ".join((REPO / path).read_text().split())
+
+
+def _page(name: str) -> str:
+    """A study's page of the findings (docs/findings/NAME.md), its whitespace made single spaces."""
+    return _flat(f"docs/findings/{name}.md")
 
 
 def _e(x: str) -> str:
@@ -371,7 +433,7 @@ def test_e3c_prose_says_what_its_shape_test_turned_on():
     assert f"differ {r160:.2f}x already at E3b's own T = 160 and {r325:.2f}x at T = 325" in row
     assert f"(cost as {laws['T * k3']} and {laws['T^2 * k3']})" in row and exp in row
     assert f"below every E3b cell's, {_e(lo_k3)} to {_e(hi_k3)}" in row
-    for where in (flat.split("## Verdicts")[0], flat.split("**Verdict E3c**")[1].split("## Study E3d")[0]):
+    for where in (flat.split("## Verdicts")[0], _page("e3c").split("**Verdict E3c**")[1]):
         assert f"{r160:.2f}x" in where and exp in where
     assert "over-predicts 2.6x" not in flat and "over-predicted 2.6x" not in flat
     for page in ("docs/findings-summary.md", "docs/realistic.md"):  # findings in a paragraph each; E3c
@@ -416,7 +478,7 @@ def test_h_in_sample_prose_says_no_candidate_but_k3_decision_beat_k3_there():
         return f"{gain[k][0]:+.{d}f} [{gain[k][1]:+.{d}f}, {gain[k][2]:+.{d}f}]".replace("+-", "-")
 
     assert f"({ci('tv', 3)}, {ci('adv_diff', 3)}); only k3_decision's did ({ci('k3_decision', 3)})" in row
-    results = flat.split("### RESULTS of Study H ")[1].split("## Study L1")[0]
+    results = _page("harm").split("### RESULTS of Study H ")[1]
     assert f"({ci('tv', 4)} and {ci('adv_diff', 4)}, block harm-insample" in results
     assert f"only k3_decision's did ({ci('k3_decision', 4)})" in results
     assert f"tv's reached it, {ci('tv', 3)}" in _flat("docs/findings-summary.md")
@@ -441,7 +503,7 @@ def test_h1_prose_states_the_tails_with_the_dose():
     assert f"{shares[0][:-1]}-{shares[2]} of late steps exceeded 1 nat per token" in row
     flat_acc = "stayed flat ({:.3f} over steps 50-500, {:.3f} over 1500-2000) while the control improved ({:.3f} -> {:.3f})"
     assert flat_acc.format(*acc["hold_3e-3"], *acc["control"]) in row
-    h1 = flat.split("### RESULTS of Study H1")[1].split("## Study P1")[0]
+    h1 = _page("h1").split("### RESULTS of Study H1")[1]
     assert f"{', '.join(shares[:2])} and {shares[2]} of the late steps exceed 1 nat per token" in h1
     assert (f"at a median per-token k3 of 3e-3 with heavy tails (a late mean of {mean}, and {share} of late steps "
             f"above 1 nat per token)") in h1
@@ -461,7 +523,7 @@ def test_p1_prose_quotes_the_persistence_of_staleness():
     rows = {r.split(" | ")[0].lstrip("| "): [float(x) for x in r.strip("| ").split(" | ")[2:]]
             for r in bench.split("\n\n")[2].splitlines()[3:]}  # past the header and zero mismatch (NaN)
     stale, one, fresh = rows["stale 1"], rows["head_perturb 0.6, one direction"], rows["head_perturb 0.6, redrawn every step"]
-    p1 = flat.split("### RESULTS of Study P1")[1].split("## Study P2")[0].split("**What it means.**")[1]
+    p1 = _page("p1").split("### RESULTS of Study P1")[1].split("**What it means.**")[1]
     assert (f"`mismatch/persistence_lag1` {stale[0]:.2f} and `persistence_ema` {stale[1]:.2f}, near a head direction "
             f"redrawn every step ({fresh[0]:.2f}, {fresh[1]:.2f}) and far from a run-long one ({one[0]:.2f}, "
             f"{one[1]:.2f}), while its bias is plain within a step (`persistence_reliability` {stale[2]:.2f})") in p1
@@ -475,7 +537,7 @@ def test_early_warning_h1_registration_discloses_the_earlier_look():
     import subprocess
 
     text, flat = _text_and_flat()
-    part = flat.split("### Study H1 as a second test set of the alarm rules")[1].split("## Study H1:")[0]
+    part = _page("early-warning").split("### Study H1 as a second test set of the alarm rules")[1].split(" ## ")[0]
     ew = _block(text, "early-warning-h1")
     fired = [next(r for r in ew.splitlines() if r.startswith(f"| {a} |")).split(" | ")[6].split("/")[0]
              for a in ("k3_change", "k3_level")]

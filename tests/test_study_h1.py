@@ -15,6 +15,7 @@ import pytest
 from study_sweep import assert_registered_in_findings, planted_run, write_blocks, write_sweep
 from timlab.experiments.study import analyze, freeze, load_study, planned_runs
 from timlab.experiments.sweep_spec import expand, spec_from_dict
+from timlab.findings import block_file
 from timlab.injectors.schedule import scheduled_magnitude
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def test_amendment_1_puts_seeds_0_2_on_amd_and_3_7_on_intel():
     assert H1.amendments[-1].hash == H1.hash and H1.amendments[-1].date == "2026-11-27"
     blocks = [p.block for p in planned_runs(H1)]
     assert blocks == ["amd"] * 21 + ["intel"] * 35
-    text = (REPO / "docs" / "FINDINGS.md").read_text()
+    text = block_file(*H1.findings).read_text()  # docs/findings/h1.md
     assert f"**Amendment 1 (2026-11-27, before any run of seeds 3-7 on the new machines; hash\n{H1.hash})" in text
 
 

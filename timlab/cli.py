@@ -768,12 +768,13 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.write:
         _check_writable(args, res.status, st.findings, "block (findings: {file, block})")
         from timlab.experiments.study.text import write_blocks
+        from timlab.findings import block_file
 
         path, name = st.findings
         write_blocks(path, {name: res.text})
         for d in dirs.values():  # the amendments this analysis used, recorded at their first use
             S.registration.record_amendments(st, d)
-        print(f"wrote block {name} of {path}")
+        print(f"wrote block {name} of {block_file(path, name)}")
     return 0 if res.status == "complete" else 1
 
 

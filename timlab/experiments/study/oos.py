@@ -18,6 +18,7 @@ import numpy as np
 from timlab.experiments.study.predictor import (PredictorResult, PredictorStudy, analyze_predictor, calibration_record,
                                                 write_calibration)
 from timlab.experiments.study.registration import StudyError
+from timlab.findings import block_text
 
 
 def round_sig(x: float, digits: int = 2) -> float:
@@ -366,13 +367,6 @@ def oos_block(pst, res) -> tuple[str, dict | None]:
               f"({len(cells.names)} cells of {len(set(cells.kinds))} kinds)")
     runs = f"Out-of-sample runs ({_shown(oos.source)}), their own analysis:\n\n{done.text.strip()}"
     return f"{text}\n\n{runs}\n\n{results_text(cells, preds, dec, regime)}", dec
-
-
-def block_text(path: str | Path, name: str) -> str:
-    """The body of the block ``<!-- findings:NAME -->`` of the file ``path`` ("" when it has none)."""
-    text = Path(path).read_text(encoding="utf-8")
-    m = re.search(rf"<!-- findings:{re.escape(name)} -->\n(.*?)<!-- /findings:{re.escape(name)} -->", text, re.S)
-    return m.group(1) if m else ""
 
 
 def check_predicted(study) -> str:

@@ -12,7 +12,8 @@ tests/test_findings.py says so).
 - ``splice_block(text, name, body)``: a FINDINGS file with one generated block replaced.
 - ``plain_text(markdown)``: a block as a terminal shows it (tables aligned, no Markdown marks).
 - ``write_blocks(path, blocks)``: those replacements written back atomically (a temporary sibling
-  renamed over the file), so a full disk or a file-size limit leaves the file as it was.
+  renamed over the file), so a full disk or a file-size limit leaves the file as it was; each block
+  into the file of ``path``'s findings that holds it (``timlab.findings``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from timlab.errors import BadFileError, one_line
 from timlab.experiments.stats import bootstrap_ci, t_ci
 from timlab.files import atomic_write_text, read_text
+from timlab.findings import by_file
 
 
 def fmt(x: float, digits: int = 3) -> str:
@@ -142,14 +144,15 @@ def plain_text(markdown: str) -> str:
 
 def write_blocks(path: str | Path, blocks: dict[str, str]) -> None:
     """Replace the bodies of the generated blocks ``blocks`` (name -> body) in the FINDINGS file
-    ``path``, atomically: the new text is written to a temporary sibling and renamed over the file,
-    so a write that fails (a full disk, a file-size limit) leaves the file exactly as it was and
-    says so in one line."""
-    path = Path(path)
-    text = read_text(path, what="FINDINGS file")
-    for name, body in blocks.items():
-        text = splice_block(text, name, body, where=str(path))
-    try:
-        atomic_write_text(path, text)
-    except OSError as e:
-        raise BadFileError(f"{path}: not written ({one_line(e)}); the file is unchanged") from None
+    ``path`` or the page of it that holds each (``timlab.findings.block_file``), each file
+    atomically: the new text is written to a temporary sibling and renamed over the file, so a write
+    that fails (a full disk, a file-size limit) leaves that file exactly as it was and says so in
+    one line."""
+    for file, its in by_file(path, blocks).items():
+        text = read_text(file, what="FINDINGS file")
+        for name, body in its.items():
+            text = splice_block(text, name, body, where=str(file))
+        try:
+            atomic_write_text(file, text)
+        except OSError as e:
+            raise BadFileError(f"{file}: not written ({one_line(e)}); the file is unchanged") from None
