@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, no install
 
-from timlab.experiments.stats import compare_family  # noqa: E402
-from timlab.experiments.study import load_study  # noqa: E402
-from timlab.experiments.study.engine import run_record  # noqa: E402
-from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
-from timlab.experiments.study.text import comparison_cells, fmt  # noqa: E402
+from timlab.experiments.studies.stats import compare_family  # noqa: E402
+from timlab.experiments.studies.registration import load_study  # noqa: E402
+from timlab.experiments.studies.engine import run_record  # noqa: E402
+from timlab.experiments.studies.sweep_runs import arm, runs  # noqa: E402
+from timlab.experiments.studies.text import comparison_cells, fmt  # noqa: E402
 from timlab.rundir import DIVERGED, FINISHED  # noqa: E402
 
 E3D = load_study(ROOT / "docs" / "examples" / "studies" / "e3d.yaml")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from script_loader import load_script
-from timlab.experiments.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
+from timlab.experiments.studies.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,7 +119,9 @@ def _block_cost(acc: str, arm: str) -> tuple[str, str]:
 def test_p2_verdict_row_quotes_its_block_and_data():
     """The P2 verdict row rounds its generated block (each arm's cost, the registered difference and
     its p, the realized k3) and the cost per unit of k3 recomputed from the registered endpoints."""
-    from timlab.experiments.study import endpoint_values, load_study
+    from timlab.experiments.studies.engine import endpoint_values
+
+    from timlab.experiments.studies.registration import load_study
 
     text = load_script("findings_tables").FINDINGS.read_text()
     block = text.split("<!-- findings:persistence-p2 -->")[1].split("<!-- /findings:persistence-p2 -->")[0]
@@ -231,7 +233,7 @@ def test_small_fits_are_plain_python_and_match_numpy():
 
     import numpy as np
 
-    from timlab.experiments.stats import least_squares, line_fit
+    from timlab.experiments.studies.stats import least_squares, line_fit
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -251,8 +253,8 @@ def test_small_fits_are_plain_python_and_match_numpy():
 
 
 def test_e3_extrapolations_print_unbounded_not_digits():
-    from timlab.experiments.study import load_study
-    from timlab.experiments.study.fits import fmt_loss
+    from timlab.experiments.studies.registration import load_study
+    from timlab.experiments.studies.fits import fmt_loss
 
     studies = REPO / "docs" / "examples" / "studies"
     bound = load_study(studies / "e3.yaml").fits[0].unbounded
@@ -263,8 +265,8 @@ def test_e3_extrapolations_print_unbounded_not_digits():
 
 def test_harm_blocks_match_the_study():
     # Study H's blocks (a predictor study: docs/examples/studies/harm.yaml) as its analysis renders them now
-    from timlab.experiments.study import oos as O
-    from timlab.experiments.study import predictor as P
+    from timlab.experiments.studies import oos as O
+    from timlab.experiments.studies import predictor as P
 
     st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
     text = (REPO / "docs/FINDINGS.md").read_text()
@@ -275,7 +277,7 @@ def test_harm_blocks_match_the_study():
 @functools.cache
 def _h1():
     """Study H1's study file (its labels and family notes head the held-k3 block's tables)."""
-    from timlab.experiments.study import load_study
+    from timlab.experiments.studies.registration import load_study
 
     return load_study(REPO / "docs" / "examples" / "studies" / "h1.yaml")
 

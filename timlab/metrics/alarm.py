@@ -1,6 +1,6 @@
 """Early-warning alarms on a logged indicator: the rule, and the watcher a trainer keeps.
 
-One rule, two users: ``timlab.experiments.early_warning`` measures each rule's lead time and false
+One rule, two users: ``timlab.experiments.studies.early_warning`` measures each rule's lead time and false
 alarms on the committed sweeps (docs/FINDINGS.md, "Early warning of a fall"), and the trainer's
 optional alarm (``run.alarm``) runs the same ``alarm_statistic`` on a live run through
 ``AlarmWatch``. Pure Python (no torch, no numpy): a statistic has the same bits on every machine.
