@@ -5,7 +5,7 @@
 E1 registered levels over steps 50-500, not healing; E3d registered healing (its early window,
 steps 50-150, against its late one, 400-500). This takes E3d's per-run endpoints from its study file
 (docs/examples/studies/e3d.yaml: accuracy level per window, its change from early to late, realized
-k3 per window), computes them over the committed erosion runs (``study.engine.run_record``) and
+k3 per window), computes them over the committed erosion runs (``studies.engine.run_record``) and
 compares each arm with the control (``compare_family``: exact permutation p, bootstrap intervals;
 Holm over the 10 arms). Not a registered test of E1: FINDINGS quotes it to say in words what
 "heals" can and cannot mean there.

@@ -655,7 +655,7 @@ def _add_check(sub) -> None:
 
 # ---------------------------------------------------------------------------------- study
 def cmd_study(args: argparse.Namespace) -> int:
-    from timlab.experiments.studies import engine as S
+    from timlab.experiments.studies import engine as E, registration as R
     from timlab.experiments.studies import predictor as P
     from timlab.experiments.studies.blocks import block_dirs, block_spec, machine_block
     from timlab.experiments.studies.sweep_runs import seed_ranges
@@ -678,7 +678,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     st = study_from_dict(d, root=path.parent, source=str(path))
     dirs = block_dirs(st, args.out)
     if args.action == "check":
-        runs = S.planned_runs(st)
+        runs = E.planned_runs(st)
         arms = {}
         for r in runs:
             arms[r.arm] = arms.get(r.arm, 0) + 1
@@ -706,17 +706,17 @@ def cmd_study(args: argparse.Namespace) -> int:
                   + (f"{st.groups}s {', '.join(f.groups)}" if f.groups else f"every valid {st.groups}") + "; "
                   + (f"tests: {', '.join(t.name for t in f.tests)}" if f.tests else "no test (descriptive)"))
         if st.blocks:
-            counts = S.engine.progress(st)
+            counts = E.progress(st)
             for b in st.blocks:
                 d, (n, m) = dirs[b.name], counts[b.name]
                 print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
                       + f"; seeds {seed_ranges(b.seeds)}; {n} of {m} runs finished): {d}: "
-                      + S.check_freeze(st, d, has_runs=S.registration.holds_runs(d)))
-            print(f"  runs not finished: {S.missing_runs(st)}")
+                      + R.check_freeze(st, d, has_runs=R.holds_runs(d)))
+            print(f"  runs not finished: {E.missing_runs(st)}")
         else:
             out = dirs[""]
-            states = S.registration.holds_runs(out)
-            print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
+            states = R.holds_runs(out)
+            print(f"  {out}: {R.check_freeze(st, out, has_runs=states)}; runs not finished: {E.missing_runs(st, args.out)}")
         if st.predicted_by is not None:
             from timlab.experiments.studies.oos import probe_k3
 
@@ -729,7 +729,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         from timlab.experiments.sweeps.runner import INDEX_FILE, run_sweep, spec_from_dict
 
         spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
-        planned = S.planned_runs(st)  # every config resolves before anything is written
+        planned = E.planned_runs(st)  # every config resolves before anything is written
         out = dirs[""] if not st.blocks else dirs[(block := machine_block(st)).name]
         if st.blocks:
             spec = block_spec(spec, planned, block.name)
@@ -738,8 +738,8 @@ def cmd_study(args: argparse.Namespace) -> int:
             from timlab.experiments.studies.oos import check_predicted
 
             print(check_predicted(st))  # no out-of-sample run before its prediction
-        wrote = S.freeze(st, out)
-        print(f"registration {st.hash[:12]} " + (f"frozen in {out / S.registration.FREEZE_FILE}" if wrote
+        wrote = R.freeze(st, out)
+        print(f"registration {st.hash[:12]} " + (f"frozen in {out / R.FREEZE_FILE}" if wrote
                                                   else "matches its freeze"))
         prog = SweepProgress(not args.quiet)
         try:
@@ -755,14 +755,14 @@ def cmd_study(args: argparse.Namespace) -> int:
         if not args.png:
             raise CLIError("study figure needs --png FILE")
         check_output_file(args.png, "--png")
-        print(f"wrote {S.figure(st, args.png, args.out, trajectories=args.trajectories)}")
+        print(f"wrote {E.figure(st, args.png, args.out, trajectories=args.trajectories)}")
         return 0
     from dataclasses import replace
 
     from timlab.experiments.studies.text import plain_text
 
     terminal = not (args.markdown or args.write)  # the block's own bytes when it is written or asked for
-    res = S.analyze(replace(st, clip_bounded=True) if terminal else st, args.out)
+    res = E.analyze(replace(st, clip_bounded=True) if terminal else st, args.out)
     print(plain_text(res.text) if not args.markdown else res.text)
     print(f"\n{st.name}: {res.status}; {res.freeze}")
     if args.write:
@@ -772,7 +772,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         path, name = st.findings
         write_blocks(path, {name: res.text})
         for d in dirs.values():  # the amendments this analysis used, recorded at their first use
-            S.registration.record_amendments(st, d)
+            R.record_amendments(st, d)
         print(f"wrote block {name} of {path}")
     return 0 if res.status == "complete" else 1
 

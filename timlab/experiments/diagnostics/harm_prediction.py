@@ -47,7 +47,7 @@ from pathlib import Path
 
 from timlab.errors import UsageError
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 EVIDENCE = DATA / "harm_evidence.json"
 """The committed evidence record (``timlab.experiments.studies.evidence`` writes it)."""
 STUDY_H_CALIBRATION = DATA / "harm_calibration.json"

@@ -15,15 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from timlab.experiments.studies.registration import Block, Study, StudyError, check_freeze, holds_runs
-from timlab.experiments.studies.sweep_runs import seed_ranges
-
-if TYPE_CHECKING:
-    from timlab.experiments.studies.engine import PlannedRun
+from timlab.experiments.studies.sweep_runs import PlannedRun, seed_ranges
 
 SEED = "run.seed"
 """The sweep grid key of a run's seed (a seeded grid names its runs ``<condition>_s<seed>``)."""

@@ -53,26 +53,11 @@ from timlab.experiments.studies.endpoints import SCALES, guard, rows, window_sta
 from timlab.experiments.studies.fits import arm_cost, bootstrap_fit, fit_power, off_fit, power_law_section
 from timlab.experiments.studies.registration import (FORMATTED, MARGIN_TESTS, Study, StudyError,
                                                      first_case)
-from timlab.experiments.studies.sweep_runs import arm as seedless, grouped_seeds, incomplete_line, runs, seed_ranges
+from timlab.experiments.studies.sweep_runs import (PlannedRun, arm as seedless, grouped_seeds, incomplete_line, runs,
+                                                   seed_ranges)
 from timlab.experiments.studies.text import ci_text, clip, fmt, mean_cells, p_text, t_cells
 from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 from timlab.rundir.metrics_log import first_difference
-
-
-@dataclass(frozen=True)
-class PlannedRun:
-    """One run the sweep spec registers."""
-
-    run_id: str
-    """Its directory name in the sweep."""
-    name: str
-    """How lines name it: the spec's condition, with ``_s<seed>`` when seeds come from the grid."""
-    arm: str
-    """The arm it belongs to."""
-    group: str = ""
-    """Its group in a grouped study (``Study.groups``); empty otherwise."""
-    block: str = ""
-    """The machine block its seed runs in (``Study.blocks``); empty without blocks."""
 
 
 @dataclass

@@ -1,17 +1,19 @@
 """A study's runs as a sweep directory holds them: each run's index row and metrics (``runs``),
 the arm a condition belongs to (``arm``), which runs count (``sweep_states``, ``collect``) and
 the one line an analysis prints instead of any number while runs are missing
-(``incomplete_line``: no interim analysis).
+(``incomplete_line``: no interim analysis), and ``PlannedRun``, one run a study's sweep spec
+registers (``engine.planned_runs`` makes them; ``blocks`` places them on machines).
 
 A run counts once it has finished at the study's last step or diverged (a diverged run is a
 fall, never excluded for its outcome; its endpoints are over the evaluations it reached). Run
-states are read live from each run's status.json (``sweep.read_index``), so a sweep still
+states are read live from each run's status.json (``sweeps.index.read_index``), so a sweep still
 running shows where its runs are.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +23,22 @@ from timlab.rundir import DIVERGED, FINISHED, GUARD_FAILED, read_metrics
 
 SEED_SUFFIX = r"_s\d+$"
 """A condition named ``<arm>_s<seed>`` (one condition per seed) belongs to ``<arm>``."""
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run the sweep spec registers."""
+
+    run_id: str
+    """Its directory name in the sweep."""
+    name: str
+    """How lines name it: the spec's condition, with ``_s<seed>`` when seeds come from the grid."""
+    arm: str
+    """The arm it belongs to."""
+    group: str = ""
+    """Its group in a grouped study (``Study.groups``); empty otherwise."""
+    block: str = ""
+    """The machine block its seed runs in (``Study.blocks``); empty without blocks."""
 
 
 def arm(condition: str) -> str:
