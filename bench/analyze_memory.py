@@ -69,7 +69,7 @@ def main() -> int:
         print(f"wrote {data}: {rows} rows", flush=True)
     size_mib = data.stat().st_size / 2**20
     src = Path(args.src).resolve()
-    base, _, _ = peak_rss_mib([sys.executable, "-c", "import timlab.experiments.analyze"], src=src, cwd=work)
+    base, _, _ = peak_rss_mib([sys.executable, "-c", "import timlab.experiments.diagnostics.analyze"], src=src, cwd=work)
     peak, wall, rc = peak_rss_mib([sys.executable, "-m", "timlab", "analyze", str(data), "--json", str(work / "out.json")],
                                   src=src, cwd=work)
     print(f"src {src}\nfile {size_mib:.1f} MiB, analyze rc {rc}, {wall:.0f} s\n"

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, sys, time
 import timlab
-from timlab.experiments.analyze import analyze_file, format_analysis
+from timlab.experiments.diagnostics.analyze import analyze_file, format_analysis
 t = time.process_time()
 result = analyze_file(sys.argv[1])
 text = format_analysis(result)

@@ -974,7 +974,8 @@ _STUDY59 = r"""
 import json, sys
 from pathlib import Path
 import numpy as np, pandas as pd
-from timlab.experiments.study import freeze, load_study, planned_runs
+from timlab.experiments.studies.engine import planned_runs
+from timlab.experiments.studies.registration import freeze, load_study
 from timlab.rundir import RunDir
 path, out = Path(sys.argv[1]), Path(sys.argv[2])
 st = load_study(path)
@@ -1095,7 +1096,7 @@ def attack_issue59_study(t: Tally, work: Path) -> None:
                 study("gone.yaml", changed), "run", "holds runs but no frozen registration"))
     moved = _study59()
     moved["endpoints"][0]["window"] = [2, None]
-    h = _py(f"from timlab.experiments.study import study_from_dict\nimport yaml\n"
+    h = _py(f"from timlab.experiments.studies import study_from_dict\nimport yaml\n"
             f"print(study_from_dict(yaml.safe_load(open({study('moved.yaml', moved)!r}))).hash)")
     bad.append(("wrong", "an amendment dated 1990 over a freeze of today (17)", study("old.yaml", {
         **moved, "amendments": [{"date": "1990-01-01", "reason": "r", "hash": h.stdout.strip()}]}), "analyze",

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # run from a checkout, no install
 
 from erosion_tables import runs  # noqa: E402
-from timlab.experiments.collapse import judge  # noqa: E402
-from timlab.experiments.study import load_study  # noqa: E402
-from timlab.experiments.study.signals import series, vs_start  # noqa: E402
+from timlab.experiments.studies.collapse import judge  # noqa: E402
+from timlab.experiments.studies.registration import load_study  # noqa: E402
+from timlab.experiments.studies.signals import series, vs_start  # noqa: E402
 
 FIT = next(f for f in load_study(ROOT / "docs" / "examples" / "studies" / "e2.yaml").fits if f.kind == "signals")
 """E2's registered signals (every arm's: the ramp-only signal is left out)."""

@@ -5,7 +5,7 @@
 E1 registered levels over steps 50-500, not healing; E3d registered healing (its early window,
 steps 50-150, against its late one, 400-500). This takes E3d's per-run endpoints from its study file
 (docs/examples/studies/e3d.yaml: accuracy level per window, its change from early to late, realized
-k3 per window), computes them over the committed erosion runs (``study.engine.run_record``) and
+k3 per window), computes them over the committed erosion runs (``studies.engine.run_record``) and
 compares each arm with the control (``compare_family``: exact permutation p, bootstrap intervals;
 Holm over the 10 arms). Not a registered test of E1: FINDINGS quotes it to say in words what
 "heals" can and cannot mean there.
@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, no install
 
-from timlab.experiments.stats import compare_family  # noqa: E402
-from timlab.experiments.study import load_study  # noqa: E402
-from timlab.experiments.study.engine import run_record  # noqa: E402
-from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
-from timlab.experiments.study.text import comparison_cells, fmt  # noqa: E402
+from timlab.experiments.studies.stats import compare_family  # noqa: E402
+from timlab.experiments.studies.registration import load_study  # noqa: E402
+from timlab.experiments.studies.engine import run_record  # noqa: E402
+from timlab.experiments.studies.sweep_runs import arm, runs  # noqa: E402
+from timlab.experiments.studies.text import comparison_cells, fmt  # noqa: E402
 from timlab.rundir import DIVERGED, FINISHED  # noqa: E402
 
 E3D = load_study(ROOT / "docs" / "examples" / "studies" / "e3d.yaml")

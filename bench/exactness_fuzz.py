@@ -1,6 +1,6 @@
 """Randomized exactness harness: does every exact rollout log-prob equal the trainer's, bit for bit?
 
-Draws ``--cases`` cases from the seeded space of ``timlab.experiments.exactness`` (architectures,
+Draws ``--cases`` cases from the seeded space of ``timlab.experiments.diagnostics.exactness`` (architectures,
 widths, dtypes, threads, ragged batches, compaction, sampling settings), rolls each out with the
 exact engine and compares every response token's log-prob with the trainer's forward (three ways:
 whole grid, RL step, mini-batch). Prints the number of cases, the number that failed, a one-line
@@ -39,7 +39,7 @@ def _default_cache() -> str:
 def run_here(args, isa: str) -> dict:
     import torch
 
-    from timlab.experiments import exactness as ex
+    from timlab.experiments.diagnostics import exactness as ex
     from timlab.files import write_json
 
     indices = [args.case] if args.case is not None else list(range(args.start, args.start + args.cases))

@@ -18,7 +18,7 @@ The reference's spread is E1's control's; a mismatch arm's is that of the E1 hea
 nearest its realized k3, rounded up (``ANALOGUE``: hold 3e-3 <- k3 4.1e-3, hold 1e-2 <- 0.013,
 grow, whose target runs 1.3e-2 -> 3e-2 over the late window, <- 0.034); a TIS arm is assumed to
 spread as its non-TIS arm. The power of the registered test (the exact two-sided permutation test
-of ``timlab.experiments.stats``: 12,870 relabelings for 8 vs 8) is simulated with normal seeds for
+of ``timlab.experiments.studies.stats``: 12,870 relabelings for 8 vs 8) is simulated with normal seeds for
 a grid of planted effects in units of the difference's standard error, at the larger and the
 smaller spread ratio the table needs (``RATIOS``; the worse curve is used), at alpha 0.05 / 3
 (Holm's first step over a family of 3, the arm eroding alone; and the TIS pairs, Bonferroni over
@@ -44,9 +44,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timlab.experiments.stats import permutation_floor, permutation_test  # noqa: E402
-from timlab.experiments.study.endpoints import window_stat  # noqa: E402
-from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
+from timlab.experiments.studies.stats import permutation_floor, permutation_test  # noqa: E402
+from timlab.experiments.studies.endpoints import window_stat  # noqa: E402
+from timlab.experiments.studies.sweep_runs import arm, runs  # noqa: E402
 from timlab.files import write_json  # noqa: E402
 
 ANALOGUE = {"hold_3e-3": "head_0.49", "hold_1e-2": "head_0.78", "grow": "head_1.1"}

@@ -1,6 +1,6 @@
 """Tables of Study E3, length at fixed difficulty (docs/FINDINGS.md, "Study E3"), from its sweeps,
 besides the pre-registered analyses of E3, E3b, E3c and E3d, which are study files analysed by the
-package (``timlab.experiments.study``)::
+package (``timlab.experiments.studies``)::
 
     timlab study analyze docs/examples/studies/e3.yaml    # E3 (e3b.yaml: E3b; e3c.yaml: E3c; e3d.yaml: E3d)
     timlab study figure docs/examples/studies/e3.yaml --png docs/img/e3_length.png
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timlab.experiments.study.sweep_runs import runs  # noqa: E402
+from timlab.experiments.studies.sweep_runs import runs  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

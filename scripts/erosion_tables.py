@@ -9,13 +9,13 @@ over its runs) with the range over runs, and the median wall time of a training 
 ``slopes``: per run, the OLS slope of ``val/accuracy`` over the evaluations at steps >= ``--from``
 (50, as pre-registered), per 100 steps, and its realized k3 over the same steps; per condition, the
 mean over seeds with a 95% t-interval, each run's mean k3 over its first and last 20 steps, the excess over the ``control`` condition with an exact
-two-sided permutation p (``timlab.experiments.stats``), whether every control step kept k3 exactly
+two-sided permutation p (``timlab.experiments.studies.stats``), whether every control step kept k3 exactly
 0 and every token bitwise equal, and the wall-clock cost per RL step (training step time plus its
 share of evaluation time; one thread per run, so an upper bound on CPU-seconds per step on a
 shared machine). It has no gold log-prob column (the pilot ran before ``val/gold_logprob`` existed).
 
 The pre-registered analysis of the full study is a study file, analysed by the package:
-``timlab study analyze docs/examples/studies/erosion.yaml`` (``timlab.experiments.study``).
+``timlab study analyze docs/examples/studies/erosion.yaml`` (``timlab.experiments.studies``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.stats import line_fit, permutation_test, t_ci  # noqa: E402
-from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
-from timlab.experiments.study.text import fmt  # noqa: E402
+from timlab.experiments.studies.stats import line_fit, permutation_test, t_ci  # noqa: E402
+from timlab.experiments.studies.sweep_runs import arm, runs  # noqa: E402
+from timlab.experiments.studies.text import fmt  # noqa: E402
 
 CONTROL = "control"
 """The zero-mismatch arm's condition name in the erosion specs."""

@@ -8,10 +8,10 @@
 docs/FINDINGS.md (the verdicts) or one of its pages (docs/findings/*.md, one per study) holds each
 table between ``<!-- findings:NAME -->`` and ``<!-- /findings:NAME -->`` (``timlab.findings`` finds
 which); ``tests/test_findings.py`` fails when the committed text differs from what this script
-computes. Statistics (``timlab.experiments.stats``): two-sided exact
+computes. Statistics (``timlab.experiments.studies.stats``): two-sided exact
 permutation tests of a difference in means (every relabeling enumerated: 252 for 5 vs 5, whose
 smallest possible p is 2/252 = 0.008), and 95% Clopper-Pearson intervals for collapse fractions.
-Collapses follow the sweeps' rule (``timlab.experiments.collapse``) unless a column says
+Collapses follow the sweeps' rule (``timlab.experiments.studies.collapse``) unless a column says
 ``plateau`` (the plateau rule, a sustained fall from the learned level).
 """
 
@@ -31,19 +31,20 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments import early_warning, early_warning2  # noqa: E402
-from timlab.experiments.collapse import judge, run_summary  # noqa: E402
+from timlab.experiments.studies.collapse import judge, run_summary  # noqa: E402
 from timlab.rundir import read_metrics  # noqa: E402
 from timlab.rundir.metrics_log import first_difference  # noqa: E402
-from timlab.experiments.stats import bootstrap_diff_ci, clopper_pearson, line_fit, permutation_test  # noqa: E402
-from timlab.experiments.study import analyze, endpoint_values, load_study, planned_runs, predictions  # noqa: E402
-from timlab.experiments.study.oos import blocks as predictor_study_blocks  # noqa: E402
-from timlab.experiments.study.predictor import load_predictor  # noqa: E402
-from timlab.experiments.study.heldout import analyze_heldout, blocks as heldout_blocks, load_heldout  # noqa: E402
-from timlab.experiments.study.text import fmt as study_fmt, splice_block, write_blocks  # noqa: E402
+from timlab.experiments.studies.stats import bootstrap_diff_ci, clopper_pearson, line_fit, permutation_test  # noqa: E402
+from timlab.experiments.studies.engine import analyze, endpoint_values, planned_runs, predictions  # noqa: E402
+from timlab.experiments.studies.registration import load_study  # noqa: E402
+from timlab.experiments.studies.oos import blocks as predictor_study_blocks  # noqa: E402
+from timlab.experiments.studies.predictor import load_predictor  # noqa: E402
+from timlab.experiments.studies.heldout import analyze_heldout, blocks as heldout_blocks, load_heldout  # noqa: E402
+from timlab.experiments.studies.text import fmt as study_fmt, splice_block, write_blocks  # noqa: E402
+from timlab.experiments.studies.threshold import REALISTIC_K3, threshold_study  # noqa: E402
+from timlab.experiments.sweeps.tables import generic, md_table, surge_step  # noqa: E402
+from timlab.experiments.studies import early_warning, early_warning2  # noqa: E402
 from timlab.findings import INDEX, by_file  # noqa: E402
-from timlab.experiments.threshold import REALISTIC_K3, threshold_study  # noqa: E402
-from timlab.experiments.sweep_tables import generic, md_table, surge_step  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import e3_tables  # noqa: E402
@@ -362,7 +363,7 @@ def d16_300(R: pd.DataFrame) -> str:
 def step_k3(name: str, window: tuple[int, int]) -> dict[tuple[str, str], list[pd.Series]]:
     """{(group, arm): each run's per-step realized k3 over the steps of ``window``} of the study file
     ``name`` (every block's runs; group "" in an ungrouped study), read from its committed runs."""
-    from timlab.experiments.study.blocks import block_dirs
+    from timlab.experiments.studies.blocks import block_dirs
 
     study = load_study(STUDIES / name)
     dirs = block_dirs(study, root=ROOT)
@@ -451,8 +452,8 @@ def p2_amd(R: pd.DataFrame) -> str:
     registered endpoints as the study's engine computes them, with persistence_ema's level added."""
     import dataclasses
 
-    from timlab.experiments.study.engine import BLOCK
-    from timlab.experiments.study.registration import Endpoint
+    from timlab.experiments.studies.engine import BLOCK
+    from timlab.experiments.studies.registration import Endpoint
 
     study = load_study(STUDIES / "p2_16.yaml")
     study = dataclasses.replace(study, endpoints=(*study.endpoints, Endpoint(
@@ -486,7 +487,7 @@ def e3c_reading(R: pd.DataFrame) -> str:
     E3c's T; and the exponent of T that carries the registered fit's cost at E3b's longest T to
     E3c's measured cost, b = beta + log(measured / predicted) / log(T_E3c / T_longest), over the
     registered test's 2,000 joint resamples of both studies' seeds (``fits.prediction_test``'s draws)."""
-    from timlab.experiments.study import fits as F
+    from timlab.experiments.studies import fits as F
 
     colf, fitted = _grouped_cells("e3b.yaml")
     col, test = _grouped_cells("e3c.yaml")
@@ -531,7 +532,7 @@ def l1_against_e3b(R: pd.DataFrame) -> str:
     seeds; block l1-k3-steps) and the mean (the registered ``k3`` endpoint, E3b's own summary of
     its cells' k3), beside what L1 measured there. L1's registration compares its costs within L1;
     this comparison is descriptive."""
-    from timlab.experiments.study.fits import arm_cost, cost_ci, predictions_table
+    from timlab.experiments.studies.fits import arm_cost, cost_ci, predictions_table
 
     colf, fitted = _grouped_cells("e3b.yaml")
     col, _ = _grouped_cells("l1.yaml")

@@ -1,5 +1,5 @@
 """Study H2's sweep files (docs/FINDINGS.md, "Study H2"): the pilot's, and the study's from the pilot's
-costs by the registered dose rule (``timlab.experiments.study.oos.pilot_doses``).
+costs by the registered dose rule (``timlab.experiments.studies.oos.pilot_doses``).
 
     python scripts/harm2_sweeps.py pilot            # writes docs/examples/harm2_pilot.yaml
     python scripts/harm2_sweeps.py doses            # prints each kind's pilot costs and chosen doses
@@ -21,7 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.study.oos import pilot_doses  # noqa: E402
+from timlab.experiments.studies.oos import pilot_doses  # noqa: E402
 
 KINDS = {
     "persist": ({"mismatch.injector": "head_perturb"}, (0.3, 0.5, 0.8), True),
@@ -79,7 +79,7 @@ def pilot_yaml() -> str:
 
 def run_means(sweep: str | Path, metric: str = "val/accuracy", window=COST_WINDOW) -> dict[str, list[float]]:
     """condition without its seed -> each finished run's mean ``metric`` over ``window``."""
-    from timlab.experiments.study.predictor import _window_mean
+    from timlab.experiments.studies.predictor import _window_mean
     from timlab.rundir import read_metrics
 
     out: dict[str, list[float]] = {}
@@ -146,7 +146,7 @@ PILOT_HEAD = """# Study H2's PILOT (docs/FINDINGS.md, "Study H2", the pilot rule
 # doses, pilot seeds 100 and 101 (not study seeds), 150 steps from the learned surge start runs/erosion_start
 # (SHA-256 9a3f7b27...b4db4). A kind's pilot cost at a dose = the mean over the 2 pilot controls minus the mean over
 # its 2 runs of each run's mean greedy accuracy over the evaluations at steps 50-150; the doses of the study are
-# then chosen by `python scripts/harm2_sweeps.py doses` (the rule: timlab.experiments.study.oos.pilot_doses).
+# then chosen by `python scripts/harm2_sweeps.py doses` (the rule: timlab.experiments.studies.oos.pilot_doses).
 # Written by `python scripts/harm2_sweeps.py pilot`.
 #   timlab --isa avx2 sweep docs/examples/harm2_pilot.yaml --out sweeps/harm2_pilot --workers 2
 """

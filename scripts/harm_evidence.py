@@ -4,7 +4,7 @@
     python scripts/harm_evidence.py --write    # rewrite timlab/data/harm_evidence.json
     python scripts/harm_evidence.py --check    # exit 1 if the committed record differs from the sweeps
 
-What each cell holds and how it is computed: ``timlab.experiments.study.evidence``; tests/test_harm_evidence.py
+What each cell holds and how it is computed: ``timlab.experiments.studies.evidence``; tests/test_harm_evidence.py
 keeps the committed record equal to what this rebuilds.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.study import evidence  # noqa: E402
+from timlab.experiments.studies import evidence  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,8 +32,8 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timlab.experiments.study.registration import FREEZE_FILE  # noqa: E402
-from timlab.experiments.sweep import INDEX_FILE, ISA_FILE  # noqa: E402
+from timlab.experiments.studies.registration import FREEZE_FILE  # noqa: E402
+from timlab.experiments.sweeps.runner import INDEX_FILE, ISA_FILE  # noqa: E402
 from timlab.rundir import CONFIG, DIVERGED, FINISHED, GUARD_FAILED, METRICS, STATUS  # noqa: E402
 
 SWEEP_FILES = (INDEX_FILE, FREEZE_FILE, ISA_FILE)

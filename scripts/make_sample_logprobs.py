@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from timlab.engines import SamplingParams, build_engine  # noqa: E402
-from timlab.experiments.analyze import write_rows  # noqa: E402
+from timlab.experiments.diagnostics.analyze import write_rows  # noqa: E402
 from timlab.model.forward import token_logprobs  # noqa: E402
 from timlab.model.llama import CausalLM, ModelConfig, random_init_  # noqa: E402
 from timlab.tasks import get_task  # noqa: E402

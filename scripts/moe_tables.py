@@ -19,7 +19,7 @@ seed in every logged value but the timings; the wall-clock cost per RL step (tra
 evaluation time; one thread per run, so an upper bound on CPU-seconds per step on a shared machine).
 
 The pre-registered analysis of the MoE study (rules 1-7) is a study file, analysed by the package:
-``timlab study analyze docs/examples/studies/moe.yaml`` (``timlab.experiments.study``).
+``timlab study analyze docs/examples/studies/moe.yaml`` (``timlab.experiments.studies``).
 
 ``layers``: per arm, each sparse layer's flip fraction (``router_flip_frac_by_layer`` in
 distributions.jsonl, which committed sweeps leave out, so it runs where the sweep ran).
@@ -38,8 +38,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
-from timlab.experiments.study.text import fmt  # noqa: E402
+from timlab.experiments.studies.sweep_runs import arm, runs  # noqa: E402
+from timlab.experiments.studies.text import fmt  # noqa: E402
 from timlab.rundir.metrics_log import without_timings  # noqa: E402
 
 CONTROL = "control"

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timlab.experiments.study.sweep_runs import arm, runs  # noqa: E402
+from timlab.experiments.studies.sweep_runs import arm, runs  # noqa: E402
 
 PANELS = (("val/accuracy", "greedy val accuracy (pi, no injector)", 1, False),
           ("val/gold_logprob", "gold answer log-prob (pi)", 1, False),

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timlab.experiments.sweep import read_index  # noqa: E402
+from timlab.experiments.sweeps.runner import read_index  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_figure import band  # noqa: E402

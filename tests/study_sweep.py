@@ -74,7 +74,9 @@ def planted_levels(arms: list[str], costs: dict[str, float], seed_sd: float, *, 
 def analyzed(study, root: Path, metrics: Callable[[str], pd.DataFrame], names: list[str] | None = None):
     """Freeze ``study`` in ``root``, write the runs ``names`` (default: every planned run) from
     ``metrics`` as finished, and return its analysis."""
-    from timlab.experiments.study import analyze, freeze, planned_runs
+    from timlab.experiments.studies.engine import analyze, planned_runs
+
+    from timlab.experiments.studies.registration import freeze
 
     ids = {p.name: p.run_id for p in planned_runs(study)}
     out = Path(root) / study.out
@@ -87,8 +89,9 @@ def write_blocks(study, root: Path, metrics: Callable[[str], pd.DataFrame], name
     """A blocked study's sweep (``Study.blocks``): each block's directory under ``root`` frozen, and
     the runs ``names`` (default: every planned run) written into their own block's directory as
     finished; returns {block: its directory}."""
-    from timlab.experiments.study import freeze, planned_runs
-    from timlab.experiments.study.blocks import block_dirs
+    from timlab.experiments.studies.engine import planned_runs
+    from timlab.experiments.studies.registration import freeze
+    from timlab.experiments.studies.blocks import block_dirs
 
     planned = planned_runs(study)
     dirs = block_dirs(study, None, root)

@@ -16,17 +16,17 @@ import torch
 
 import timlab
 from timlab.cli import main
-from timlab.experiments.analyze import (
-    HARM_NEEDS_ADVANTAGES,
-    SCHEMA,
-    AnalyzeError,
-    analyze_file,
-    analyze_records,
-    from_trl_inputs,
-    from_verl_batch,
-    read_records,
-    write_rows,
-)
+from timlab.experiments.diagnostics.analyze import (
+                                                    HARM_NEEDS_ADVANTAGES,
+                                                    SCHEMA,
+                                                    AnalyzeError,
+                                                    analyze_file,
+                                                    analyze_records,
+                                                    from_trl_inputs,
+                                                    from_verl_batch,
+                                                    read_records,
+                                                    write_rows,
+                                                    )
 from timlab.metrics import advantage_metrics, all_metrics
 from timlab.metrics.persistence import PERSISTENCE_KEYS
 
@@ -223,7 +223,7 @@ def _mixed_file(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", ["sample", "mixed", "truncated"])
 def test_streamed_chunks_give_the_one_batch_result(tmp_path, monkeypatch, name):
     # the default chunk holds these files whole; 32-cell chunks cut them into many pieces
-    import timlab.experiments.analyze as analyze
+    import timlab.experiments.diagnostics.analyze as analyze
 
     if name == "sample":
         path = SAMPLE
@@ -520,7 +520,7 @@ def test_advantage_column_gives_the_advantage_weighted_statistics(tmp_path, caps
 
 
 def test_verl_advantages_become_the_advantage_column_and_stream_like_one_batch(tmp_path, monkeypatch):
-    import timlab.experiments.analyze as analyze
+    import timlab.experiments.diagnostics.analyze as analyze
 
     tensors, _ = _verl_batch()
     mask = tensors["response_mask"]

@@ -11,16 +11,16 @@ import math
 import pytest
 import torch
 
-import timlab.experiments.analyze as analyze
+import timlab.experiments.diagnostics.analyze as analyze
 from timlab.cli import main
-from timlab.experiments.analyze import (
-    PERSISTENCE_NEEDS_STEPS,
-    PERSISTENCE_NEEDS_TOKENS,
-    analyze_file,
-    analyze_records,
-    format_analysis,
-    write_rows,
-)
+from timlab.experiments.diagnostics.analyze import (
+                                                    PERSISTENCE_NEEDS_STEPS,
+                                                    PERSISTENCE_NEEDS_TOKENS,
+                                                    analyze_file,
+                                                    analyze_records,
+                                                    format_analysis,
+                                                    write_rows,
+                                                    )
 from timlab.metrics.persistence import PERSISTENCE_KEYS, PersistenceTracker
 
 LAG1, EMA, RELIABILITY = PERSISTENCE_KEYS

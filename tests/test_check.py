@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from timlab.cli import main
-from timlab.experiments.check import HEALTH_CHECKS, MIN_TOKENS, cell_text, verdict
+from timlab.experiments.diagnostics.check import HEALTH_CHECKS, MIN_TOKENS, cell_text, verdict
 from timlab.model.llama import random_init_
 from timlab.tokenizer import save_char_tokenizer
 

@@ -40,10 +40,10 @@ def test_catalog_names_equal_the_live_registries(kind):
 def test_function_defaults_equal_the_signatures():
     import inspect
 
-    from timlab.experiments.probe import run_probe
+    from timlab.experiments.diagnostics.probe import run_probe
     from timlab.gradcheck.estimator import gradcheck
 
-    for target, fn in (("timlab.experiments.probe:run_probe", run_probe), ("timlab.gradcheck.estimator:gradcheck", gradcheck)):
+    for target, fn in (("timlab.experiments.diagnostics.probe:run_probe", run_probe), ("timlab.gradcheck.estimator:gradcheck", gradcheck)):
         read = catalog.function_defaults(target)
         for name, p in inspect.signature(fn).parameters.items():
             if p.default is not inspect.Parameter.empty and isinstance(p.default, (int, float, str, type(None))):

@@ -7,7 +7,7 @@ import yaml
 
 from timlab import cli
 from timlab.errors import UsageError
-from timlab.experiments import demo
+from timlab.experiments.reports import demo
 
 
 def test_resume_of_a_finished_run_says_so_and_how_to_extend_it(tmp_path, capsys):
@@ -92,7 +92,9 @@ def test_demo_names_the_torch_and_cpu_capability_it_computed_with(tmp_path, monk
     import pandas as pd
     import torch
 
-    from timlab.experiments import report, sweep
+    from timlab.experiments.reports import report
+
+    from timlab.experiments.sweeps import runner as sweep
     from timlab.trainer import pretrain
 
     seen = {}

@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from timlab.experiments.collapse import (
-    SUMMARY_KEYS, accuracy_auc, collapse_step, condition_table, describe_rule, run_summary,
-)
+from timlab.experiments.studies.collapse import (
+                                                 SUMMARY_KEYS, accuracy_auc, collapse_step, condition_table, describe_rule, run_summary,
+                                                 )
 
 NAN = float("nan")
 
@@ -155,7 +155,7 @@ def test_describe_rule_states_the_parameters():
 
 
 # ------------------------------------------------------------------------------- plateau rule
-from timlab.experiments.collapse import judge, plateau_collapse_step, plateau_levels  # noqa: E402
+from timlab.experiments.studies.collapse import judge, plateau_collapse_step, plateau_levels  # noqa: E402
 from timlab.errors import UsageError  # noqa: E402
 
 
@@ -224,8 +224,8 @@ def test_plateau_rule_rejudges_a_committed_sweep(capsys):
     from pathlib import Path
 
     from timlab.cli import main
-    from timlab.experiments.sweep import query_index
-    from timlab.experiments.threshold import format_threshold, threshold_study
+    from timlab.experiments.sweeps.runner import query_index
+    from timlab.experiments.studies.threshold import format_threshold, threshold_study
 
     sweep = Path(__file__).resolve().parents[1] / "sweeps" / "threshold_d16"
     stored = query_index(sweep, columns=["run_id", "collapsed"])
@@ -243,7 +243,7 @@ def test_plateau_rule_rejudges_a_committed_sweep(capsys):
 def test_report_states_the_plateau_rule(tmp_path):
     from pathlib import Path
 
-    from timlab.experiments.report import build_report
+    from timlab.experiments.reports.report import build_report
 
     runs = sorted((Path(__file__).resolve().parents[1] / "sweeps" / "threshold_d16").glob("head_d16_m0.75__seed[12]*"))
     html = build_report(runs, tmp_path / "r.html", rule="plateau").path.read_text()
@@ -253,7 +253,7 @@ def test_report_states_the_plateau_rule(tmp_path):
 
 
 def test_rule_options_refuse_the_other_rules_knob():
-    from timlab.experiments.collapse import rule_options
+    from timlab.experiments.studies.collapse import rule_options
 
     assert rule_options() == {} and rule_options(rule="plateau", learned_at=0.6) == {"rule": "plateau", "learned_at": 0.6}
     with pytest.raises(UsageError, match="belongs to the peak rule"):

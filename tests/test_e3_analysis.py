@@ -18,11 +18,11 @@ import yaml
 
 from script_loader import REPO, load_script
 from study_sweep import write_sweep
-from timlab.experiments.study import (StudyError, analyze, figure, freeze, load_study, planned_runs, predictions,
-                                     study_from_dict)
-from timlab.experiments.study.fits import fit_length, threshold_k3, threshold_section
-from timlab.experiments.study.text import fmt
-from timlab.experiments.sweep import load_spec
+from timlab.experiments.studies.engine import analyze, figure, planned_runs, predictions
+from timlab.experiments.studies.registration import StudyError, freeze, load_study, study_from_dict
+from timlab.experiments.studies.fits import fit_length, threshold_k3, threshold_section
+from timlab.experiments.studies.text import fmt
+from timlab.experiments.sweeps.runner import load_spec
 
 E3 = load_script("e3_tables")
 STUDIES = REPO / "docs" / "examples" / "studies"
@@ -305,9 +305,9 @@ def test_out_of_sample_confirms_the_planted_linear_law(fit_linear, tmp_path):
 def test_prediction_figure_draws_the_numbers_the_test_prints(fit_linear, tmp_path, monkeypatch):
     """``timlab study figure`` on E3c: the fitted cells and the test cell against each dose, and the
     test's measured and predicted losses, the same numbers as the analysis' table."""
-    from timlab.experiments.study.engine import _cells, _fitted_study, valid_columns
-    from timlab.experiments.study.fits import FREE
-    from timlab.experiments.study.prediction_figure import draw, prediction_panels
+    from timlab.experiments.studies.engine import _cells, _fitted_study, valid_columns
+    from timlab.experiments.studies.fits import FREE
+    from timlab.experiments.studies.prediction_figure import draw, prediction_panels
 
     text = _e3c(tmp_path, fit_linear)
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,4 @@
-"""The early-warning benchmark (timlab.experiments.early_warning) and the alarm rule it measures
+"""The early-warning benchmark (timlab.experiments.studies.early_warning) and the alarm rule it measures
 (timlab.metrics.alarm): hand-computed statistics, planted runs whose falls, lead times and false
 alarms are known, the registered split and threshold, the FINDINGS block recomputed from
 sweeps/, and Study H1 as a second test set (planted H1 sweeps: with falls, without, incomplete)."""
@@ -20,10 +20,11 @@ from study_sweep import write_sweep
 from timlab.cli import main
 from timlab.config import ConfigError, RunSection, resolve, validate
 from timlab.errors import TimlabError, UsageError
-from timlab.experiments import early_warning as ew
-from timlab.experiments.collapse import DEFAULT_LEARNED_AT
-from timlab.experiments.stats import clopper_pearson, fisher_greater
-from timlab.experiments.study import load_study, planned_runs
+from timlab.experiments.studies import early_warning as ew
+from timlab.experiments.studies.collapse import DEFAULT_LEARNED_AT
+from timlab.experiments.studies.stats import clopper_pearson, fisher_greater
+from timlab.experiments.studies.engine import planned_runs
+from timlab.experiments.studies.registration import load_study
 from timlab.findings import INDEX as FINDINGS, block_text
 from timlab.metrics.alarm import ALARMS, EPS, AlarmWatch, alarm_statistic, first_alarm, statistic_series
 from timlab.trainer.run import train
@@ -271,7 +272,7 @@ def test_findings_block_matches_the_committed_sweeps(committed):
     block = block_text(FINDINGS, ew.FINDINGS_BLOCK)
     assert block, f"no <!-- findings:{ew.FINDINGS_BLOCK} --> block in {FINDINGS}"
     assert block == ew.format_study(committed) + "\n", (
-        "the early-warning block differs from sweeps/: run python -m timlab.experiments.early_warning sweeps")
+        "the early-warning block differs from sweeps/: run python -m timlab.experiments.studies.early_warning sweeps")
 
 
 def test_registered_thresholds_are_the_measured_ones(committed):
@@ -560,7 +561,7 @@ def test_findings_h1_block_matches_the_committed_sweeps(capsys):
     block = block_text(FINDINGS, H1_BLOCK)
     assert block, f"no <!-- findings:{H1_BLOCK} --> block in {FINDINGS}"
     assert block == ew.format_test_set(ew.second_test(REPO / "sweeps", "h1")) + "\n", (
-        "the early-warning-h1 block differs from sweeps/: run python -m timlab.experiments.early_warning sweeps "
+        "the early-warning-h1 block differs from sweeps/: run python -m timlab.experiments.studies.early_warning sweeps "
         "--test-set h1")
     assert ew.main([str(REPO / "sweeps"), "--test-set", "h1"]) == 0
     assert capsys.readouterr().out == block

@@ -1,4 +1,4 @@
-"""The re-registered early-warning benchmark (timlab.experiments.early_warning2) and the trainer's
+"""The re-registered early-warning benchmark (timlab.experiments.studies.early_warning2) and the trainer's
 alarm that ignores no-update steps (timlab.metrics.alarm.AlarmWatch): planted run directories and
 series whose alarms, thresholds, leads and rates are counted by hand; the exact Poisson interval;
 the INCOMPLETE line while Study LF is not complete."""
@@ -15,10 +15,11 @@ import pytest
 
 from study_sweep import write_sweep
 from timlab.config import resolve
-from timlab.experiments import early_warning as ew
-from timlab.experiments import early_warning2 as ew2
-from timlab.experiments.stats import clopper_pearson, fisher_greater, holm, poisson_ci
-from timlab.experiments.study import load_study, planned_runs
+from timlab.experiments.studies import early_warning as ew
+from timlab.experiments.studies import early_warning2 as ew2
+from timlab.experiments.studies.stats import clopper_pearson, fisher_greater, holm, poisson_ci
+from timlab.experiments.studies.engine import planned_runs
+from timlab.experiments.studies.registration import load_study
 from timlab.metrics.alarm import ALARMS, AlarmWatch, alarm_statistic
 from timlab.rundir import RunDir
 from timlab.trainer.run import RLRun, train

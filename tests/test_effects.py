@@ -11,15 +11,15 @@ import pytest
 import yaml
 
 from timlab.errors import UsageError
-from timlab.experiments import demo
-from timlab.experiments.collapse import run_summary
-from timlab.experiments.effects import effect, effects_view
-from timlab.experiments.stats import bootstrap_diff_ci
+from timlab.experiments.reports import demo
+from timlab.experiments.studies.collapse import run_summary
+from timlab.experiments.studies.effects import effect, effects_view
+from timlab.experiments.studies.stats import bootstrap_diff_ci
 from timlab.rundir import read_metrics
 
 
 def test_bootstrap_interval_known_cases():
-    from timlab.experiments.effects import N_BOOT
+    from timlab.experiments.studies.effects import N_BOOT
 
     assert bootstrap_diff_ci([1.0, 1.0, 1.0], [0.0, 0.0]) == (1.0, 1.0)  # no spread: the interval is the point
     a, b = [0.30, 0.35, 0.40, 0.45, 0.50], [0.68, 0.69, 0.70, 0.71, 0.72]
@@ -61,7 +61,7 @@ def test_effect_separated_and_overlapping_groups():
 
 def test_tiny_demo_shaped_sweep_prints_effects_from_its_runs(tmp_path):
     # the demo's quick conditions on the smoke model: 4 conditions x 2 seeds x 4 steps
-    from timlab.experiments.sweep import run_sweep
+    from timlab.experiments.sweeps.runner import run_sweep
 
     spec = {"base": {"preset": "smoke", "set": {"run.steps": 4}}, "conditions": demo.conditions(True),
             "grid": {"run.seed": [0, 1]}, "workers": 2}

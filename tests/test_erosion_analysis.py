@@ -1,5 +1,5 @@
 """The statistics behind the erosion study's analysis (now a study file,
-docs/examples/studies/erosion.yaml, analysed by timlab.experiments.study: tests/test_study.py
+docs/examples/studies/erosion.yaml, analysed by timlab.experiments.studies: tests/test_study.py
 plants effects in whole sweeps) and its fixed per-run endpoints, which E2, E3 and the MoE study
 build on."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from timlab.experiments.stats import bootstrap_ci, bootstrap_diff_ci, compare_family, holm, t_ci
-from timlab.experiments.study.endpoints import run_endpoints
-from timlab.experiments.study.fits import fit_power
+from timlab.experiments.studies.stats import bootstrap_ci, bootstrap_diff_ci, compare_family, holm, t_ci
+from timlab.experiments.studies.endpoints import run_endpoints
+from timlab.experiments.studies.fits import fit_power
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -70,7 +70,7 @@ def test_fit_power_recovers_a_known_law():
 
 
 def test_cost_bound_says_at_most_or_none():
-    from timlab.experiments.stats import compare_family
+    from timlab.experiments.studies.stats import compare_family
 
     lower = compare_family({"a": [0.9, 0.8, 1.0, 0.95]}, {"a": [1.0, 0.9, 1.1, 1.05]})["a"]
     assert lower.cost_bound().startswith("at most -") and float(lower.cost_bound().split()[-1]) == pytest.approx(lower.diff_ci[0], abs=5e-5)

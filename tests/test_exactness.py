@@ -1,6 +1,6 @@
 """The exactness harness's fixed subset: the exact engine's rollout log-probs equal the trainer's
 forward (three ways) bit for bit, on cases that together cover every axis of the search space of
-``timlab.experiments.exactness`` (``bench/exactness_fuzz.py`` runs the randomized search).
+``timlab.experiments.diagnostics.exactness`` (``bench/exactness_fuzz.py`` runs the randomized search).
 
 The table is explicit rather than drawn, so editing the search space cannot silently change what
 the suite checks; ``test_the_table_covers_every_axis`` keeps it complete. The three real widths
@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 from timlab.engines.device_loop import DeviceLoop  # noqa: E402
-from timlab.experiments import exactness as ex  # noqa: E402
+from timlab.experiments.diagnostics import exactness as ex  # noqa: E402
 from timlab.model.llama import ARCHITECTURES  # noqa: E402
 from timlab.model import ops  # noqa: E402
 

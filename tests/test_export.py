@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from timlab.cli import main
-from timlab.experiments.export import EXPORT_INFO, export_checkpoint
+from timlab.trainer.export import EXPORT_INFO, export_checkpoint
 from timlab.model.forward import full_step, positions_from_valid
 from timlab.model.hf_io import load_model
 
@@ -170,7 +170,7 @@ def test_42_3_two_exports_to_one_out_never_mix(source_run, tmp_path, monkeypatch
     """Finding 3: a second export of another step finishes while the first is copying; the first
     then fails with one line, and the folder holds the second's step with that step's weights."""
     from timlab.errors import UsageError
-    from timlab.experiments import export as export_mod
+    from timlab.trainer import export as export_mod
     from timlab.files import sha256_file
 
     out = tmp_path / "out"
@@ -198,7 +198,7 @@ def test_42_3_two_exports_to_one_out_never_mix(source_run, tmp_path, monkeypatch
 def test_42_3_a_file_changed_during_the_copy_is_refused(source_run, tmp_path, monkeypatch):
     """The bytes copied are hashed and must match the manifest the checkpoint was verified with."""
     from timlab.errors import UsageError
-    from timlab.experiments import export as export_mod
+    from timlab.trainer import export as export_mod
 
     real_copy = export_mod._copy_file
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from script_loader import load_script
+from timlab.experiments.studies.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
 from timlab.findings import opens, read_all
-from timlab.experiments.stats import binom_cdf, clopper_pearson, permutation_floor, permutation_test
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_blocks_are_found_and_written_across_the_index_and_its_pages(tmp_path):
     and leaves the others byte for byte, a block missing everywhere is reported against the index,
     and one opened in two files is refused."""
     from timlab.errors import BadFileError
-    from timlab.experiments.study.text import write_blocks
+    from timlab.experiments.studies.text import write_blocks
     from timlab.findings import block_file, block_text, files
 
     index = tmp_path / "FINDINGS.md"
@@ -88,9 +88,9 @@ def test_blocks_are_found_and_written_across_the_index_and_its_pages(tmp_path):
 def test_study_blocks_live_on_their_study_pages():
     """Each study file's blocks are on a page of docs/findings/, not on the index; the index is an
     index (the introduction, the verdicts and a link to every page) of at most 600 lines."""
-    from timlab.experiments.study import load_study
-    from timlab.experiments.study.heldout import load_heldout
-    from timlab.experiments.study.predictor import load_predictor
+    from timlab.experiments.studies.registration import load_study
+    from timlab.experiments.studies.heldout import load_heldout
+    from timlab.experiments.studies.predictor import load_predictor
     from timlab.findings import INDEX, block_file, files
 
     homes = {}
@@ -176,7 +176,9 @@ def _block_cost(acc: str, arm: str) -> tuple[str, str]:
 def test_p2_verdict_row_quotes_its_block_and_data():
     """The P2 verdict row rounds its generated block (each arm's cost, the registered difference and
     its p, the realized k3) and the cost per unit of k3 recomputed from the registered endpoints."""
-    from timlab.experiments.study import endpoint_values, load_study
+    from timlab.experiments.studies.engine import endpoint_values
+
+    from timlab.experiments.studies.registration import load_study
 
     text = read_all()
     block = text.split("<!-- findings:persistence-p2 -->")[1].split("<!-- /findings:persistence-p2 -->")[0]
@@ -288,7 +290,7 @@ def test_small_fits_are_plain_python_and_match_numpy():
 
     import numpy as np
 
-    from timlab.experiments.stats import least_squares, line_fit
+    from timlab.experiments.studies.stats import least_squares, line_fit
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -308,8 +310,8 @@ def test_small_fits_are_plain_python_and_match_numpy():
 
 
 def test_e3_extrapolations_print_unbounded_not_digits():
-    from timlab.experiments.study import load_study
-    from timlab.experiments.study.fits import fmt_loss
+    from timlab.experiments.studies.registration import load_study
+    from timlab.experiments.studies.fits import fmt_loss
 
     studies = REPO / "docs" / "examples" / "studies"
     bound = load_study(studies / "e3.yaml").fits[0].unbounded
@@ -320,8 +322,8 @@ def test_e3_extrapolations_print_unbounded_not_digits():
 
 def test_harm_blocks_match_the_study():
     # Study H's blocks (a predictor study: docs/examples/studies/harm.yaml) as its analysis renders them now
-    from timlab.experiments.study import oos as O
-    from timlab.experiments.study import predictor as P
+    from timlab.experiments.studies import oos as O
+    from timlab.experiments.studies import predictor as P
 
     st = P.load_predictor(REPO / "docs/examples/studies/harm.yaml")
     text = read_all()
@@ -332,7 +334,7 @@ def test_harm_blocks_match_the_study():
 @functools.cache
 def _h1():
     """Study H1's study file (its labels and family notes head the held-k3 block's tables)."""
-    from timlab.experiments.study import load_study
+    from timlab.experiments.studies.registration import load_study
 
     return load_study(REPO / "docs" / "examples" / "studies" / "h1.yaml")
 

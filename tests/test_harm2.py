@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from timlab.experiments.stats import chi2_sf, cochran_q
-from timlab.experiments.study.oos import dose_for_cost, pilot_doses, round_sig
+from timlab.experiments.studies.stats import chi2_sf, cochran_q
+from timlab.experiments.studies.oos import dose_for_cost, pilot_doses, round_sig
 
 
 def test_dose_for_cost_interpolates_log_dose_in_the_cost():
@@ -59,8 +59,8 @@ from pathlib import Path  # noqa: E402
 
 import pandas as pd  # noqa: E402
 
-from timlab.experiments.study import heldout as H  # noqa: E402
-from timlab.experiments.study.registration import StudyError  # noqa: E402
+from timlab.experiments.studies import heldout as H  # noqa: E402
+from timlab.experiments.studies.registration import StudyError  # noqa: E402
 from study_sweep import write_sweep  # noqa: E402
 
 FIT = {"pa_1": 0.02, "pa_2": 0.04, "pb_1": 0.03, "pb_2": 0.06}
@@ -96,8 +96,9 @@ def _planted(tmp_path: Path, held: dict[str, float]):
 
 
 def _write_runs(st, costs):
-    from timlab.experiments.study import freeze, planned_runs
-    from timlab.experiments.study.registration import load_study
+    from timlab.experiments.studies.engine import planned_runs
+    from timlab.experiments.studies.registration import freeze
+    from timlab.experiments.studies.registration import load_study
 
     rs = load_study(st.runs)
     freeze(rs, rs.out)
@@ -179,7 +180,7 @@ def test_heldout_registration_errors_name_the_field(tmp_path):
 
 
 def test_monte_carlo_permutation_p_is_never_zero():
-    from timlab.experiments.stats import permutation_test
+    from timlab.experiments.studies.stats import permutation_test
 
     # 16 vs 16 in two strata of 8 vs 8: 12,870^2 relabelings, past the exact limit; a planted gap no draw reaches
     a, b = list(range(100, 116)), list(range(16))

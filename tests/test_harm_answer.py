@@ -1,6 +1,6 @@
 """The answer to "is this mismatch a problem?" that ``timlab check`` and ``timlab analyze`` print
-(``timlab.experiments.harm_prediction``), and the evidence record it reads
-(``timlab.experiments.study.evidence``): the record equals what the committed sweeps give, hand-picked
+(``timlab.experiments.diagnostics.harm_prediction``), and the evidence record it reads
+(``timlab.experiments.studies.evidence``): the record equals what the committed sweeps give, hand-picked
 inputs get the tier and the nearest cells the record implies, and no printed 95% interval is wider
 than 10 points of accuracy."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from timlab.cli import main
-from timlab.experiments import harm_prediction as H
-from timlab.experiments.study import evidence as E
+from timlab.experiments.diagnostics import harm_prediction as H
+from timlab.experiments.studies import evidence as E
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "timlab/data/sample_logprobs.jsonl"

@@ -13,10 +13,10 @@ import pandas as pd
 import pytest
 
 from timlab.config import resolve
-from timlab.experiments.study import oos as O
-from timlab.experiments.study import predictor as P
-from timlab.experiments.study.predictor import Cells, StudyError
-from timlab.experiments.study.recompute import recompute
+from timlab.experiments.studies import oos as O
+from timlab.experiments.studies import predictor as P
+from timlab.experiments.studies.predictor import Cells, StudyError
+from timlab.experiments.studies.recompute import recompute
 from timlab.rundir import read_metrics
 from timlab.trainer.run import train
 from study_sweep import write_sweep
@@ -244,7 +244,7 @@ def test_harm_study_file_is_valid_and_frozen():
 def test_missing_start_is_rebuilt_by_its_commands_and_checked(tmp_path, monkeypatch):
     import hashlib
 
-    from timlab.experiments.study.recompute import ensure_start
+    from timlab.experiments.studies.recompute import ensure_start
 
     monkeypatch.chdir(tmp_path)
     d = _study_dict(tmp_path, tmp_path / "t.parquet", frozen=False)
@@ -272,7 +272,7 @@ def test_missing_start_is_rebuilt_by_its_commands_and_checked(tmp_path, monkeypa
 
 # ------------------------------------------------------------------------------ part (b): out of sample
 def test_dose_for_interpolates_log_magnitude_against_log_k3():
-    from timlab.experiments.study.oos import dose_for, round_sig
+    from timlab.experiments.studies.oos import dose_for, round_sig
 
     # k3 ~ m^2 between 0.1 and 0.3: 1e-3 lies between 9e-4 (0.3) and 1e-2 (1): m = 0.3 * (1e-3/9e-4)^(log(10/3)/log(1e-2/9e-4))
     want = math.exp(math.log(0.3) + math.log(1e-3 / 9e-4) / math.log(1e-2 / 9e-4) * math.log(1 / 0.3))
@@ -286,7 +286,7 @@ def test_dose_for_interpolates_log_magnitude_against_log_k3():
 
 
 def _oos_cells(costs, noise=0.0, seeds=8, seed=0):
-    from timlab.experiments.study.oos import OosCells
+    from timlab.experiments.studies.oos import OosCells
 
     rng = np.random.default_rng(seed)
     cells = OosCells([f"c{i}" for i in range(len(costs))], ["k"] * len(costs), ["p"] * len(costs),
@@ -299,7 +299,7 @@ def _oos_cells(costs, noise=0.0, seeds=8, seed=0):
 
 
 def test_decide_planted_winner_paired_interval_and_miscalibration():
-    from timlab.experiments.study.oos import decide, min_cover, verdict_line
+    from timlab.experiments.studies.oos import decide, min_cover, verdict_line
 
     assert [min_cover(n) for n in (7, 2, 6)] == [4, 1, 3]
     costs = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07]
@@ -335,7 +335,7 @@ def _planted_harm(tmp_path: Path):
     for both) whose out-of-sample study has two cells: a costs 0.02 (adv 0.005), b costs 0.05 (adv 0.0125)."""
     import yaml
 
-    from timlab.experiments.study.registration import load_study
+    from timlab.experiments.studies.registration import load_study
 
     sweep = _planted_sweep(tmp_path)
     table = tmp_path / "harm" / "t.parquet"
@@ -365,8 +365,9 @@ def _planted_harm(tmp_path: Path):
 
 
 def test_oos_predictions_gate_the_runs_then_decide(tmp_path, capsys):
-    from timlab.experiments.study import freeze, planned_runs
-    from timlab.experiments.study.oos import PREDICTED, check_predicted
+    from timlab.experiments.studies.engine import planned_runs
+    from timlab.experiments.studies.registration import freeze
+    from timlab.experiments.studies.oos import PREDICTED, check_predicted
 
     pst, oos = _planted_harm(tmp_path)
     assert pst.hash == pst.frozen and pst.oos.endswith("oos.yaml")  # oos: is not part of the hash
@@ -418,7 +419,7 @@ def test_oos_predictions_gate_the_runs_then_decide(tmp_path, capsys):
 
 
 def test_predicted_by_errors_name_the_field(tmp_path):
-    from timlab.experiments.study.registration import load_study, study_from_dict
+    from timlab.experiments.studies.registration import load_study, study_from_dict
 
     good = study_from_dict({**_oos_dict(tmp_path), "predicted_by": {"study": "harm.yaml", "probe": "p",
                                                                     "kinds": {"a": "noise"}}}, root=REPO / "docs/examples/studies")
@@ -432,7 +433,7 @@ def test_predicted_by_errors_name_the_field(tmp_path):
         with pytest.raises(StudyError, match=re.escape(msg)):
             study_from_dict({**_oos_dict(tmp_path), "predicted_by": pb}, root=REPO / "docs/examples/studies")
     real = load_study(REPO / "docs/examples/studies/harm_oos.yaml")  # the committed file: 7 cells, 3 kinds
-    from timlab.experiments.study.oos import oos_cells
+    from timlab.experiments.studies.oos import oos_cells
 
     cells = oos_cells(real)
     assert cells.probe == ["v0_noise_0.29", "v0_noise_0.58", "v0_temp_0.12", "v0_temp_0.25", "v0_kv_fp8",

@@ -118,7 +118,7 @@ def test_1_every_torch_load_is_data_only():
     "length(run_id) > 0",
 ])
 def test_2_runs_where_is_a_predicate_only(tmp_path, where):
-    from timlab.experiments.sweep_index import filter_index
+    from timlab.experiments.sweeps.index import filter_index
 
     out = tmp_path / "f.csv"
     df = pd.DataFrame({"run_id": ["a", "b"], "mismatch.magnitude": [0.1, 1.0], "val/accuracy": [0.2, 0.5]})
@@ -131,7 +131,7 @@ def test_2_runs_where_is_a_predicate_only(tmp_path, where):
 
 
 def test_2_unknown_where_column_lists_the_columns():
-    from timlab.experiments.sweep_index import filter_index
+    from timlab.experiments.sweeps.index import filter_index
 
     df = pd.DataFrame({"run_id": ["a"], "state": ["finished"]})
     with pytest.raises(TimlabError, match="unknown column 'nope'.*valid columns: run_id, state"):
@@ -428,7 +428,7 @@ def test_5b_deleting_a_held_sweep_lock_file_does_not_let_a_second_sweep_in(tmp_p
 
 
 def test_7_an_interrupted_sweep_worker_starts_no_further_run(tmp_path, monkeypatch):
-    from timlab.experiments import sweep_workers
+    from timlab.experiments.sweeps import workers as sweep_workers
 
     monkeypatch.setattr(sweep_workers, "_STOPPED", True)
     res = sweep_workers._run_job("r", resolve(preset="smoke"), str(tmp_path / "r"), "fresh")
@@ -521,7 +521,7 @@ def test_pickle_payload_is_what_weights_only_false_would_run(tmp_path):
 
 
 def test_13_probe_prompts_split_at_newlines_only(tmp_path):
-    from timlab.experiments.probe import _read_prompts
+    from timlab.experiments.diagnostics.probe import _read_prompts
 
     f = tmp_path / "p.txt"
     f.write_text("a\x0bb\x0cc\u2028d\r\nsecond\n\n", encoding="utf-8")
@@ -529,7 +529,7 @@ def test_13_probe_prompts_split_at_newlines_only(tmp_path):
 
 
 def test_mathtext_in_a_label_does_not_abort_a_plot():
-    from timlab.experiments.page import new_figure, png_uri
+    from timlab.experiments.reports.page import new_figure, png_uri
 
     fig = new_figure()
     ax = fig.add_subplot()
@@ -559,7 +559,7 @@ def test_non_utf8_parquet_column_name_is_a_one_line_error(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from timlab.experiments.analyze import AnalyzeError, analyze_file
+    from timlab.experiments.diagnostics.analyze import AnalyzeError, analyze_file
 
     f = tmp_path / "x.parquet"
     pq.write_table(pa.table({"trainer_logprobs": [[-0.1]], "rollout_logprobs": [[-0.2]], "zqzq": [1]}), f)

@@ -5,7 +5,8 @@ works only by the accident of import order and it hides which module owns what. 
 with ``ast`` from every ``timlab/**/*.py``: an edge A -> B for each import statement in A, at
 module level or deferred into a function (a deferred import postpones a cycle, it does not remove
 it), except under ``if TYPE_CHECKING``. ``from P import name`` is an edge to ``P.name`` when that
-is a module, else to ``P``.
+is a module, else to ``P``. tests/test_layout.py reads the same graph with the type-only imports
+too, for cycles inside one package folder.
 """
 
 from __future__ import annotations
@@ -18,30 +19,32 @@ import timlab
 ROOT = Path(timlab.__file__).parent
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(node: ast.AST):
-    """Every import statement under ``node``, except those under ``if TYPE_CHECKING``."""
+def _imports(node: ast.AST, type_checking: bool = False):
+    """Every import statement under ``node``, except those under ``if TYPE_CHECKING`` (unless
+    ``type_checking``)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+        elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not type_checking:
             yield from (n for block in child.orelse for n in _imports(ast.Module(body=[block], type_ignores=[])))
         else:
-            yield from _imports(child)
+            yield from _imports(child, type_checking)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """{module: the timlab modules it imports}."""
-    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+def import_graph(root: Path = ROOT, *, type_checking: bool = False) -> dict[str, set[str]]:
+    """{module: the modules of the package at ``root`` it imports} (``type_checking``: with the
+    imports under ``if TYPE_CHECKING``)."""
+    files = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         edges = set()
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8")), type_checking):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:

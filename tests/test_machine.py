@@ -11,8 +11,8 @@ import torch
 
 from timlab import cli, machine
 from timlab.errors import UsageError
-from timlab.experiments import sweep
-from timlab.experiments.sweep_spec import SweepError, spec_from_dict
+from timlab.experiments.sweeps import runner as sweep
+from timlab.experiments.sweeps.spec import SweepError, spec_from_dict
 from timlab.rundir.checkpoint import latest_checkpoint, load_state
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,10 +16,11 @@ import pytest
 
 from script_loader import REPO, load_script
 from study_sweep import write_sweep
-from timlab.experiments.stats import bootstrap_ci, bootstrap_ratio_ci
-from timlab.experiments.study import analyze, load_study, planned_runs
-from timlab.experiments.study.sweep_runs import grouped_seeds
-from timlab.experiments.sweep import INDEX_FILE
+from timlab.experiments.studies.stats import bootstrap_ci, bootstrap_ratio_ci
+from timlab.experiments.studies.engine import analyze, planned_runs
+from timlab.experiments.studies.registration import load_study
+from timlab.experiments.studies.sweep_runs import grouped_seeds
+from timlab.experiments.sweeps.runner import INDEX_FILE
 from timlab.rundir import RunDir
 from timlab.rundir.metrics_log import MetricsLog
 

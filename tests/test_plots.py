@@ -10,8 +10,9 @@ import pytest
 from test_report import fake_run
 
 from timlab.config import resolve
-from timlab.experiments import page, report
-from timlab.experiments.threshold import plot_threshold, threshold_study
+from timlab.experiments.reports import page
+from timlab.experiments.reports import report
+from timlab.experiments.studies.threshold import plot_threshold, threshold_study
 from test_threshold import _fake_sweep
 
 
@@ -140,7 +141,7 @@ def test_no_page_draws_mathdefault_on_its_log_axes(twin_runs, tmp_path, monkeypa
 
     from matplotlib.text import Text
 
-    from timlab.experiments.analyze import analyze_file
+    from timlab.experiments.diagnostics.analyze import analyze_file
 
     figs = _figures(monkeypatch)
     report.build_report(twin_runs, tmp_path / "r.html")

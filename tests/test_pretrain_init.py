@@ -236,7 +236,7 @@ def test_a_model_written_by_transformers_loads_as_init(tmp_path, monkeypatch):
 
 
 def test_a_run_starts_from_a_curriculum_start_like_any_start(init_dir, tmp_path, monkeypatch):
-    from timlab.experiments.export import export_checkpoint
+    from timlab.trainer.export import export_checkpoint
     from timlab.rundir import read_status
 
     monkeypatch.setenv("TIMLAB_CACHE", str(tmp_path / "cache"))

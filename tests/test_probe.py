@@ -276,7 +276,7 @@ def test_cli_options_not_given_are_not_passed_and_help_quotes_the_library_defaul
     import inspect
 
     from timlab.cli import build_parser
-    from timlab.experiments.probe import run_probe
+    from timlab.experiments.diagnostics.probe import run_probe
 
     args = build_parser().parse_args(["probe", "--model", "m", "--task", "addition"])
     for name in ("num_prompts", "samples_per_prompt", "rollout", "score", "dtype", "max_new_tokens", "seed",
@@ -292,7 +292,7 @@ def test_cli_options_not_given_are_not_passed_and_help_quotes_the_library_defaul
 
 # ------------------------------------------------------------------------------ injector calibration
 def test_interpolate_magnitude_by_hand():
-    from timlab.experiments.probe import interpolate_magnitude
+    from timlab.experiments.diagnostics.probe import interpolate_magnitude
 
     # total ~ magnitude^2: halfway in log total between 0.1 and 0.4 is sqrt(2) in magnitude
     assert interpolate_magnitude([1.0, 2.0], [0.1, 0.4], 0.2) == pytest.approx(2 ** 0.5, rel=1e-12)

@@ -268,7 +268,7 @@ def test_sweep_workers_die_with_their_parent(tmp_path):
         import os, sys, time
         from concurrent.futures import ProcessPoolExecutor
         import multiprocessing as mp
-        from timlab.experiments.sweep_workers import _worker_init
+        from timlab.experiments.sweeps.workers import _worker_init
         if __name__ == "__main__":
             pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                        initargs=(None, os.getpid()))
@@ -324,7 +324,7 @@ def test_disk_full_is_one_line_naming_the_mount_and_leaves_no_tmp(tmp_path, monk
 def test_non_utf8_files_are_named(tmp_path, capsys):
     bad = tmp_path / "prompts.txt"
     bad.write_bytes(b"abc\n\xff\xfe\n")
-    from timlab.experiments.probe import _read_prompts
+    from timlab.experiments.diagnostics.probe import _read_prompts
 
     with pytest.raises(BadFileError, match="prompts.txt"):
         _read_prompts(bad)
@@ -340,7 +340,7 @@ def test_resuming_a_finished_run_reports_its_last_row(finished_run, tmp_path, ca
 
 
 def test_sweep_index_shows_the_live_state(tmp_path):
-    from timlab.experiments.sweep import INDEX_FILE, read_index
+    from timlab.experiments.sweeps.runner import INDEX_FILE, read_index
 
     pd.DataFrame([{"run_id": "a", "run_dir": "a", "state": "pending", "last_step": float("nan")}]).to_parquet(
         tmp_path / INDEX_FILE)
@@ -354,14 +354,14 @@ def test_every_error_class_is_a_timlab_error():
     import timlab.cli
     import timlab.engines.hf
     import timlab.engines.vllm
-    import timlab.experiments.analyze
-    import timlab.experiments.sweep
+    import timlab.experiments.diagnostics.analyze
+    import timlab.experiments.sweeps.runner
     import timlab.registry
     import timlab.trainer.run
 
     classes = [timlab.cli.CLIError, timlab.config.ConfigError, timlab.registry.UnknownNameError,
                timlab.engines.hf.MissingTransformersError, timlab.engines.vllm.MissingVLLMError,
-               timlab.experiments.analyze.AnalyzeError, timlab.experiments.sweep.SweepError,
+               timlab.experiments.diagnostics.analyze.AnalyzeError, timlab.experiments.sweeps.runner.SweepError,
                timlab.trainer.run.NonFiniteError, timlab.trainer.run.ZeroMismatchViolation, RunDirBusyError, UsageError]
     assert all(issubclass(c, TimlabError) for c in classes)
     assert issubclass(timlab.config.ConfigError, ValueError)  # library callers that catch ValueError keep working

@@ -17,7 +17,7 @@ import pytest
 
 from timlab import cli
 from timlab.config import resolve
-from timlab.experiments.report import GRAD_PLOTS, PLOTS, build_report
+from timlab.experiments.reports.report import GRAD_PLOTS, PLOTS, build_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["Collapse rule", "Conditions", "Dose-response", "Training curves", "Runs", "Runs with missing metrics"]
@@ -226,7 +226,7 @@ def test_report_reads_like_the_terminal(runs, tmp_path):
     `0.5 ± 0.075` where the terminal prints `0.500 +- 0.075`, and markers at one point hid each other."""
     import re
 
-    from timlab.experiments.report import _dose_points
+    from timlab.experiments.reports.report import _dose_points
 
     text = build_report(runs, tmp_path / "r.html").path.read_text()
     runs_table = text[text.index("<h2>Runs</h2>"):]

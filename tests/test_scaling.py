@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from timlab.metrics.scaling import (
-    READINGS,
-    length_scaling,
-    length_scaling_from_sums,
-    length_scaling_sums,
-    merge_length_scaling_sums,
-)
+                                    READINGS,
+                                    length_scaling,
+                                    length_scaling_from_sums,
+                                    length_scaling_sums,
+                                    merge_length_scaling_sums,
+                                    )
 
 
 def _data(kind: str, seed: int = 0, B: int = 256, T: int = 64, ragged: bool = True):
@@ -108,7 +108,7 @@ def test_seeded_padding_free_and_streamable():
 
 
 def test_analyze_reports_the_reading():
-    from timlab.experiments.analyze import analyze_records, format_analysis
+    from timlab.experiments.diagnostics.analyze import analyze_records, format_analysis
 
     lp, lq, mask = _data("bias", B=64, T=32)
     rows = [{"trainer_logprobs": a[m].tolist(), "rollout_logprobs": b[m].tolist()} for a, b, m in zip(lp, lq, mask)]

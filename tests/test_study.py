@@ -1,4 +1,4 @@
-"""The study engine (timlab.experiments.study) on synthetic sweeps with planted effects: the
+"""The study engine (timlab.experiments.studies) on synthetic sweeps with planted effects: the
 registration's checks and hash, the freeze and its amendments, the refusals (incomplete, void),
 the endpoints over windows, the comparison families with Holm and the verdicts, the power-law fit,
 and ``timlab study`` itself."""
@@ -16,9 +16,10 @@ import yaml
 
 from study_sweep import write_sweep
 from timlab import cli
-from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, study_from_dict
-from timlab.experiments.study.endpoints import window_stat
-from timlab.experiments.study.fits import fit_power, power_law_section
+from timlab.experiments.studies.engine import analyze, planned_runs
+from timlab.experiments.studies.registration import StudyError, freeze, load_study, study_from_dict
+from timlab.experiments.studies.endpoints import window_stat
+from timlab.experiments.studies.fits import fit_power, power_law_section
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 100
@@ -278,7 +279,7 @@ def test_study_command_checks_analyzes_and_writes_a_block(tmp_path, capsys):
 
 
 def test_figure_of_a_complete_study_and_refusal_of_an_incomplete_one(done, tmp_path):
-    from timlab.experiments.study import figure
+    from timlab.experiments.studies.engine import figure
 
     study, out, _ = done
     png = figure(study, tmp_path / "f.png", out)
@@ -315,7 +316,7 @@ def test_a_difference_endpoint_a_descriptive_family_and_a_combined_verdict(tmp_p
     res = analyze(study, out)
     lines = res.text.splitlines()
     # the run's change is its level minus its start (0.9 in every run), exactly
-    from timlab.experiments.study.engine import run_record
+    from timlab.experiments.studies.engine import run_record
     rec = run_record(study, metrics("head_s0"), diverged=False)
     assert rec["change"] == rec["acc"] - rec["start"] and rec["change"] == pytest.approx(-0.1, abs=5e-3)
     # the descriptive table comes first (order), with its note, a format and 4 digits
@@ -742,7 +743,7 @@ def test_a_grouped_study_compares_within_groups_and_leaves_a_void_group_out(tmp_
 
 def test_plain_text_aligns_tables_and_drops_markdown_marks():
     """Issue 60: `study analyze` printed raw Markdown to a terminal."""
-    from timlab.experiments.study.text import plain_text
+    from timlab.experiments.studies.text import plain_text
 
     md = ("Validity: held.\n\n**mean accuracy**\n\n| arm | k3 | p |\n|---|---:|---|\n| control | 0 | - |\n"
           "| head_2 | 1.334 | `0.5` \\| 0.6 |\n\nend")
@@ -752,8 +753,8 @@ def test_plain_text_aligns_tables_and_drops_markdown_marks():
 
 def test_an_accuracy_level_interval_stays_within_0_and_1():
     """Issue 60: `0.083 [-0.154, 0.321]` for an accuracy; a slope or a difference keeps its sign."""
-    from timlab.experiments.study.endpoints import endpoint_bounds
-    from timlab.experiments.study.text import mean_cells, t_cells
+    from timlab.experiments.studies.endpoints import endpoint_bounds
+    from timlab.experiments.studies.text import mean_cells, t_cells
 
     x = [0.0, 0.0, 0.25]
     assert t_cells(x) == "0.083 [-0.275, 0.442]"

@@ -13,10 +13,11 @@ import pytest
 from study_sweep import write_blocks
 from test_study import ARMS, SEEDS, STEPS, metrics, registration
 from timlab.cli import main
-from timlab.experiments.stats import permutation_test, stratified_floor
-from timlab.experiments.study import StudyError, analyze, planned_runs, study_from_dict
-from timlab.experiments.study import blocks, engine
-from timlab.experiments.sweep_spec import spec_from_dict
+from timlab.experiments.studies.stats import permutation_test, stratified_floor
+from timlab.experiments.studies.engine import analyze, planned_runs
+from timlab.experiments.studies.registration import StudyError, study_from_dict
+from timlab.experiments.studies import blocks, engine
+from timlab.experiments.sweeps.spec import spec_from_dict
 
 BLOCKS = [{"name": "amd", "isa": "avx2", "seeds": [0, 1]},
           {"name": "intel", "isa": "avx2-intel", "seeds": [2, 3, 4], "out": "sweep_intel", "fingerprint": "0220b5990add"}]

@@ -20,9 +20,10 @@ import shutil
 from pathlib import Path
 
 from study_sweep import write_sweep
-from timlab.experiments.study import analyze, load_study, planned_runs
-from timlab.experiments.study import blocks, engine
-from timlab.experiments.study.signals import rise_step, run_signals, signals_section, vs_start
+from timlab.experiments.studies.engine import analyze, planned_runs
+from timlab.experiments.studies.registration import load_study
+from timlab.experiments.studies import blocks, engine
+from timlab.experiments.studies.signals import rise_step, run_signals, signals_section, vs_start
 
 E2 = load_study(Path(__file__).resolve().parents[1] / "docs" / "examples" / "studies" / "e2.yaml")
 ARMS = ("control", "stale_2", "stale_4", "ramp", "const")

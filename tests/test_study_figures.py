@@ -1,4 +1,4 @@
-"""timlab/experiments/study/figures.py: the figure of a grouped study with a ``length_exponent``
+"""timlab/experiments/studies/figures.py: the figure of a grouped study with a ``length_exponent``
 fit, on planted L1-shaped sweeps (tests/test_study_l1.py's lengths, arms and levels): the plotted
 costs, intervals and lines against hand-computed means, a cost at or below 0 on the log axis, a fit
 through chosen groups only, and the refusal of an incomplete sweep."""
@@ -16,10 +16,11 @@ from matplotlib.colors import to_rgba
 
 from study_sweep import write_sweep
 from test_study_l1 import BASE, L1, SEEDS, STEPS, T, levels, metrics_of, power, registration
-from timlab.experiments.stats import compare_family, logit
-from timlab.experiments.study import StudyError, figure, freeze, planned_runs, study_from_dict
-from timlab.experiments.study.engine import valid_columns
-from timlab.experiments.study.figures import draw, exponent_figure, exponent_panels
+from timlab.experiments.studies.stats import compare_family, logit
+from timlab.experiments.studies.engine import figure, planned_runs
+from timlab.experiments.studies.registration import StudyError, freeze, study_from_dict
+from timlab.experiments.studies.engine import valid_columns
+from timlab.experiments.studies.figures import draw, exponent_figure, exponent_panels
 
 COSTS = {**power(1.0, 1e-4), ("109", "hi"): 0.12, ("109", "lo"): 0.02}
 """spread loses 0.003, 0.03 and 0.1 at T 30, 300 and 1,000; at 1,000 hi loses 0.12 and lo 0.02."""

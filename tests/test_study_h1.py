@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 
 from study_sweep import assert_registered_in_findings, planted_run, write_blocks, write_sweep
-from timlab.experiments.study import analyze, freeze, load_study, planned_runs
-from timlab.experiments.sweep_spec import expand, spec_from_dict
+from timlab.experiments.studies.engine import analyze, planned_runs
+from timlab.experiments.studies.registration import freeze, load_study
+from timlab.experiments.sweeps.spec import expand, spec_from_dict
 from timlab.findings import block_file
 from timlab.injectors.schedule import scheduled_magnitude
 
@@ -160,7 +161,7 @@ def test_h1_tests_relabel_within_blocks(tmp_path):
     seeds a side), computed here by brute force from the endpoint values."""
     from itertools import combinations
 
-    from timlab.experiments.study import endpoint_values
+    from timlab.experiments.studies.engine import endpoint_values
 
     write_blocks(H1, tmp_path, planted_blocked)
     col = endpoint_values(H1, root=tmp_path)[""]
@@ -176,7 +177,7 @@ def test_h1_tests_relabel_within_blocks(tmp_path):
     erosion = analyze(H1, root=tmp_path).text.split("accuracy level, steps 1500-2000 (primary)")[1]
     row = next(x for x in erosion.splitlines() if x.startswith("| hold_3e-3 |"))
     assert count == 5040
-    from timlab.experiments.stats import permutation_test
+    from timlab.experiments.studies.stats import permutation_test
 
     t = permutation_test(a, b, strata=(col["hold_3e-3"]["_block"], col["control"]["_block"]))
     assert (t.n_relabelings, t.p, t.floor) == (5040, hits / count, 2 / 5040)
@@ -198,8 +199,8 @@ def test_h1_analysis_refuses_a_sweep_of_two_whole_seeds(tmp_path):
 def test_h1_trajectory_figure_draws_each_arm_from_the_planted_sweep(tmp_path, monkeypatch):
     """`timlab study figure --trajectories`: one panel per metric the endpoints read, each arm's mean
     over its 8 seeds; the planted effects are where they were planted, k3 on a log axis."""
-    from timlab.experiments.study import figure
-    from timlab.experiments.study.trajectory_figure import smoothing, study_metrics, trajectories
+    from timlab.experiments.studies.engine import figure
+    from timlab.experiments.studies.trajectory_figure import smoothing, study_metrics, trajectories
     from timlab.rundir import read_metrics
 
     dirs = write_blocks(H1, tmp_path, planted)
@@ -234,7 +235,7 @@ def test_h1_difference_figure_has_one_row_per_family(tmp_path, monkeypatch):
     inches each at 100 dpi), not one row of 15."""
     from PIL import Image
 
-    from timlab.experiments.study import figure
+    from timlab.experiments.studies.engine import figure
 
     write_blocks(H1, tmp_path, planted_blocked)
     monkeypatch.chdir(tmp_path)

@@ -15,8 +15,9 @@ import yaml
 from study_sweep import write_sweep
 from test_study import STEPS, make, metrics, registration
 from timlab import cli
-from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, study_from_dict
-from timlab.experiments.study.text import splice_block
+from timlab.experiments.studies.engine import analyze, planned_runs
+from timlab.experiments.studies.registration import StudyError, freeze, load_study, study_from_dict
+from timlab.experiments.studies.text import splice_block
 
 REPO = Path(__file__).resolve().parents[1]
 FINDINGS = {"findings": {"file": "FINDINGS.md", "block": "planted"}}
@@ -138,8 +139,8 @@ SPLIT = [{**AMD, "seeds": [0, 1, 2, 3]}, {**INTEL, "seeds": [4]}]
 
 
 def test_a_block_that_holds_none_of_the_sweeps_seeds_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
-    from timlab.experiments.study.blocks import block_spec
-    from timlab.experiments.sweep_spec import spec_from_dict
+    from timlab.experiments.studies.blocks import block_spec
+    from timlab.experiments.sweeps.spec import spec_from_dict
 
     st = study_from_dict(registration(out="sweep", blocks=[AMD, INTEL]), root=tmp_path, source="b.yaml")
     with pytest.raises(StudyError, match=r"b.yaml: blocks: block intel holds none of the sweep's seeds \(its seeds: 7; "

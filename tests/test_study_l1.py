@@ -15,8 +15,10 @@ import pytest
 import yaml
 
 from study_sweep import write_sweep
-from timlab.experiments.stats import LOGIT_CLIP, logit
-from timlab.experiments.study import StudyError, analyze, freeze, planned_runs, study_from_dict
+from timlab.experiments.studies.stats import LOGIT_CLIP, logit
+from timlab.experiments.studies.engine import analyze, planned_runs
+
+from timlab.experiments.studies.registration import StudyError, freeze, study_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -150,7 +152,7 @@ def test_a_scale_on_a_slope_or_an_unknown_scale_is_a_one_line_error(tmp_path):
 
 # ------------------------------------------------------------------------------- the length exponent
 def test_fit_exponent_recovers_a_power_and_refuses_a_cost_without_a_log():
-    from timlab.experiments.study.fits import fit_exponent
+    from timlab.experiments.studies.fits import fit_exponent
 
     a, b = fit_exponent([30.0, 300.0, 1000.0], [2e-4 * t ** 0.7 for t in (30.0, 300.0, 1000.0)])
     assert (a, b) == pytest.approx((2e-4, 0.7))
@@ -280,7 +282,7 @@ def test_a_two_group_exponent_is_the_slope_between_the_two_points(tmp_path):
     every = next(x for x in res.text.splitlines() if x.startswith("**Length exponent, all**"))
     assert "over 3 restates, 1, 31 and 109 (" in every and float(every.split("b = ")[1].split()[0]) != b
     # the fit itself, unrounded: least squares through two points is the slope between them
-    from timlab.experiments.study.fits import exponent_points, fit_exponent
+    from timlab.experiments.studies.fits import exponent_points, fit_exponent
 
     col = {(g, a): {"acc": np.array([level[f"r{g}_{a}_s{s}"] for s in range(SEEDS)]),
                     "length": np.full(SEEDS, T[g])} for g in T for a in ("control", "spread")}
@@ -294,8 +296,8 @@ def test_a_two_group_exponents_interval_is_the_slope_of_each_resample():
     """Seeds without noise: every resample has the same two costs, so b's interval is one point,
     log(c2 / c1) / log(T2 / T1); with noise in one group only, each resample's b is that slope of
     its own two resampled costs."""
-    from timlab.experiments.stats import N_BOOT
-    from timlab.experiments.study.fits import exponent_section
+    from timlab.experiments.studies.stats import N_BOOT
+    from timlab.experiments.studies.fits import exponent_section
 
     def col(noise: float) -> dict:
         out = {}
@@ -416,7 +418,7 @@ def test_outcome_groups_arms_scales_and_order_are_checked(tmp_path):
 def test_an_outcome_reads_a_comparison_not_made_as_not_testable():
     """A comparison of a void group is not made and a fit's test may decide nothing: the outcome
     reads "not testable" and "undecided", which hold only where a condition asks for them."""
-    from timlab.experiments.study.engine import _outcomes
+    from timlab.experiments.studies.engine import _outcomes
 
     study = study_from_dict(registration(outcomes=[outcome(SAME, FIT), outcome(
         {**SAME, "is": "not testable"}, {**FIT, "is": "undecided"}, name="p")]), source="s.yaml")

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from study_sweep import assert_registered_in_findings, analyzed, planted_levels
-from timlab.experiments.study import load_study, planned_runs
-from timlab.experiments.sweep_spec import expand, spec_from_dict
+from timlab.experiments.studies.engine import planned_runs
+from timlab.experiments.studies.registration import load_study
+from timlab.experiments.sweeps.spec import expand, spec_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 P1 = load_study(REPO / "docs" / "examples" / "studies" / "p1.yaml")

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from study_sweep import assert_registered_in_findings, analyzed, planted_levels
-from timlab.experiments.study import StudyError, endpoint_values, load_study, planned_runs
-from timlab.experiments.sweep_spec import expand, spec_from_dict
+from timlab.experiments.studies.engine import endpoint_values, planned_runs
+from timlab.experiments.studies.registration import StudyError, load_study
+from timlab.experiments.sweeps.spec import expand, spec_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 P2 = load_study(REPO / "docs" / "examples" / "studies" / "p2.yaml")

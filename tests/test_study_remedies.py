@@ -15,11 +15,12 @@ import pandas as pd
 import pytest
 
 from study_sweep import write_sweep
-from timlab.experiments.stats import Comparison, holm, permutation_test
-from timlab.experiments.study import StudyError, analyze, freeze, load_study, planned_runs, study_from_dict
-from timlab.experiments.study.endpoints import window_stat
-from timlab.experiments.study.engine import _verdict
-from timlab.experiments.study.registration import Rule
+from timlab.experiments.studies.stats import Comparison, holm, permutation_test
+from timlab.experiments.studies.engine import analyze, planned_runs
+from timlab.experiments.studies.registration import StudyError, freeze, load_study, study_from_dict
+from timlab.experiments.studies.endpoints import window_stat
+from timlab.experiments.studies.engine import _verdict
+from timlab.experiments.studies.registration import Rule
 
 REPO = Path(__file__).resolve().parents[1]
 R26 = REPO / "docs" / "examples" / "studies" / "remedies.yaml"

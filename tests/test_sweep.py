@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from timlab import cli
-from timlab.experiments.sweep import SweepError, expand, load_spec, read_index, run_sweep, spec_from_dict
+from timlab.experiments.sweeps.runner import SweepError, expand, load_spec, read_index, run_sweep, spec_from_dict
 from timlab.rundir.metrics_log import TIMING_KEYS
 
 SPEC = {
@@ -154,7 +154,7 @@ def test_changed_spec_on_old_dir_is_an_error(sweep, tmp_path):
 def test_42_12_a_sweep_folder_refuses_a_second_instruction_set(sweep, tmp_path, monkeypatch, capsys):
     """Issue 42, finding 12: an AVX2-pinned sweep followed by an unpinned one on an AVX-512 machine
     mixed both in one folder. The folder records its first sweep's bits and refuses others."""
-    from timlab.experiments import sweep as sweep_mod
+    from timlab.experiments.sweeps import runner as sweep_mod
     from timlab.machine import bits, describe
 
     spec_path, out, df, _ = sweep

@@ -1,4 +1,4 @@
-"""Tests for timlab.experiments.threshold: k3* brackets by hand, and a synthetic threshold sweep
+"""Tests for timlab.experiments.studies.threshold: k3* brackets by hand, and a synthetic threshold sweep
 whose k3* falls as T^-2 by construction, read back through the index and the CLI."""
 
 import json
@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from timlab.cli import main
-from timlab.experiments.threshold import bracket, threshold_study
+from timlab.experiments.studies.threshold import bracket, threshold_study
 from timlab.rundir import RunDir
 
 

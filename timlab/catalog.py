@@ -68,7 +68,7 @@ def names(kind: str) -> tuple[str, ...]:
 
 
 def _module_path(module: str) -> Path:
-    """``timlab.experiments.probe`` -> the file that holds it, found without importing it."""
+    """``timlab.experiments.diagnostics.probe`` -> the file that holds it, found without importing it."""
     parts = module.split(".")
     if parts[0] != PACKAGE.name:
         raise ValueError(f"{module}: not a timlab module")
@@ -77,7 +77,7 @@ def _module_path(module: str) -> Path:
 
 @functools.cache
 def function_defaults(target: str) -> dict[str, str]:
-    """``"timlab.experiments.probe:run_probe"`` -> {keyword: its default, as the user reads it}: a
+    """``"timlab.experiments.diagnostics.probe:run_probe"`` -> {keyword: its default, as the user reads it}: a
     literal as written, and a module-level constant (``batch_sizes=DEFAULT_BATCH_SIZES``) by the
     literal value assigned to it in the same module, not by its name."""
     module, name = target.split(":")

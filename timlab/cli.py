@@ -76,7 +76,7 @@ def _write_json(path: str | None, obj) -> None:
 
 # ---------------------------------------------------------------------------------- probe
 def cmd_probe(args: argparse.Namespace) -> int:
-    from timlab.experiments.probe import format_probe, run_probe
+    from timlab.experiments.diagnostics.probe import format_probe, run_probe
 
     if (args.prompts is None) == (args.task is None):
         raise CLIError("probe needs exactly one of --prompts FILE or --task NAME")
@@ -94,7 +94,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     print(format_probe(result))
     _write_json(args.json, result)
     if args.html:
-        from timlab.experiments.probe import write_probe_html
+        from timlab.experiments.diagnostics.probe import write_probe_html
 
         print(f"report: {write_probe_html(result, args.html)}")
     return 0
@@ -102,7 +102,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def _probe_calibration(args: argparse.Namespace) -> int:
     """``timlab probe --injector``: the realized T * k3 of an injector at each magnitude (run_calibration)."""
-    from timlab.experiments.probe import format_calibration, run_calibration
+    from timlab.experiments.diagnostics.probe import format_calibration, run_calibration
 
     for flag in ("rollout", "score", "dtype", "attribute", "html", "show"):
         if getattr(args, flag):
@@ -129,7 +129,7 @@ def _probe_calibration(args: argparse.Namespace) -> int:
 
 def _add_probe(sub) -> None:
     p = sub.add_parser("probe", help="roll out with one engine, score the same tokens with another, report the mismatch",
-                       formatter_class=_defaults_of("timlab.experiments.probe:run_probe"))
+                       formatter_class=_defaults_of("timlab.experiments.diagnostics.probe:run_probe"))
     p.add_argument("--model", required=True, help="HF-format model folder")
     p.add_argument("--prompts", help="UTF-8 text file, one prompt per line, written as the model's task writes "
                    "its prompts (e.g. reverse: 'rev:abc='; docs/cli.md, 'Prompt files', lists each task's)")
@@ -369,8 +369,8 @@ def _add_train(sub) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from timlab.experiments.demo import (CPU_SECONDS_PER_STEP, HEADLINE_RULE, SFT_SECONDS, estimate_seconds,
-                                         format_summary, run_demo)
+    from timlab.experiments.reports.demo import (CPU_SECONDS_PER_STEP, HEADLINE_RULE, SFT_SECONDS, estimate_seconds,
+                                                 format_summary, run_demo)
 
     n_runs, n_steps, (low, high) = estimate_seconds(quick=args.quick, seeds=args.seeds, steps=args.steps,
                                                     workers=args.workers)
@@ -400,9 +400,9 @@ def _minutes(seconds: float) -> str:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the VeXact experiment on the CPU: pretrain, sweep (zero vs injected TIM vs remedies), report",
-                       formatter_class=_defaults_of("timlab.experiments.demo:run_demo"))
+                       formatter_class=_defaults_of("timlab.experiments.reports.demo:run_demo"))
     from timlab.config import PRESETS
-    from timlab.experiments import demo
+    from timlab.experiments.reports import demo
 
     p.add_argument("--out", dest="out_dir", help="output folder (default: {default})")
     p.add_argument("--quick", action="store_true",
@@ -450,7 +450,7 @@ class SweepProgress:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from timlab.experiments.sweep import INDEX_FILE, run_sweep
+    from timlab.experiments.sweeps.runner import INDEX_FILE, run_sweep
 
     prog = SweepProgress(not args.quiet)
     try:
@@ -478,17 +478,17 @@ def _add_sweep(sub) -> None:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from timlab.experiments.sweep import query_index, read_index
-    from timlab.experiments.sweep_index import find_sweep_dir
+    from timlab.experiments.sweeps.runner import query_index, read_index
+    from timlab.experiments.sweeps.index import find_sweep_dir
 
     columns = [c.strip() for item in (args.columns or []) for c in item.split(",") if c.strip()]
     sort, desc = args.sort, args.desc
     if sort and sort.startswith("-"):  # --sort=-COL
         sort, desc = sort[1:], True
-    from timlab.experiments.collapse import DEFAULT_RULE, rule_options
-    from timlab.experiments.demo import HEADLINE_RULE
+    from timlab.experiments.studies.collapse import DEFAULT_RULE, rule_options
+    from timlab.experiments.reports.demo import HEADLINE_RULE
 
-    from timlab.experiments.sweep_index import RUNS_WIDTH, compact_runs, format_runs
+    from timlab.experiments.sweeps.index import RUNS_WIDTH, compact_runs, format_runs
 
     rule = rule_options(**_given(args, ("rule", "learned_at")))
     sweep_dir = find_sweep_dir(args.dir)
@@ -514,7 +514,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _add_rule_args(p) -> None:
-    """--rule / --learned-at: re-judge collapses with another rule (timlab.experiments.collapse)."""
+    """--rule / --learned-at: re-judge collapses with another rule (timlab.experiments.studies.collapse)."""
     p.add_argument("--rule", help="re-judge collapses with this rule: peak (the sweep's default: a fall below half "
                                   "the running peak) or plateau (a fall from the learned level, sustained over >= 2 "
                                   "evaluations; docs/sweeps.md)")
@@ -537,7 +537,7 @@ def _add_runs(sub) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from timlab.experiments.report import build_report
+    from timlab.experiments.reports.report import build_report
 
     check_output_file(args.out, "--out")
     res = build_report(args.inputs, args.out, **_given(args, ("group_by", "rule")))
@@ -548,7 +548,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _add_report(sub) -> None:
     p = sub.add_parser("report", help="one self-contained HTML report of a sweep directory or of run directories",
-                       formatter_class=_defaults_of("timlab.experiments.report:build_report"))
+                       formatter_class=_defaults_of("timlab.experiments.reports.report:build_report"))
     p.add_argument("inputs", nargs="+", metavar="RUN_DIR|SWEEP_DIR", help="one sweep directory, or run directories")
     p.add_argument("--out", required=True, help="HTML file to write")
     p.add_argument("--group-by", help="index column or config key to group runs by (default: {default})")
@@ -559,13 +559,13 @@ def _add_report(sub) -> None:
 
 # ---------------------------------------------------------------------------------- analyze
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from timlab.experiments.analyze import analyze_file, format_analysis
-    from timlab.experiments.harm_prediction import check_kind
+    from timlab.experiments.diagnostics.analyze import analyze_file, format_analysis
+    from timlab.experiments.diagnostics.harm_prediction import check_kind
 
     check_output_file(args.out, "--out")
     check_output_file(args.json, "--json")
     if args.alarm:  # an early-warning rule over a run's logged series, or over the file's per-step metrics
-        from timlab.experiments.early_warning import check_analysis, check_file_rule, check_run, format_check
+        from timlab.experiments.studies.early_warning import check_analysis, check_file_rule, check_run, format_check
         from timlab.metrics.alarm import ALARMS
 
         ALARMS.get(args.alarm)  # an unknown name fails before any reading
@@ -605,8 +605,8 @@ def _add_kind(p) -> None:
 
 # ---------------------------------------------------------------------------------- check
 def cmd_check(args: argparse.Namespace) -> int:
-    from timlab.experiments.check import format_check, run_check, write_check_html
-    from timlab.experiments.harm_prediction import check_kind
+    from timlab.experiments.diagnostics.check import format_check, run_check, write_check_html
+    from timlab.experiments.diagnostics.harm_prediction import check_kind
 
     if args.gate_metric is not None and args.fail_above is None:
         raise CLIError(f"--gate-metric {args.gate_metric} needs --fail-above X (the threshold it is compared with); "
@@ -628,7 +628,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _add_check(sub) -> None:
     p = sub.add_parser("check", help="model onboarding: the mismatch over batch sizes x lengths x greedy/sampling, "
                                      "with verdicts and a CI gate (exit 1 when --fail-above is exceeded)",
-                       formatter_class=_defaults_of("timlab.experiments.check:run_check"))
+                       formatter_class=_defaults_of("timlab.experiments.diagnostics.check:run_check"))
     p.add_argument("--model", required=True, help="HF-format model folder")
     # defaults are run_check's ({default} is read from its signature): an option not given is not passed
     p.add_argument("--rollout", help="rollout engine: exact, fast, hf, vllm (default {default})")
@@ -655,17 +655,17 @@ def _add_check(sub) -> None:
 
 # ---------------------------------------------------------------------------------- study
 def cmd_study(args: argparse.Namespace) -> int:
-    from timlab.experiments import study as S
-    from timlab.experiments.study import predictor as P
-    from timlab.experiments.study.blocks import block_dirs, block_spec, machine_block
-    from timlab.experiments.study.sweep_runs import seed_ranges
+    from timlab.experiments.studies import engine as E, registration as R
+    from timlab.experiments.studies import predictor as P
+    from timlab.experiments.studies.blocks import block_dirs, block_spec, machine_block
+    from timlab.experiments.studies.sweep_runs import seed_ranges
 
     if args.trajectories and args.action != "figure":
         raise CLIError(f"study {args.action}: --trajectories is an option of `study figure`")
     if args.markdown and args.action != "analyze":
         raise CLIError(f"study {args.action}: --markdown is an option of `study analyze`")
-    from timlab.experiments.study import heldout as H
-    from timlab.experiments.study.registration import study_from_dict, study_mapping
+    from timlab.experiments.studies import heldout as H
+    from timlab.experiments.studies.registration import study_from_dict, study_mapping
 
     path, d = study_mapping(args.file)  # read once; its kind says which engine analyses it
     if P.is_predictor(d):
@@ -678,7 +678,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     st = study_from_dict(d, root=path.parent, source=str(path))
     dirs = block_dirs(st, args.out)
     if args.action == "check":
-        runs = S.planned_runs(st)
+        runs = E.planned_runs(st)
         arms = {}
         for r in runs:
             arms[r.arm] = arms.get(r.arm, 0) + 1
@@ -706,19 +706,19 @@ def cmd_study(args: argparse.Namespace) -> int:
                   + (f"{st.groups}s {', '.join(f.groups)}" if f.groups else f"every valid {st.groups}") + "; "
                   + (f"tests: {', '.join(t.name for t in f.tests)}" if f.tests else "no test (descriptive)"))
         if st.blocks:
-            counts = S.engine.progress(st)
+            counts = E.progress(st)
             for b in st.blocks:
                 d, (n, m) = dirs[b.name], counts[b.name]
                 print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
                       + f"; seeds {seed_ranges(b.seeds)}; {n} of {m} runs finished): {d}: "
-                      + S.check_freeze(st, d, has_runs=S.registration.holds_runs(d)))
-            print(f"  runs not finished: {S.missing_runs(st)}")
+                      + R.check_freeze(st, d, has_runs=R.holds_runs(d)))
+            print(f"  runs not finished: {E.missing_runs(st)}")
         else:
             out = dirs[""]
-            states = S.registration.holds_runs(out)
-            print(f"  {out}: {S.check_freeze(st, out, has_runs=states)}; runs not finished: {S.missing_runs(st, args.out)}")
+            states = R.holds_runs(out)
+            print(f"  {out}: {R.check_freeze(st, out, has_runs=states)}; runs not finished: {E.missing_runs(st, args.out)}")
         if st.predicted_by is not None:
-            from timlab.experiments.study.oos import probe_k3
+            from timlab.experiments.studies.oos import probe_k3
 
             pb = st.predicted_by
             print(f"  out-of-sample cells of {pb.study}: " + ", ".join(f"{a} ({k})" for a, k in pb.kinds.items()))
@@ -726,20 +726,20 @@ def cmd_study(args: argparse.Namespace) -> int:
                   + (", ".join(f"{c} {v:.3g}" for c, v in probe_k3(pb.probe).items()) or "no runs yet"))
         return 0
     if args.action == "run":
-        from timlab.experiments.sweep import INDEX_FILE, run_sweep, spec_from_dict
+        from timlab.experiments.sweeps.runner import INDEX_FILE, run_sweep, spec_from_dict
 
         spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
-        planned = S.planned_runs(st)  # every config resolves before anything is written
+        planned = E.planned_runs(st)  # every config resolves before anything is written
         out = dirs[""] if not st.blocks else dirs[(block := machine_block(st)).name]
         if st.blocks:
             spec = block_spec(spec, planned, block.name)
             print(f"block {block.name}: this machine ({block.isa}) runs seeds {seed_ranges(block.seeds)} into {out}")
         if st.predicted_by is not None:
-            from timlab.experiments.study.oos import check_predicted
+            from timlab.experiments.studies.oos import check_predicted
 
             print(check_predicted(st))  # no out-of-sample run before its prediction
-        wrote = S.freeze(st, out)
-        print(f"registration {st.hash[:12]} " + (f"frozen in {out / S.registration.FREEZE_FILE}" if wrote
+        wrote = R.freeze(st, out)
+        print(f"registration {st.hash[:12]} " + (f"frozen in {out / R.FREEZE_FILE}" if wrote
                                                   else "matches its freeze"))
         prog = SweepProgress(not args.quiet)
         try:
@@ -755,32 +755,32 @@ def cmd_study(args: argparse.Namespace) -> int:
         if not args.png:
             raise CLIError("study figure needs --png FILE")
         check_output_file(args.png, "--png")
-        print(f"wrote {S.figure(st, args.png, args.out, trajectories=args.trajectories)}")
+        print(f"wrote {E.figure(st, args.png, args.out, trajectories=args.trajectories)}")
         return 0
     from dataclasses import replace
 
-    from timlab.experiments.study.text import plain_text
+    from timlab.experiments.studies.text import plain_text
 
     terminal = not (args.markdown or args.write)  # the block's own bytes when it is written or asked for
-    res = S.analyze(replace(st, clip_bounded=True) if terminal else st, args.out)
+    res = E.analyze(replace(st, clip_bounded=True) if terminal else st, args.out)
     print(plain_text(res.text) if not args.markdown else res.text)
     print(f"\n{st.name}: {res.status}; {res.freeze}")
     if args.write:
         _check_writable(args, res.status, st.findings, "block (findings: {file, block})")
-        from timlab.experiments.study.text import write_blocks
+        from timlab.experiments.studies.text import write_blocks
         from timlab.findings import block_file
 
         path, name = st.findings
         write_blocks(path, {name: res.text})
         for d in dirs.values():  # the amendments this analysis used, recorded at their first use
-            S.registration.record_amendments(st, d)
+            R.record_amendments(st, d)
         print(f"wrote block {name} of {block_file(path, name)}")
     return 0 if res.status == "complete" else 1
 
 
 def _predictor_study(args: argparse.Namespace, st) -> int:
     """``timlab study check|recompute|analyze`` of a predictor study (docs/studies.md, "Predictor studies")."""
-    from timlab.experiments.study import predictor as P
+    from timlab.experiments.studies import predictor as P
 
     if args.action == "check":
         P.check_frozen(st)
@@ -793,15 +793,15 @@ def _predictor_study(args: argparse.Namespace, st) -> int:
         print(f"  out of sample: {st.oos or 'none'}")
         return 0
     if args.action == "recompute":
-        from timlab.experiments.study.recompute import recompute
+        from timlab.experiments.studies.recompute import recompute
 
         counts = recompute(st, run_command=main)  # a missing start is rebuilt by its registered timlab commands
         return 1 if counts["differ"] else 0
     if args.action != "analyze":
         raise CLIError(f"study {args.action}: not defined for a predictor study (valid: check, recompute, analyze)")
-    from timlab.experiments.study.oos import analyze_and_write
+    from timlab.experiments.studies.oos import analyze_and_write
 
-    from timlab.experiments.study.text import plain_text
+    from timlab.experiments.studies.text import plain_text
 
     res = analyze_and_write(st, write=args.write)
     shown = (lambda text: text) if args.markdown else plain_text  # noqa: E731
@@ -822,7 +822,7 @@ def _check_writable(args: argparse.Namespace, status: str, findings, what: str) 
 def _heldout_study(args: argparse.Namespace, st) -> int:
     """``timlab study check|analyze`` of a held-out predictor study (docs/studies.md, "Held-out predictor
     studies"); its runs are its ``runs`` study file's, run by ``timlab study run RUNS``."""
-    from timlab.experiments.study import heldout as H
+    from timlab.experiments.studies import heldout as H
 
     if args.action == "check":
         H.check_frozen(st)
@@ -833,7 +833,7 @@ def _heldout_study(args: argparse.Namespace, st) -> int:
     if args.action != "analyze":
         raise CLIError(f"study {args.action}: not defined for a held-out study (valid: check, analyze); its runs: "
                        f"timlab study run {st.runs}")
-    from timlab.experiments.study.text import plain_text, write_blocks
+    from timlab.experiments.studies.text import plain_text, write_blocks
 
     res = H.analyze_heldout(st)
     show = (lambda t: t) if args.markdown else plain_text
@@ -848,7 +848,7 @@ def _heldout_study(args: argparse.Namespace, st) -> int:
         if rec is None:
             print("no calibration record shipped: the signal condition did not hold")
         else:
-            from timlab.experiments.study.predictor import write_calibration
+            from timlab.experiments.studies.predictor import write_calibration
 
             print(f"wrote {write_calibration(H.CALIBRATION, rec)} (winner {rec['winner']})")
     return 0 if res.status == "complete" else 1
@@ -880,7 +880,7 @@ def _add_study(sub) -> None:
 
 # ---------------------------------------------------------------------------------- threshold
 def cmd_threshold(args: argparse.Namespace) -> int:
-    from timlab.experiments.threshold import format_threshold, plot_threshold, threshold_study
+    from timlab.experiments.studies.threshold import format_threshold, plot_threshold, threshold_study
 
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot")
@@ -977,7 +977,7 @@ def _add_gradcheck(sub) -> None:
 
 # ---------------------------------------------------------------------------------- export
 def cmd_export(args: argparse.Namespace) -> int:
-    from timlab.experiments.export import export_checkpoint
+    from timlab.trainer.export import export_checkpoint
 
     res = export_checkpoint(args.run_dir, args.out, step=args.step)
     print(f"exported step {res.step} of {args.run_dir} to {res.path} ({', '.join(res.files)}); "

@@ -103,7 +103,7 @@ def format_gradcheck(res: GradcheckResult) -> str:
 
 def plot_gradcheck(res: GradcheckResult, path: str | Path) -> Path:
     """PNG: measured ||bias|| (with CI) and 2 B Delta T^2 against T; relative bias, cosine and SNR against T."""
-    from timlab.experiments.page import new_figure
+    from timlab.experiments.reports.page import new_figure
 
     rows = sorted(res.buckets, key=lambda r: r["T_max"])
     T = [r["T_max"] for r in rows]

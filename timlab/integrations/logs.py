@@ -3,7 +3,7 @@
 ``from_trl_inputs`` takes the dict ``GRPOTrainer._generate_and_score_completions`` returns,
 ``from_verl_batch`` verl's batch after the actor's ``old_log_probs`` recomputation (a ``DataProto``
 or a dict of tensors). Each returns one row per sequence in the schema of
-``timlab.experiments.analyze`` (``SCHEMA``); ``analyze.write_rows`` writes them as Parquet or
+``timlab.experiments.diagnostics.analyze`` (``SCHEMA``); ``analyze.write_rows`` writes them as Parquet or
 JSONL. docs/analyze.md has the hooks that make each framework dump them.
 """
 

@@ -1,6 +1,6 @@
 """Early-warning alarms on a logged indicator: the rule, and the watcher a trainer keeps.
 
-One rule, two users: ``timlab.experiments.early_warning`` measures each rule's lead time and false
+One rule, two users: ``timlab.experiments.studies.early_warning`` measures each rule's lead time and false
 alarms on the committed sweeps (docs/FINDINGS.md, "Early warning of a fall"), and the trainer's
 optional alarm (``run.alarm``) runs the same ``alarm_statistic`` on a live run through
 ``AlarmWatch``. Pure Python (no torch, no numpy): a statistic has the same bits on every machine.
@@ -17,7 +17,7 @@ before those:
 The alarm fires at the first step whose statistic exceeds the threshold. ``AlarmWatch`` skips a
 step that updated nothing (``train/updated`` 0, or a gradient norm of exactly 0): such a step
 neither enters the window nor fires, as the re-registered benchmark removes it before any window
-(``timlab.experiments.early_warning2``). The benchmark registered
+(``timlab.experiments.studies.early_warning2``). The benchmark registered
 the change rule as a log fold change; thresholding the fold change itself makes the same decisions
 (log is monotone) and needs no ``log``, whose last bit depends on the C library.
 
