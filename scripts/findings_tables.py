@@ -602,7 +602,25 @@ BLOCKS = {"surge-conditions": surge_conditions, "verdict-tests": verdict_tests, 
           "harm2-k3-steps": harm2_k3_steps,
           "harm2-pilot": lambda R: harm2_sweeps.pilot_table(SWEEPS / "harm2_pilot")}
 """The generated blocks of the findings (docs/FINDINGS.md and its pages), by marker name (with ``study_blocks``)."""
-BLOCKS.update({"e3c-reading": e3c_reading, "l1-e3b": l1_against_e3b, "h1-k3-steps": h1_k3_steps})
+def late_falls_k3(R: pd.DataFrame) -> str:
+    """Study LF's falls (registered as reported after the runs): each fallen run's fall step and, over
+    the 25 steps before it, the median and mean per-step k3, the controller's target and magnitude."""
+    from timlab.experiments.studies.blocks import block_dirs
+    from timlab.experiments.studies.collapse import before_falls
+
+    study = load_study(STUDIES / "late_falls.yaml")
+    dirs = block_dirs(study, root=ROOT)
+    runs = {r.run_id: read_metrics(dirs[r.block] / r.run_id) for r in planned_runs(study) if r.arm != "control"}
+    keys = ("rollout_corr/k3_kl", "mismatch/target_k3", "mismatch/magnitude")
+    rows = [{"run": f["run"].split("__")[0], "fall step": f["fall step"],
+             "median k3": fmt(f[keys[0]][0], 3), "mean k3": fmt(f[keys[0]][1], 3),
+             "target (median)": fmt(f[keys[1]][0], 3), "magnitude (median)": f"{f[keys[2]][0]:.2f}"}
+            for f in before_falls(runs, keys, 25, rule="plateau")]
+    return md_table(rows) if rows else "No run fell."
+
+
+BLOCKS.update({"e3c-reading": e3c_reading, "l1-e3b": l1_against_e3b, "h1-k3-steps": h1_k3_steps,
+               "late-falls-k3": late_falls_k3})
 
 
 def study_blocks() -> dict:

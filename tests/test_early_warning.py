@@ -353,6 +353,27 @@ def test_analyze_alarm_on_a_run_directory(tmp_path, capsys):
     c0 = ew.check_run(tmp_path / "run", "k3_level", armed_at=0)
     assert (c0.armed_after, c0.watched, c0.first) == (None, 120, 52)  # step 0 logs no k3
 
+def test_analyze_alarm_skips_steps_that_updated_nothing(tmp_path):
+    """`timlab analyze --alarm` watches a run as the trainer's alarm does: a step with a grad norm of
+    exactly 0 (or train/updated 0) is not in the series. Planted: grad_norm_change's statistic
+    would read 1/1e-12 at the zero steps; without them no step moves."""
+    m = planted(HEALTHY_ACC)
+    m.loc[m["step"].between(60, 64), "train/grad_norm"] = 0.0
+    _write_run(tmp_path / "run", m)
+    c = ew.check_run(tmp_path / "run", "grad_norm_change")
+    assert (c.watched, c.first, c.above) == (120 - 5, None, 0)
+    m2 = planted(HEALTHY_ACC)
+    m2["train/updated"] = 1.0
+    m2.loc[m2["step"].between(60, 64), ["train/updated", "train/grad_norm"]] = [0.0, 50.0]
+    _write_run(tmp_path / "run2", m2)
+    assert ew.check_run(tmp_path / "run2", "grad_norm_change").first is None
+    # the same spike on steps that did update fires
+    m3 = planted(HEALTHY_ACC)
+    m3.loc[m3["step"].between(60, 64), "train/grad_norm"] = 50.0
+    _write_run(tmp_path / "run3", m3)
+    assert ew.check_run(tmp_path / "run3", "grad_norm_change").first == 60
+
+
 def test_analyze_alarm_on_a_log_file_and_bad_names(tmp_path, capsys):
     sample = REPO / "timlab" / "data" / "sample_logprobs.jsonl"
     assert main(["analyze", str(sample), "--alarm", "k3_level"]) == 0

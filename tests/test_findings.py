@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -556,3 +557,58 @@ def test_early_warning_h1_registration_discloses_the_earlier_look():
     look, reg = (dt.datetime.fromtimestamp(int(t), dt.timezone.utc) for t in when)
     assert look.strftime("%Y-%m-%d %H:%M") == "2026-11-26 09:20" and reg.strftime("%Y-%m-%d %H:%M") == "2026-11-26 20:12"
     assert divmod(int((reg - look).total_seconds() + 30) // 60, 60) == (10, 52)
+
+
+def _row(prefix: str) -> str:
+    return next(line for line in (REPO / "docs/FINDINGS.md").read_text().splitlines() if line.startswith(prefix))
+
+
+def test_lf_verdict_row_quotes_its_blocks():
+    """The LF row rounds its blocks: falls per arm with their intervals, the fall steps' range and
+    median, the early and mid accuracy, the k3 range over the 25 steps before the falls, and noise's
+    late cost and final accuracy; its decisions follow the registered rule (>= 4 of 8 late falls)."""
+    from timlab.findings import INDEX, block_text
+
+    block, k3 = block_text(INDEX, "late-falls"), block_text(INDEX, "late-falls-k3")
+    row = _row("| LF |")
+    head = next(r for r in block.splitlines() if r.startswith("| head |")).split(" | ")
+    noise = next(r for r in block.splitlines() if r.startswith("| noise |")).split(" | ")
+    control = next(r for r in block.splitlines() if r.startswith("| control |")).split(" | ")
+    steps = sorted(int(x) for x in re.findall(r"s\d: (\d+)", head[2]))
+    assert head[1] == "8/8 [0.63, 1.00]" and f"falls {head[1]}, at steps {steps[0]}-{steps[-1]}" in row
+    assert f"(median {statistics.median(steps):g})" in row
+    assert all(s > 500 for s in steps) and "**head: a reproducible late fall**" in row
+    assert noise[1] == "0/8 [0.00, 0.37]" and "noise: 0/8 [0.00, 0.37]" in row and "**noise: no late fall**" in row
+    assert control[1] == "0/8 [0.00, 0.37]" and "Controls 0/8" in row
+    lvl = lambda cell: f"{float(cell.split()[0]):.3f}"  # noqa: E731
+    assert f"at {lvl(head[3])} (steps 25-500; control {lvl(control[3])})" in row
+    assert f"accuracy {lvl(head[4])} over steps 500-1000" in row
+    assert f"ended at {noise[-1].split()[0]}" in row
+    med = [float(r.split(" | ")[2]) for r in k3.splitlines()[2:]]
+    mean = [float(r.split(" | ")[3]) for r in k3.splitlines()[2:]]
+    assert len(med) == 8 and f"median per-step k3 was {min(med):.3f}-{max(med):.3f} (mean {min(mean):.3f}-{max(mean):.3f})" in row
+    cost = next(r for r in block.split("**accuracy level, steps 1500-2000**")[1].splitlines() if r.startswith("| noise |"))
+    assert f"it cost {-_numbers(cost.split(' | ')[2])[0]:.3f} over steps 1500-2000" in row
+
+
+def test_ew2_verdict_row_and_metrics_doc_quote_the_block():
+    """The EW2 row and docs/metrics.md round the early-warning-2 block: no rule passes; k3_level's
+    detections, Holm p and false-alarm rate; the rule shipped before, counted the same way."""
+    from timlab.findings import INDEX, block_text
+
+    block = block_text(INDEX, "early-warning-2")
+    row, doc = _row("| EW2 |"), (REPO / "docs/metrics.md").read_text()
+    assert "No rule passes the registered rule" in block and "**no rule passes**" in row
+    k3 = next(r for r in block.splitlines() if r.startswith("| k3_level |")).split(" | ")
+    caught, holm_p, rate = k3[4].split()[0], k3[10], k3[7].split()[0]
+    assert f"caught {caught} held-out falls {k3[4].split(' ', 1)[1]}" in row and f"Holm p = {holm_p}" in row
+    assert f"at {rate} false alarms per 10,000 watched steps" in row
+    assert f"caught {caught.replace('/', ' of ')}" in doc
+    assert f"(Holm p = {holm_p}) at {rate} false alarms per 10,000 steps" in doc
+    shipped = next(r for r in block.splitlines() if r.startswith("Descriptive"))
+    det = re.search(r"falls detected with lead (\d+/\d+)", shipped).group(1)
+    fa = re.search(r"non-falling runs ([0-9.]+) \[", shipped).group(1)
+    most = re.search(r"at most (\d+) in one control", shipped).group(1)
+    assert f"{det} caught, {fa} false alarms per 10,000 watched steps, up to {most} alarms" in row
+    assert f"caught {det.replace('/', ' of ')} at {fa} false alarms per 10,000 watched steps" in doc
+    assert f"fired up to {most} times in one 2,000-step control" in doc

@@ -361,9 +361,10 @@ class RunSection:
     gradcheck_estimator: str = "reinforce"
     """In-run gradcheck estimator: reinforce (w = R) or rloo (groups of rollout.samples_per_prompt)."""
     alarm: str = "off"
-    """Early-warning alarm: off, or a rule of timlab.metrics.alarm.ALARMS, e.g. grad_norm_change (the
-    grad norm's mean over the last 5 steps against the 10 before, either way), the one rule that passed
-    its held-out test (its lead time and false alarms: docs/metrics.md, "Early-warning alarm"). Logs
+    """Early-warning alarm, EXPERIMENTAL: off, or a rule of timlab.metrics.alarm.ALARMS, e.g. grad_norm_change
+    (the grad norm's mean over the last 5 steps against the 10 before, either way). No rule passed the
+    re-registered benchmark (late falls, false alarms per 10,000 steps): grad_norm_change caught 2 of 19
+    held-out falls there and raised ~26 false alarms per 10,000 steps (docs/metrics.md, "Early-warning alarm"). Logs
     alarm/above_threshold (0/1) and alarm/statistic each step and warns once, the first time it fires;
     a step that updated nothing (train/updated 0, or train/grad_norm exactly 0) is skipped."""
     alarm_threshold: float = 0.0

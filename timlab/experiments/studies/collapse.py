@@ -389,3 +389,22 @@ def condition_table(index_df: pd.DataFrame, by: str = "condition") -> pd.DataFra
 __all__ = ["collapse_step", "plateau_collapse_step", "plateau_levels", "judge", "check_rule", "rule_options", "RULES", "DEFAULT_RULE",
            "DEFAULT_LEARNED_AT", "DEFAULT_LEVEL_WINDOW", "DEFAULT_PLATEAU_WINDOW", "run_summary", "condition_table", "accuracy_auc", "late_accuracy", "LATE_EVALS", "describe_rule",
            "SUMMARY_KEYS", "COMPLETE_STATES", "DEFAULT_FRAC", "DEFAULT_WINDOW", "DEFAULT_MIN_PEAK"]
+
+
+def before_falls(runs: dict[str, pd.DataFrame], metrics: tuple[str, ...], steps: int = 25, **rule) -> list[dict]:
+    """For each run of ``runs`` (name -> its metrics) that falls under ``judge(**rule)``: its fall
+    step F and, per metric of ``metrics``, the median and mean of the logged values over the
+    ``steps`` steps before it, steps F - steps + 1 .. F (descriptive: what a run held just before it
+    fell). Runs that do not fall are left out; the order is the order of ``runs``."""
+    out = []
+    for name, m in runs.items():
+        f = judge(m, **rule)
+        if f is None:
+            continue
+        w = m[(m["step"] > f - steps) & (m["step"] <= f)]
+        row = {"run": name, "fall step": int(f)}
+        for k in metrics:
+            x = pd.to_numeric(w[k], errors="coerce").dropna() if k in w else pd.Series(dtype=float)
+            row[k] = (float(x.median()), float(x.mean())) if len(x) else (math.nan, math.nan)
+        out.append(row)
+    return out

@@ -628,6 +628,20 @@ class AlarmCheck:
     """Steps whose statistic exceeded the threshold."""
 
 
+UPDATED = "train/updated"
+GRAD_NORM = "train/grad_norm"
+
+
+def update_mask(m: pd.DataFrame) -> np.ndarray:
+    """True at each row of ``m`` that updated the policy: not ``train/updated`` = 0 (where logged),
+    not ``train/grad_norm`` exactly 0 (a NaN in either does not remove the row)."""
+    keep = np.ones(len(m), dtype=bool)  # (rows,)
+    for col in (UPDATED, GRAD_NORM):
+        if col in m.columns:
+            keep &= ~(pd.to_numeric(m[col], errors="coerce").to_numpy(dtype=float) == 0)
+    return keep
+
+
 def check_series(steps, values, name: str, *, source: str, threshold: float | None = None,
                  armed_after: int | None = None) -> AlarmCheck:
     """Rule ``name`` of ``ALARMS`` over (steps, values), as the trainer's alarm would run it: from
@@ -660,6 +674,7 @@ def check_run(run_dir: str | Path, name: str, *, threshold: float | None = None,
             return AlarmCheck(name=name, source=str(run_dir), threshold=alarm.threshold if threshold is None else threshold,
                               armed_after=None, watched=0, first=None, statistic=math.nan, above=0)
         armed = int(ev.iloc[0])
+    m = m[update_mask(m)]  # a step that updated nothing is not watched (the re-registered benchmark's rule)
     return check_series(m["step"], m[alarm.indicator], name, source=str(run_dir), threshold=threshold,
                         armed_after=armed)
 
@@ -730,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["REGISTERED_SWEEPS", "RunSeries", "RuleResult", "Study", "run_series", "alarm_trace", "score", "first_alarm_step", "load_runs",
+__all__ = ["REGISTERED_SWEEPS", "UPDATED", "GRAD_NORM", "update_mask", "RunSeries", "RuleResult", "Study", "run_series", "alarm_trace", "score", "first_alarm_step", "load_runs",
            "distinct", "split", "choose_threshold", "traces_of", "evaluate", "roc_points", "study", "format_study", "plot_roc",
            "AlarmCheck", "check_series", "check_run", "check_file_rule", "check_analysis", "format_check",
            "MIN_STEPS", "REPEAT_STEPS", "REPEAT_COLUMNS", "INDICATORS", "FALSE_ALARM_TARGET", "LEVEL", "FINDINGS_BLOCK",

@@ -62,9 +62,10 @@ import numpy as np
 import pandas as pd
 
 from timlab.errors import TimlabError, one_line
-from timlab.experiments.studies.early_warning import LEVEL, RunSeries, _lead, _p, _rate, load_runs, split
+from timlab.experiments.studies.early_warning import (GRAD_NORM, LEVEL, UPDATED, RunSeries, _lead, _p, _rate, load_runs, split,
+                                                      update_mask)
 from timlab.experiments.studies.stats import fisher_greater, holm, poisson_ci
-from timlab.metrics.alarm import AlarmRule, statistic_series
+from timlab.metrics.alarm import ALARMS, AlarmRule, statistic_series
 from timlab.rundir import RunDir
 
 EW2_SWEEPS = ("e2", "e2_probe", "e3", "e3_starts", "e3_starts_rl", "e3b", "e3b_probe", "e3c", "e3d", "erosion",
@@ -79,8 +80,6 @@ LF_STUDY = "docs/examples/studies/late_falls.yaml"
 """Study LF's study file, from the folder that holds the sweeps folder (as its own ``out`` is)."""
 LONG_CONTROL_SWEEPS = ("h1", "h1_intel", "late_falls")
 """The long controls: every run named ``control_*`` of these sweeps."""
-UPDATED = "train/updated"
-GRAD_NORM = "train/grad_norm"
 LEAD = 20
 """A fall is detected when its first alarm comes at least this many steps before F."""
 LATE = 500
@@ -118,16 +117,6 @@ Trace = tuple[np.ndarray, np.ndarray]
 
 
 # ------------------------------------------------------------------------------- the series
-def update_mask(m: pd.DataFrame) -> np.ndarray:
-    """True at each row of ``m`` that updated the policy: not ``train/updated`` = 0 (where logged),
-    not ``train/grad_norm`` exactly 0 (a NaN in either does not remove the row)."""
-    keep = np.ones(len(m), dtype=bool)  # (rows,)
-    for col in (UPDATED, GRAD_NORM):
-        if col in m.columns:
-            keep &= ~(pd.to_numeric(m[col], errors="coerce").to_numpy(dtype=float) == 0)
-    return keep
-
-
 def watched_series(run: RunSeries, m: pd.DataFrame) -> RunSeries:
     """``run`` with its series replaced by the registration's: ``step`` and each candidate indicator
     the run logs (a finite value at some step), over its update steps after L and, for a fall, up
@@ -384,6 +373,24 @@ def _per(c: Counts) -> str:
     return f"{c.rate:.3g} [{lo:.3g}, {hi:.3g}] ({c.alarms} in {c.steps:,} steps)"
 
 
+SHIPPED_BEFORE = "grad_norm_change"
+"""The rule the first benchmark shipped (``run.alarm``), measured here at its registered threshold."""
+
+
+def shipped_line(b: Benchmark, name: str = SHIPPED_BEFORE) -> str:
+    """Descriptive, not part of the registered test: the rule shipped before, at the threshold the first
+    benchmark set for it (``ALARMS``), counted as this benchmark counts (test half, long controls)."""
+    c = ALARMS.get(name).threshold
+    traces = traces_of(b.runs, name)
+    t = evaluate(b.test_runs, name, c, traces)
+    ctl = count_alarms([tr for r in b.runs if is_long_control(r) and (tr := traces[r.name]) is not None], c)
+    return (f"Descriptive (not a registered test): the rule shipped before, {name} at its first benchmark's threshold "
+            f"{_threshold(name, c)}, counted the same way: falls detected with lead {_rate(t.detected, t.falls)}, lead "
+            f"{_lead(t.leads)}; false alarms per {PER:,} watched steps of the test half's non-falling runs "
+            f"{_per(t.healthy)} ({t.healthy.alarmed} of {t.healthy.runs} runs alarmed); long controls {ctl.rate:.3g} per {PER:,} "
+            f"steps, at most {ctl.most} in one control.")
+
+
 def format_benchmark(b: Benchmark) -> str:
     """The per-rule table, the runs and falls per half, the test falls one by one and the verdict."""
     late = lambda runs: sum(r.fell and r.fall_step > LATE for r in runs)  # noqa: E731
@@ -415,6 +422,7 @@ def format_benchmark(b: Benchmark) -> str:
             cells = [("-" if (x := b.test[n].first.get(r.name)) is None else str(x)) if r.name in b.test[n].first
                      else "n/a" for n in CANDIDATES]
             out.append(f"| {r.name} | {r.learned_step} | {r.fall_step} | " + " | ".join(cells) + " |")
+    out += ["", shipped_line(b)]
     passing = [n for n in CANDIDATES if b.passes(n)]
     rule = (f"(i) >= {DETECT_MIN:.0%} of the test falls detected with a lead >= {LEAD} steps, (ii) <= {RATE_MAX} false "
             f"alarm per {PER:,} watched steps, (iii) Holm p < {LEVEL}")
