@@ -348,6 +348,8 @@ def test_analyze_alarm_on_a_run_directory(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "run"), "--alarm", "k3_level"]) == 0
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1 and "fired at step 52 (0.6)" in out and "watched 120 steps after step 0" in out
+    assert out.endswith("experimental: no alarm rule passed the re-registered early-warning benchmark "
+                        "(its measured catches and false alarms: docs/metrics.md)")
     # armed only after an accuracy it never reaches: never watched
     assert ew.check_run(tmp_path / "run", "k3_level", armed_at=0.95).watched == 0
     c0 = ew.check_run(tmp_path / "run", "k3_level", armed_at=0)
@@ -394,7 +396,7 @@ def test_a_sweep_committed_after_registration_is_not_read(committed):
     later = tuple(p.name for p in (REPO / "sweeps").iterdir() if p.is_dir() and p.name not in ew.REGISTERED_SWEEPS)
     later_runs = ew.load_runs(REPO / "sweeps", later)  # the runs only: the registered ones are the fixture's
     assert later_runs and {r.name.split("/")[0] for r in later_runs} <= {"h1", "harm", "harm_oos", "harm_oos_probe", "l1", "e3c", "p1", "p2", "p2_rerun", "h1_intel",
-                                                                              "p2_amd", "harm2", "harm2_pilot"}
+                                                                              "p2_amd", "harm2", "harm2_pilot", "late_falls", "s1_s", "s1_m", "s1_l"}
     assert (committed.runs, committed.falls) == (528, 11)  # the later sweeps are there, and left out
 
 

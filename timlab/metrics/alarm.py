@@ -45,6 +45,9 @@ BASELINE = 10
 """Values in the preceding mean p of the change rule."""
 EPS = 1e-12
 """Added to both means of a fold change: 0 / 0 reads as 1 (no change)."""
+EXPERIMENTAL = ("experimental: no alarm rule passed the re-registered early-warning benchmark "
+                "(its measured catches and false alarms: docs/metrics.md)")
+"""What every alarm says of itself, in the trainer's warning and in `timlab analyze --alarm`."""
 
 
 def check_rule(rule: str, direction: str, *, window: int = WINDOW, baseline: int = BASELINE) -> None:

@@ -63,7 +63,7 @@ from timlab.metrics import (
     ratio_histogram,
     routing_metrics,
 )
-from timlab.metrics.alarm import ALARMS, AlarmWatch
+from timlab.metrics.alarm import ALARMS, EXPERIMENTAL, AlarmWatch
 from timlab.metrics.persistence import PersistenceTracker
 from timlab.model.forward import token_logprobs
 from timlab.model.hf_io import load_model
@@ -585,7 +585,7 @@ class RLRun:
         if above and first and self.world.is_main:
             shown = f"{stat:.3g}x its level over the 10 steps before" if rule.rule == "change" else f"{stat:.3g}"
             warnings.warn(f"step {self.step}: early-warning alarm {c.alarm}: {rule.indicator} at {shown} (threshold "
-                          f"{self.alarm.threshold:.3g}); see docs/metrics.md for how often this preceded a fall",
+                          f"{self.alarm.threshold:.3g}); {EXPERIMENTAL}",
                           stacklevel=2)
         return {"alarm/above_threshold": float(above), "alarm/statistic": stat}
 

@@ -67,7 +67,7 @@ import pandas as pd
 from timlab.errors import TimlabError, UsageError, one_line
 from timlab.experiments.studies.collapse import DEFAULT_FRAC, DEFAULT_LEARNED_AT, DEFAULT_LEVEL_WINDOW, judge, plateau_levels
 from timlab.experiments.studies.stats import clopper_pearson, fisher_greater, holm
-from timlab.metrics.alarm import ALARMS, BASELINE, WINDOW, AlarmRule, first_alarm, statistic_series
+from timlab.metrics.alarm import ALARMS, BASELINE, EXPERIMENTAL, WINDOW, AlarmRule, first_alarm, statistic_series
 from timlab.rundir import COMPLETE_STATES, DIVERGED, RunDir
 
 MIN_STEPS = 100
@@ -714,7 +714,7 @@ def format_check(c: AlarmCheck) -> str:
         watched = "never armed (no evaluation reached the arming accuracy)" if c.armed_after is None else watched
     fired = (f"fired at step {c.first} ({c.statistic:.3g}{unit}), above the threshold on {c.above} steps"
              if c.first is not None else "did not fire")
-    return f"alarm {c.name} ({what} > {c.threshold:.3g}{unit}) on {c.source}: {watched}; {fired}"
+    return f"alarm {c.name} ({what} > {c.threshold:.3g}{unit}) on {c.source}: {watched}; {fired}; {EXPERIMENTAL}"
 
 
 def main(argv: list[str] | None = None) -> int:
