@@ -657,8 +657,7 @@ def _add_check(sub) -> None:
 def cmd_study(args: argparse.Namespace) -> int:
     from timlab.experiments.studies import engine as E, registration as R
     from timlab.experiments.studies import predictor as P
-    from timlab.experiments.studies.blocks import block_dirs, block_spec, machine_block
-    from timlab.experiments.studies.sweep_runs import seed_ranges
+    from timlab.experiments.studies.blocks import block_dirs
 
     if args.trajectories and args.action != "figure":
         raise CLIError(f"study {args.action}: --trajectories is an option of `study figure`")
@@ -678,79 +677,9 @@ def cmd_study(args: argparse.Namespace) -> int:
     st = study_from_dict(d, root=path.parent, source=str(path))
     dirs = block_dirs(st, args.out)
     if args.action == "check":
-        runs = E.planned_runs(st)
-        arms = {}
-        for r in runs:
-            arms[r.arm] = arms.get(r.arm, 0) + 1
-        print(f"study {st.name} ({args.file}): valid registration")
-        print(f"  registration hash: {st.hash}")
-        print(f"  sweep: {len(runs)} runs, {st.steps} steps each; arms: " + ", ".join(f"{a} ({n})" for a, n in arms.items()))
-        if st.groups:
-            groups = list(dict.fromkeys(r.group for r in runs))
-            print(f"  {st.groups}s: {', '.join(groups)} (each with its own {st.control}, validity check and Holm families)")
-        print(f"  endpoints: {', '.join(e.name for e in st.endpoints)}")
-        for f in st.families:
-            what = (", ".join(f"{a} vs {b}" for a, b, _ in f.comparisons) if f.comparisons else
-                    f"{', '.join(f.arms) or 'every arm'} vs {f.against}")
-            rules = sorted({f.rule_for(e, r) for e in f.endpoints for r in [c[2] for c in f.comparisons] or [""]} - {""})
-            print(f"  family {f.name}: {what} on {', '.join(f.endpoints)}; {f.correction}; "
-                  + (f"rule {', '.join(rules)}" if rules else "no rule (descriptive)"))
-        for v in st.verdicts:
-            print(f"  verdict {v.name}: per arm of family {v.family}, {len(v.cases)} cases (first that holds), else "
-                  f"{v.otherwise!r}")
-        for o in st.outcomes:
-            print(f"  outcome {o.name}: {len(o.cases)} cases (first that holds), else {o.otherwise!r}"
-                  + (f"; on each scale ({', '.join(s for s, _ in o.scales)}), combined" if o.scales else ""))
-        for f in (f for f in st.fits if f.kind == "length_exponent"):
-            print(f"  exponent {f.name!r}: {f.arm}'s cost through "
-                  + (f"{st.groups}s {', '.join(f.groups)}" if f.groups else f"every valid {st.groups}") + "; "
-                  + (f"tests: {', '.join(t.name for t in f.tests)}" if f.tests else "no test (descriptive)"))
-        if st.blocks:
-            counts = E.progress(st)
-            for b in st.blocks:
-                d, (n, m) = dirs[b.name], counts[b.name]
-                print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
-                      + f"; seeds {seed_ranges(b.seeds)}; {n} of {m} runs finished): {d}: "
-                      + R.check_freeze(st, d, has_runs=R.holds_runs(d)))
-            print(f"  runs not finished: {E.missing_runs(st)}")
-        else:
-            out = dirs[""]
-            states = R.holds_runs(out)
-            print(f"  {out}: {R.check_freeze(st, out, has_runs=states)}; runs not finished: {E.missing_runs(st, args.out)}")
-        if st.predicted_by is not None:
-            from timlab.experiments.studies.oos import probe_k3
-
-            pb = st.predicted_by
-            print(f"  out-of-sample cells of {pb.study}: " + ", ".join(f"{a} ({k})" for a, k in pb.kinds.items()))
-            print(f"  probe {pb.probe}, realized k3 (mean over steps 1-25): "
-                  + (", ".join(f"{c} {v:.3g}" for c, v in probe_k3(pb.probe).items()) or "no runs yet"))
-        return 0
+        return _study_check(args, st, dirs)
     if args.action == "run":
-        from timlab.experiments.sweeps.runner import INDEX_FILE, run_sweep, spec_from_dict
-
-        spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
-        planned = E.planned_runs(st)  # every config resolves before anything is written
-        out = dirs[""] if not st.blocks else dirs[(block := machine_block(st)).name]
-        if st.blocks:
-            spec = block_spec(spec, planned, block.name)
-            print(f"block {block.name}: this machine ({block.isa}) runs seeds {seed_ranges(block.seeds)} into {out}")
-        if st.predicted_by is not None:
-            from timlab.experiments.studies.oos import check_predicted
-
-            print(check_predicted(st))  # no out-of-sample run before its prediction
-        wrote = R.freeze(st, out)
-        print(f"registration {st.hash[:12]} " + (f"frozen in {out / R.FREEZE_FILE}" if wrote
-                                                  else "matches its freeze"))
-        prog = SweepProgress(not args.quiet)
-        try:
-            df = run_sweep(spec, out, workers=args.workers, progress=prog)
-        finally:
-            prog.close()
-        counts = ", ".join(f"{n} {s}" for s, n in df["state"].value_counts().items())
-        print(f"study {st.name}: {len(df)} runs ({counts}) in {out}; index {out / INDEX_FILE}")
-        for run_id, msg in df.attrs.get("failed", {}).items():
-            print(f"  failed {run_id}: {msg}")
-        return 1 if df.attrs.get("failed") else 0
+        return _study_run(args, st, dirs)
     if args.action == "figure":
         if not args.png:
             raise CLIError("study figure needs --png FILE")
@@ -776,6 +705,94 @@ def cmd_study(args: argparse.Namespace) -> int:
             R.record_amendments(st, d)
         print(f"wrote block {name} of {block_file(path, name)}")
     return 0 if res.status == "complete" else 1
+
+
+def _study_check(args: argparse.Namespace, st, dirs: dict) -> int:
+    """``timlab study check``: the registration, its hash, its arms, families and verdicts, and each
+    block's progress and freeze."""
+    from timlab.experiments.studies import engine as E, registration as R
+    from timlab.experiments.studies.sweep_runs import seed_ranges
+
+    runs = E.planned_runs(st)
+    arms = {}
+    for r in runs:
+        arms[r.arm] = arms.get(r.arm, 0) + 1
+    print(f"study {st.name} ({args.file}): valid registration")
+    print(f"  registration hash: {st.hash}")
+    print(f"  sweep: {len(runs)} runs, {st.steps} steps each; arms: " + ", ".join(f"{a} ({n})" for a, n in arms.items()))
+    if st.groups:
+        groups = list(dict.fromkeys(r.group for r in runs))
+        print(f"  {st.groups}s: {', '.join(groups)} (each with its own {st.control}, validity check and Holm families)")
+    print(f"  endpoints: {', '.join(e.name for e in st.endpoints)}")
+    for f in st.families:
+        what = (", ".join(f"{a} vs {b}" for a, b, _ in f.comparisons) if f.comparisons else
+                f"{', '.join(f.arms) or 'every arm'} vs {f.against}")
+        rules = sorted({f.rule_for(e, r) for e in f.endpoints for r in [c[2] for c in f.comparisons] or [""]} - {""})
+        print(f"  family {f.name}: {what} on {', '.join(f.endpoints)}; {f.correction}; "
+              + (f"rule {', '.join(rules)}" if rules else "no rule (descriptive)"))
+    for v in st.verdicts:
+        print(f"  verdict {v.name}: per arm of family {v.family}, {len(v.cases)} cases (first that holds), else "
+              f"{v.otherwise!r}")
+    for o in st.outcomes:
+        print(f"  outcome {o.name}: {len(o.cases)} cases (first that holds), else {o.otherwise!r}"
+              + (f"; on each scale ({', '.join(s for s, _ in o.scales)}), combined" if o.scales else ""))
+    for f in (f for f in st.fits if f.kind == "length_exponent"):
+        print(f"  exponent {f.name!r}: {f.arm}'s cost through "
+              + (f"{st.groups}s {', '.join(f.groups)}" if f.groups else f"every valid {st.groups}") + "; "
+              + (f"tests: {', '.join(t.name for t in f.tests)}" if f.tests else "no test (descriptive)"))
+    if st.blocks:
+        counts = E.progress(st)
+        for b in st.blocks:
+            d, (n, m) = dirs[b.name], counts[b.name]
+            print(f"  block {b.name} (machine {b.isa}" + (f", fingerprint {b.fingerprint}" if b.fingerprint else "")
+                  + f"; seeds {seed_ranges(b.seeds)}; {n} of {m} runs finished): {d}: "
+                  + R.check_freeze(st, d, has_runs=R.holds_runs(d)))
+        print(f"  runs not finished: {E.missing_runs(st)}")
+    else:
+        out = dirs[""]
+        states = R.holds_runs(out)
+        print(f"  {out}: {R.check_freeze(st, out, has_runs=states)}; runs not finished: {E.missing_runs(st, args.out)}")
+    if st.predicted_by is not None:
+        from timlab.experiments.studies.oos import probe_k3
+
+        pb = st.predicted_by
+        print(f"  out-of-sample cells of {pb.study}: " + ", ".join(f"{a} ({k})" for a, k in pb.kinds.items()))
+        print(f"  probe {pb.probe}, realized k3 (mean over steps 1-25): "
+              + (", ".join(f"{c} {v:.3g}" for c, v in probe_k3(pb.probe).items()) or "no runs yet"))
+    return 0
+
+
+def _study_run(args: argparse.Namespace, st, dirs: dict) -> int:
+    """``timlab study run``: freeze the registration, then run or resume this machine's block of the sweep."""
+    from timlab.experiments.studies import engine as E, registration as R
+    from timlab.experiments.studies.blocks import block_spec, machine_block
+    from timlab.experiments.studies.sweep_runs import seed_ranges
+
+    from timlab.experiments.sweeps.runner import INDEX_FILE, run_sweep, spec_from_dict
+
+    spec = spec_from_dict(st.sweep, root=st.sweep_root, source=st.sweep_source)
+    planned = E.planned_runs(st)  # every config resolves before anything is written
+    out = dirs[""] if not st.blocks else dirs[(block := machine_block(st)).name]
+    if st.blocks:
+        spec = block_spec(spec, planned, block.name)
+        print(f"block {block.name}: this machine ({block.isa}) runs seeds {seed_ranges(block.seeds)} into {out}")
+    if st.predicted_by is not None:
+        from timlab.experiments.studies.oos import check_predicted
+
+        print(check_predicted(st))  # no out-of-sample run before its prediction
+    wrote = R.freeze(st, out)
+    print(f"registration {st.hash[:12]} " + (f"frozen in {out / R.FREEZE_FILE}" if wrote
+                                              else "matches its freeze"))
+    prog = SweepProgress(not args.quiet)
+    try:
+        df = run_sweep(spec, out, workers=args.workers, progress=prog)
+    finally:
+        prog.close()
+    counts = ", ".join(f"{n} {s}" for s, n in df["state"].value_counts().items())
+    print(f"study {st.name}: {len(df)} runs ({counts}) in {out}; index {out / INDEX_FILE}")
+    for run_id, msg in df.attrs.get("failed", {}).items():
+        print(f"  failed {run_id}: {msg}")
+    return 1 if df.attrs.get("failed") else 0
 
 
 def _predictor_study(args: argparse.Namespace, st) -> int:
