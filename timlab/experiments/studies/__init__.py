@@ -6,7 +6,9 @@ scripts/findings_tables.py for the FINDINGS blocks of the studies written as stu
 (docs/examples/studies/). docs/studies.md describes the file format.
 
 - ``registration``: the study file as frozen dataclasses, one-line ``StudyError`` for bad input,
-  the registration hash, the freeze at the first run and its amendments;
+  the registration hash, the freeze at the first run and its amendments; the file's format in
+  ``schema`` (its choices and dataclasses), ``sections`` (one parser per top-level section) and
+  ``entries`` (the parsers of one entry of a section);
 - ``engine``: the analysis (refusal of an incomplete sweep, validity, endpoints, comparison
   families, verdicts, tables, fits) rendered as a FINDINGS block; a figure (``figures``: a
   grouped study's cost against the answer length, where it has a ``length_exponent`` fit);
