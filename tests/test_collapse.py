@@ -260,3 +260,19 @@ def test_rule_options_refuse_the_other_rules_knob():
         rule_options(rule="plateau", min_peak=0.5)
     with pytest.raises(UsageError, match="add --rule plateau"):
         rule_options(learned_at=0.6)
+
+
+def test_before_falls_reads_the_steps_up_to_each_fall():
+    """A run that falls under the plateau rule at step 60 (evaluations every 10 steps): the median and
+    mean of a metric over steps 36-60; a run that holds is left out; a missing metric reads NaN."""
+    from timlab.experiments.studies.collapse import before_falls
+
+    steps = np.arange(0, 101)
+    acc = np.where(steps % 10 == 0, np.where(steps < 60, 0.9, 0.2), np.nan)
+    k3 = steps / 100.0  # k3 at step s is s / 100
+    fall = pd.DataFrame({"step": steps, "val/accuracy": acc, "k": k3})
+    hold = fall.assign(**{"val/accuracy": np.where(steps % 10 == 0, 0.9, np.nan)})
+    rows = before_falls({"a": fall, "b": hold}, ("k", "missing"), 25, rule="plateau")
+    assert [r["run"] for r in rows] == ["a"] and rows[0]["fall step"] == 60
+    assert rows[0]["k"] == pytest.approx((0.48, 0.48))  # steps 36..60: median and mean 0.48
+    assert all(math.isnan(x) for x in rows[0]["missing"])
