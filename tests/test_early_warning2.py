@@ -68,7 +68,7 @@ def write(root: Path, name: str, m: pd.DataFrame) -> None:
 
 
 def series(name: str, m: pd.DataFrame) -> ew.RunSeries:
-    return ew2.watched_series(ew.run_series(name, m), m)
+    return ew2.watched_series(ew.run_series(name, m, columns=ew2.SERIES_COLUMNS))
 
 
 BUMP3 = {0: 1.0, 100: 3.0, 105: 1.0}   # the grad norm 3x for 5 steps
@@ -296,7 +296,7 @@ def test_incomplete_until_all_of_lf_is_in_and_no_metrics_read(tmp_path, monkeypa
     def peek(*a, **k):
         raise AssertionError("a run's metrics were read before Study LF is complete")
     monkeypatch.setattr(ew2, "load", peek)
-    monkeypatch.setattr(ew2.RunDir, "read_metrics", peek)
+    monkeypatch.setattr(RunDir, "read_metrics", peek)
     assert ew2.report(root, study_file=LF_STUDY) == (
         "INCOMPLETE: 3 of 24 runs finished at step 2000 (missing: head seeds 0-7, noise seeds 0-7, control seeds 3-7); "
         "no endpoint is computed before the study is complete (no interim analysis).")

@@ -113,8 +113,9 @@ class RunSeries:
 
 
 def run_series(name: str, metrics: pd.DataFrame, *, diverged: bool = False, diverged_step: int | None = None,
-               learned_at: float = DEFAULT_LEARNED_AT) -> RunSeries:
-    """A run's ``RunSeries`` from its metrics table (``step``, ``val/accuracy``, the indicators)."""
+               learned_at: float = DEFAULT_LEARNED_AT, columns: tuple[str, ...] | None = None) -> RunSeries:
+    """A run's ``RunSeries`` from its metrics table (``step``, ``val/accuracy``, the indicators):
+    its series holds the ``columns`` the table has (None: ``INDICATORS`` and ``mismatch/k3_seq``)."""
     m = metrics.sort_values("step")
     ev = m.loc[m["val/accuracy"].notna(), ["step", "val/accuracy"]] if "val/accuracy" in m else m.iloc[:0]
     ev = ev[np.isfinite(ev["val/accuracy"].to_numpy(dtype=float))] if len(ev) else ev
@@ -130,7 +131,7 @@ def run_series(name: str, metrics: pd.DataFrame, *, diverged: bool = False, dive
     elif hit.size:
         level = plateau_levels(acc, int(hit[0]), DEFAULT_LEVEL_WINDOW)  # (E,)
         dipped = bool(any(acc[i] < DEFAULT_FRAC * level[i - 1] for i in range(int(hit[0]) + 1, len(acc))))
-    cols = [c for c in (*INDICATORS, "mismatch/k3_seq") if c in m.columns]
+    cols = [c for c in (columns if columns is not None else (*INDICATORS, "mismatch/k3_seq")) if c in m.columns]
     after = m[m["step"] > learned] if learned is not None else m.iloc[:0]
     series = {"step": after["step"].to_numpy(dtype=np.int64), **{c: after[c].to_numpy(dtype=float) for c in cols}}
     return RunSeries(name=name, sweep=name.split("/")[0], last_step=int(m["step"].max()) if len(m) else 0,
@@ -176,10 +177,12 @@ REGISTERED_SWEEPS = ("e2", "e2_probe", "e3", "e3_starts", "e3_starts_rl", "e3b",
 reads these only, so a sweep committed later (Study H1's) does not move its numbers."""
 
 
-def load_runs(root: str | Path, sweeps: tuple[str, ...] | None = None, only: set[str] | None = None) -> list[RunSeries]:
+def load_runs(root: str | Path, sweeps: tuple[str, ...] | None = None, only: set[str] | None = None,
+              columns: tuple[str, ...] | None = None) -> list[RunSeries]:
     """The included runs under ``root`` (``root/<sweep>/<run>``), repeats counted once (module
     docstring), in name order; only the sweeps named in ``sweeps`` when given, and only the runs
-    named (``<sweep>/<run>``) in ``only`` when given."""
+    named (``<sweep>/<run>``) in ``only`` when given; each run's series holds ``columns``
+    (``run_series``)."""
     root = Path(root)
     if not root.is_dir():
         raise UsageError(f"sweeps root {str(root)!r} is not a directory")
@@ -198,7 +201,7 @@ def load_runs(root: str | Path, sweeps: tuple[str, ...] | None = None, only: set
                 continue
             diverged = state == DIVERGED
             run = run_series(f"{sweep.name}/{d.name}", m, diverged=diverged,
-                             diverged_step=status.get("step") if diverged else None)
+                             diverged_step=status.get("step") if diverged else None, columns=columns)
             if run.learned_step is not None:
                 found.append((run, _repeat_key(m)))
     return distinct(found)

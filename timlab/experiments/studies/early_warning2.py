@@ -62,11 +62,10 @@ import numpy as np
 import pandas as pd
 
 from timlab.errors import TimlabError, one_line
-from timlab.experiments.studies.early_warning import (GRAD_NORM, LEVEL, UPDATED, RunSeries, _lead, _p, _rate, load_runs, split,
-                                                      update_mask)
+from timlab.experiments.studies.early_warning import (GRAD_NORM, LEVEL, UPDATED, RunSeries, _lead, _p, _rate, alarm_trace,
+                                                      load_runs, split, update_mask)
 from timlab.experiments.studies.stats import fisher_greater, holm, poisson_ci
-from timlab.metrics.alarm import ALARMS, AlarmRule, statistic_series
-from timlab.rundir import RunDir
+from timlab.metrics.alarm import ALARMS, AlarmRule
 
 EW2_SWEEPS = ("e2", "e2_probe", "e3", "e3_starts", "e3_starts_rl", "e3b", "e3b_probe", "e3c", "e3d", "erosion",
               "erosion_pilot", "erosion_probe", "h1", "h1_intel", "harm", "harm2", "harm2_pilot", "harm_oos",
@@ -117,36 +116,34 @@ Trace = tuple[np.ndarray, np.ndarray]
 
 
 # ------------------------------------------------------------------------------- the series
-def watched_series(run: RunSeries, m: pd.DataFrame) -> RunSeries:
-    """``run`` with its series replaced by the registration's: ``step`` and each candidate indicator
-    the run logs (a finite value at some step), over its update steps after L and, for a fall, up
-    to F. A non-finite value stays NaN here and is left out of the rule's series by ``trace``."""
-    m = m.sort_values("step")
-    steps = m["step"].to_numpy(dtype=np.int64)
-    keep = update_mask(m) & (steps > run.learned_step)  # (rows,)
+SERIES_COLUMNS = (*COLUMNS, UPDATED)
+"""What ``load`` keeps of each run: the candidates' indicators and what says a step updated nothing."""
+
+
+def watched_series(run: RunSeries) -> RunSeries:
+    """``run`` (its series read with ``SERIES_COLUMNS``) with its series replaced by the
+    registration's: ``step`` and each candidate indicator the run logs (a finite value at some step
+    after L), over its update steps after L and, for a fall, up to F. A non-finite value stays NaN
+    here and is left out of the rule's series by ``trace``."""
+    steps = run.series["step"]
+    updates = pd.DataFrame({c: run.series[c] for c in (UPDATED, GRAD_NORM) if c in run.series}, index=range(len(steps)))
+    keep = update_mask(updates)  # (steps,)
     if run.fell:
         keep &= steps <= run.fall_step
-    logged = [c for c in COLUMNS if c in m.columns and np.isfinite(m[c].to_numpy(dtype=float)).any()]
-    series = {"step": steps[keep], **{c: m[c].to_numpy(dtype=float)[keep] for c in logged}}
-    return dataclasses.replace(run, series=series)
+    logged = [c for c in COLUMNS if c in run.series and np.isfinite(run.series[c]).any()]
+    return dataclasses.replace(run, series={"step": steps[keep], **{c: run.series[c][keep] for c in logged}})
 
 
-def trace(run: RunSeries, alarm: AlarmRule) -> Trace | None:
-    """(steps, statistics) of ``alarm`` over the run's watched series (its finite values only), or
-    None when the run does not log the indicator."""
-    if alarm.indicator not in run.series:
-        return None
-    values = run.series[alarm.indicator]
-    keep = np.isfinite(values)  # (steps,)
-    stats = statistic_series(values[keep].tolist(), rule=alarm.rule, direction=alarm.direction)
-    return run.series["step"][keep], np.array(stats, dtype=float)
+trace = alarm_trace
+"""(steps, statistics) of a rule over a run's watched series (its finite values only), or None when
+the run does not log the indicator: the first benchmark's ``alarm_trace`` (the series already ends
+at F)."""
 
 
 def load(root: str | Path, sweeps: tuple[str, ...] = EW2_SWEEPS) -> list[RunSeries]:
     """The included runs under ``root`` (the first benchmark's inclusion rule, repeats counted once),
     each with its watched series (``watched_series``)."""
-    root = Path(root)
-    return [watched_series(r, RunDir(root / r.name).read_metrics()) for r in load_runs(root, sweeps)]
+    return [watched_series(r) for r in load_runs(root, sweeps, columns=SERIES_COLUMNS)]
 
 
 # ------------------------------------------------------------------------------- alarms
