@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timlab.experiments.studies.findings_blocks import BLOCKS, FINDINGS, ROOT, render, splice, spliced  # noqa: E402,F401
-from timlab.experiments.studies.text import write_blocks  # noqa: E402
+from timlab.experiments.studies.findings_blocks import BLOCKS, FINDINGS, ROOT, render  # noqa: E402,F401
+from timlab.experiments.studies.text import spliced, write_texts  # noqa: E402
 from timlab.experiments.sweeps.tables import generic  # noqa: E402
 
 
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, body in blocks.items():
             print(f"## {name}\n\n{body}\n")
         return 0
-    texts = spliced(blocks)
+    texts = spliced(FINDINGS, blocks)
     if args.write:
-        write_blocks(FINDINGS, blocks)  # each file atomically: a failed write leaves that file as it was
+        write_texts(texts)  # each file atomically: a failed write leaves that file as it was
         print(f"wrote {len(blocks)} blocks to {len(texts)} files: {', '.join(str(p.relative_to(ROOT)) for p in texts)}")
     elif args.check:
         stale = [p for p, (text, new) in texts.items() if new != text]

@@ -10,8 +10,9 @@ these functions.
 
 - ``files(index)``: the index, then its pages in name order.
 - ``opens(name)``: the line that opens block NAME.
-- ``block_file(index, name)``: the file that holds block NAME (the index itself when none does, so a
-  missing block is reported against the file a study names); two files holding it are refused.
+- ``holders(index, names)``: the file that holds each block NAME, each file read once (the index
+  itself when none does, so a missing block is reported against the file a study names); two files
+  holding one block are refused. ``block_file(index, name)``: the same for one block.
 - ``by_file(index, blocks)``: blocks (name -> body) grouped by the file that holds each.
 - ``block_text(index, name)``: the block's body ("" when no file holds it).
 - ``read_all(index)``: the index and its pages as one text (verdict rows with the blocks they quote).
@@ -51,21 +52,35 @@ def opens(name: str) -> re.Pattern:
     return re.compile(rf"^<!-- findings:{re.escape(name)} -->$", re.M)
 
 
+def holders(index: str | Path, names) -> dict[str, Path]:
+    """{name: the file among ``files(index)`` whose text holds ``<!-- findings:NAME -->``} for each of
+    ``names``, reading each file once; ``index`` for a name no file holds (the caller's "no block"
+    error then names the file the study names). A block opened in two files is refused in one line
+    naming both."""
+    found: dict[str, list[Path]] = {name: [] for name in names}
+    for p in files(index):
+        if not p.exists():
+            continue
+        text = read_text(p, what="FINDINGS file")
+        for name, where in found.items():
+            if opens(name).search(text):
+                where.append(p)
+    for name, where in found.items():
+        if len(where) > 1:
+            raise BadFileError(f"block {name}: opened in {where[0]} and {where[1]}; a block lives in one file")
+    return {name: where[0] if where else Path(index) for name, where in found.items()}
+
+
 def block_file(index: str | Path, name: str) -> Path:
-    """The file among ``files(index)`` whose text holds ``<!-- findings:NAME -->``; ``index`` when none
-    does (the caller's "no block" error then names the file the study names). A block opened in two
-    files is refused in one line naming both."""
-    holders = [p for p in files(index) if p.exists() and opens(name).search(read_text(p, what="FINDINGS file"))]
-    if len(holders) > 1:
-        raise BadFileError(f"block {name}: opened in {holders[0]} and {holders[1]}; a block lives in one file")
-    return holders[0] if holders else Path(index)
+    """The file of ``index``'s findings that holds block ``name`` (``holders``)."""
+    return holders(index, [name])[name]
 
 
 def by_file(index: str | Path, blocks: dict[str, str]) -> dict[Path, dict[str, str]]:
-    """``blocks`` (name -> body) grouped by the file of ``index``'s findings that holds each (``block_file``)."""
+    """``blocks`` (name -> body) grouped by the file of ``index``'s findings that holds each (``holders``)."""
     out: dict[Path, dict[str, str]] = {}
-    for name, body in blocks.items():
-        out.setdefault(block_file(index, name), {})[name] = body
+    for name, path in holders(index, blocks).items():
+        out.setdefault(path, {})[name] = blocks[name]
     return out
 
 

@@ -11,7 +11,8 @@ tests/test_findings.py says so).
   [bootstrap] | permutation p | Holm p``.
 - ``splice_block(text, name, body)``: a FINDINGS file with one generated block replaced.
 - ``plain_text(markdown)``: a block as a terminal shows it (tables aligned, no Markdown marks).
-- ``write_blocks(path, blocks)``: those replacements written back atomically (a temporary sibling
+- ``spliced(path, blocks)``: each findings file holding one of ``blocks``, before and after;
+  ``write_texts(texts)`` writes the after; ``write_blocks(path, blocks)``: both, atomically (a temporary sibling
   renamed over the file), so a full disk or a file-size limit leaves the file as it was; each block
   into the file of ``path``'s findings that holds it (``timlab.findings``).
 """
@@ -142,17 +143,31 @@ def plain_text(markdown: str) -> str:
         out.append(_plain_inline(line))
     return "\n".join(out[:-1])
 
-def write_blocks(path: str | Path, blocks: dict[str, str]) -> None:
-    """Replace the bodies of the generated blocks ``blocks`` (name -> body) in the FINDINGS file
-    ``path`` or the page of it that holds each (``timlab.findings.block_file``), each file
-    atomically: the new text is written to a temporary sibling and renamed over the file, so a write
-    that fails (a full disk, a file-size limit) leaves that file exactly as it was and says so in
-    one line."""
+def spliced(path: str | Path, blocks: dict[str, str]) -> dict[Path, tuple[str, str]]:
+    """{file: (its text, that text with its blocks of ``blocks`` (name -> body) replaced)} for each
+    file of ``path``'s findings that holds one of them (``timlab.findings.by_file``)."""
+    out = {}
     for file, its in by_file(path, blocks).items():
-        text = read_text(file, what="FINDINGS file")
+        text = new = read_text(file, what="FINDINGS file")
         for name, body in its.items():
-            text = splice_block(text, name, body, where=str(file))
+            new = splice_block(new, name, body, where=str(file))
+        out[file] = (text, new)
+    return out
+
+
+def write_texts(texts: dict[Path, tuple[str, str]]) -> None:
+    """``spliced``'s new texts written back, each file atomically: the new text is written to a
+    temporary sibling and renamed over the file, so a write that fails (a full disk, a file-size
+    limit) leaves that file exactly as it was and says so in one line."""
+    for file, (_, new) in texts.items():
         try:
-            atomic_write_text(file, text)
+            atomic_write_text(file, new)
         except OSError as e:
             raise BadFileError(f"{file}: not written ({one_line(e)}); the file is unchanged") from None
+
+
+def write_blocks(path: str | Path, blocks: dict[str, str]) -> None:
+    """Replace the bodies of the generated blocks ``blocks`` (name -> body) in the FINDINGS file
+    ``path`` or the page of it that holds each (``timlab.findings``), each file atomically
+    (``write_texts``)."""
+    write_texts(spliced(path, blocks))

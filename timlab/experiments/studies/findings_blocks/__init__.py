@@ -1,6 +1,7 @@
 """The generated blocks of docs/FINDINGS.md and its pages (docs/findings/*.md), recomputed from the
 committed sweeps under sweeps/: ``BLOCKS`` maps each ``<!-- findings:NAME -->`` marker to the
-function that writes its body, ``render`` runs them all and ``spliced`` puts them into the files.
+function that writes its body and ``render`` runs them all (``timlab.experiments.studies.text.spliced``
+puts them into the files).
 ``python scripts/findings_tables.py`` (print, ``--write``, ``--check``) is the command over this,
 and ``tests/test_findings.py`` fails when the committed text differs from what it computes.
 
@@ -14,7 +15,6 @@ their analyses (``study_blocks``).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pandas as pd
 
@@ -30,8 +30,7 @@ from timlab.experiments.studies.heldout import analyze_heldout, blocks as heldou
 from timlab.experiments.studies.oos import blocks as predictor_study_blocks
 from timlab.experiments.studies.predictor import load_predictor
 from timlab.experiments.studies.registration import load_study
-from timlab.experiments.studies.text import splice_block
-from timlab.findings import INDEX, by_file
+from timlab.findings import INDEX
 
 FINDINGS = INDEX
 """The findings index; its pages (docs/findings/*.md) hold most blocks."""
@@ -87,20 +86,3 @@ BLOCKS.update(study_blocks())
 def render(R: pd.DataFrame | None = None) -> dict[str, str]:
     R = load_runs() if R is None else R
     return {name: fn(R) for name, fn in BLOCKS.items()}
-
-
-def splice(text: str, blocks: dict[str, str], where: str | Path = FINDINGS) -> str:
-    """``text`` with each ``<!-- findings:NAME -->...<!-- /findings:NAME -->`` body replaced."""
-    for name, body in blocks.items():
-        text = splice_block(text, name, body, where=str(where))
-    return text
-
-
-def spliced(blocks: dict[str, str]) -> dict[Path, tuple[str, str]]:
-    """{findings file: (its committed text, that text with its blocks replaced by ``blocks``)}, for
-    each file that holds one of ``blocks``."""
-    out = {}
-    for path, its in by_file(FINDINGS, blocks).items():
-        text = path.read_text()
-        out[path] = (text, splice(text, its, where=path))
-    return out

@@ -20,6 +20,7 @@ import yaml
 
 from timlab.experiments.studies.collapse import judge, run_summary
 from timlab.experiments.studies.engine import endpoint_values, planned_runs
+from timlab.experiments.studies.sweep_runs import PlannedRun
 from timlab.experiments.studies.registration import load_study
 from timlab.experiments.studies.stats import clopper_pearson, line_fit, permutation_test
 from timlab.experiments.studies.text import fmt as study_fmt
@@ -115,16 +116,20 @@ def runs_of(R: pd.DataFrame, sweep: str, cond: str) -> pd.DataFrame:
     return g
 
 
-def step_k3(name: str, window: tuple[int, int]) -> dict[tuple[str, str], list[pd.Series]]:
-    """{(group, arm): each run's per-step realized k3 over the steps of ``window``} of the study file
-    ``name`` (every block's runs; group "" in an ungrouped study), read from its committed runs."""
+def study_runs(name: str) -> list[tuple[PlannedRun, pd.DataFrame]]:
+    """Each planned run of the study file ``name`` (every block's) with its committed metrics."""
     from timlab.experiments.studies.blocks import block_dirs
 
     study = load_study(STUDIES / name)
     dirs = block_dirs(study, root=ROOT)
+    return [(run, read_metrics(dirs[run.block] / run.run_id)) for run in planned_runs(study)]
+
+
+def step_k3(name: str, window: tuple[int, int]) -> dict[tuple[str, str], list[pd.Series]]:
+    """{(group, arm): each run's per-step realized k3 over the steps of ``window``} of the study file
+    ``name`` (every block's runs; group "" in an ungrouped study), read from its committed runs."""
     per = {}
-    for run in planned_runs(study):
-        df = read_metrics(dirs[run.block] / run.run_id)
+    for run, df in study_runs(name):
         k3 = df.loc[(df["step"] >= window[0]) & (df["step"] <= window[1]), "rollout_corr/k3_kl"].dropna()
         per.setdefault((run.group, run.arm), []).append(k3)
     return per

@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 
 from timlab.experiments.studies.engine import endpoint_values, planned_runs
-from timlab.experiments.studies.findings_blocks.common import ROOT, STUDIES, SWEEPS, fmt, grouped_cells, step_k3
+from timlab.experiments.studies.findings_blocks.common import (ROOT, STUDIES, SWEEPS, fmt, grouped_cells, step_k3,
+                                                             study_runs)
 from timlab.experiments.studies.registration import load_study
 from timlab.experiments.studies.stats import bootstrap_diff_ci, permutation_test
 from timlab.experiments.studies.text import fmt as study_fmt
@@ -221,12 +222,9 @@ def harm2_k3_steps(R: pd.DataFrame) -> str:
 def late_falls_k3(R: pd.DataFrame) -> str:
     """Study LF's falls (registered as reported after the runs): each fallen run's fall step and, over
     the 25 steps before it, the median and mean per-step k3, the controller's target and magnitude."""
-    from timlab.experiments.studies.blocks import block_dirs
     from timlab.experiments.studies.collapse import before_falls
 
-    study = load_study(STUDIES / "late_falls.yaml")
-    dirs = block_dirs(study, root=ROOT)
-    runs = {r.run_id: read_metrics(dirs[r.block] / r.run_id) for r in planned_runs(study) if r.arm != "control"}
+    runs = {r.run_id: m for r, m in study_runs("late_falls.yaml") if r.arm != "control"}
     keys = ("rollout_corr/k3_kl", "mismatch/target_k3", "mismatch/magnitude")
     rows = [{"run": f["run"].split("__")[0], "fall step": f["fall step"],
              "median k3": fmt(f[keys[0]][0], 3), "mean k3": fmt(f[keys[0]][1], 3),
